@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Launch a torchtitan-wlb training run, TorchTitan style.
+#
+#   ./run_train.sh                                   # default config, all local GPUs or 2 CPU ranks
+#   ./run_train.sh --training.steps 10               # any TorchTitan / [wlb] override passes through
+#   CONFIG_FILE=train_configs/llama3_8b_128k.toml NGPU=8 ./run_train.sh
+#   COMM_MODE=fake_backend NGPU=64 CONFIG_FILE=... ./run_train.sh   # one-process dry run of a layout
+#
+# Environment:
+#   CONFIG_FILE  TOML config (default: train_configs/debug_gpu.toml with GPUs, debug_cpu.toml without)
+#   NGPU         processes on this node (default: number of GPUs, or 2 CPU ranks)
+#   LOG_RANK     ranks whose output is shown, comma-separated (default 0)
+#   COMM_MODE    "fake_backend" or "local_tensor": single-process dry run of NGPU ranks, 1 step
+#   TRAIN_FILE   module to run (default torchtitan_wlb.train)
+# With no GPU the ranks are CPU processes talking over gloo; with GPUs, one process per GPU on NCCL.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+cd "$ROOT"
+source scripts/env.sh
+
+GPUS=0
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    GPUS=$(nvidia-smi -L | grep -c '^GPU')
+fi
+if [ "$GPUS" -gt 0 ]; then
+    DEFAULT_CONFIG="train_configs/debug_gpu.toml"; DEFAULT_NGPU=$GPUS
+else
+    DEFAULT_CONFIG="train_configs/debug_cpu.toml"; DEFAULT_NGPU=2
+fi
+CONFIG_FILE=${CONFIG_FILE:-$DEFAULT_CONFIG}
+NGPU=${NGPU:-$DEFAULT_NGPU}
+export LOG_RANK=${LOG_RANK:-0}
+TRAIN_FILE=${TRAIN_FILE:-torchtitan_wlb.train}
+COMM_MODE=${COMM_MODE:-""}
+
+if [ ! -f "$CONFIG_FILE" ]; then
+    echo "run_train.sh: CONFIG_FILE=$CONFIG_FILE does not exist (configs: $(ls train_configs/*.toml | tr '\n' ' '))" >&2
+    exit 2
+fi
+if ! [[ "$NGPU" =~ ^[1-9][0-9]*$ ]]; then
+    echo "run_train.sh: NGPU=$NGPU must be a positive integer" >&2
+    exit 2
+fi
+
+if [ -n "$COMM_MODE" ]; then
+    if [ "$COMM_MODE" != "fake_backend" ] && [ "$COMM_MODE" != "local_tensor" ]; then
+        echo "run_train.sh: COMM_MODE=$COMM_MODE is not accepted; use fake_backend or local_tensor" >&2
+        exit 2
+    fi
+    # Dry run: one process simulates NGPU ranks with fake collectives, for one step.
+    NGPU="$NGPU" LOCAL_RANK=0 exec "$PYTHON" -m "$TRAIN_FILE" --job.config_file "$CONFIG_FILE" \
+        "$@" --comm.mode "$COMM_MODE" --training.steps 1
+fi
+
+if [ "$GPUS" -gt 0 ] && [ "$NGPU" -gt "$GPUS" ]; then
+    echo "run_train.sh: NGPU=$NGPU but this node has $GPUS GPU(s); lower NGPU or use COMM_MODE=fake_backend for a dry run" >&2
+    exit 2
+fi
+if [ "$GPUS" -eq 0 ]; then
+    CORES=$(nproc)
+    if [ "$NGPU" -gt "$CORES" ] && [ -z "${WLB_ALLOW_OVERSUBSCRIBE:-}" ]; then
+        echo "run_train.sh: NGPU=$NGPU CPU ranks but this machine has $CORES core(s); lower NGPU, or set WLB_ALLOW_OVERSUBSCRIBE=1" >&2
+        exit 2
+    fi
+    # Share the cores between the ranks instead of letting each spawn a thread per core.
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CORES / NGPU > 0 ? CORES / NGPU : 1 ))}
+fi
+
+PYTORCH_ALLOC_CONF="expandable_segments:True" \
+exec "$PYTHON" -m torch.distributed.run --nproc_per_node="$NGPU" --rdzv_backend c10d \
+    --rdzv_endpoint="localhost:0" --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
+    -m "$TRAIN_FILE" --job.config_file "$CONFIG_FILE" "$@"

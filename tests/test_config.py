@@ -1,0 +1,116 @@
+"""Config validation: the [wlb] section, start-up layout checks, and the CLI's clean errors."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+from torchtitan.config import ConfigManager
+
+from torchtitan_wlb.config import WLB, ConfigError
+from torchtitan_wlb.validate import check_job_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEBUG_CPU = os.path.join(ROOT, "train_configs", "debug_cpu.toml")
+
+
+def _parse(*overrides):
+    return ConfigManager().parse_args(["--job.config_file", DEBUG_CPU, *overrides])
+
+
+def test_defaults_and_mode_presets():
+    assert WLB().packing == "wlb"
+    assert (WLB(mode="plain_4d").packing, WLB(mode="plain_4d").cp_sharding) == (
+        "original",
+        "per_sequence",
+    )
+    assert WLB(mode="fixed_4d").packing == "fixed_greedy"
+    cfg = _parse("--wlb.packing", "fixed_greedy", "--wlb.mode", "")
+    assert cfg.wlb.packing == "fixed_greedy"
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"packing": "magic"}, r"packing = 'magic' is not accepted; use one of 'original'"),
+        ({"cp_sharding": "ring"}, "cp_sharding = 'ring' is not accepted"),
+        ({"mode": "fast"}, "mode = 'fast' is not accepted"),
+        ({"max_delay_steps": 0}, "max_delay_steps = 0 is out of range; it must be > 0"),
+        ({"max_doc_len": -1}, "max_doc_len = -1 is out of range"),
+        ({"queue_thresholds": [8, 4]}, "must be positive and strictly increasing"),
+        ({"cost_model": "coefficients"}, "needs attn_coef > 0 and linear_coef > 0"),
+        ({"cost_model": "profile"}, "needs cost_profile"),
+        ({"loader": "hf"}, "loader = 'hf' is not accepted"),
+    ],
+)
+def test_bad_wlb_values_name_the_field(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        WLB(**kwargs)
+
+
+def test_unknown_wlb_field_is_rejected(tmp_path):
+    bad = tmp_path / "bad.toml"
+    with open(DEBUG_CPU) as f:
+        bad.write_text(f.read() + "\nbogus_knob = 3\n")
+    with pytest.raises(ValueError, match="bogus_knob"):
+        ConfigManager().parse_args(["--job.config_file", str(bad)])
+
+
+def test_layout_checks():
+    cfg = _parse()
+    assert check_job_config(cfg, world_size=2)["dp_shard"] == 2
+    with pytest.raises(ConfigError, match="= 4 processes, but 2 were launched"):
+        check_job_config(_parse("--parallelism.data_parallel_shard_degree", "4"), world_size=2)
+    with pytest.raises(ConfigError, match="does not divide the 3 processes"):
+        check_job_config(_parse("--parallelism.tensor_parallel_degree", "2"), world_size=3)
+    with pytest.raises(ConfigError, match="local_batch_size = 8"):
+        check_job_config(_parse("--training.local_batch_size", "8"), world_size=2)
+    with pytest.raises(ConfigError, match="micro_batch_max_len = 1000 is below"):
+        check_job_config(_parse("--wlb.micro_batch_max_len", "1000"), world_size=2)
+    with pytest.raises(ConfigError, match="global_batch_size = 3 micro-batches"):
+        check_job_config(_parse("--training.global_batch_size", "3"), world_size=2)
+    with pytest.raises(ConfigError, match="fewer than \\[parallelism\\] pipeline_parallel_degree"):
+        check_job_config(
+            _parse(
+                "--parallelism.pipeline_parallel_degree", "2", "--training.global_batch_size", "2"
+            ),
+            world_size=4,
+        )
+    with pytest.raises(ConfigError, match="needs document boundaries"):
+        check_job_config(
+            _parse("--parallelism.context_parallel_degree", "2", "--wlb.loader", "torchtitan"),
+            world_size=2,
+        )
+
+
+def _run_train(*args, env_extra=None):
+    env = dict(os.environ, WORLD_SIZE="1", **(env_extra or {}))
+    return subprocess.run(
+        [sys.executable, "-m", "torchtitan_wlb.train", "--job.config_file", DEBUG_CPU, *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _flat(r):
+    """Output with TorchTitan's / tyro's box drawing and line wrapping removed."""
+    text = (r.stdout + r.stderr).replace("│", " ")
+    return " ".join(text.split())
+
+
+def test_cli_reports_bad_input_without_traceback():
+    r = _run_train("--wlb.packing", "magic")
+    assert r.returncode == 2
+    assert "[wlb] packing = 'magic' is not accepted; use one of 'original'" in _flat(r)
+    assert "Traceback" not in _flat(r)
+    r = _run_train("--parallelism.tensor_parallel_degree", "2")
+    assert r.returncode == 2
+    assert "configuration error: [parallelism] dp_replicate x cp x tp x pp = 2" in _flat(r)
+    assert "Traceback" not in _flat(r)
+    r = _run_train("--training.dataset", "jsonl", "--training.dataset_path", "/nonexistent/x")
+    assert r.returncode == 2
+    assert "dataset_path = '/nonexistent/x' matches no jsonl file" in _flat(r)
+    assert "Traceback" not in _flat(r)

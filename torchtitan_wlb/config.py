@@ -1,0 +1,163 @@
+"""The ``[wlb]`` TOML section, merged into TorchTitan's JobConfig.
+
+TorchTitan 0.2.2 rejects unknown TOML sections unless ``[job] custom_config_module`` names a module
+with a ``JobConfig`` dataclass; its fields are then merged into TorchTitan's own. Setting
+``custom_config_module = "torchtitan_wlb.config"`` therefore adds ``[wlb]`` with the fields below,
+settable from TOML or from the command line (``--wlb.packing fixed_greedy``).
+
+Every field is validated in ``__post_init__`` so that a bad value fails at start-up, before any
+process group is created, with a message that names the field and the accepted values.
+Field-by-field documentation for users lives in docs/configuration.md.
+
+(No ``from __future__ import annotations`` here: TorchTitan's tyro-based parser resolves these
+annotations at run time.)
+"""
+
+from dataclasses import dataclass, field
+
+PACKERS = ("original", "fixed_greedy", "solver", "wlb", "wlb_paper")
+CP_SHARDINGS = ("per_sequence", "per_document", "adaptive")
+MODES = ("", "plain_4d", "fixed_4d", "wlb")
+ATTENTION_BACKENDS = ("auto", "cpu", "flash", "torch_varlen")
+LONG_DOC_POLICIES = ("split", "truncate", "error")
+COST_MODELS = ("analytic", "coefficients", "profile")
+LOADERS = ("documents", "torchtitan")
+
+# What each mode of the paper sets: (packing, cp_sharding).
+MODE_PRESETS: dict[str, tuple[str, str]] = {
+    "plain_4d": ("original", "per_sequence"),
+    "fixed_4d": ("fixed_greedy", "per_document"),
+    "wlb": ("wlb", "adaptive"),
+}
+
+
+class ConfigError(ValueError):
+    """A job config that cannot run; the message names the fields and the accepted values."""
+
+
+def _check_choice(name: str, value: str, accepted: tuple[str, ...]) -> None:
+    if value not in accepted:
+        shown = ", ".join(repr(a) for a in accepted)
+        raise ConfigError(f"[wlb] {name} = {value!r} is not accepted; use one of {shown}")
+
+
+def _check_positive(name: str, value: float, *, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"[wlb] {name} = {value!r} is out of range; it must be {bound}")
+
+
+@dataclass
+class WLB:
+    """Workload-balanced packing, per-document context parallelism and the document pipeline."""
+
+    mode: str = ""
+    """Preset of the paper's configurations: "plain_4d" (original packing + per-sequence CP),
+    "fixed_4d" (fixed-length greedy packing + per-document CP), "wlb" (variable-length packing with
+    outlier queues + adaptive CP). Empty: use `packing` and `cp_sharding` as given. A preset
+    overrides both."""
+
+    packing: str = "wlb"
+    """How documents become micro-batches: "original" (TorchTitan-style sequential fill of
+    fixed-length sequences), "fixed_greedy", "solver", "wlb" or "wlb_paper"."""
+
+    cp_sharding: str = "adaptive"
+    """How a micro-batch is split over the CP group: "per_sequence", "per_document", "adaptive"."""
+
+    attention_backend: str = "auto"
+    """Document-masked attention kernel: "auto", "cpu", "flash" (flash-attn varlen, CUDA),
+    "torch_varlen" (torch.nn.attention.varlen, CUDA)."""
+
+    reset_positions: bool = True
+    """Restart RoPE positions at 0 at every document (False: positions run over the packed
+    sequence, as in TorchTitan)."""
+
+    long_doc_policy: str = "split"
+    """A document longer than `max_doc_len`: "split" into consecutive pieces (default, no token
+    lost), "truncate" (keep the head, count the dropped tokens in the log), "error" (stop)."""
+
+    max_doc_len: int = 0
+    """Longest document piece in tokens; 0 means `training.seq_len`."""
+
+    micro_batch_max_len: int = 0
+    """S_max, the token cap of one micro-batch for variable-length packing (set from activation
+    memory); 0 means `training.seq_len`. Must be >= `training.seq_len`."""
+
+    queue_thresholds: list[int] = field(default_factory=list)
+    """Outlier queue length thresholds L_1 < ... < L_n in tokens (packing = "wlb"). Empty: tuned
+    automatically from a sample of the data."""
+
+    max_delay_steps: int = 4
+    """A document waits in an outlier queue at most this many optimizer steps before it is forced
+    out."""
+
+    packing_window: int = 1
+    """Global batches packed together by "fixed_greedy" and "solver" (Table 2's G)."""
+
+    solver_time_limit_s: float = 10.0
+    """Time limit of the exact solver per packing window (packing = "solver")."""
+
+    cost_model: str = "analytic"
+    """Workload model W(d) = W_a(d) + W_l(d): "analytic" (FLOPs from the model config),
+    "coefficients" (attn_coef, linear_coef below), "profile" (JSON table at cost_profile)."""
+
+    attn_coef: float = 0.0
+    """W_a(d) = attn_coef * d^2 when cost_model = "coefficients"."""
+
+    linear_coef: float = 0.0
+    """W_l(d) = linear_coef * d when cost_model = "coefficients"."""
+
+    cost_profile: str = ""
+    """Path of a measured cost profile (JSON) when cost_model = "profile"."""
+
+    cp_profile: str = ""
+    """Attention throughput profile for adaptive CP sharding; empty: the shipped default."""
+
+    text_field: str = "text"
+    """Field holding the document text in jsonl / parquet / Hugging Face datasets."""
+
+    loader: str = "documents"
+    """ "documents": the WLB document pipeline (boundaries reach the model). "torchtitan":
+    TorchTitan's own concatenate-and-chop loader, unchanged (no document masking)."""
+
+    epochs: int = 0
+    """Passes over the dataset; 0 repeats forever (TorchTitan's behaviour). With n > 0 the
+    packing queues are flushed at the end of the data and the run stops when it runs out."""
+
+    def __post_init__(self) -> None:
+        _check_choice("mode", self.mode, MODES)
+        _check_choice("packing", self.packing, PACKERS)
+        _check_choice("cp_sharding", self.cp_sharding, CP_SHARDINGS)
+        if self.mode:
+            self.packing, self.cp_sharding = MODE_PRESETS[self.mode]
+        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _check_choice("long_doc_policy", self.long_doc_policy, LONG_DOC_POLICIES)
+        _check_choice("cost_model", self.cost_model, COST_MODELS)
+        _check_choice("loader", self.loader, LOADERS)
+        _check_positive("epochs", self.epochs, allow_zero=True)
+        _check_positive("max_doc_len", self.max_doc_len, allow_zero=True)
+        _check_positive("micro_batch_max_len", self.micro_batch_max_len, allow_zero=True)
+        _check_positive("max_delay_steps", self.max_delay_steps)
+        _check_positive("packing_window", self.packing_window)
+        _check_positive("solver_time_limit_s", self.solver_time_limit_s)
+        thresholds = list(self.queue_thresholds)
+        if any(t <= 0 for t in thresholds) or any(
+            b <= a for a, b in zip(thresholds, thresholds[1:], strict=False)
+        ):
+            raise ConfigError(
+                f"[wlb] queue_thresholds = {thresholds!r} must be positive and strictly increasing"
+            )
+        if self.cost_model == "coefficients" and (self.attn_coef <= 0 or self.linear_coef <= 0):
+            raise ConfigError(
+                f'[wlb] cost_model = "coefficients" needs attn_coef > 0 and linear_coef > 0 '
+                f"(got attn_coef = {self.attn_coef!r}, linear_coef = {self.linear_coef!r})"
+            )
+        if self.cost_model == "profile" and not self.cost_profile:
+            raise ConfigError('[wlb] cost_model = "profile" needs cost_profile = "<path.json>"')
+
+
+@dataclass
+class JobConfig:
+    """Merged into TorchTitan's JobConfig by ``[job] custom_config_module``."""
+
+    wlb: WLB = field(default_factory=WLB)

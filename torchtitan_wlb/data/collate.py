@@ -1,0 +1,114 @@
+"""From packed micro-batches to the tensors TorchTitan's training step consumes.
+
+The packing node yields one item per optimizer step holding this DP rank's micro-batches.
+TorchTitan's ``train_step`` instead pulls one ``(input_dict, labels)`` per gradient-accumulation
+micro-batch. :class:`MicroBatchNode` bridges the two: it unrolls each step into its micro-batches
+and turns every packed micro-batch into tensors that keep the document boundaries:
+
+  - ``input``: ``[1, S]`` token ids (S varies per micro-batch under variable-length packing);
+  - labels ``[1, S]``: the next token *within the same document*; the last position of every
+    document is ``IGNORE_INDEX``, so no token is trained to predict the next document's first token;
+  - ``positions``: ``[1, S]`` RoPE positions, restarting at 0 for every document (or running over
+    the packed sequence with ``reset_positions = False``);
+  - ``doc_lens``: ``[D]`` int32 document lengths (they sum to S);
+  - ``wlb_stats`` (first micro-batch of each step only): the packer's per-step statistics.
+
+State: the source's state *before* the current step plus how many of its micro-batches were
+already handed out, so a checkpoint taken between micro-batches (TorchTitan only checkpoints
+between steps, but a user's trainer may not) also resumes exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torchdata.nodes import BaseNode
+from torchtitan.components.loss import IGNORE_INDEX
+
+BatchT = tuple[dict[str, Any], torch.Tensor]
+
+
+def document_positions(doc_lens: np.ndarray) -> np.ndarray:
+    """Per-document positions 0..d-1 for every document, vectorised (no loop over documents)."""
+    doc_lens = np.asarray(doc_lens, dtype=np.int64)
+    total = int(doc_lens.sum())
+    starts = np.repeat(np.cumsum(doc_lens) - doc_lens, doc_lens)
+    return np.arange(total, dtype=np.int64) - starts
+
+
+def collate_micro_batch(
+    tokens: np.ndarray, doc_lens: np.ndarray, reset_positions: bool = True
+) -> BatchT:
+    """One packed micro-batch as ``({"input", "positions", "doc_lens"}, labels)``."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    doc_lens = np.asarray(doc_lens, dtype=np.int64)
+    if doc_lens.size == 0 or int(doc_lens.sum()) != tokens.size or (doc_lens <= 0).any():
+        raise ValueError(
+            f"document lengths {doc_lens.tolist()[:8]}... (sum {int(doc_lens.sum())}) do not "
+            f"describe a packed sequence of {tokens.size} tokens"
+        )
+    labels = np.roll(tokens, -1)
+    labels[np.cumsum(doc_lens) - 1] = IGNORE_INDEX
+    if reset_positions:
+        positions = document_positions(doc_lens)
+    else:
+        positions = np.arange(tokens.size, dtype=np.int64)
+    input_dict = {
+        "input": torch.from_numpy(tokens).unsqueeze(0),
+        "positions": torch.from_numpy(positions).unsqueeze(0),
+        "doc_lens": torch.from_numpy(doc_lens.astype(np.int32)),
+    }
+    return input_dict, torch.from_numpy(labels).unsqueeze(0)
+
+
+class MicroBatchNode(BaseNode[BatchT]):
+    """Unrolls per-step packed items into per-micro-batch training tensors.
+
+    Args:
+        source: node yielding ``{"micro_batches": [{"tokens", "doc_lens", ...}], "stats": {...}}``
+            once per optimizer step (the packing node).
+        reset_positions: restart RoPE positions at every document.
+    """
+
+    def __init__(self, source: BaseNode, reset_positions: bool = True) -> None:
+        super().__init__()
+        self.source = source
+        self.reset_positions = reset_positions
+        self._step: dict | None = None
+        self._index = 0
+        self._source_state_before_step: dict | None = None
+
+    def reset(self, initial_state: dict | None = None) -> None:
+        super().reset(initial_state)
+        self._step = None
+        self._index = 0
+        if initial_state is None:
+            self.source.reset(None)
+            self._source_state_before_step = self.source.state_dict()
+            return
+        self.source.reset(initial_state["source"])
+        self._source_state_before_step = initial_state["source"]
+        if initial_state["index"] > 0:
+            # Re-produce the step that was in progress, then skip what was already handed out.
+            self._step = self.source.next()
+            self._index = int(initial_state["index"])
+
+    def next(self) -> BatchT:
+        if self._step is None or self._index >= len(self._step["micro_batches"]):
+            self._source_state_before_step = self.source.state_dict()
+            self._step = self.source.next()
+            self._index = 0
+        mb = self._step["micro_batches"][self._index]
+        input_dict, labels = collate_micro_batch(mb["tokens"], mb["doc_lens"], self.reset_positions)
+        if self._index == 0:
+            input_dict["wlb_stats"] = dict(self._step.get("stats", {}))
+        self._index += 1
+        return input_dict, labels
+
+    def get_state(self) -> dict:
+        at_boundary = self._step is None or self._index >= len(self._step["micro_batches"])
+        if at_boundary:
+            return {"source": self.source.state_dict(), "index": 0}
+        return {"source": self._source_state_before_step, "index": self._index}

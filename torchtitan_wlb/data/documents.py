@@ -1,0 +1,138 @@
+"""The document stream: texts -> tokenized documents, long ones split by a documented policy.
+
+This is the first node of the data pipeline. It yields one dict per document (or document piece):
+
+    {"doc_id": int, "tokens": np.ndarray[int64], "parent_id": int, "piece": int, "epoch": int}
+
+``doc_id`` counts emitted pieces from 0 and is unique within the run; ``parent_id`` is the index of
+the source text in its epoch; ``piece`` numbers the pieces of a split document. Every rank reads the
+same global stream (packing computes one global plan on every rank; see docs/packing.md), so the
+node is not sharded by rank.
+
+Long-document policy (``[wlb] long_doc_policy``), for a document longer than ``max_doc_len`` tokens:
+  - "split" (default): consecutive pieces of ``max_doc_len`` tokens, the last one shorter. No token
+    is lost; each piece is a document of its own for attention (it cannot see the previous piece).
+  - "truncate": keep the first ``max_doc_len`` tokens; the dropped tokens are counted in
+    ``truncated_tokens`` (logged), never silently.
+  - "error": stop with an error naming the document.
+
+State (``state_dict``): the epoch, the number of texts fully consumed and how many pieces of the
+current text were already emitted. Restoring re-reads the source from that text on, so the state
+stays a few integers however large the corpus.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+from torchdata.nodes import BaseNode
+
+from torchtitan_wlb.data.sources import DataError, TextSource
+
+
+class DocumentNode(BaseNode[dict]):
+    """Tokenized documents from a :class:`TextSource`.
+
+    Args:
+        source: where texts come from.
+        tokenizer: anything with ``encode(text, add_bos=..., add_eos=...) -> list[int]``.
+        max_doc_len: longest piece in tokens (>= 2).
+        policy: "split", "truncate" or "error" (see module docstring).
+        epochs: passes over the source; 0 repeats forever (TorchTitan's default for training).
+    """
+
+    def __init__(
+        self,
+        source: TextSource,
+        tokenizer: Any,
+        max_doc_len: int,
+        policy: str = "split",
+        epochs: int = 1,
+    ) -> None:
+        super().__init__()
+        if max_doc_len < 2:
+            raise ValueError(f"max_doc_len = {max_doc_len} must be >= 2 tokens")
+        if policy not in ("split", "truncate", "error"):
+            raise ValueError(
+                f"long_doc_policy = {policy!r} is not accepted; use 'split', 'truncate' or 'error'"
+            )
+        if epochs < 0:
+            raise ValueError(f"epochs = {epochs} must be >= 0 (0 repeats forever)")
+        self.source = source
+        self.tokenizer = tokenizer
+        self.max_doc_len = max_doc_len
+        self.policy = policy
+        self.epochs = epochs
+        self._it: Iterator[dict] | None = None
+        self._epoch = 0
+        self._texts_done = 0
+        self._pieces_done = 0
+        self._next_doc_id = 0
+        self.truncated_tokens = 0
+
+    def reset(self, initial_state: dict | None = None) -> None:
+        super().reset(initial_state)
+        if initial_state is not None:
+            self._epoch = int(initial_state["epoch"])
+            self._texts_done = int(initial_state["texts_done"])
+            self._pieces_done = int(initial_state["pieces_done"])
+            self._next_doc_id = int(initial_state["next_doc_id"])
+            self.truncated_tokens = int(initial_state["truncated_tokens"])
+        else:
+            self._epoch = self._texts_done = self._pieces_done = self._next_doc_id = 0
+            self.truncated_tokens = 0
+        self._it = self._generate()
+
+    def _pieces(self, index: int, text: str) -> list[np.ndarray]:
+        tokens = np.asarray(self.tokenizer.encode(text, add_bos=True, add_eos=True), np.int64)
+        if tokens.size <= self.max_doc_len:
+            return [tokens]
+        if self.policy == "error":
+            raise DataError(
+                f"document {index} of {self.source.kind} source {self.source.path or ''!r} has "
+                f"{tokens.size} tokens > max_doc_len = {self.max_doc_len} "
+                "(set [wlb] long_doc_policy = 'split' or 'truncate', or raise max_doc_len)"
+            )
+        if self.policy == "truncate":
+            self.truncated_tokens += int(tokens.size - self.max_doc_len)
+            return [tokens[: self.max_doc_len]]
+        return np.array_split(tokens, np.arange(self.max_doc_len, tokens.size, self.max_doc_len))
+
+    def _generate(self) -> Iterator[dict]:
+        while self.epochs == 0 or self._epoch < self.epochs:
+            for index, text in self.source.open_texts(self._texts_done):
+                pieces = self._pieces(index, text)
+                for p in range(self._pieces_done, len(pieces)):
+                    self._pieces_done = p + 1
+                    doc_id = self._next_doc_id
+                    self._next_doc_id += 1
+                    yield {
+                        "doc_id": doc_id,
+                        "tokens": pieces[p],
+                        "parent_id": index,
+                        "piece": p,
+                        "epoch": self._epoch,
+                    }
+                self._texts_done = index + 1
+                self._pieces_done = 0
+            if self._texts_done == 0:
+                raise DataError(
+                    f"{self.source.kind} source {self.source.path or ''!r} holds no document"
+                )
+            self._epoch += 1
+            self._texts_done = 0
+
+    def next(self) -> dict:
+        assert self._it is not None, "reset() must be called before next()"
+        return next(self._it)
+
+    def get_state(self) -> dict:
+        return {
+            "epoch": self._epoch,
+            "texts_done": self._texts_done,
+            "pieces_done": self._pieces_done,
+            "next_doc_id": self._next_doc_id,
+            "truncated_tokens": self.truncated_tokens,
+        }

@@ -1,0 +1,229 @@
+"""Where document texts come from: the built-in corpus, local files, or Hugging Face datasets.
+
+Every source is a restartable sequence of texts: ``open_texts(start)`` yields ``(index, text)``
+from text number ``start`` on, so the document node can checkpoint "texts consumed so far" and
+resume exactly without keeping texts in its state. Bad data fails loudly with the file and line
+(an empty or malformed document is an error, never a silent skip).
+"""
+
+from __future__ import annotations
+
+import ast
+import glob
+import itertools
+import json
+import os
+import sys
+import sysconfig
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+BUILTIN_NAME = "wlb_builtin"
+
+
+class DataError(ValueError):
+    """Bad input data: names the file (and line or row) and what was expected."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The built-in corpus
+# ---------------------------------------------------------------------------------------------
+
+_SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo", "__pycache__"}
+_MIN_DOC_CHARS = 40
+_CORPUS_VERSION = 1
+
+
+def _stdlib_docstrings(stdlib: str) -> list[str]:
+    docs: list[str] = []
+    for root, dirs, files in os.walk(stdlib):
+        dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS)
+        for name in sorted(files):
+            if not name.endswith(".py"):
+                continue
+            try:
+                with open(os.path.join(root, name), encoding="utf-8") as f:
+                    tree = ast.parse(f.read())
+            except (SyntaxError, UnicodeDecodeError, OSError):
+                continue
+            for node in ast.walk(tree):
+                if isinstance(
+                    node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+                ):
+                    doc = ast.get_docstring(node)
+                    if doc and len(doc) >= _MIN_DOC_CHARS:
+                        docs.append(doc)
+    return docs
+
+
+def build_builtin_corpus() -> list[str]:
+    """Real English text from the running Python installation, with a long-tailed length mix.
+
+    Two kinds of documents, both written by people for people and present in every CPython:
+    the reference-manual topics of ``pydoc_data`` (79 documents of 0.5K-60K characters: the long
+    tail) and the docstrings of the standard library's modules, classes and functions (about 6,000
+    documents, median ~120 characters). Interleaved in a fixed order (a seeded permutation), so
+    long documents are spread through the stream the way they are in pretraining corpora. Nothing
+    is downloaded and nothing is copied into this repository: the corpus is rebuilt from the local
+    installation (and cached, see :func:`builtin_corpus`).
+    """
+    from pydoc_data.topics import topics
+
+    import numpy as np
+
+    docs = [topics[k] for k in sorted(topics)]
+    docs += _stdlib_docstrings(sysconfig.get_paths()["stdlib"])
+    order = np.random.default_rng(20250707).permutation(len(docs))
+    return [docs[i] for i in order]
+
+
+def _cache_path() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    ver = f"{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}"
+    return os.path.join(base, "torchtitan_wlb", f"builtin_corpus_v{_CORPUS_VERSION}_py{ver}.json")
+
+
+def builtin_corpus() -> list[str]:
+    """The built-in corpus, built once per Python version and cached under ``~/.cache``."""
+    path = _cache_path()
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        pass
+    docs = build_builtin_corpus()
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(docs, f)
+        os.replace(tmp, path)  # atomic: concurrent ranks never read a half-written file
+    except OSError:
+        pass  # a read-only home still trains; it only rebuilds next time
+    return docs
+
+
+# ---------------------------------------------------------------------------------------------
+# Sources
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TextSource:
+    """A restartable stream of document texts.
+
+    Attributes:
+        kind: one of "wlb_builtin", "jsonl", "parquet", "text", "hf".
+        path: file, directory or glob (local kinds), dataset name or local path ("hf").
+        text_field: the field holding the text (jsonl, parquet, hf).
+    """
+
+    kind: str
+    path: str = ""
+    text_field: str = "text"
+
+    def __post_init__(self) -> None:
+        if self.kind == BUILTIN_NAME:
+            return
+        if self.kind not in ("jsonl", "parquet", "text", "hf"):
+            raise DataError(
+                f"[training] dataset = {self.kind!r} is not accepted; use one of "
+                f"'{BUILTIN_NAME}', 'jsonl', 'parquet', 'text', 'hf'"
+            )
+        if not self.path:
+            raise DataError(
+                f"[training] dataset = {self.kind!r} needs [training] dataset_path "
+                "(a file, a directory or a glob; for 'hf' a dataset name or local path)"
+            )
+        if self.kind != "hf" and not self.files():
+            raise DataError(
+                f"[training] dataset_path = {self.path!r} matches no {self.kind} file "
+                f"(looked for {self._pattern()})"
+            )
+
+    def _pattern(self) -> str:
+        ext = {"jsonl": "*.jsonl", "parquet": "*.parquet", "text": "*.txt"}[self.kind]
+        return os.path.join(self.path, "**", ext) if os.path.isdir(self.path) else self.path
+
+    def files(self) -> list[str]:
+        """The local files of this source, in sorted (deterministic) order."""
+        if os.path.isfile(self.path):
+            return [self.path]
+        return sorted(f for f in glob.glob(self._pattern(), recursive=True) if os.path.isfile(f))
+
+    def open_texts(self, start: int = 0) -> Iterator[tuple[int, str]]:
+        """Yield ``(index, text)`` for every document from number ``start`` on."""
+        match self.kind:
+            case "wlb_builtin":
+                docs = builtin_corpus()
+                yield from ((i, docs[i]) for i in range(start, len(docs)))
+            case "jsonl":
+                yield from itertools.islice(self._jsonl(), start, None)
+            case "text":
+                yield from itertools.islice(self._text_files(), start, None)
+            case "parquet":
+                yield from itertools.islice(self._parquet(), start, None)
+            case "hf":
+                yield from itertools.islice(self._hf(), start, None)
+
+    def _checked(self, text: object, where: str) -> str:
+        if not isinstance(text, str):
+            raise DataError(
+                f"{where}: field {self.text_field!r} is {type(text).__name__}, expected a string"
+            )
+        if not text:
+            raise DataError(f"{where}: empty document; remove it from the data")
+        return text
+
+    def _jsonl(self) -> Iterator[tuple[int, str]]:
+        index = 0
+        for path in self.files():
+            with open(path, encoding="utf-8") as f:
+                for lineno, line in enumerate(f, start=1):
+                    if not line.strip():
+                        continue
+                    where = f"{path}:{lineno}"
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise DataError(f"{where}: malformed JSON line ({e.msg})") from None
+                    if not isinstance(record, dict) or self.text_field not in record:
+                        raise DataError(
+                            f"{where}: expected a JSON object with field {self.text_field!r}"
+                        )
+                    yield index, self._checked(record[self.text_field], where)
+                    index += 1
+
+    def _text_files(self) -> Iterator[tuple[int, str]]:
+        for index, path in enumerate(self.files()):
+            with open(path, encoding="utf-8") as f:
+                yield index, self._checked(f.read(), path)
+
+    def _parquet(self) -> Iterator[tuple[int, str]]:
+        import pyarrow.parquet as pq
+
+        index = 0
+        for path in self.files():
+            table = pq.ParquetFile(path)
+            if self.text_field not in table.schema_arrow.names:
+                raise DataError(
+                    f"{path}: no column {self.text_field!r} (columns: {table.schema_arrow.names})"
+                )
+            row = 0
+            for batch in table.iter_batches(columns=[self.text_field]):
+                for text in batch.column(0).to_pylist():
+                    yield index, self._checked(text, f"{path}: row {row}")
+                    index += 1
+                    row += 1
+
+    def _hf(self) -> Iterator[tuple[int, str]]:
+        from datasets import load_dataset
+
+        ds = load_dataset(self.path, split="train", streaming=True)
+        for row, record in enumerate(ds):
+            if self.text_field not in record:
+                raise DataError(
+                    f"dataset {self.path!r} row {row}: no field {self.text_field!r} "
+                    f"(fields: {sorted(record)})"
+                )
+            yield row, self._checked(record[self.text_field], f"dataset {self.path!r} row {row}")

@@ -1,0 +1,71 @@
+"""Tokenizers: an offline byte-level one (the default) and TorchTitan's Hugging Face one.
+
+The default run must work on a fresh machine with no network, so it cannot download a tokenizer.
+A byte-level tokenizer needs no vocabulary file, handles any text losslessly and keeps documents
+long in tokens, which is what makes attention imbalance visible at small scale. Users with a real
+tokenizer point ``[model] hf_assets_path`` at a directory holding ``tokenizer.json``; then
+TorchTitan's own ``HuggingFaceTokenizer`` is used unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+
+from torchtitan.components.tokenizer import BaseTokenizer, HuggingFaceTokenizer
+from torchtitan.config import JobConfig
+
+from torchtitan_wlb.config import ConfigError
+
+# TorchTitan's JobConfig default for [model] hf_assets_path: not a user choice.
+_TORCHTITAN_DEFAULT_ASSETS = "./tests/assets/tokenizer"
+
+
+class ByteTokenizer(BaseTokenizer):
+    """UTF-8 bytes as tokens 0..255, plus BOS (256), EOS (257) and PAD (258).
+
+    ``get_vocab_size`` reports 264 (the special ids rounded up to a multiple of 8) so that the
+    embedding table has an aligned size.
+    """
+
+    BOS = 256
+    EOS = 257
+    PAD = 258
+    VOCAB_SIZE = 264
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bos_id = self.BOS
+        self.eos_id = self.EOS
+        self.pad_id = self.PAD
+
+    def encode(self, text: str, add_bos: bool = True, add_eos: bool = True) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        if add_bos:
+            ids.insert(0, self.BOS)
+        if add_eos:
+            ids.append(self.EOS)
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def get_vocab_size(self) -> int:
+        return self.VOCAB_SIZE
+
+
+def build_wlb_tokenizer(job_config: JobConfig) -> BaseTokenizer:
+    """The train spec's tokenizer builder.
+
+    ``[model] hf_assets_path`` naming a directory with ``tokenizer.json`` selects TorchTitan's
+    HuggingFaceTokenizer; an empty path or TorchTitan's placeholder default selects ByteTokenizer.
+    A path without ``tokenizer.json`` is an error rather than a silent fallback.
+    """
+    path = job_config.model.hf_assets_path
+    if path in ("", _TORCHTITAN_DEFAULT_ASSETS):
+        return ByteTokenizer()
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        raise ConfigError(
+            f"[model] hf_assets_path = {path!r} has no tokenizer.json; point it at a Hugging Face "
+            f'tokenizer directory, or leave it unset ("") for the built-in byte tokenizer'
+        )
+    return HuggingFaceTokenizer(path)

@@ -1,0 +1,96 @@
+"""TorchTitan's metrics processor plus the per-step figures WLB is judged by.
+
+TorchTitan logs loss, throughput, MFU and memory. On top, every logged step carries (to stdout and
+to TensorBoard / W&B under ``wlb/``):
+
+  - the packer's statistics for the step: imbalance degree (max / mean predicted micro-batch
+    workload in the global batch), tokens per micro-batch (min / max), token-weighted mean and max
+    delay in steps, outlier queue depths, packing time;
+  - the measured forward+backward time of each of this rank's micro-batches (max / mean), and the
+    step time.
+
+The trainer records figures with :meth:`WLBMetricsProcessor.record`; they are flushed at the next
+``log`` call, so steps that are not logged (``metrics.log_freq``) cost nothing beyond a dict update.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.config import JobConfig
+from torchtitan.tools.logging import logger
+
+
+class WLBMetricsProcessor(MetricsProcessor):
+    """MetricsProcessor that also logs WLB packing and per-micro-batch timing figures."""
+
+    def __init__(self, job_config: JobConfig, parallel_dims: Any, tag: str | None = None):
+        super().__init__(job_config, parallel_dims, tag)
+        self.wlb_metrics: dict[str, float] = {}
+        self.micro_batch_times: list[float] = []
+
+    def record(self, metrics: dict[str, Any]) -> None:
+        """Record scalar figures (non-numeric values and lists are summarised or skipped)."""
+        for key, value in metrics.items():
+            if isinstance(value, bool):
+                value = float(value)
+            if isinstance(value, (int, float)):
+                self.wlb_metrics[f"wlb/{key}"] = float(value)
+            elif (
+                isinstance(value, (list, tuple))
+                and value
+                and all(isinstance(v, (int, float)) for v in value)
+            ):
+                # e.g. outlier queue depths: one scalar per queue
+                for i, v in enumerate(value):
+                    self.wlb_metrics[f"wlb/{key}_{i}"] = float(v)
+
+    def record_micro_batch_time(self, seconds: float) -> None:
+        self.micro_batch_times.append(seconds)
+
+    def log(
+        self,
+        step: int,
+        global_avg_loss: float,
+        global_max_loss: float,
+        grad_norm: float,
+        extra_metrics: dict[str, Any] | None = None,
+    ) -> None:
+        now = time.perf_counter()
+        step_time = (now - self.time_last_log) / (
+            1 if step == 1 else self.job_config.metrics.log_freq
+        )
+        extra = dict(extra_metrics or {})
+        extra.update(self.wlb_metrics)
+        extra["wlb/step_time_s"] = step_time
+        if self.micro_batch_times:
+            times = self.micro_batch_times
+            extra["wlb/micro_batch_time_max_s"] = max(times)
+            extra["wlb/micro_batch_time_mean_s"] = sum(times) / len(times)
+        super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
+        parts = [f"step_time: {step_time:.3f}s"]
+        if "wlb/imbalance" in extra:
+            parts.append(f"imbalance: {extra['wlb/imbalance']:.3f}")
+        if "wlb/max_tokens" in extra:
+            parts.append(
+                f"tokens/mb: {extra.get('wlb/min_tokens', 0):.0f}-{extra['wlb/max_tokens']:.0f}"
+            )
+        if "wlb/micro_batch_time_max_s" in extra:
+            parts.append(
+                f"mb fwd+bwd max/mean: {extra['wlb/micro_batch_time_max_s']:.3f}/"
+                f"{extra['wlb/micro_batch_time_mean_s']:.3f}s"
+            )
+        if "wlb/pack_ms" in extra:
+            parts.append(f"pack: {extra['wlb/pack_ms']:.2f}ms")
+        logger.info("wlb  " + "  ".join(parts))
+        self.wlb_metrics.clear()
+        self.micro_batch_times.clear()
+
+
+def build_wlb_metrics_processor(
+    job_config: JobConfig, parallel_dims: Any, model_args: Any = None, tag: str | None = None
+) -> WLBMetricsProcessor:
+    """TrainSpec.build_metrics_processor_fn of ``llama3_wlb``."""
+    return WLBMetricsProcessor(job_config, parallel_dims, tag)

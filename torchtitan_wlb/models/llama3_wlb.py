@@ -1,0 +1,196 @@
+"""The ``llama3_wlb`` model: TorchTitan's Llama 3 with document-masked attention.
+
+Only the attention's inner computation changes. Projections, RoPE, feed-forward, norms, weight
+init and the TP/FSDP/AC/compile plans are TorchTitan's own (subclassed or called, never copied).
+The attention receives, through TorchTitan's ``attention_masks`` keyword, a
+:class:`~torchtitan_wlb.attention.DocumentAttentionMetadata` describing the documents of the local
+packed sequence, and through ``positions`` the per-document RoPE positions. With context
+parallelism the metadata carries the rank's CP plan and the same call runs the all-gather-KV
+per-document CP op; the model code does not change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+from torchtitan.config import JobConfig
+from torchtitan.models.llama3 import TransformerModelArgs
+from torchtitan.models.llama3.infra.parallelize import parallelize_llama
+from torchtitan.models.llama3.model.model import Attention, Transformer, apply_rotary_emb
+from torchtitan.tools.logging import logger
+
+from torchtitan_wlb import cpu_support
+from torchtitan_wlb.attention import DocumentAttentionMetadata, attention_from_metadata
+from torchtitan_wlb.attention.metadata import metadata_from_doc_lens
+from torchtitan_wlb.config import ConfigError
+from torchtitan_wlb.cost_model import CostModel
+
+
+@dataclasses.dataclass
+class WLBModelArgs(TransformerModelArgs):
+    """Llama 3 arguments; ``attn_type`` is fixed to document attention ("wlb")."""
+
+    attn_type: str = "wlb"
+    attn_mask_type: str = "block_causal"
+
+    def update_from_config(self, job_config: JobConfig, **kwargs: Any) -> None:
+        # Variable-length micro-batches can be longer than training.seq_len (up to S_max), and
+        # positions restart per document, so RoPE must cover the longest micro-batch.
+        wlb = getattr(job_config, "wlb", None)
+        smax = wlb.micro_batch_max_len if wlb is not None else 0
+        self.max_seq_len = max(job_config.training.seq_len, smax)
+
+
+class WLBAttention(Attention):
+    """TorchTitan's Attention with its inner attention replaced by document attention.
+
+    Construction goes through TorchTitan's ``Attention.__init__`` (same parameters, same names, so
+    checkpoints and TP plans are unchanged) with ``attn_type="sdpa"``, the one TorchTitan accepts.
+    """
+
+    def __init__(self, model_args: TransformerModelArgs):
+        super().__init__(dataclasses.replace(model_args, attn_type="sdpa"))
+        self.attn_type = "wlb"
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        freqs_cis: torch.Tensor,
+        attention_masks: DocumentAttentionMetadata | None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        bs, seqlen, _ = x.shape
+        xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
+        xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
+        xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        xq, xk = apply_rotary_emb(xq, xk, freqs_cis=freqs_cis, positions=positions)
+        if attention_masks is None:
+            # No document boundaries given: every row is one causal document.
+            attention_masks = metadata_from_doc_lens([seqlen] * bs, device=x.device)
+        # [bs, seqlen, heads, dim] -> [bs * seqlen, heads, dim]: the varlen layout; the metadata's
+        # cu_seqlens describe all rows back to back.
+        out = attention_from_metadata(
+            xq.reshape(bs * seqlen, -1, self.head_dim),
+            xk.reshape(bs * seqlen, -1, self.head_dim),
+            xv.reshape(bs * seqlen, -1, self.head_dim),
+            attention_masks,
+        )
+        return self.wo(out.reshape(bs, seqlen, -1))
+
+
+class WLBTransformer(Transformer):
+    """TorchTitan's Llama 3 Transformer whose blocks use :class:`WLBAttention`."""
+
+    def __init__(self, model_args: TransformerModelArgs):
+        # TorchTitan's constructor only knows its own attention types; build with "sdpa", then
+        # swap the attention modules (meta-device construction makes the swap free).
+        super().__init__(dataclasses.replace(model_args, attn_type="sdpa"))
+        self.model_args = model_args
+        for block in self.layers.values():
+            block.attention = WLBAttention(model_args)
+
+    def get_attention_masks(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError(
+            "llama3_wlb takes document metadata from the data pipeline "
+            "(torchtitan_wlb.trainer.WLBTrainer builds it), not from EOS tokens"
+        )
+
+
+def _llama_like(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, **kw: Any) -> WLBModelArgs:
+    return WLBModelArgs(
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        rope_theta=500000,
+        **kw,
+    )
+
+
+# Flavors. "debugmodel" runs on CPU with the built-in byte tokenizer (vocabulary 264). The paper's
+# Llama-like sizes (550M, 7B, 30B, 70B; dims not published, chosen to match the parameter counts)
+# and Llama 3 8B / 70B use the Llama 3 vocabulary (128256) and an HF tokenizer.
+llama3_wlb_args: dict[str, WLBModelArgs] = {
+    "debugmodel": _llama_like(256, 4, 8, 4, vocab_size=264, multiple_of=128),
+    "tiny": _llama_like(128, 2, 4, 2, vocab_size=264, multiple_of=64),
+    "550M": _llama_like(1536, 16, 12, 4, vocab_size=128256, multiple_of=256),
+    "7B": _llama_like(4096, 32, 32, 8, vocab_size=128256, multiple_of=1024, ffn_dim_multiplier=1.3),
+    "8B": _llama_like(4096, 32, 32, 8, vocab_size=128256, multiple_of=1024, ffn_dim_multiplier=1.3),
+    "30B": _llama_like(6656, 60, 52, 8, vocab_size=128256, multiple_of=256),
+    "70B": _llama_like(
+        8192, 80, 64, 8, vocab_size=128256, multiple_of=4096, ffn_dim_multiplier=1.3
+    ),
+}
+
+
+class _TorchTitanCPView:
+    """``parallel_dims`` as TorchTitan's ``parallelize_llama`` should see it for this model.
+
+    ``parallelize_llama`` would wrap every inner attention module with TorchTitan's SDPA/flex CP,
+    which cannot mask documents. Our attention does its own per-document CP (the metadata carries
+    the CP group), so here ``cp_enabled`` reads False while everything else, FSDP over the
+    dp_shard x cp mesh included, is the real ``parallel_dims``.
+    """
+
+    cp_enabled = False
+
+    def __init__(self, parallel_dims: Any) -> None:
+        self._parallel_dims = parallel_dims
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._parallel_dims, name)
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self._parallel_dims.fsdp_enabled
+
+
+def parallelize_llama_wlb(model: nn.Module, parallel_dims: Any, job_config: JobConfig) -> nn.Module:
+    """TorchTitan's Llama 3 parallelisation (TP, AC, compile, FSDP/HSDP/DDP), our CP, CPU-ready."""
+    model = parallelize_llama(model, _TorchTitanCPView(parallel_dims), job_config)
+    cpu_support.adapt_fsdp_for_cpu(model)
+    if parallel_dims.cp_enabled:
+        logger.info("Per-document context parallelism: attention uses the WLB all-gather-KV op")
+    return model
+
+
+def ffn_hidden_dim(args: TransformerModelArgs) -> int:
+    """The SwiGLU hidden size TorchTitan's FeedForward derives from the model args."""
+    hidden = int(2 * (4 * args.dim) / 3)
+    if args.ffn_dim_multiplier is not None:
+        hidden = int(args.ffn_dim_multiplier * hidden)
+    return args.multiple_of * ((hidden + args.multiple_of - 1) // args.multiple_of)
+
+
+def cost_model_for_job(job_config: JobConfig) -> CostModel:
+    """The workload model W(d) the packers and the CP planner use for this job.
+
+    ``[wlb] cost_model = "analytic"``: FLOPs per rank from the model flavor's dims and the TP/CP
+    degrees; "coefficients": ``attn_coef`` / ``linear_coef`` from TOML; "profile": a measured JSON
+    table (``cost_profile``).
+    """
+    wlb = job_config.wlb
+    if wlb.cost_model == "coefficients":
+        return CostModel.from_coefficients(wlb.attn_coef, wlb.linear_coef)
+    if wlb.cost_model == "profile":
+        return CostModel.from_profile(wlb.cost_profile)
+    flavor = job_config.model.flavor
+    if flavor not in llama3_wlb_args:
+        raise ConfigError(
+            f"[model] flavor = {flavor!r} is not a llama3_wlb flavor; use one of "
+            f"{', '.join(repr(k) for k in llama3_wlb_args)}"
+        )
+    args = llama3_wlb_args[flavor]
+    return CostModel.from_model_dims(
+        dim=args.dim,
+        n_layers=args.n_layers,
+        n_heads=args.n_heads,
+        n_kv_heads=args.n_kv_heads,
+        ffn_hidden_dim=ffn_hidden_dim(args),
+        vocab_size=args.vocab_size,
+        tp=job_config.parallelism.tensor_parallel_degree,
+        cp=job_config.parallelism.context_parallel_degree,
+    )

@@ -1,0 +1,66 @@
+"""Entry point: ``python -m torchtitan_wlb.train --job.config_file train_configs/debug_cpu.toml``.
+
+Launched by ``run_train.sh`` through torchrun, one process per GPU (NCCL) or per CPU rank (gloo).
+It activates CPU support before torchtitan is imported, then runs TorchTitan's own ``main`` with
+:class:`~torchtitan_wlb.trainer.WLBTrainer`. Bad input (config, data, layout) ends the process with
+one line naming the problem and exit status 2, not a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from torchtitan_wlb import cpu_support
+
+cpu_support.activate()
+
+# torchtitan binds its device type at import time: these imports must follow activate().
+from torchtitan.tools.logging import init_logger, logger  # noqa: E402
+
+from torchtitan_wlb.data.sources import DataError  # noqa: E402
+from torchtitan_wlb.validate import ConfigError  # noqa: E402
+
+# Errors that mean "the user's input is wrong" once training has started; while the config is
+# parsed, any ValueError is (TorchTitan reports unknown fields with one).
+USER_ERRORS = (ConfigError, DataError, FileNotFoundError)
+
+
+def _config_error_types() -> tuple[type[BaseException], ...]:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+    return (*USER_ERRORS, ValueError, tomllib.TOMLDecodeError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    init_logger()
+    from torchtitan.config import ConfigManager
+    from torchtitan.train import main as torchtitan_main
+
+    from torchtitan_wlb.trainer import WLBTrainer
+    from torchtitan_wlb.validate import check_job_config
+
+    args = sys.argv[1:] if argv is None else argv
+    errors = _config_error_types()
+    try:
+        # Parse and check once up front: a bad field or layout fails here, before TorchTitan
+        # creates process groups or builds the model.
+        check_job_config(ConfigManager().parse_args(args))
+    except errors as e:
+        logger.error(f"configuration error: {e}")
+        return 2
+    saved_argv = sys.argv
+    sys.argv = [saved_argv[0], *args]
+    try:
+        torchtitan_main(WLBTrainer)
+    except USER_ERRORS as e:
+        logger.error(f"error: {e}")
+        return 2
+    finally:
+        sys.argv = saved_argv
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

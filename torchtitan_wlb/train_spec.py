@@ -1,0 +1,50 @@
+"""Registers the ``llama3_wlb`` train spec with TorchTitan.
+
+Named in TOML as ``[experimental] custom_import = "torchtitan_wlb.train_spec"``; TorchTitan's
+Trainer imports it before it looks the model name up, so ``[model] name = "llama3_wlb"`` resolves
+here. Everything not specific to WLB (optimizers, LR schedules, loss, validation, checkpoint
+adapter, pipeline splitting) is TorchTitan's Llama 3 machinery.
+"""
+
+from __future__ import annotations
+
+from torchtitan.components.loss import build_cross_entropy_loss
+from torchtitan.components.lr_scheduler import build_lr_schedulers
+from torchtitan.components.optimizer import build_optimizers
+from torchtitan.distributed.pipeline_parallel import pipeline_llm
+from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAdapter
+from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
+
+from torchtitan_wlb.data.dataloader import build_wlb_dataloader
+from torchtitan_wlb.data.tokenizer import build_wlb_tokenizer
+from torchtitan_wlb.metrics import build_wlb_metrics_processor
+from torchtitan_wlb.models.llama3_wlb import WLBTransformer, llama3_wlb_args, parallelize_llama_wlb
+
+TRAIN_SPEC_NAME = "llama3_wlb"
+
+
+def wlb_train_spec() -> TrainSpec:
+    return TrainSpec(
+        model_cls=WLBTransformer,
+        model_args=llama3_wlb_args,
+        parallelize_fn=parallelize_llama_wlb,
+        pipelining_fn=pipeline_llm,
+        build_optimizers_fn=build_optimizers,
+        build_lr_schedulers_fn=build_lr_schedulers,
+        build_dataloader_fn=build_wlb_dataloader,
+        build_tokenizer_fn=build_wlb_tokenizer,
+        build_loss_fn=build_cross_entropy_loss,
+        build_metrics_processor_fn=build_wlb_metrics_processor,
+        state_dict_adapter=Llama3StateDictAdapter,
+    )
+
+
+def register() -> None:
+    """Register ``llama3_wlb`` once (importing this module twice must not fail)."""
+    try:
+        get_train_spec(TRAIN_SPEC_NAME)
+    except ValueError:
+        register_train_spec(TRAIN_SPEC_NAME, wlb_train_spec())
+
+
+register()
