@@ -190,3 +190,30 @@ def test_micro_batch_node_unrolls_steps_and_resumes_mid_step():
         assert len(rest) == 15 - cut
         for (a, la), (b, lb) in zip(rest, ref[cut:], strict=True):
             assert torch.equal(a["input"], b["input"]) and torch.equal(la, lb)
+
+
+def test_dataloader_restores_state_after_template_state_dict():
+    """TorchTitan's checkpointer calls state_dict() before load_state_dict(); resume must hold."""
+    from torchtitan_wlb.data.dataloader import WLBDataLoader
+
+    steps = _step_stream(6, 2, seed=3)
+
+    def make():
+        return WLBDataLoader(MicroBatchNode(IterableWrapper(steps)), dp_rank=0, dp_world_size=1)
+
+    ref = [inp["input"] for inp, _ in make()]
+    loader = make()
+    it = iter(loader)
+    for _ in range(5):
+        next(it)
+    saved = loader.state_dict()
+    resumed = make()
+    resumed.state_dict()  # the checkpointer's template request
+    resumed.load_state_dict(saved)
+    rest = [inp["input"] for inp, _ in resumed]
+    assert len(rest) == len(ref) - 5
+    assert all(torch.equal(a, b) for a, b in zip(rest, ref[5:], strict=True))
+    with pytest.raises(ValueError, match="DP degree 1, this run has 2"):
+        WLBDataLoader(MicroBatchNode(IterableWrapper(steps)), 0, 2).load_state_dict(
+            {**saved, "world_size": 1}
+        )

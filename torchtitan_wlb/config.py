@@ -124,6 +124,10 @@ class WLB:
     """Passes over the dataset; 0 repeats forever (TorchTitan's behaviour). With n > 0 the
     packing queues are flushed at the end of the data and the run stops when it runs out."""
 
+    metrics_jsonl: bool = False
+    """Also write every logged step's metrics, per rank and at full precision, to
+    <dump_folder>/wlb_metrics/rank_<rank>.jsonl."""
+
     def __post_init__(self) -> None:
         _check_choice("mode", self.mode, MODES)
         _check_choice("packing", self.packing, PACKERS)

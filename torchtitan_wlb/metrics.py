@@ -9,15 +9,22 @@ to TensorBoard / W&B under ``wlb/``):
   - the measured forward+backward time of each of this rank's micro-batches (max / mean), and the
     step time.
 
+With ``[wlb] metrics_jsonl = true`` every rank also appends each logged step, at full precision,
+to ``<dump_folder>/wlb_metrics/rank_<rank>.jsonl`` (loss, grad norm, step time, micro-batch times,
+peak memory, packing statistics): the end-to-end benchmark and the resume tests read it.
+
 The trainer records figures with :meth:`WLBMetricsProcessor.record`; they are flushed at the next
 ``log`` call, so steps that are not logged (``metrics.log_freq``) cost nothing beyond a dict update.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from typing import Any
 
+import torch
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.config import JobConfig
 from torchtitan.tools.logging import logger
@@ -30,6 +37,13 @@ class WLBMetricsProcessor(MetricsProcessor):
         super().__init__(job_config, parallel_dims, tag)
         self.wlb_metrics: dict[str, float] = {}
         self.micro_batch_times: list[float] = []
+        self.jsonl_path: str | None = None
+        wlb = getattr(job_config, "wlb", None)
+        if wlb is not None and wlb.metrics_jsonl:
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            folder = os.path.join(job_config.job.dump_folder, "wlb_metrics")
+            os.makedirs(folder, exist_ok=True)
+            self.jsonl_path = os.path.join(folder, f"rank_{rank}.jsonl")
 
     def record(self, metrics: dict[str, Any]) -> None:
         """Record scalar figures (non-numeric values and lists are summarised or skipped)."""
@@ -69,6 +83,19 @@ class WLBMetricsProcessor(MetricsProcessor):
             times = self.micro_batch_times
             extra["wlb/micro_batch_time_max_s"] = max(times)
             extra["wlb/micro_batch_time_mean_s"] = sum(times) / len(times)
+        if self.jsonl_path is not None:
+            mem = self.device_memory_monitor.get_peak_stats()
+            record = {
+                "step": step,
+                "loss": float(global_avg_loss),
+                "max_loss": float(global_max_loss),
+                "grad_norm": float(grad_norm),
+                "peak_mem_gib": mem.max_reserved_gib,
+                "micro_batch_times_s": list(self.micro_batch_times),
+                **{k: v for k, v in extra.items() if isinstance(v, (int, float))},
+            }
+            with open(self.jsonl_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
         parts = [f"step_time: {step_time:.3f}s"]
         if "wlb/imbalance" in extra:

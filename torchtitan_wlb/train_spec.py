@@ -8,6 +8,8 @@ adapter, pipeline splitting) is TorchTitan's Llama 3 machinery.
 
 from __future__ import annotations
 
+from typing import Any
+
 from torchtitan.components.loss import build_cross_entropy_loss
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import build_optimizers
@@ -18,9 +20,26 @@ from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_
 from torchtitan_wlb.data.dataloader import build_wlb_dataloader
 from torchtitan_wlb.data.tokenizer import build_wlb_tokenizer
 from torchtitan_wlb.metrics import build_wlb_metrics_processor
-from torchtitan_wlb.models.llama3_wlb import WLBTransformer, llama3_wlb_args, parallelize_llama_wlb
+from torchtitan_wlb.models.llama3_wlb import (
+    WLBTransformer,
+    cost_model_for_job,
+    llama3_wlb_args,
+    parallelize_llama_wlb,
+)
 
 TRAIN_SPEC_NAME = "llama3_wlb"
+
+
+def _build_dataloader(dp_world_size: int, dp_rank: int, tokenizer: Any, job_config: Any):
+    """The document dataloader, balancing with the cost model of the job's model flavor."""
+    cost_model = cost_model_for_job(job_config) if job_config.wlb.loader == "documents" else None
+    return build_wlb_dataloader(
+        dp_world_size=dp_world_size,
+        dp_rank=dp_rank,
+        tokenizer=tokenizer,
+        job_config=job_config,
+        cost_model=cost_model,
+    )
 
 
 def wlb_train_spec() -> TrainSpec:
@@ -31,7 +50,7 @@ def wlb_train_spec() -> TrainSpec:
         pipelining_fn=pipeline_llm,
         build_optimizers_fn=build_optimizers,
         build_lr_schedulers_fn=build_lr_schedulers,
-        build_dataloader_fn=build_wlb_dataloader,
+        build_dataloader_fn=_build_dataloader,
         build_tokenizer_fn=build_wlb_tokenizer,
         build_loss_fn=build_cross_entropy_loss,
         build_metrics_processor_fn=build_wlb_metrics_processor,

@@ -24,8 +24,10 @@ from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.config import JobConfig
 from torchtitan.tools.logging import logger
 
+from torchtitan_wlb.cost_model import CostModel
 from torchtitan_wlb.data.collate import MicroBatchNode
 from torchtitan_wlb.data.documents import DocumentNode
+from torchtitan_wlb.data.packing_node import build_packing_node
 from torchtitan_wlb.data.sources import BUILTIN_NAME, TextSource
 
 
@@ -43,6 +45,7 @@ class WLBDataLoader(BaseDataLoader):
         self.dp_rank = dp_rank
         self.dp_world_size = dp_world_size
         self._rank_id = f"dp_rank_{dp_rank}"
+        self._root = root
         self._loader = Loader(root, restart_on_stop_iteration=False)
 
     def __iter__(self) -> Iterator[tuple[dict[str, Any], torch.Tensor]]:
@@ -68,6 +71,11 @@ class WLBDataLoader(BaseDataLoader):
                 f"this run has {self.dp_world_size}: the packing plan depends on it, so resuming "
                 "under another DP degree is not supported"
             )
+        # A fresh Loader: torchdata's Loader (0.11) ignores a loaded state when state_dict() was
+        # called before the first iter() -- which is exactly what TorchTitan's checkpointer does
+        # (it asks for the state to build the load template). The old Loader's pre-created
+        # iterator would then start from scratch.
+        self._loader = Loader(self._root, restart_on_stop_iteration=False)
         self._loader.load_state_dict(pickle.loads(state_dict[self._rank_id]))
 
 
@@ -96,9 +104,17 @@ def build_document_node(job_config: JobConfig, tokenizer: Any) -> DocumentNode:
 
 
 def build_wlb_dataloader(
-    dp_world_size: int, dp_rank: int, tokenizer: Any, job_config: JobConfig
+    dp_world_size: int,
+    dp_rank: int,
+    tokenizer: Any,
+    job_config: JobConfig,
+    cost_model: CostModel | None = None,
 ) -> BaseDataLoader:
-    """TrainSpec.build_dataloader_fn of ``llama3_wlb``."""
+    """TrainSpec.build_dataloader_fn of ``llama3_wlb``.
+
+    ``cost_model`` is the workload model the packer balances; the train spec binds the one derived
+    from the model flavor (``cost_model_for_job``).
+    """
     wlb = job_config.wlb
     if wlb.loader == "torchtitan":
         from torchtitan.hf_datasets.text_datasets import build_text_dataloader
@@ -112,8 +128,8 @@ def build_wlb_dataloader(
             "packing every micro-batch is one packed sequence, so it must be 1 (set the number of "
             "micro-batches per step with [training] global_batch_size)"
         )
-    from torchtitan_wlb.data.packing_node import build_packing_node
-
+    if cost_model is None:
+        raise ValueError("build_wlb_dataloader needs the job's cost model for document packing")
     documents = build_document_node(job_config, tokenizer)
     packed = build_packing_node(
         documents,
@@ -121,6 +137,7 @@ def build_wlb_dataloader(
         num_micro_batches=micro_batches_per_step(job_config, dp_world_size),
         dp_rank=dp_rank,
         dp_world_size=dp_world_size,
+        cost_model=cost_model,
     )
     root = MicroBatchNode(
         Prefetcher(packed, prefetch_factor=2), reset_positions=wlb.reset_positions
