@@ -13,7 +13,6 @@ from typing import Any
 from torchtitan.components.loss import build_cross_entropy_loss
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import build_optimizers
-from torchtitan.distributed.pipeline_parallel import pipeline_llm
 from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAdapter
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 
@@ -25,6 +24,7 @@ from torchtitan_wlb.models.llama3_wlb import (
     cost_model_for_job,
     llama3_wlb_args,
     parallelize_llama_wlb,
+    pipeline_llama_wlb,
 )
 
 TRAIN_SPEC_NAME = "llama3_wlb"
@@ -47,7 +47,7 @@ def wlb_train_spec() -> TrainSpec:
         model_cls=WLBTransformer,
         model_args=llama3_wlb_args,
         parallelize_fn=parallelize_llama_wlb,
-        pipelining_fn=pipeline_llm,
+        pipelining_fn=pipeline_llama_wlb,
         build_optimizers_fn=build_optimizers,
         build_lr_schedulers_fn=build_lr_schedulers,
         build_dataloader_fn=_build_dataloader,

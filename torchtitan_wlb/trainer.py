@@ -1,4 +1,4 @@
-"""``WLBTrainer``: TorchTitan's Trainer with document metadata, WLB metrics and start-up checks.
+"""``WLBTrainer``: TorchTitan's Trainer with document metadata, WLB CP/PP and start-up checks.
 
 TorchTitan's training loop, checkpointing, optimizers and parallelisms are used unchanged. What
 this subclass adds:
@@ -7,8 +7,16 @@ this subclass adds:
     process group, so an impossible layout fails with one clear line;
   - ``post_dataloading_process`` turns each micro-batch's ``doc_lens`` and ``positions`` into the
     model's ``attention_masks`` metadata and RoPE positions (TorchTitan would derive masks from EOS
-    tokens and never reset positions), and hands the packer's step statistics to the metrics;
-  - ``forward_backward_step`` times every micro-batch (the measured side of the imbalance figure).
+    tokens and never reset positions). Under context parallelism it builds the micro-batch's CP plan
+    (``[wlb] cp_sharding``: per-sequence, per-document or adaptive) and shards inputs, labels and
+    positions with it -- TorchTitan 0.2.2 shards neither positions nor document metadata;
+  - ``forward_backward_step`` times every micro-batch and, under pipeline parallelism, collects the
+    step's micro-batches and runs them through the schedule together with
+    :class:`~torchtitan_wlb.pipeline.varlen.VarlenPipelineRunner`, each with its own length.
+
+Loss normalisation is TorchTitan's: every micro-batch's summed token loss is divided by the valid
+tokens of the whole global batch (all micro-batches, all DP ranks), so micro-batches of different
+lengths do not reweight tokens.
 """
 
 from __future__ import annotations
@@ -16,10 +24,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import numpy as np
 import torch
 from torchtitan.train import Trainer
 
-from torchtitan_wlb.attention.metadata import metadata_from_doc_lens
+from torchtitan_wlb.attention.metadata import DocumentAttentionMetadata, metadata_from_doc_lens
 from torchtitan_wlb.validate import check_job_config
 
 
@@ -29,7 +38,20 @@ class WLBTrainer(Trainer):
     def __init__(self, job_config: Any):
         check_job_config(job_config)
         super().__init__(job_config)
+        self._pp_pending: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]] = []
+        self._pp_runner = None
+        if self.parallel_dims.pp_enabled:
+            from torchtitan_wlb.pipeline.varlen import VarlenPipelineRunner
 
+            self._pp_runner = VarlenPipelineRunner(self.pp_schedule)
+        self._cp_profile = None
+        if self.parallel_dims.cp_enabled and job_config.wlb.cp_sharding == "adaptive":
+            from torchtitan_wlb.cp.profile import resolve_profile
+
+            self._cp_profile = resolve_profile(job_config.wlb.cp_profile or None)
+        self._cp_stats: list[tuple[int, float]] = []
+
+    # ----------------------------------------------------------------------------- data
     def post_dataloading_process(
         self, input_dict: dict[str, Any], labels: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]:
@@ -41,20 +63,108 @@ class WLBTrainer(Trainer):
             return super().post_dataloading_process(input_dict, labels)
         inputs = input_dict.pop("input")
         positions = input_dict.pop("positions")
-        doc_lens = input_dict.pop("doc_lens")
-        wlb = self.job_config.wlb
-        extra_kwargs: dict[str, Any] = {
-            "attention_masks": metadata_from_doc_lens(
-                doc_lens.cpu(), device=inputs.device, backend=wlb.attention_backend
-            ),
-            "positions": positions,
-        }
+        doc_lens = input_dict.pop("doc_lens").cpu()
+        backend = self.job_config.wlb.attention_backend
+        if self.parallel_dims.cp_enabled:
+            inputs, labels, positions, meta = self._shard_for_cp(
+                inputs, labels, positions, doc_lens.numpy(), backend
+            )
+        else:
+            meta = metadata_from_doc_lens(doc_lens, device=inputs.device, backend=backend)
+        extra_kwargs: dict[str, Any] = {"attention_masks": meta, "positions": positions}
         return inputs, labels, dict(input_dict), extra_kwargs
 
-    def forward_backward_step(self, **kwargs: Any) -> torch.Tensor:
+    def _shard_for_cp(
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        positions: torch.Tensor,
+        doc_lens: np.ndarray,
+        backend: str,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DocumentAttentionMetadata]:
+        """Shard one micro-batch over the CP group with its own plan (vectorised, ~1 ms)."""
+        from torchtitan_wlb.cp.plan import build_cp_plan
+
+        cp_mesh = self.parallel_dims.get_mesh("cp")
+        rank = cp_mesh.get_local_rank()
+        plan = build_cp_plan(
+            doc_lens, cp_mesh.size(), self.job_config.wlb.cp_sharding, profile=self._cp_profile
+        )
+        self._cp_stats.append((int(plan.strategy == "per_document"), plan.flops_imbalance()))
+        meta = DocumentAttentionMetadata(
+            cu_seqlens=torch.zeros(0, dtype=torch.int32),  # unused: the CP metadata rules
+            max_seqlen=0,
+            backend=backend,
+            cp=plan.attention_metadata(rank, cp_mesh, device=inputs.device),
+        )
+        return (
+            plan.shard(rank, inputs, dim=1),
+            plan.shard(rank, labels, dim=1),
+            plan.shard(rank, positions, dim=1),
+            meta,
+        )
+
+    # ---------------------------------------------------------------------- compute
+    def forward_backward_step(
+        self,
+        *,
+        input_dict: dict[str, Any],
+        labels: torch.Tensor,
+        global_valid_tokens: torch.Tensor,
+    ) -> torch.Tensor:
         start = time.perf_counter()
-        loss = super().forward_backward_step(**kwargs)
+        if self._pp_runner is None:
+            loss = super().forward_backward_step(
+                input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
+            )
+        else:
+            loss = self._pipeline_step(input_dict, labels, global_valid_tokens)
+            if loss is None:  # micro-batch collected; the pipeline runs at the step's last one
+                return torch.zeros((), device=self.device)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.metrics_processor.record_micro_batch_time(time.perf_counter() - start)
+        self._flush_cp_stats()
         return loss
+
+    def _pipeline_step(
+        self, input_dict: dict[str, Any], labels: torch.Tensor, global_valid_tokens: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Collect the step's micro-batches; when all are in, run them through the schedule.
+
+        TorchTitan calls ``forward_backward_step`` once per gradient-accumulation micro-batch;
+        with PP the schedule must see all of them at once (1F1B interleaves their forwards and
+        backwards). Receive shapes come from the micro-batches' own lengths, which every rank of
+        the pipeline knows from the same packing plan: no shape exchange.
+        """
+        runner = self._pp_runner
+        inputs, labels, _, extra_kwargs = self.post_dataloading_process(input_dict, labels)
+        self._pp_pending.append((inputs, labels, extra_kwargs))
+        if len(self._pp_pending) < runner.n_microbatches:
+            return None
+        pending, self._pp_pending = self._pp_pending, []
+        losses: list[torch.Tensor] | None = [] if self.pp_has_last_stage else None
+        with self.train_context():
+            runner.step(
+                [p[0] for p in pending] if self.pp_has_first_stage else None,
+                [p[2] for p in pending],
+                [p[1] for p in pending] if self.pp_has_last_stage else None,
+                seq_lens=[int(p[0].shape[1]) for p in pending],
+                global_valid_tokens=global_valid_tokens,
+                losses=losses,
+            )
+        if losses is not None:
+            return torch.sum(torch.stack([loss.detach() for loss in losses])).to(self.device)
+        return torch.tensor(-1.0, device=self.device)  # TorchTitan: no loss off the last stage
+
+    def _flush_cp_stats(self) -> None:
+        if not self._cp_stats:
+            return
+        chose_doc, imbalance = zip(*self._cp_stats, strict=True)
+        self.metrics_processor.record(
+            {
+                "cp_per_document_share": float(np.mean(chose_doc)),
+                "cp_flops_imbalance": float(np.mean(imbalance)),
+            }
+        )
+        self._cp_stats.clear()

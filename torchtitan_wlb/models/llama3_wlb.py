@@ -11,6 +11,7 @@ per-document CP op; the model code does not change.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -193,4 +194,34 @@ def cost_model_for_job(job_config: JobConfig) -> CostModel:
         vocab_size=args.vocab_size,
         tp=job_config.parallelism.tensor_parallel_degree,
         cp=job_config.parallelism.context_parallel_degree,
+    )
+
+
+def pipeline_llama_wlb(
+    model: nn.Module,
+    parallel_dims: Any,
+    job_config: JobConfig,
+    device: torch.device,
+    model_args: Any,
+    parallelize_fn: Any,
+    loss_fn: Any,
+) -> Any:
+    """TorchTitan's ``pipeline_llm`` with one schedule micro-batch per packed micro-batch.
+
+    TorchTitan sizes the schedule as ``local_batch_size / pipeline_parallel_microbatch_size``
+    micro-batches and splits one ``[B, S]`` batch along dim 0. Here a micro-batch is one packed
+    sequence (``local_batch_size = 1``) and a step has ``N / DP`` of them, each of its own length,
+    so the schedule is built for ``N / DP`` micro-batches of size 1; the trainer then feeds them as
+    a list (``VarlenPipelineRunner``).
+    """
+    from torchtitan.distributed.pipeline_parallel import pipeline_llm
+
+    dp = parallel_dims.dp_replicate * parallel_dims.dp_shard
+    n = job_config.training.global_batch_size
+    per_rank = (n if n > 0 else dp) // dp
+    schedule_config = copy.deepcopy(job_config)
+    schedule_config.training.local_batch_size = per_rank
+    schedule_config.parallelism.pipeline_parallel_microbatch_size = 1
+    return pipeline_llm(
+        model, parallel_dims, schedule_config, device, model_args, parallelize_fn, loss_fn
     )
