@@ -37,6 +37,7 @@ class WLBMetricsProcessor(MetricsProcessor):
         super().__init__(job_config, parallel_dims, tag)
         self.wlb_metrics: dict[str, float] = {}
         self.micro_batch_times: list[float] = []
+        self.doc_ids: list[int] = []
         self.jsonl_path: str | None = None
         wlb = getattr(job_config, "wlb", None)
         if wlb is not None and wlb.metrics_jsonl:
@@ -60,6 +61,11 @@ class WLBMetricsProcessor(MetricsProcessor):
                 # e.g. outlier queue depths: one scalar per queue
                 for i, v in enumerate(value):
                     self.wlb_metrics[f"wlb/{key}_{i}"] = float(v)
+
+    def record_doc_ids(self, doc_ids: torch.Tensor) -> None:
+        """Documents this rank trained on (kept only when the JSONL log is on: an audit trail)."""
+        if self.jsonl_path is not None:
+            self.doc_ids.extend(doc_ids.tolist())
 
     def record_micro_batch_time(self, seconds: float) -> None:
         self.micro_batch_times.append(seconds)
@@ -92,6 +98,7 @@ class WLBMetricsProcessor(MetricsProcessor):
                 "grad_norm": float(grad_norm),
                 "peak_mem_gib": mem.max_reserved_gib,
                 "micro_batch_times_s": list(self.micro_batch_times),
+                "doc_ids": sorted(self.doc_ids),
                 **{k: v for k, v in extra.items() if isinstance(v, (int, float))},
             }
             with open(self.jsonl_path, "a") as f:
@@ -114,6 +121,7 @@ class WLBMetricsProcessor(MetricsProcessor):
         logger.info("wlb  " + "  ".join(parts))
         self.wlb_metrics.clear()
         self.micro_batch_times.clear()
+        self.doc_ids.clear()
 
 
 def build_wlb_metrics_processor(

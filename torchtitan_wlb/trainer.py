@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.train import Trainer
 
 from torchtitan_wlb.attention.metadata import DocumentAttentionMetadata, metadata_from_doc_lens
@@ -58,6 +59,9 @@ class WLBTrainer(Trainer):
         stats = input_dict.pop("wlb_stats", None)
         if stats:
             self.metrics_processor.record(stats)
+        doc_ids = input_dict.pop("doc_ids", None)
+        if doc_ids is not None:
+            self.metrics_processor.record_doc_ids(doc_ids)
         if "doc_lens" not in input_dict:
             # [wlb] loader = "torchtitan": no boundaries, plain causal attention per row.
             return super().post_dataloading_process(input_dict, labels)
@@ -65,6 +69,10 @@ class WLBTrainer(Trainer):
         positions = input_dict.pop("positions")
         doc_lens = input_dict.pop("doc_lens").cpu()
         backend = self.job_config.wlb.attention_backend
+        if self.parallel_dims.tp_enabled:
+            inputs, labels, positions, doc_lens = self._pad_for_tp(
+                inputs, labels, positions, doc_lens
+            )
         if self.parallel_dims.cp_enabled:
             inputs, labels, positions, meta = self._shard_for_cp(
                 inputs, labels, positions, doc_lens.numpy(), backend
@@ -73,6 +81,33 @@ class WLBTrainer(Trainer):
             meta = metadata_from_doc_lens(doc_lens, device=inputs.device, backend=backend)
         extra_kwargs: dict[str, Any] = {"attention_masks": meta, "positions": positions}
         return inputs, labels, dict(input_dict), extra_kwargs
+
+    def _pad_for_tp(
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        positions: torch.Tensor,
+        doc_lens: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Pad so that every TP rank's sequence-parallel shard has the same length.
+
+        TorchTitan's TP shards activations along the sequence (sequence parallelism), which needs
+        each rank's local length divisible by the TP degree -- under CP, each CP rank's share, so
+        the micro-batch must be a multiple of ``tp * 2 * cp``. The padding is one extra document
+        (token 0, positions from 0, labels ignored): it attends only to itself, adds nothing to
+        the loss or the gradients, and costs fewer than ``tp * 2 * cp`` tokens.
+        """
+        pd = self.parallel_dims
+        multiple = pd.tp * (2 * pd.cp if pd.cp_enabled else 1)
+        pad = -inputs.shape[1] % multiple
+        if pad == 0:
+            return inputs, labels, positions, doc_lens
+        fill = torch.zeros((1, pad), dtype=inputs.dtype, device=inputs.device)
+        inputs = torch.cat([inputs, fill], dim=1)
+        labels = torch.cat([labels, torch.full_like(fill, IGNORE_INDEX)], dim=1)
+        positions = torch.cat([positions, torch.arange(pad, device=positions.device)[None]], dim=1)
+        doc_lens = torch.cat([doc_lens, torch.tensor([pad], dtype=doc_lens.dtype)])
+        return inputs, labels, positions, doc_lens
 
     def _shard_for_cp(
         self,

@@ -11,6 +11,7 @@ and turns every packed micro-batch into tensors that keep the document boundarie
   - ``positions``: ``[1, S]`` RoPE positions, restarting at 0 for every document (or running over
     the packed sequence with ``reset_positions = False``);
   - ``doc_lens``: ``[D]`` int32 document lengths (they sum to S);
+  - ``doc_ids``: ``[D]`` the documents' stream ids (for the exactly-once audit in the metrics log);
   - ``wlb_stats`` (first micro-batch of each step only): the packer's per-step statistics.
 
 State: the source's state *before* the current step plus how many of its micro-batches were
@@ -102,6 +103,8 @@ class MicroBatchNode(BaseNode[BatchT]):
             self._index = 0
         mb = self._step["micro_batches"][self._index]
         input_dict, labels = collate_micro_batch(mb["tokens"], mb["doc_lens"], self.reset_positions)
+        if "doc_ids" in mb:
+            input_dict["doc_ids"] = torch.as_tensor(np.asarray(mb["doc_ids"], dtype=np.int64))
         if self._index == 0:
             input_dict["wlb_stats"] = dict(self._step.get("stats", {}))
         self._index += 1
