@@ -69,7 +69,7 @@ def test_layout_checks():
         check_job_config(_parse("--wlb.micro_batch_max_len", "1000"), world_size=2)
     with pytest.raises(ConfigError, match="global_batch_size = 3 micro-batches"):
         check_job_config(_parse("--training.global_batch_size", "3"), world_size=2)
-    with pytest.raises(ConfigError, match="fewer than \\[parallelism\\] pipeline_parallel_degree"):
+    with pytest.raises(ConfigError, match="1F1B needs at least pipeline_parallel_degree=2"):
         check_job_config(
             _parse(
                 "--parallelism.pipeline_parallel_degree", "2", "--training.global_batch_size", "2"

@@ -12,6 +12,7 @@ from typing import Any
 
 from torchtitan_wlb.config import ConfigError
 from torchtitan_wlb.data.sources import TextSource
+from torchtitan_wlb.pipeline.schedule_check import check_pp_microbatches
 
 __all__ = ["ConfigError", "check_job_config"]
 
@@ -97,13 +98,15 @@ def check_job_config(job_config: Any, world_size: int | None = None) -> dict[str
                 f"the data-parallel degree {dp}"
             )
         if degrees["pp"] > 1:
-            per_rank = n // dp
-            if per_rank < degrees["pp"]:
-                raise ConfigError(
-                    f"[training] global_batch_size = {n} gives {per_rank} micro-batches per DP "
-                    f"rank, fewer than [parallelism] pipeline_parallel_degree = {degrees['pp']}; "
-                    "the pipeline schedule needs at least one micro-batch per stage"
+            try:
+                check_pp_microbatches(
+                    job_config.parallelism.pipeline_parallel_schedule, n // dp, degrees["pp"]
                 )
+            except ValueError as e:
+                raise ConfigError(
+                    f"[parallelism] pipeline_parallel_degree = {degrees['pp']} with [training] "
+                    f"global_batch_size = {n} ({n // dp} micro-batches per DP rank): {e}"
+                ) from None
     elif degrees["cp"] > 1:
         raise ConfigError(
             f"[parallelism] context_parallel_degree = {degrees['cp']} needs document boundaries "

@@ -111,18 +111,20 @@ def _llama_like(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, **kw: An
     )
 
 
-# Flavors. "debugmodel" runs on CPU with the built-in byte tokenizer (vocabulary 264). The paper's
-# Llama-like sizes (550M, 7B, 30B, 70B; dims not published, chosen to match the parameter counts)
-# and Llama 3 8B / 70B use the Llama 3 vocabulary (128256) and an HF tokenizer.
+# Flavors. "debugmodel" and "tiny" run on CPU with the built-in byte tokenizer (vocabulary 264).
+# "8B" and "70B" are Llama 3.1 8B / 70B. "paper_*" are the Llama-like models of the WLB-LLM paper
+# (Table 1; dims are not published: chosen for the parameter counts and so that the paper's TP
+# degrees divide the query and key/value heads). Those use the Llama 3 vocabulary (128256).
 llama3_wlb_args: dict[str, WLBModelArgs] = {
     "debugmodel": _llama_like(256, 4, 8, 4, vocab_size=264, multiple_of=128),
     "tiny": _llama_like(128, 2, 4, 2, vocab_size=264, multiple_of=64),
-    "550M": _llama_like(1536, 16, 12, 4, vocab_size=128256, multiple_of=256),
-    "7B": _llama_like(4096, 32, 32, 8, vocab_size=128256, multiple_of=1024, ffn_dim_multiplier=1.3),
     "8B": _llama_like(4096, 32, 32, 8, vocab_size=128256, multiple_of=1024, ffn_dim_multiplier=1.3),
-    "30B": _llama_like(6656, 60, 52, 8, vocab_size=128256, multiple_of=256),
-    "70B": _llama_like(
-        8192, 80, 64, 8, vocab_size=128256, multiple_of=4096, ffn_dim_multiplier=1.3
+    "70B": _llama_like(8192, 80, 64, 8, vocab_size=128256, multiple_of=4096, ffn_dim_multiplier=1.3),
+    "paper_550M": _llama_like(1280, 14, 10, 2, vocab_size=128256, multiple_of=256),
+    "paper_7B": _llama_like(4096, 32, 32, 8, vocab_size=128256, multiple_of=256),
+    "paper_30B": _llama_like(7168, 52, 56, 8, vocab_size=128256, multiple_of=256),
+    "paper_70B": _llama_like(
+        8192, 80, 64, 16, vocab_size=128256, multiple_of=4096, ffn_dim_multiplier=1.3
     ),
 }
 

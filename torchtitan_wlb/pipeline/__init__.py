@@ -1,0 +1,30 @@
+"""Pipeline parallelism with variable-length micro-batches and token-mean loss normalisation."""
+
+from torchtitan_wlb.pipeline.loss import (
+    IGNORE_INDEX,
+    count_valid_tokens,
+    global_valid_tokens,
+    token_mean_loss,
+)
+from torchtitan_wlb.pipeline.schedule_check import VARLEN_SCHEDULES, check_pp_microbatches
+from torchtitan_wlb.pipeline.varlen import (
+    SUPPORTED_TORCH_RANGE,
+    UnsupportedTorchVersionError,
+    VarlenPipelineRunner,
+    VarlenStepStats,
+    check_torch_version,
+)
+
+__all__ = [
+    "IGNORE_INDEX",
+    "SUPPORTED_TORCH_RANGE",
+    "UnsupportedTorchVersionError",
+    "VARLEN_SCHEDULES",
+    "VarlenPipelineRunner",
+    "VarlenStepStats",
+    "check_pp_microbatches",
+    "check_torch_version",
+    "count_valid_tokens",
+    "global_valid_tokens",
+    "token_mean_loss",
+]

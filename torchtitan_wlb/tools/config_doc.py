@@ -32,7 +32,7 @@ Related TorchTitan fields:
 | field | meaning under torchtitan-wlb |
 |---|---|
 | `[model] name` | `"llama3_wlb"` (registered by `[experimental] custom_import = "torchtitan_wlb.train_spec"`) |
-| `[model] flavor` | `debugmodel`, `tiny`, `550M`, `7B`, `8B`, `30B`, `70B` |
+| `[model] flavor` | `debugmodel`, `tiny` (CPU, byte tokenizer); `8B`, `70B` (Llama 3.1); `paper_550M`, `paper_7B`, `paper_30B`, `paper_70B` (the paper's Table 1 models) |
 | `[model] hf_assets_path` | `""`: built-in byte tokenizer; a directory with `tokenizer.json`: that tokenizer |
 | `[training] dataset` | `wlb_builtin`, `jsonl`, `parquet`, `text`, `hf` (docs/data.md) |
 | `[training] dataset_path` | file, directory, glob, or HF dataset name / local path |

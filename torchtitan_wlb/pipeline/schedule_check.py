@@ -1,0 +1,72 @@
+"""Start-up check of a pipeline configuration for variable-length micro-batches.
+
+torch raises on a micro-batch count a schedule cannot take only when the schedule is built,
+after process groups and model splitting; WLB configs are validated before any of that. This
+module is pure Python (no process group, no torch.distributed state) and mirrors the constraints
+of torch 2.13's schedules and torchtitan 0.2.2's ``pipeline_llm``.
+"""
+
+from __future__ import annotations
+
+__all__ = ["VARLEN_SCHEDULES", "check_pp_microbatches"]
+
+# Schedules the varlen runner is tested with (tests/test_pipeline_varlen.py), by torch's names
+# (matched case-insensitively, as torch's get_schedule_class does), with their stage style.
+VARLEN_SCHEDULES: dict[str, str] = {
+    "1F1B": "single",
+    "GPipe": "single",
+    "Interleaved1F1B": "multi",
+}
+
+
+def check_pp_microbatches(
+    schedule: str,
+    n_microbatches: int,
+    pp_degree: int,
+    stages_per_rank: int | None = None,
+) -> None:
+    """Raise ``ValueError`` if ``schedule`` cannot run ``n_microbatches`` variable-length ones.
+
+    Args:
+        schedule: ``[parallelism] pipeline_parallel_schedule``.
+        n_microbatches: micro-batches per optimizer step on one DP rank (WLB's N / dp).
+        pp_degree: ``[parallelism] pipeline_parallel_degree`` (> 1).
+        stages_per_rank: virtual stages per rank; defaults to torchtitan's (1 for single-stage
+            schedules, 2 for multi-stage ones).
+    """
+    names = {name.lower(): name for name in VARLEN_SCHEDULES}
+    if not isinstance(schedule, str) or schedule.lower() not in names:
+        raise ValueError(
+            f"pipeline_parallel_schedule={schedule!r} is not supported with variable-length "
+            f"micro-batches; supported: {sorted(VARLEN_SCHEDULES)}"
+        )
+    name = names[schedule.lower()]
+    style = VARLEN_SCHEDULES[name]
+    if not isinstance(pp_degree, int) or pp_degree < 2:
+        raise ValueError(f"pipeline_parallel_degree must be an int >= 2, got {pp_degree!r}")
+    if not isinstance(n_microbatches, int) or n_microbatches < 1:
+        raise ValueError(f"the number of micro-batches must be an int >= 1, got {n_microbatches!r}")
+    if stages_per_rank is None:
+        stages_per_rank = 1 if style == "single" else 2
+    if style == "single" and stages_per_rank != 1:
+        raise ValueError(
+            f"{name} runs exactly 1 stage per rank, got stages_per_rank={stages_per_rank}"
+        )
+    if style == "multi" and stages_per_rank < 2:
+        raise ValueError(
+            f"{name} needs at least 2 stages per rank, got stages_per_rank={stages_per_rank}"
+        )
+    if name == "1F1B" and n_microbatches < pp_degree:
+        raise ValueError(
+            f"1F1B needs at least pipeline_parallel_degree={pp_degree} micro-batches per step, "
+            f"got {n_microbatches}"
+        )
+    if name == "Interleaved1F1B":
+        rounds = max(1, n_microbatches // pp_degree)
+        if n_microbatches % rounds != 0:
+            valid = [n for n in range(1, 4 * pp_degree + 1) if n % max(1, n // pp_degree) == 0]
+            raise ValueError(
+                f"Interleaved1F1B with pipeline_parallel_degree={pp_degree} needs the number of "
+                f"micro-batches per step to be a multiple of max(1, n // {pp_degree}) = {rounds}, "
+                f"got {n_microbatches}; valid counts up to {4 * pp_degree}: {valid}"
+            )

@@ -1,0 +1,493 @@
+"""Variable-length micro-batches through torch.distributed.pipelining schedules.
+
+WLB-LLM packs every micro-batch of an optimizer step to its own token count, while
+``torch.distributed.pipelining`` sizes the receive buffers of a stage once, from the first
+micro-batch it ever sees, and torchtitan splits one ``[B, S]`` tensor along dim 0 so that every
+micro-batch of a step shares one shape. This module lets an existing schedule (the one
+torchtitan's ``pipelining_fn`` builds) run micro-batches of different lengths in one step, with no
+padding and no shape exchange:
+
+* every rank of a pipeline already knows the per-micro-batch token counts (the packing plan is
+  computed identically on all ranks), so before each step the receive buffers of every
+  micro-batch -- activations in ``stage.args_recv_info[mb]`` and gradients in
+  ``stage.grad_recv_info[mb]`` -- are replaced by tensors of that micro-batch's own shape;
+* micro-batches are handed to the schedule as lists (``_step_microbatches``) instead of one tensor
+  that ``step()`` would split along dim 0, so each carries its own positional input, target and
+  keyword metadata (``attention_masks``, ``positions``), which every stage receives for that
+  micro-batch.
+
+All access to private pipelining attributes lives in this module (see ``_PRIVATE_ATTRS``) and is
+gated on the torch versions the approach was checked against.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "SUPPORTED_TORCH_RANGE",
+    "UnsupportedTorchVersionError",
+    "VarlenPipelineRunner",
+    "VarlenStepStats",
+    "check_torch_version",
+]
+
+# (major, minor) bounds, both inclusive, of the torch releases this module supports. 2.13.0 (CPU)
+# is the one the tests run on; see docs/pipeline.md for what was checked on the others.
+SUPPORTED_TORCH_RANGE: tuple[tuple[int, int], tuple[int, int]] = ((2, 11), (2, 13))
+
+# Setting this environment variable to 1 skips the version gate (to try a newer torch); the
+# private-attribute checks below still run.
+ALLOW_UNVERIFIED_ENV = "WLB_PP_ALLOW_UNVERIFIED_TORCH"
+
+# The private pipelining attributes this module reads or writes, in one place.
+_PRIVATE_ATTRS = {
+    "schedule": ("_n_microbatches", "_loss_fn", "_has_backward", "_step_microbatches"),
+    "stage": ("args_recv_info", "grad_recv_info", "clear_runtime_states"),
+}
+
+
+# Stage methods of older releases that check each micro-batch against the first one's shapes.
+_SHAPE_VALIDATORS = ("_validate_fwd_input", "_validate_fwd_outputs")
+
+
+def _skip_validation(*args: Any, **kwargs: Any) -> None:
+    """Stands in for a stage's shape validator while a varlen step runs."""
+
+
+class UnsupportedTorchVersionError(RuntimeError):
+    """Raised when the installed torch is outside :data:`SUPPORTED_TORCH_RANGE`."""
+
+
+def _parse_major_minor(version: str) -> tuple[int, int]:
+    match = re.match(r"^(\d+)\.(\d+)", version)
+    if match is None:
+        raise UnsupportedTorchVersionError(
+            f"cannot parse torch version {version!r}; expected 'MAJOR.MINOR[...]'"
+        )
+    return int(match.group(1)), int(match.group(2))
+
+
+def check_torch_version(version: str | None = None) -> None:
+    """Fail early when the private pipelining internals may differ from the verified ones.
+
+    The runner rewrites private state of ``PipelineStage`` and calls private schedule methods;
+    those change between torch releases without notice, so an unverified torch must not silently
+    produce wrong gradients or hang a pipeline.
+    """
+    version = torch.__version__ if version is None else version
+    if os.environ.get(ALLOW_UNVERIFIED_ENV) == "1":
+        return
+    major_minor = _parse_major_minor(version)
+    low, high = SUPPORTED_TORCH_RANGE
+    if not (low <= major_minor <= high):
+        raise UnsupportedTorchVersionError(
+            f"torchtitan_wlb.pipeline.varlen relies on private torch.distributed.pipelining "
+            f"internals verified on torch {low[0]}.{low[1]} to {high[0]}.{high[1]}, but torch "
+            f"{version} is installed; install a torch in that range, or set "
+            f"{ALLOW_UNVERIFIED_ENV}=1 to try it anyway (then run tests/test_pipeline_varlen.py)"
+        )
+
+
+@dataclass
+class VarlenStepStats:
+    """What one :meth:`VarlenPipelineRunner.step` did to the receive buffers of this rank."""
+
+    # Receive buffers (activations and gradients) replaced because their micro-batch changed length.
+    buffers_resized: int
+    # Receive buffers kept from the previous step because the length was unchanged.
+    buffers_reused: int
+    # Bytes of the receive buffers of this step (all micro-batches, activations and gradients).
+    recv_bytes: int
+
+
+class _TokenMeanLoss:
+    """``loss_fn(pred, target) / global_valid_tokens``: makes a sum-reduced loss a global mean."""
+
+    def __init__(self, loss_sum_fn: Callable[..., torch.Tensor], denominator: torch.Tensor):
+        self.loss_sum_fn = loss_sum_fn
+        self.denominator = denominator
+
+    def __call__(self, pred: Any, target: Any, **kwargs: Any) -> torch.Tensor:
+        return self.loss_sum_fn(pred, target, **kwargs) / self.denominator
+
+
+def _empty_like_layout(shape: Sequence[int], ref: torch.Tensor) -> torch.Tensor:
+    """An empty tensor of ``shape`` with ``ref``'s dtype, device and dimension order.
+
+    ``ref`` is the buffer torch allocated from the inferred metadata (``empty_strided``), so the
+    new buffer keeps the memory layout the sender produces.
+    """
+    if ref.is_contiguous():
+        return torch.empty(tuple(shape), dtype=ref.dtype, device=ref.device)
+    # Outermost dimension first, as in ref's strides; allocate contiguous in that order.
+    order = sorted(range(ref.dim()), key=lambda d: (-ref.stride(d), d))
+    permuted = torch.empty([shape[d] for d in order], dtype=ref.dtype, device=ref.device)
+    inverse = [order.index(d) for d in range(ref.dim())]
+    return permuted.permute(inverse)
+
+
+class VarlenPipelineRunner:
+    """Runs one optimizer step's micro-batches, each with its own length, through a schedule.
+
+    Wraps a schedule built by torchtitan's ``pipelining_fn`` (``Schedule1F1B``,
+    ``ScheduleInterleaved1F1B``, or any single- or multi-stage schedule with the same runtime),
+    and replaces ``schedule.step(...)`` in the training step. The schedule must have been built
+    with ``scale_grads=False`` (torchtitan does): gradients are normalised by the loss instead.
+
+    Args:
+        schedule: the pipeline schedule of this rank.
+        seq_dim: the dimension of the tensors crossing stage boundaries (activations and their
+            gradients) that holds the micro-batch's tokens; 1 for torchtitan's ``[1, S, dim]``.
+        verify_seq_lens: debugging aid: before each step, check with two small all-reduces over
+            the pipeline group that every rank passed the same ``seq_lens`` (a mismatch is a
+            size error on gloo but a hang or silent corruption on NCCL). Off by default: the
+            point of the runner is that no shape information travels.
+    """
+
+    def __init__(self, schedule: Any, *, seq_dim: int = 1, verify_seq_lens: bool = False):
+        check_torch_version()
+        from torch.distributed.pipelining.schedules import (
+            PipelineScheduleMulti,
+            PipelineScheduleSingle,
+        )
+
+        if isinstance(schedule, PipelineScheduleSingle):
+            stages = [schedule._stage]
+            init_fn = schedule._initialize_stage
+        elif isinstance(schedule, PipelineScheduleMulti):
+            stages = list(schedule._stages)
+            init_fn = schedule._initialize_stages
+        else:
+            raise ValueError(
+                f"schedule must be a torch.distributed.pipelining PipelineScheduleSingle or "
+                f"PipelineScheduleMulti, got {type(schedule).__name__}"
+            )
+        for attr in _PRIVATE_ATTRS["schedule"]:
+            if not hasattr(schedule, attr):
+                raise UnsupportedTorchVersionError(
+                    f"{type(schedule).__name__} has no attribute {attr!r} in torch "
+                    f"{torch.__version__}; the varlen runner needs it"
+                )
+        for stage in stages:
+            for attr in _PRIVATE_ATTRS["stage"]:
+                if not hasattr(stage, attr):
+                    raise UnsupportedTorchVersionError(
+                        f"{type(stage).__name__} has no attribute {attr!r} in torch "
+                        f"{torch.__version__}; the varlen runner needs it"
+                    )
+        if getattr(schedule, "scale_grads", False):
+            raise ValueError(
+                "schedule.scale_grads=True divides gradients by the number of micro-batches, "
+                "which reweights tokens of micro-batches of different lengths; build the schedule "
+                "with scale_grads=False (torchtitan's build_pipeline_schedule does) and pass "
+                "global_valid_tokens to step()"
+            )
+        if not isinstance(seq_dim, int) or seq_dim < 0:
+            raise ValueError(f"seq_dim must be a non-negative int, got {seq_dim!r}")
+
+        self.schedule = schedule
+        self.stages = stages
+        self.seq_dim = seq_dim
+        self.verify_seq_lens = verify_seq_lens
+        self._init_fn = init_fn
+        init_params = inspect.signature(init_fn).parameters
+        self._init_takes_target = "target" in init_params
+        self._init_takes_loss_kwargs = "loss_kwargs" in init_params
+        step_params = inspect.signature(schedule._step_microbatches).parameters
+        self._step_takes_loss_kwargs = "loss_kwargs" in step_params
+        # Whether the buffers the schedule allocated at its last set-up still need checking
+        # against that step's seq_lens[0] (set-up happens on the first step and after an
+        # eval/train mode switch).
+        # A schedule already set up (by an earlier runner or schedule.step) cannot be checked:
+        # the lengths it was set up with are unknown.
+        self._layout_checked = self._initialized_flags()[0] is True
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def n_microbatches(self) -> int:
+        """Micro-batches per step, fixed when the schedule was built."""
+        return int(self.schedule._n_microbatches)
+
+    @property
+    def has_first_stage(self) -> bool:
+        """Whether this rank holds stage 0 (it must pass ``microbatch_inputs``)."""
+        return any(stage.is_first for stage in self.stages)
+
+    @property
+    def has_last_stage(self) -> bool:
+        """Whether this rank holds the last stage (it must pass ``targets``)."""
+        return any(stage.is_last for stage in self.stages)
+
+    # ------------------------------------------------------------------ step
+    def step(
+        self,
+        microbatch_inputs: Sequence[torch.Tensor] | None,
+        microbatch_kwargs: Sequence[Mapping[str, Any]] | None,
+        targets: Sequence[torch.Tensor] | None,
+        seq_lens: Sequence[int],
+        *,
+        global_valid_tokens: torch.Tensor | int | None = None,
+        losses: list | None = None,
+        loss_kwargs: Mapping[str, Any] | None = None,
+    ) -> VarlenStepStats:
+        """Forward and backward of all micro-batches of one step through the pipeline.
+
+        Args:
+            microbatch_inputs: per micro-batch, the first stage's positional input (tokens
+                ``[1, S_i]``); required on ranks holding stage 0, ignored elsewhere.
+            microbatch_kwargs: per micro-batch, the keyword arguments every stage's forward
+                receives for that micro-batch (``attention_masks``, ``positions``, ...); the same
+                list on every rank of the pipeline. ``None`` means no keyword arguments.
+            targets: per micro-batch, the labels for the loss; required on ranks holding the last
+                stage, ignored elsewhere.
+            seq_lens: per micro-batch, the length along ``seq_dim`` of the tensors that cross
+                stage boundaries (this rank's token count after CP/sequence sharding); identical
+                on every rank of the pipeline, so no shape exchange is needed.
+            global_valid_tokens: the global batch's valid-token count (see
+                :func:`torchtitan_wlb.pipeline.loss.global_valid_tokens`); each micro-batch's
+                loss is divided by it before backward, so gradients are those of the token mean
+                over the global batch. ``None`` back-propagates the raw loss.
+            losses: filled on last-stage ranks with one loss per micro-batch (already divided by
+                ``global_valid_tokens``: their sum is this rank's share of the global mean).
+            loss_kwargs: extra keyword arguments for the loss function (torch >= 2.13 only).
+
+        Returns:
+            What happened to this rank's receive buffers.
+        """
+        n = self.n_microbatches
+        lens = self._check_seq_lens(seq_lens, n)
+        arg_mbs = self._check_inputs(microbatch_inputs, targets, n)
+        kwarg_mbs = self._check_kwargs(microbatch_kwargs, n)
+        target_mbs = list(targets) if self.has_last_stage else None
+        if loss_kwargs is not None and not self._step_takes_loss_kwargs:
+            raise ValueError(
+                f"loss_kwargs is not supported by {type(self.schedule).__name__} in torch "
+                f"{torch.__version__}; pass loss_kwargs=None"
+            )
+
+        if self.verify_seq_lens:
+            self._verify_same_seq_lens(lens)
+        schedule = self.schedule
+        if schedule._has_backward and not torch.is_grad_enabled():
+            raise RuntimeError("VarlenPipelineRunner.step() needs gradients enabled")
+        original_loss_fn = schedule._loss_fn
+        if global_valid_tokens is not None and original_loss_fn is not None:
+            denominator = torch.as_tensor(global_valid_tokens).clamp(min=1)
+            schedule._loss_fn = _TokenMeanLoss(original_loss_fn, denominator)
+        saved_validate = [getattr(s, "_runtime_validate", None) for s in self.stages]
+        shadowed: list[tuple[Any, str]] = []
+        try:
+            for stage in self.stages:
+                stage.has_backward = schedule._has_backward
+                stage.clear_runtime_states()
+                # Shape validation compares every micro-batch with the single shape inferred
+                # from the first one, which varlen micro-batches legitimately differ from:
+                # torch 2.13 validates under TORCH_DISTRIBUTED_DEBUG=DETAIL only, older
+                # releases always validate the first stage's inputs and every stage's outputs.
+                if hasattr(stage, "_runtime_validate"):
+                    stage._runtime_validate = False
+                for name in _SHAPE_VALIDATORS:
+                    if hasattr(stage, name) and name not in vars(stage):
+                        setattr(stage, name, _skip_validation)
+                        shadowed.append((stage, name))
+            self._ensure_initialized(arg_mbs, kwarg_mbs, target_mbs, loss_kwargs)
+            stats = self._resize_recv_buffers(lens)
+            step_kwargs: dict[str, Any] = {}
+            if self._step_takes_loss_kwargs:
+                step_kwargs["loss_kwargs"] = dict(loss_kwargs) if loss_kwargs else None
+            schedule._step_microbatches(
+                arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs=False, **step_kwargs
+            )
+        finally:
+            schedule._loss_fn = original_loss_fn
+            for stage, name in shadowed:
+                delattr(stage, name)
+            for stage, flag in zip(self.stages, saved_validate, strict=True):
+                if flag is not None:
+                    stage._runtime_validate = flag
+        return stats
+
+    def eval_step(
+        self,
+        microbatch_inputs: Sequence[torch.Tensor] | None,
+        microbatch_kwargs: Sequence[Mapping[str, Any]] | None,
+        targets: Sequence[torch.Tensor] | None,
+        seq_lens: Sequence[int],
+        *,
+        global_valid_tokens: torch.Tensor | int | None = None,
+        losses: list | None = None,
+        loss_kwargs: Mapping[str, Any] | None = None,
+    ) -> VarlenStepStats:
+        """Forward only (validation), same arguments as :meth:`step`; run under ``no_grad``.
+
+        Like torch's ``schedule.eval``: the schedule re-sets its stages up when switching between
+        training and evaluation (one shape-inference pass each way), then the buffers are
+        re-sized as in :meth:`step`.
+        """
+        original = self.schedule._has_backward
+        self.schedule._has_backward = False
+        try:
+            return self.step(
+                microbatch_inputs,
+                microbatch_kwargs,
+                targets,
+                seq_lens,
+                global_valid_tokens=global_valid_tokens,
+                losses=losses,
+                loss_kwargs=loss_kwargs,
+            )
+        finally:
+            self.schedule._has_backward = original
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _check_seq_lens(seq_lens: Sequence[int], n: int) -> list[int]:
+        lens = [int(x) for x in seq_lens]
+        if len(lens) != n:
+            raise ValueError(
+                f"seq_lens has {len(lens)} entries but the schedule was built for {n} "
+                f"micro-batches per step; pass one length per micro-batch"
+            )
+        bad = [x for x in lens if x < 1]
+        if bad:
+            raise ValueError(f"seq_lens must all be >= 1, got {lens}")
+        return lens
+
+    def _check_inputs(
+        self,
+        microbatch_inputs: Sequence[torch.Tensor] | None,
+        targets: Sequence[torch.Tensor] | None,
+        n: int,
+    ) -> list[tuple[Any, ...]] | None:
+        if self.has_first_stage and (microbatch_inputs is None or len(microbatch_inputs) != n):
+            got = "None" if microbatch_inputs is None else f"{len(microbatch_inputs)} entries"
+            raise ValueError(
+                f"this rank holds stage 0, so microbatch_inputs must have {n} entries "
+                f"(one input tensor per micro-batch), got {got}"
+            )
+        if self.has_last_stage and (targets is None or len(targets) != n):
+            got = "None" if targets is None else f"{len(targets)} entries"
+            raise ValueError(
+                f"this rank holds the last stage, so targets must have {n} entries "
+                f"(one label tensor per micro-batch), got {got}"
+            )
+        if not self.has_first_stage:
+            return None
+        return [x if isinstance(x, tuple) else (x,) for x in microbatch_inputs]
+
+    @staticmethod
+    def _check_kwargs(
+        microbatch_kwargs: Sequence[Mapping[str, Any]] | None, n: int
+    ) -> list[dict[str, Any]]:
+        if microbatch_kwargs is None:
+            return [{} for _ in range(n)]
+        if len(microbatch_kwargs) != n:
+            raise ValueError(
+                f"microbatch_kwargs has {len(microbatch_kwargs)} entries, expected {n} "
+                f"(one dict of forward keyword arguments per micro-batch)"
+            )
+        return [dict(kw) for kw in microbatch_kwargs]
+
+    def _verify_same_seq_lens(self, lens: list[int]) -> None:
+        """Raise on every rank if the ranks of the pipeline passed different ``seq_lens``."""
+        import torch.distributed as dist
+
+        stage = self.stages[0]
+        local = torch.tensor(lens, dtype=torch.int64, device=stage.device)
+        high, low = local.clone(), local.clone()
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=stage.group)
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=stage.group)
+        if not torch.equal(high, low):
+            raise ValueError(
+                f"the pipeline's ranks passed different seq_lens (this rank: {lens}; per "
+                f"micro-batch min {low.tolist()}, max {high.tolist()}); every rank of a pipeline "
+                f"must derive them from the same packing plan"
+            )
+
+    def _ensure_initialized(
+        self,
+        arg_mbs: list[tuple[Any, ...]] | None,
+        kwarg_mbs: list[dict[str, Any]],
+        target_mbs: list[torch.Tensor] | None,
+        loss_kwargs: Mapping[str, Any] | None,
+    ) -> None:
+        """Run the schedule's one-time stage set-up now, before buffers are resized.
+
+        The schedule would otherwise run it inside ``_step_microbatches`` (with micro-batch 0, on
+        all stages together) and overwrite the resized buffers. Calling it here is a no-op once
+        the stages are set up, and re-does the set-up after an eval/train mode switch.
+        """
+        kwargs: dict[str, Any] = {}
+        if self._init_takes_target:
+            kwargs["target"] = target_mbs[0] if target_mbs is not None else None
+        if self._init_takes_loss_kwargs:
+            kwargs["loss_kwargs"] = dict(loss_kwargs) if loss_kwargs else None
+        args0 = arg_mbs[0] if arg_mbs is not None else ()
+        before = self._initialized_flags()
+        self._init_fn(args0, kwarg_mbs[0], **kwargs)
+        if self._initialized_flags() != before:
+            self._layout_checked = False
+
+    def _initialized_flags(self) -> tuple[Any, Any]:
+        """The schedule's (forward, backward) set-up flags; they change when it (re-)sets up."""
+        sched = self.schedule
+        if hasattr(sched, "_stage_forward_initialized"):
+            return sched._stage_forward_initialized, sched._stage_backward_initialized
+        return (
+            getattr(sched, "_stages_forward_initialized", None),
+            getattr(sched, "_stages_backward_initialized", None),
+        )
+
+    def _resize_recv_buffers(self, lens: list[int]) -> VarlenStepStats:
+        """Give every micro-batch's receive buffers that micro-batch's own length."""
+        resized = reused = nbytes = 0
+        for stage in self.stages:
+            tables = [stage.args_recv_info]
+            if stage.has_backward:
+                tables.append(stage.grad_recv_info)
+            for table in tables:
+                for mb, length in enumerate(lens):
+                    for info in table[mb]:
+                        buf = getattr(info, "buffer", None)
+                        if buf is None:  # root input of stage 0, or an output without gradient
+                            continue
+                        if not self._layout_checked:
+                            self._check_layout(stage, info, buf, lens[0])
+                        if buf.shape[self.seq_dim] == length:
+                            reused += 1
+                        else:
+                            shape = list(buf.shape)
+                            shape[self.seq_dim] = length
+                            # Older releases set requires_grad on activation buffers at
+                            # set-up and never again; keep it.
+                            buf = _empty_like_layout(shape, buf).requires_grad_(buf.requires_grad)
+                            info.buffer = buf
+                            resized += 1
+                        nbytes += buf.numel() * buf.element_size()
+        self._layout_checked = True
+        return VarlenStepStats(buffers_resized=resized, buffers_reused=reused, recv_bytes=nbytes)
+
+    def _check_layout(self, stage: Any, info: Any, buf: torch.Tensor, first_len: int) -> None:
+        """On the first step, check the inferred buffers against ``seq_dim`` and ``seq_lens``."""
+        meta = getattr(info, "tensor_meta", None)
+        if meta is not None and hasattr(meta, "placements"):
+            raise ValueError(
+                f"stage {stage.stage_index} receives a DTensor ({info!r}); variable-length "
+                f"micro-batches support plain tensors between stages only (with TP, convert "
+                f"stage outputs to local tensors)"
+            )
+        if buf.dim() <= self.seq_dim or buf.shape[self.seq_dim] != first_len:
+            raise ValueError(
+                f"stage {stage.stage_index} was set up from micro-batch 0 with a receive buffer "
+                f"of shape {tuple(buf.shape)}, whose dim seq_dim={self.seq_dim} should equal "
+                f"seq_lens[0]={first_len}; seq_lens must be the token counts of the tensors that "
+                f"cross stage boundaries (after CP/sequence sharding) and seq_dim their dimension"
+            )

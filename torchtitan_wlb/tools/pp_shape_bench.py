@@ -1,0 +1,228 @@
+"""Micro-benchmark: receive shapes from the packing plan vs a shape exchange, on 2 PP ranks.
+
+The varlen runner (``torchtitan_wlb.pipeline.varlen``) sizes every micro-batch's receive buffers
+from the per-micro-batch lengths that every pipeline rank already knows, so it sends nothing
+extra. The alternative is to exchange shapes at run time. This tool measures, on gloo with two
+processes (PP = 2, 1F1B, a tiny torchtitan llama3):
+
+* ``step_ms``: a full varlen pipeline step (forward + backward of all micro-batches), for scale;
+* ``stock_step_ms`` / ``runner_equal_step_ms``: torch's own ``schedule.step`` and the runner on
+  the same equal-length micro-batches (the runner's overhead where torch needs none);
+* ``resize_us``: the runner's buffer re-sizing per step (what the plan-based approach costs);
+* ``exchange_batched_us``: one P2P message with all lengths of the step (cheapest exchange);
+* ``exchange_per_mb_tensor_us``: one small tensor message per micro-batch (shape before data);
+* ``exchange_per_mb_object_us``: one pickled ``send_object_list`` per micro-batch, as torch's own
+  metadata inference does.
+
+Exchange figures are per pipeline boundary and per step; they sit on the critical path of the
+pipeline because a stage cannot post its receive before it knows the size.
+
+    python -m torchtitan_wlb.tools.pp_shape_bench --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _build_pipeline(args: argparse.Namespace, mesh: Any) -> tuple[Any, list, Any]:
+    from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.config import JobConfig
+    from torchtitan.distributed.pipeline_parallel import (
+        build_pipeline_schedule,
+        generate_llm_fqn_per_model_part,
+        pipeline_module_split,
+    )
+    from torchtitan.models.llama3.model.args import TransformerModelArgs
+    from torchtitan.models.llama3.model.model import Transformer
+
+    model_args = TransformerModelArgs(
+        dim=args.dim,
+        n_layers=args.layers,
+        n_heads=max(1, args.dim // 64),
+        vocab_size=args.vocab,
+        multiple_of=64,
+        max_seq_len=args.max_len,
+    )
+    torch.manual_seed(0)
+    model = Transformer(model_args)
+    with torch.no_grad():
+        model.init_weights()
+    fqns = generate_llm_fqn_per_model_part(2, args.layers, 1, 1)
+    stages, parts = pipeline_module_split(model, mesh, "1F1B", torch.device("cpu"), fqns)
+    job = JobConfig()
+    job.parallelism.pipeline_parallel_schedule = "1F1B"
+    job.parallelism.pipeline_parallel_degree = 2
+    job.parallelism.pipeline_parallel_microbatch_size = 1
+    job.training.local_batch_size = args.n_mb
+    schedule = build_pipeline_schedule(job, stages, cross_entropy_loss)
+    return schedule, parts, stages
+
+
+def _max_over_ranks(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _timed(fn, reps: int) -> float:
+    """Median wall time of ``fn`` in seconds, max over ranks, each rep started after a barrier."""
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return _max_over_ranks(statistics.median(times))
+
+
+def _worker(rank: int, args: argparse.Namespace, init_file: str, out_file: str) -> None:
+    from torchtitan_wlb.pipeline import VarlenPipelineRunner
+
+    torch.set_num_threads(args.threads)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(seconds=300),
+    )
+    try:
+        mesh = dist.init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+        schedule, _, _ = _build_pipeline(args, mesh)
+        runner = VarlenPipelineRunner(schedule)
+        g = torch.Generator().manual_seed(0)
+
+        def random_lengths() -> list[int]:
+            return torch.randint(args.min_len, args.max_len + 1, (args.n_mb,), generator=g).tolist()
+
+        def make(lengths: list[int]):
+            tokens = [torch.randint(0, args.vocab, (1, n), generator=g) for n in lengths]
+            labels = [torch.randint(0, args.vocab, (1, n), generator=g) for n in lengths]
+            return tokens, labels
+
+        def varlen_step(lengths: list[int], tokens, labels) -> None:
+            runner.step(
+                tokens if runner.has_first_stage else None,
+                None,
+                labels if runner.has_last_stage else None,
+                lengths,
+                global_valid_tokens=sum(lengths),
+            )
+
+        results: dict[str, Any] = {}
+        # Full varlen steps with new lengths every step.
+        batches = [(lens, *make(lens)) for lens in (random_lengths() for _ in range(args.reps + 1))]
+        varlen_step(*batches[0])  # first step: schedule set-up and shape inference
+        it = iter(batches[1:])
+        results["step_ms"] = 1e3 * _timed(lambda: varlen_step(*next(it)), args.reps)
+
+        # Buffer re-sizing alone: alternate between two length vectors so every call re-sizes.
+        alt = [random_lengths(), random_lengths()]
+        counter = iter(range(10**9))
+        results["resize_us"] = 1e6 * _timed(
+            lambda: runner._resize_recv_buffers(alt[next(counter) % 2]), args.reps * 20
+        )
+
+        # Shape exchange alternatives, rank 0 (stage 0) -> rank 1 (stage 1).
+        lens_t = torch.tensor(alt[0], dtype=torch.int64)
+
+        def exchange_batched() -> None:
+            if rank == 0:
+                dist.send(lens_t, dst=1)
+            else:
+                dist.recv(torch.empty_like(lens_t), src=0)
+
+        def exchange_per_mb_tensor() -> None:
+            for i in range(args.n_mb):
+                if rank == 0:
+                    dist.send(lens_t[i : i + 1].clone(), dst=1)
+                else:
+                    dist.recv(torch.empty(1, dtype=torch.int64), src=0)
+
+        def exchange_per_mb_object() -> None:
+            for i in range(args.n_mb):
+                objs = [(1, int(lens_t[i]), args.dim)] if rank == 0 else [None]
+                if rank == 0:
+                    dist.send_object_list(objs, dst=1)
+                else:
+                    dist.recv_object_list(objs, src=0)
+
+        reps = args.reps * 20
+        results["exchange_batched_us"] = 1e6 * _timed(exchange_batched, reps)
+        results["exchange_per_mb_tensor_us"] = 1e6 * _timed(exchange_per_mb_tensor, reps)
+        results["exchange_per_mb_object_us"] = 1e6 * _timed(exchange_per_mb_object, reps)
+
+        # Runner vs torch's own step on equal-length micro-batches (fresh pipeline for torch).
+        stock_schedule, _, _ = _build_pipeline(args, mesh)
+        length = (args.min_len + args.max_len) // 2
+        eq_lens = [length] * args.n_mb
+        eq_tokens, eq_labels = make(eq_lens)
+        batch_tokens, batch_labels = torch.cat(eq_tokens), torch.cat(eq_labels)
+
+        def stock_step() -> None:
+            if rank == 0:
+                stock_schedule.step(batch_tokens, target=None, losses=None, return_outputs=False)
+            else:
+                stock_schedule.step(target=batch_labels, losses=[], return_outputs=False)
+
+        stock_step()
+        varlen_step(eq_lens, eq_tokens, eq_labels)
+        # Alternate the two so that load from other processes hits both alike.
+        stock_times, runner_times = [], []
+        for _ in range(args.reps):
+            stock_times.append(_timed(stock_step, 1))
+            runner_times.append(_timed(lambda: varlen_step(eq_lens, eq_tokens, eq_labels), 1))
+        results["stock_step_ms"] = 1e3 * statistics.median(stock_times)
+        results["runner_equal_step_ms"] = 1e3 * statistics.median(runner_times)
+        if rank == 0:
+            with open(out_file, "w") as f:
+                json.dump(results, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n-mb", type=int, default=4, help="micro-batches per step")
+    parser.add_argument("--min-len", type=int, default=64, help="shortest micro-batch (tokens)")
+    parser.add_argument("--max-len", type=int, default=1024, help="longest micro-batch (tokens)")
+    parser.add_argument("--dim", type=int, default=128, help="model width")
+    parser.add_argument("--layers", type=int, default=2, help="transformer layers")
+    parser.add_argument("--vocab", type=int, default=512, help="vocabulary size")
+    parser.add_argument("--reps", type=int, default=10, help="timed steps per measurement")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--json", action="store_true", help="print one JSON object last")
+    args = parser.parse_args(argv)
+    if args.n_mb < 2:
+        raise ValueError(f"--n-mb must be >= 2 (1F1B on 2 stages), got {args.n_mb}")
+    if not 1 <= args.min_len <= args.max_len:
+        raise ValueError(f"need 1 <= --min-len <= --max-len, got {args.min_len} and {args.max_len}")
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file, out_file = os.path.join(tmp, "init"), os.path.join(tmp, "out.json")
+        mp.spawn(_worker, args=(args, init_file, out_file), nprocs=2, join=True)
+        with open(out_file) as f:
+            results = json.load(f)
+    results["config"] = {k: v for k, v in vars(args).items() if k != "json"}
+    results["torch"] = torch.__version__
+    if args.json:
+        print(json.dumps(results))
+    else:
+        for key, value in results.items():
+            print(f"{key}: {value}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
