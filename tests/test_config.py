@@ -114,3 +114,15 @@ def test_cli_reports_bad_input_without_traceback():
     assert r.returncode == 2
     assert "dataset_path = '/nonexistent/x' matches no jsonl file" in _flat(r)
     assert "Traceback" not in _flat(r)
+
+
+def test_configuration_reference_is_up_to_date():
+    """docs/configuration.md is generated from the dataclass; regenerate it when fields change."""
+    from torchtitan_wlb.tools.config_doc import render
+
+    with open(os.path.join(ROOT, "docs", "configuration.md")) as f:
+        committed = f.read()
+    assert committed == render(), (
+        "docs/configuration.md is stale: python -m torchtitan_wlb.tools.config_doc > "
+        "docs/configuration.md"
+    )

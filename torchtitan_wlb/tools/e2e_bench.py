@@ -1,0 +1,221 @@
+"""End-to-end step time of the paper's three systems on this machine, through the real trainer.
+
+    python -m torchtitan_wlb.tools.e2e_bench --json                  # 2 ranks, PP = 2
+    python -m torchtitan_wlb.tools.e2e_bench --parallel cp2 --json   # 2 ranks, CP = 2
+
+Runs ``plain_4d`` (original packing + per-sequence CP), ``fixed_4d`` (fixed-length greedy packing
++ per-document CP) and ``wlb`` (variable-length packing with outlier queues + adaptive CP) one
+after the other, each as a real ``torchtitan_wlb.train`` job on 2 CPU ranks (gloo), on the same
+documents, and reads the per-rank metrics log (``[wlb] metrics_jsonl``).
+
+Documents: a long-tailed length mix shaped like WLB-LLM's 128K workload, scaled to the benchmark's
+context (``--generator longtail``; or ``--lengths FILE`` with a JSON / .npy / text list of token
+counts, scaled by ``context_len / --scale-from``), with random token ids (time does not depend on
+the values). The model and context are sized so that attention is a real share of the work: the
+default ``tiny`` model's attention/linear break-even length is ~2K tokens and the context is 8K.
+
+How it is measured: each mode runs ``--steps`` optimizer steps; the first ``--warmup`` are
+dropped; a step's time is the slowest rank's wall time between two metric logs; the figure is the
+median; ``tokens_per_s`` (all timed steps' tokens over their total time) and the
+``throughput_speedup_*`` keys guard against a packer that defers work to later steps. Peak memory is the largest per-rank peak resident set. ``imbalance`` is the packer's
+predicted max/mean micro-batch workload (mean over steps); ``measured_imbalance`` is max/mean of
+the measured per-micro-batch forward+backward times (without PP; with PP the schedule runs the
+step's micro-batches together). Both ranks share this machine's cores, so absolute times depend
+on what else runs; compare modes within one invocation.
+
+The last line printed is one JSON object: ``modes -> {plain_4d, fixed_4d, wlb} -> {step_time_s,
+peak_mem_mb, imbalance, ...}``, ``speedup_wlb_vs_plain``, ``speedup_wlb_vs_fixed``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from torchtitan_wlb.tools.pack_bench import GENERATORS, generate, load_lengths
+
+ROOT = Path(__file__).resolve().parents[2]
+MODES = ("plain_4d", "fixed_4d", "wlb")
+PARALLEL = {
+    "pp2": ["--parallelism.pipeline_parallel_degree", "2"],
+    "cp2": ["--parallelism.context_parallel_degree", "2"],
+    "dp2": [],
+}
+
+
+def make_documents(args: argparse.Namespace) -> np.ndarray:
+    """Document lengths (tokens incl. BOS/EOS) for the benchmark, deterministic in the seed."""
+    if args.lengths:
+        lengths = load_lengths(args.lengths)
+    else:
+        lengths = generate(args.generator, args.num_docs, args.scale_from, args.seed)
+    scaled = np.rint(lengths * (args.context_len / args.scale_from)).astype(np.int64)
+    return np.clip(scaled, 3, args.context_len)
+
+
+def write_jsonl(lengths: np.ndarray, path: Path, seed: int) -> None:
+    """One document per line whose byte-tokenized length (+ BOS/EOS) is the given length."""
+    rng = np.random.default_rng(seed)
+    alphabet = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz     ", dtype=np.uint8)
+    with open(path, "w") as f:
+        for n in lengths.tolist():
+            text = alphabet[rng.integers(0, alphabet.size, n - 2)].tobytes().decode()
+            f.write(json.dumps({"text": "x" + text[1:] if n > 2 else "x"}) + "\n")
+
+
+def run_mode(mode: str, args: argparse.Namespace, data: Path, workdir: Path) -> dict[str, Any]:
+    dump = workdir / mode
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+        "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", "--role", "rank",
+        "-m", "torchtitan_wlb.train",
+        "--job.config_file", str(ROOT / "train_configs" / "debug_cpu.toml"),
+        "--job.dump_folder", str(dump), "--model.flavor", args.model,
+        "--training.dataset", "jsonl", "--training.dataset_path", str(data),
+        "--training.seq_len", str(args.context_len),
+        "--training.global_batch_size", str(args.micro_batches),
+        "--training.steps", str(args.steps), "--wlb.mode", mode,
+        "--wlb.micro_batch_max_len", str(int(args.context_len * args.smax_factor)),
+        "--wlb.metrics_jsonl", "--checkpoint.no-enable", "--metrics.log_freq", "1",
+        "--metrics.disable_color_printing", "--debug.seed", str(args.seed),
+        "--lr_scheduler.warmup_steps", "1",
+        *PARALLEL[args.parallel],
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads_per_rank))
+    start = time.perf_counter()
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if r.returncode != 0:
+        raise RuntimeError(f"mode {mode} failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
+    per_rank = []
+    for log in sorted((dump / "wlb_metrics").glob("rank_*.jsonl")):
+        per_rank.append({rec["step"]: rec for rec in map(json.loads, log.open())})
+    steps = sorted(set.intersection(*(set(r) for r in per_rank)))
+    timed = [s for s in steps if s > args.warmup]
+    step_times = [max(r[s]["wlb/step_time_s"] for r in per_rank) for s in timed]
+    tokens = [per_rank[0][s].get("wlb/tokens", 0.0) for s in timed]
+    mb_ratio = []
+    if args.parallel != "pp2":
+        for s in timed:
+            times = [t for r in per_rank for t in r[s]["micro_batch_times_s"]]
+            mb_ratio.append(max(times) / (sum(times) / len(times)))
+    out = {
+        "step_time_s": statistics.median(step_times),
+        "step_times_s": step_times,
+        "tokens_per_s": sum(tokens) / sum(step_times),
+        "peak_mem_mb": max(r[s]["peak_mem_gib"] for r in per_rank for s in steps) * 1024,
+        "imbalance": float(np.mean([per_rank[0][s]["wlb/imbalance"] for s in timed])),
+        "max_tokens_per_microbatch": max(per_rank[0][s]["wlb/max_tokens"] for s in timed),
+        "wall_s": wall,
+    }
+    if mb_ratio:
+        out["measured_imbalance"] = float(np.mean(mb_ratio))
+    cp_share = [per_rank[0][s].get("wlb/cp_per_document_share") for s in timed]
+    if any(v is not None for v in cp_share):
+        out["cp_per_document_share"] = float(np.mean([v for v in cp_share if v is not None]))
+    return out
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m torchtitan_wlb.tools.e2e_bench",
+        description="Step time of plain_4d, fixed_4d and wlb through the real trainer, 2 CPU ranks.",
+    )
+    p.add_argument("--parallel", choices=sorted(PARALLEL), default="pp2", help="2-rank layout")
+    p.add_argument("--model", default="tiny", help="llama3_wlb flavor (default: tiny)")
+    p.add_argument("--context-len", type=int, default=8192, help="context length L")
+    p.add_argument("--micro-batches", type=int, default=8, help="N per optimizer step")
+    p.add_argument("--steps", type=int, default=14, help="optimizer steps per mode")
+    p.add_argument("--warmup", type=int, default=2, help="steps dropped from the statistics")
+    p.add_argument("--smax-factor", type=float, default=1.25, help="S_max / context (wlb)")
+    p.add_argument("--lengths", default="", help="JSON / .npy / text file of document lengths")
+    p.add_argument("--generator", choices=GENERATORS, default="longtail")
+    p.add_argument("--num-docs", type=int, default=20000, help="documents to generate")
+    p.add_argument("--scale-from", type=int, default=131072, help="context the lengths are for")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of modes")
+    p.add_argument("--threads-per-rank", type=int, default=1, help="OMP threads per rank")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workdir", default="", help="keep runs here (default: a temp dir)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON (last line)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        parser().error(
+            f"--modes {args.modes!r}: use a comma-separated subset of {', '.join(MODES)}"
+        )
+    for name in ("context_len", "micro_batches", "steps", "num_docs", "scale_from"):
+        if getattr(args, name) < 1:
+            parser().error(f"--{name.replace('_', '-')} = {getattr(args, name)} must be >= 1")
+    if args.steps <= args.warmup:
+        parser().error(f"--steps {args.steps} must exceed --warmup {args.warmup}")
+    try:
+        lengths = make_documents(args)
+    except ValueError as e:
+        parser().error(str(e))
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(args.workdir or tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        data = workdir / "docs.jsonl"
+        write_jsonl(lengths, data, args.seed)
+        results = {}
+        for mode in modes:
+            results[mode] = run_mode(mode, args, data, workdir)
+            print(
+                f"{mode:9s} step {results[mode]['step_time_s']:.3f}s  "
+                f"imbalance {results[mode]['imbalance']:.3f}  "
+                f"peak {results[mode]['peak_mem_mb']:.0f} MB",
+                file=sys.stderr,
+            )
+    summary: dict[str, Any] = {
+        "parallel": args.parallel,
+        "model": args.model,
+        "context_len": args.context_len,
+        "micro_batches": args.micro_batches,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "documents": {"count": int(lengths.size), "tokens": int(lengths.sum())},
+        "modes": results,
+    }
+    if "wlb" in results and "plain_4d" in results:
+        summary["speedup_wlb_vs_plain"] = (
+            results["plain_4d"]["step_time_s"] / results["wlb"]["step_time_s"]
+        )
+        summary["mem_wlb_vs_plain"] = (
+            results["wlb"]["peak_mem_mb"] / results["plain_4d"]["peak_mem_mb"]
+        )
+    if "wlb" in results and "fixed_4d" in results:
+        summary["speedup_wlb_vs_fixed"] = (
+            results["fixed_4d"]["step_time_s"] / results["wlb"]["step_time_s"]
+        )
+    # Median step time can flatter a packer that defers work (delayed outliers land in a later,
+    # longer step); throughput over all timed steps cannot. Both are reported.
+    for base in ("plain", "fixed"):
+        key = f"{base}_4d"
+        if "wlb" in results and key in results:
+            summary[f"throughput_speedup_wlb_vs_{base}"] = (
+                results["wlb"]["tokens_per_s"] / results[key]["tokens_per_s"]
+            )
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
