@@ -38,6 +38,7 @@ class WLBMetricsProcessor(MetricsProcessor):
         self.wlb_metrics: dict[str, float] = {}
         self.micro_batch_times: list[float] = []
         self.doc_ids: list[int] = []
+        self.micro_batch_doc_lens: list[list[int]] = []
         self.jsonl_path: str | None = None
         wlb = getattr(job_config, "wlb", None)
         if wlb is not None and wlb.metrics_jsonl:
@@ -67,8 +68,11 @@ class WLBMetricsProcessor(MetricsProcessor):
         if self.jsonl_path is not None:
             self.doc_ids.extend(doc_ids.tolist())
 
-    def record_micro_batch_time(self, seconds: float) -> None:
+    def record_micro_batch_time(self, seconds: float, doc_lens: list[int] | None = None) -> None:
+        """A micro-batch's measured forward+backward time and, for calibration, its documents."""
         self.micro_batch_times.append(seconds)
+        if doc_lens is not None and self.jsonl_path is not None:
+            self.micro_batch_doc_lens.append(doc_lens)
 
     def log(
         self,
@@ -99,6 +103,7 @@ class WLBMetricsProcessor(MetricsProcessor):
                 "peak_mem_gib": mem.max_reserved_gib,
                 "micro_batch_times_s": list(self.micro_batch_times),
                 "doc_ids": sorted(self.doc_ids),
+                "micro_batch_doc_lens": list(self.micro_batch_doc_lens),
                 **{k: v for k, v in extra.items() if isinstance(v, (int, float))},
             }
             with open(self.jsonl_path, "a") as f:
@@ -122,6 +127,7 @@ class WLBMetricsProcessor(MetricsProcessor):
         self.wlb_metrics.clear()
         self.micro_batch_times.clear()
         self.doc_ids.clear()
+        self.micro_batch_doc_lens.clear()
 
 
 def build_wlb_metrics_processor(

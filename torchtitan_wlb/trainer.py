@@ -51,6 +51,7 @@ class WLBTrainer(Trainer):
 
             self._cp_profile = resolve_profile(job_config.wlb.cp_profile or None)
         self._cp_stats: list[tuple[int, float]] = []
+        self._last_doc_lens: list[int] | None = None
 
     # ----------------------------------------------------------------------------- data
     def post_dataloading_process(
@@ -68,6 +69,7 @@ class WLBTrainer(Trainer):
         inputs = input_dict.pop("input")
         positions = input_dict.pop("positions")
         doc_lens = input_dict.pop("doc_lens").cpu()
+        self._last_doc_lens = doc_lens.tolist()
         backend = self.job_config.wlb.attention_backend
         if self.parallel_dims.tp_enabled:
             inputs, labels, positions, doc_lens = self._pad_for_tp(
@@ -158,7 +160,9 @@ class WLBTrainer(Trainer):
                 return torch.zeros((), device=self.device)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.metrics_processor.record_micro_batch_time(time.perf_counter() - start)
+        # Under PP the time covers the whole step's micro-batches (the schedule interleaves them).
+        doc_lens = None if self._pp_runner is not None else self._last_doc_lens
+        self.metrics_processor.record_micro_batch_time(time.perf_counter() - start, doc_lens)
         self._flush_cp_stats()
         return loss
 

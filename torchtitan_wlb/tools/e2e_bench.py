@@ -120,10 +120,30 @@ def run_mode(mode: str, args: argparse.Namespace, data: Path, workdir: Path) -> 
     }
     if mb_ratio:
         out["measured_imbalance"] = float(np.mean(mb_ratio))
+    out["records"] = calibration_records(per_rank, timed)
     cp_share = [per_rank[0][s].get("wlb/cp_per_document_share") for s in timed]
     if any(v is not None for v in cp_share):
         out["cp_per_document_share"] = float(np.mean([v for v in cp_share if v is not None]))
     return out
+
+
+def calibration_records(per_rank: list[dict[int, dict]], steps: list[int]) -> dict[str, Any]:
+    """Measured micro-batches and steps in the simulator's calibration format (docs/simulator.md).
+
+    Each rank's micro-batches are timed on that rank; a step's time is the slowest rank's.
+    """
+    micro_batches = []
+    for rank_log in per_rank:
+        for s in steps:
+            rec = rank_log[s]
+            for lens, sec in zip(
+                rec.get("micro_batch_doc_lens", []), rec["micro_batch_times_s"], strict=False
+            ):
+                micro_batches.append({"doc_lens": lens, "seconds": sec, "step": s})
+    step_times = [
+        {"step": s, "seconds": max(r[s]["wlb/step_time_s"] for r in per_rank)} for s in steps
+    ]
+    return {"microbatches": micro_batches, "steps": step_times}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -146,6 +166,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--threads-per-rank", type=int, default=1, help="OMP threads per rank")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", default="", help="keep runs here (default: a temp dir)")
+    p.add_argument(
+        "--records-out",
+        default="",
+        help="directory for records_<mode>.json: measured micro-batch and step times in "
+        "the format of python -m torchtitan_wlb.sim.calibrate --records",
+    )
     p.add_argument("--json", action="store_true", help="print the result as JSON (last line)")
     return p
 
@@ -181,6 +207,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"peak {results[mode]['peak_mem_mb']:.0f} MB",
                 file=sys.stderr,
             )
+    records = {mode: results[mode].pop("records") for mode in results}
+    if args.records_out:
+        out_dir = Path(args.records_out)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for mode, rec in records.items():
+            with open(out_dir / f"records_{mode}.json", "w") as f:
+                json.dump({**rec, "model": args.model, "parallel": args.parallel}, f)
     summary: dict[str, Any] = {
         "parallel": args.parallel,
         "model": args.model,
