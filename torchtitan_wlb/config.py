@@ -80,16 +80,34 @@ class WLB:
     """Longest document piece in tokens; 0 means `training.seq_len`."""
 
     micro_batch_max_len: int = 0
-    """S_max, the token cap of one micro-batch for variable-length packing (set from activation
-    memory); 0 means `training.seq_len`. Must be >= `training.seq_len`."""
+    """S_max, the token cap of one micro-batch for variable-length packing ("wlb", "wlb_paper"),
+    set from activation memory; 0 means 1.25 x `training.seq_len`. Must be >= `training.seq_len`.
+    The fixed-length packers always cap micro-batches at `training.seq_len`."""
 
     queue_thresholds: list[int] = field(default_factory=list)
-    """Outlier queue length thresholds L_1 < ... < L_n in tokens (packing = "wlb"). Empty: tuned
-    automatically from a sample of the data."""
+    """Outlier queue length thresholds L_1 < ... < L_n in tokens ("wlb", "wlb_paper"). Empty:
+    derived from the cost model (documents whose workload exceeds a fair share of a micro-batch;
+    docs/packing.md). `python -m torchtitan_wlb.tools.pack_bench --tune` tunes them on a sample."""
 
-    max_delay_steps: int = 4
-    """A document waits in an outlier queue at most this many optimizer steps before it is forced
-    out."""
+    max_delay_steps: int = 12
+    """K: an outlier waits at most this many optimizer steps before it is forced out ("wlb" raises
+    it adaptively up to `adaptive_max_delay_steps` while the token-weighted delay stays under
+    `delay_target`)."""
+
+    adaptive_max_delay_steps: int = 32
+    """Upper bound of the adaptive K ("wlb"); equal to `max_delay_steps` disables adaptation. No
+    document ever waits longer than this."""
+
+    delay_target: float = 0.3
+    """Token-weighted mean delay, in steps, that the adaptive K steers towards ("wlb")."""
+
+    balance_target: float = 1.01
+    """"wlb" releases a waiting outlier group only if the step's predicted max/mean workload stays
+    within this factor (>= 1)."""
+
+    release_slack: float = 0.25
+    """"wlb": how much extra imbalance an ageing outlier may accept to leave its queue early
+    rather than be forced out alone at K (>= 0)."""
 
     packing_window: int = 1
     """Global batches packed together by "fixed_greedy" and "solver" (Table 2's G)."""
@@ -142,6 +160,15 @@ class WLB:
         _check_positive("max_doc_len", self.max_doc_len, allow_zero=True)
         _check_positive("micro_batch_max_len", self.micro_batch_max_len, allow_zero=True)
         _check_positive("max_delay_steps", self.max_delay_steps)
+        _check_positive("delay_target", self.delay_target)
+        _check_positive("release_slack", self.release_slack, allow_zero=True)
+        if self.adaptive_max_delay_steps < self.max_delay_steps:
+            raise ConfigError(
+                f"[wlb] adaptive_max_delay_steps = {self.adaptive_max_delay_steps} must be >= "
+                f"max_delay_steps = {self.max_delay_steps}"
+            )
+        if self.balance_target < 1.0:
+            raise ConfigError(f"[wlb] balance_target = {self.balance_target} must be >= 1.0")
         _check_positive("packing_window", self.packing_window)
         _check_positive("solver_time_limit_s", self.solver_time_limit_s)
         thresholds = list(self.queue_thresholds)

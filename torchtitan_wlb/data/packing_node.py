@@ -28,6 +28,10 @@ def packing_config_from_job(job_config: Any, num_micro_batches: int) -> PackingC
         smax=(wlb.micro_batch_max_len or None) if variable else None,
         queue_thresholds=tuple(wlb.queue_thresholds) or None,
         max_wait=wlb.max_delay_steps,
+        adaptive_max_wait=wlb.adaptive_max_delay_steps,
+        delay_target=wlb.delay_target,
+        balance_target=wlb.balance_target,
+        release_slack=wlb.release_slack,
         window=wlb.packing_window,
         solver_time_limit=wlb.solver_time_limit_s,
     )

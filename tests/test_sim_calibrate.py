@@ -1,0 +1,165 @@
+"""Calibration recovers known coefficients; wlb-analyze reports and recommends."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+
+from torchtitan_wlb.sim import calibrate
+from torchtitan_wlb.sim.analyze import length_histogram
+from torchtitan_wlb.sim.analyze import main as analyze_main
+from torchtitan_wlb.sim.presets import Layout, get_model
+
+A_TRUE, B_TRUE, C_TRUE = 3e-10, 2e-6, 0.004
+
+
+def _synthetic_records(n_mb=60, noise=0.01, seed=0, steps=None):
+    rng = np.random.default_rng(seed)
+    recs = []
+    for i in range(n_mb):
+        k = int(rng.integers(1, 30))
+        lens = np.maximum(1, rng.lognormal(np.log(800), 1.2, size=k)).astype(np.int64)
+        sec = A_TRUE * float((lens.astype(float) ** 2).sum()) + B_TRUE * lens.sum() + C_TRUE
+        sec *= 1 + noise * rng.standard_normal()
+        recs.append({"doc_lens": lens.tolist(), "seconds": sec, "step": i // 4 if steps else -1})
+    return recs
+
+
+def test_fit_recovers_known_coefficients():
+    recs = calibrate._parse_records(_synthetic_records(noise=0.0), "synthetic")
+    fit = calibrate.fit(recs)
+    assert fit.attn_coef == pytest.approx(A_TRUE, rel=1e-6)
+    assert fit.linear_coef == pytest.approx(B_TRUE, rel=1e-6)
+    assert fit.overhead_s == pytest.approx(C_TRUE, rel=1e-6)
+    assert fit.max_abs_rel_error < 1e-9
+    noisy = calibrate.fit(calibrate._parse_records(_synthetic_records(noise=0.02), "synthetic"))
+    assert noisy.attn_coef == pytest.approx(A_TRUE, rel=0.1)
+    assert noisy.linear_coef == pytest.approx(B_TRUE, rel=0.1)
+    assert 0.005 < noisy.mean_abs_rel_error < 0.05
+    cm = noisy.cost_model()
+    assert cm.unit == "seconds" and cm.break_even_length == pytest.approx(B_TRUE / A_TRUE, rel=0.2)
+
+
+def test_nnls_never_returns_negative_coefficients():
+    x = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    y = np.array([-1.0, 2.0, 1.0])
+    coef = calibrate.nnls(x, y)
+    assert np.all(coef >= 0)
+
+
+def test_hardware_from_fit_reproduces_the_throughput():
+    model = get_model("7B")
+    lay = Layout(tp=1, cp=1)
+    fit = calibrate.fit(calibrate._parse_records(_synthetic_records(noise=0.0), "s"))
+    hw = fit.hardware(model, lay)
+    attn_flops_d2 = model.n_layers * 2 * model.head_dim * model.n_heads * (1 + hw.bwd_attn_factor)
+    assert attn_flops_d2 / (hw.attn_tflops * 1e12) == pytest.approx(A_TRUE, rel=1e-6)
+
+
+def test_step_prediction_and_cli(tmp_path, capsys):
+    recs = _synthetic_records(n_mb=80, noise=0.01, steps=True)
+    steps = {}
+    for r in recs:
+        steps[r["step"]] = steps.get(r["step"], 0.0) + r["seconds"]
+    data = {
+        "microbatches": recs,
+        "steps": [{"step": s, "seconds": t + 0.05} for s, t in steps.items()],  # + optimizer
+        "model": "7B",
+        "layout": {"tp": 1, "cp": 1, "pp": 1, "dp": 1},
+    }
+    path = tmp_path / "calib.json"
+    path.write_text(json.dumps(data))
+    rc = calibrate.main(
+        ["--records", str(path), "--json", "--hardware-out", str(tmp_path / "hw.json")]
+    )
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["step_prediction"]["mean_abs_rel_error"] < 0.10
+    assert out["step_prediction"]["step_overhead_s"] == pytest.approx(0.05, abs=0.02)
+    assert (tmp_path / "hw.json").exists()
+
+
+def test_calibration_bad_input(tmp_path, capsys):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps([{"doc_lens": [10, 2.5], "seconds": 1.0}] * 3))
+    assert calibrate.main(["--records", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "2.5" in err and "Traceback" not in err
+
+
+# ------------------------------------------------------------------------------------ analyze
+def _lengths(n=4000, ctx=16384, seed=1):
+    rng = np.random.default_rng(seed)
+    body = rng.lognormal(np.log(500), 0.9, n)
+    tail = rng.uniform(0.3 * ctx, 1.5 * ctx, n)
+    return np.clip(np.where(rng.random(n) < 0.03, tail, body), 1, None).astype(np.int64)
+
+
+def test_histogram_shares_sum_to_one():
+    rows = length_histogram(_lengths(), 16384)
+    assert sum(r["token_share"] for r in rows) == pytest.approx(1.0)
+    assert sum(r["docs"] for r in rows) == 4000
+
+
+def test_analyze_cli(tmp_path, capsys):
+    path = tmp_path / "l.npy"
+    np.save(path, _lengths())
+    has_mpl = importlib.util.find_spec("matplotlib") is not None
+    plot_args = ["--plot", str(tmp_path / "plots")] if has_mpl else []
+    rc = analyze_main(["--lengths", str(path), "--context-len", "16384", "--model", "550M",
+                       "--tp", "1", "--cp", "2", "--pp", "2", "--dp", "1", "--steps", "12",
+                       "--no-simulate", "--json", *plot_args])  # fmt: skip
+    assert rc == 0
+    if plot_args:
+        assert (tmp_path / "plots" / "length_histogram.png").stat().st_size > 5000
+    captured = capsys.readouterr().out
+    out = json.loads(captured.strip().splitlines()[-1])
+    assert set(out["packers"]) == {"original", "fixed_greedy", "wlb_paper", "wlb"}
+    rec = out["recommended"]
+    assert rec["micro_batch_max_len"] >= 16384
+    assert np.all(np.diff(rec["queue_thresholds"]) > 0)
+    assert "[wlb]" in captured and "queue_thresholds" in captured
+    assert out["packers"]["wlb"]["imbalance"] <= out["packers"]["original"]["imbalance"]
+
+
+def test_analyze_bad_lengths(tmp_path, capsys):
+    path = tmp_path / "l.txt"
+    path.write_text("12\n3.7\n")
+    assert analyze_main(["--lengths", str(path), "--no-simulate"]) == 2
+    err = capsys.readouterr().err
+    assert "'3.7'" in err and "Traceback" not in err
+
+
+def test_analyze_reads_a_local_dataset(tmp_path, capsys):
+    path = tmp_path / "corpus.jsonl"
+    rng = np.random.default_rng(0)
+    sizes = np.where(rng.random(400) < 0.05, 6000, rng.integers(20, 800, 400))
+    path.write_text("\n".join(json.dumps({"text": "a" * int(n)}) for n in sizes) + "\n")
+    rc = analyze_main(["--dataset", str(path), "--context-len", "8192", "--model", "550M",
+                       "--tp", "1", "--cp", "1", "--pp", "2", "--dp", "1", "--steps", "6",
+                       "--no-simulate", "--json"])  # fmt: skip
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["documents"] == 400
+    assert out["max_len"] >= 6000  # byte tokens of the longest text (plus BOS/EOS)
+
+
+def test_standalone_records_are_fitted_and_steps_held_out(tmp_path, capsys):
+    standalone = _synthetic_records(n_mb=30, noise=0.01, seed=3)
+    in_steps = _synthetic_records(n_mb=40, noise=0.01, seed=4, steps=True)
+    steps: dict[int, float] = {}
+    for r in in_steps:
+        steps[r["step"]] = steps.get(r["step"], 0.0) + r["seconds"]
+    path = tmp_path / "calib.json"
+    path.write_text(json.dumps({
+        "microbatches": standalone + in_steps,
+        "steps": [{"step": s, "seconds": t} for s, t in steps.items()],
+    }))  # fmt: skip
+    assert calibrate.main(["--records", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["records"] == 30 and out["fitted_on"] == "standalone micro-batches"
+    assert out["heldout_mb_mean_abs_rel_error"] < 0.05
+    assert out["step_prediction"]["mean_abs_rel_error"] < 0.05

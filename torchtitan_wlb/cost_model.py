@@ -1,0 +1,232 @@
+"""Workload (cost) model of a packed document: W(d) = W_a(d) + W_l(d).
+
+WLB-LLM balances micro-batches by predicted *work*, not by token count: causal attention over a
+document of ``d`` tokens grows with ``d**2`` while the GEMMs, collectives and element-wise
+operators grow with ``d``. Every consumer (the packers, the CP planner, the simulator) uses this one
+class so that a plan balanced by the packer is balanced by the same measure everywhere.
+
+Three ways to build it:
+
+* :meth:`CostModel.from_model_dims` — analytic FLOPs (forward + backward) per GPU of a Llama-style
+  decoder, given TP and CP degrees. The default, needs no hardware.
+* :meth:`CostModel.from_coefficients` — two numbers, e.g. fitted elsewhere or given in TOML.
+* :meth:`CostModel.from_profile` — a JSON table of measured ``(length, seconds)`` points, fitted by
+  non-negative least squares to ``a * d**2 + b * d``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["CostModel"]
+
+# Backward of a matmul costs two matmuls of the forward's size (grad wrt input and wrt weight);
+# the same factor is used for attention (dQ, dK/dV), so training work = 3 x forward.
+_FWD_BWD_FACTOR = 3.0
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Predicted cost of documents and micro-batches.
+
+    ``W(d) = attn_coef * d**2 + linear_coef * d`` for a document of ``d`` tokens; a micro-batch of
+    packed documents costs the sum over its documents (document masking: no cross-document work).
+    """
+
+    attn_coef: float
+    """Cost of causal attention per squared token (``W_a(d) = attn_coef * d**2``); >= 0."""
+    linear_coef: float
+    """Cost of everything else per token (``W_l(d) = linear_coef * d``); >= 0."""
+    unit: str = "flops"
+    """Unit of the costs: ``"flops"`` (analytic) or ``"seconds"`` (measured / given)."""
+
+    def __post_init__(self) -> None:
+        for name in ("attn_coef", "linear_coef"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"CostModel.{name} must be a finite number >= 0, got {value!r}")
+        if self.attn_coef == 0 and self.linear_coef == 0:
+            raise ValueError("CostModel needs attn_coef > 0 or linear_coef > 0, got both 0")
+        if self.unit not in ("flops", "seconds"):
+            raise ValueError(f"CostModel.unit must be 'flops' or 'seconds', got {self.unit!r}")
+
+    # ------------------------------------------------------------------ costs (vectorised)
+    def attention_cost(self, lengths: np.ndarray) -> np.ndarray:
+        """``W_a(d)`` for every length in ``lengths`` (float64 array of the same shape)."""
+        d = np.asarray(lengths, dtype=np.float64)
+        return self.attn_coef * d * d
+
+    def linear_cost(self, lengths: np.ndarray) -> np.ndarray:
+        """``W_l(d)`` for every length in ``lengths``."""
+        return self.linear_coef * np.asarray(lengths, dtype=np.float64)
+
+    def doc_cost(self, lengths: np.ndarray) -> np.ndarray:
+        """``W(d) = W_a(d) + W_l(d)`` for every length in ``lengths``."""
+        d = np.asarray(lengths, dtype=np.float64)
+        return d * (self.attn_coef * d + self.linear_coef)
+
+    def microbatch_cost(self, doc_lens: np.ndarray) -> float:
+        """Cost of one packed micro-batch: the sum of its documents' costs."""
+        return float(self.doc_cost(doc_lens).sum())
+
+    @property
+    def break_even_length(self) -> float:
+        """Length ``d`` at which ``W_a(d) == W_l(d)`` (``inf`` without attention cost).
+
+        Documents much shorter than this cost ~linearly (token count is a fair proxy); much longer
+        ones are dominated by attention, which is what makes token-count packing unbalanced.
+        """
+        if self.attn_coef == 0:
+            return math.inf
+        return self.linear_coef / self.attn_coef
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_coefficients(
+        cls, attn_coef: float, linear_coef: float, unit: str = "seconds"
+    ) -> CostModel:
+        """A model with given coefficients (e.g. from TOML or fitted offline)."""
+        return cls(attn_coef=float(attn_coef), linear_coef=float(linear_coef), unit=unit)
+
+    @classmethod
+    def from_model_dims(
+        cls,
+        *,
+        dim: int,
+        n_layers: int,
+        n_heads: int,
+        n_kv_heads: int | None,
+        ffn_hidden_dim: int,
+        vocab_size: int,
+        tp: int = 1,
+        cp: int = 1,
+    ) -> CostModel:
+        """Analytic training FLOPs (forward + backward) per GPU of a Llama-style decoder.
+
+        Per token and layer, forward: Q and O projections ``2 * 2 * dim * dim``; K and V projections
+        ``2 * 2 * dim * kv_dim`` with ``kv_dim = n_kv_heads * head_dim``; SwiGLU FFN
+        ``3 * 2 * dim * ffn_hidden_dim``. Output projection ``2 * dim * vocab_size`` once per token.
+        Causal attention over a document of ``d`` tokens visits ``d * (d + 1) / 2`` (query, key)
+        pairs per head, each costing ``2 * head_dim`` for ``Q K^T`` and ``2 * head_dim`` for ``P V``,
+        i.e. ``2 * dim * (d**2 + d)`` per layer: the ``d**2`` part is ``attn_coef``, the small
+        ``d`` part (the diagonal) is folded into ``linear_coef``. Training = 3 x forward.
+
+        TP shards heads and FFN columns (the K/V projections are replicated once ``tp`` exceeds
+        ``n_kv_heads``); CP gives each rank ``1 / cp`` of every document's tokens and (with
+        per-document head-tail sharding) of its attention pairs, so both terms divide by ``cp``.
+        Norms, RoPE and element-wise ops are ignored (well under 1 % of the FLOPs).
+        """
+        ints = {
+            "dim": dim,
+            "n_layers": n_layers,
+            "n_heads": n_heads,
+            "ffn_hidden_dim": ffn_hidden_dim,
+            "vocab_size": vocab_size,
+            "tp": tp,
+            "cp": cp,
+        }
+        for name, value in ints.items():
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"from_model_dims: {name} must be an integer >= 1, got {value!r}")
+        n_kv = n_heads if n_kv_heads is None else n_kv_heads
+        if not isinstance(n_kv, (int, np.integer)) or n_kv < 1 or n_heads % n_kv != 0:
+            raise ValueError(
+                f"from_model_dims: n_kv_heads must be >= 1 and divide n_heads={n_heads}, got {n_kv!r}"
+            )
+        if dim % n_heads != 0:
+            raise ValueError(f"from_model_dims: dim={dim} must be divisible by n_heads={n_heads}")
+        if n_heads % tp != 0:
+            raise ValueError(f"from_model_dims: tp={tp} must divide n_heads={n_heads}")
+        head_dim = dim // n_heads
+        kv_dim = n_kv * head_dim
+        kv_shards = min(tp, n_kv)  # K/V heads beyond the TP degree are replicated, not split
+        per_layer = (
+            2 * 2 * dim * dim / tp  # wq, wo
+            + 2 * 2 * dim * kv_dim / kv_shards  # wk, wv
+            + 3 * 2 * dim * ffn_hidden_dim / tp  # w1, w2, w3
+            + 2 * dim / tp  # attention diagonal (the "+ d" of d * (d + 1))
+        )
+        linear_fwd = n_layers * per_layer + 2 * dim * vocab_size / tp
+        attn_fwd = n_layers * 2 * dim / tp
+        return cls(
+            attn_coef=_FWD_BWD_FACTOR * attn_fwd / cp,
+            linear_coef=_FWD_BWD_FACTOR * linear_fwd / cp,
+            unit="flops",
+        )
+
+    @classmethod
+    def from_profile(cls, path: str | Path) -> CostModel:
+        """Fit ``seconds = a * d**2 + b * d`` (a, b >= 0) to a measured JSON table.
+
+        Accepted layouts: ``[[length, seconds], ...]``, ``[{"length": L, "seconds": s}, ...]`` or
+        ``{"points": <either list>}``. At least two distinct positive lengths are needed.
+        """
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"cannot read cost profile {str(path)!r}: {exc}") from exc
+        points = raw.get("points") if isinstance(raw, dict) else raw
+        if not isinstance(points, list) or not points:
+            raise ValueError(
+                f"cost profile {str(path)!r} must be a non-empty list of [length, seconds] pairs "
+                "or {'points': [...]}"
+            )
+        lengths, seconds = [], []
+        for i, p in enumerate(points):
+            if isinstance(p, dict):
+                if "length" not in p or "seconds" not in p:
+                    raise ValueError(f"cost profile point {i} needs 'length' and 'seconds': {p!r}")
+                d, t = p["length"], p["seconds"]
+            elif isinstance(p, (list, tuple)) and len(p) == 2:
+                d, t = p
+            else:
+                raise ValueError(f"cost profile point {i} must be [length, seconds], got {p!r}")
+            if (
+                not isinstance(d, (int, float))
+                or not isinstance(t, (int, float))
+                or d <= 0
+                or t < 0
+            ):
+                raise ValueError(
+                    f"cost profile point {i}: length must be > 0 and seconds >= 0, got {p!r}"
+                )
+            lengths.append(float(d))
+            seconds.append(float(t))
+        if len(set(lengths)) < 2:
+            raise ValueError(f"cost profile {str(path)!r} needs >= 2 distinct lengths")
+        a, b = _nnls_quadratic(np.asarray(lengths), np.asarray(seconds))
+        return cls(attn_coef=a, linear_coef=b, unit="seconds")
+
+
+def _nnls_quadratic(d: np.ndarray, t: np.ndarray) -> tuple[float, float]:
+    """Least squares ``t ~ a d^2 + b d`` with ``a, b >= 0`` (2 unknowns: check the active sets).
+
+    Rows are weighted by ``1 / t`` (relative error) so short documents, whose costs are small,
+    are fitted as well as long ones.
+    """
+    w = 1.0 / np.maximum(t, np.finfo(np.float64).tiny) if np.all(t > 0) else np.ones_like(t)
+    x = np.stack([d * d, d], axis=1) * w[:, None]
+    y = t * w
+    best: tuple[float, float] | None = None
+    best_err = math.inf
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    candidates = [(float(coef[0]), float(coef[1]))]
+    for col in (0, 1):  # one coefficient forced to zero
+        xc = x[:, col]
+        val = float(xc @ y / (xc @ xc))
+        candidates.append((val, 0.0) if col == 0 else (0.0, val))
+    for a, b in candidates:
+        if a < 0 or b < 0:
+            continue
+        err = float(np.sum((x @ np.array([a, b]) - y) ** 2))
+        if err < best_err:
+            best, best_err = (a, b), err
+    if best is None or (best[0] == 0 and best[1] == 0):
+        raise ValueError("cost profile fit gave zero cost for every length; check the table")
+    return best

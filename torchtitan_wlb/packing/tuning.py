@@ -1,0 +1,121 @@
+"""Automatic choice of the outlier-queue thresholds and the max wait K from a sample of lengths.
+
+The paper tunes its thresholds on a sample of documents, trading balance against per-token delay;
+this module does the same by simulation: every candidate (thresholds, K) packs the sample with
+the real packer; among the candidates whose token-weighted mean delay stays within the budget,
+those within ``tolerance`` of the lowest mean imbalance are equivalent and the one with the least
+delay wins. When no candidate meets the budget, the one with the least delay is returned.
+Deterministic: same sample, same answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from torchtitan_wlb.cost_model import CostModel
+from torchtitan_wlb.packing.base import PackingConfig
+from torchtitan_wlb.packing.wlb import default_thresholds
+
+__all__ = ["TuneResult", "simulate", "tune_queues"]
+
+DEFAULT_WAITS = (2, 4, 6, 8, 12, 16, 24, 32)
+_MIN_TUNE_STEPS = 100
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    """The chosen configuration and what it achieved on the sample."""
+
+    queue_thresholds: tuple[int, ...]
+    max_wait: int
+    imbalance: float
+    """Mean max/mean workload over the sample's steps."""
+    mean_delay: float
+    """Token-weighted mean delay in steps on the sample."""
+
+
+def simulate(
+    name: str, lengths: np.ndarray, config: PackingConfig, cost_model: CostModel, steps: int
+) -> tuple[float, float]:
+    """Mean imbalance and token-weighted delay of ``steps`` steps of packer ``name``.
+
+    The statistics cover the first ``steps`` steps (or all, if the sample ends earlier); what is
+    still pending afterwards is not counted, as in a long training run.
+    """
+    from torchtitan_wlb.packing import build_packer
+
+    packer = build_packer(name, config, cost_model)
+    ids = np.arange(lengths.size, dtype=np.int64)
+    cs = np.cumsum(lengths)
+    pos = 0
+    imb, delay_tok, tok = [], 0.0, 0
+    for _ in range(steps):
+        budget = packer.tokens_wanted()
+        if pos >= lengths.size:
+            break
+        base = cs[pos - 1] if pos else 0
+        end = min(lengths.size, int(np.searchsorted(cs, base + budget, side="left")) + 1)
+        plan = packer.step(ids[pos:end], lengths[pos:end])
+        pos = end
+        imb.append(plan.stats["imbalance"])
+        delay_tok += plan.stats["mean_delay"] * plan.stats["tokens"]
+        tok += plan.stats["tokens"]
+    return (float(np.mean(imb)) if imb else 1.0, delay_tok / tok if tok else 0.0)
+
+
+def tune_queues(
+    sample_lengths: np.ndarray,
+    config: PackingConfig,
+    cost_model: CostModel,
+    *,
+    packer: str = "wlb",
+    delay_budget: float = 0.5,
+    waits: tuple[int, ...] = DEFAULT_WAITS,
+    levels: tuple[int, ...] = (1, 2, 3),
+    steps: int | None = None,
+    tolerance: float = 0.005,
+) -> TuneResult:
+    """Pick queue thresholds and K for ``packer`` on ``sample_lengths`` (already split).
+
+    Threshold candidates are :func:`default_thresholds` with 1, 2 or 3 levels (plus the
+    configured ones, if any); K runs over ``waits``. ``steps`` defaults to the sample's global
+    batches minus a margin (2 * max(waits), at most half of them) so that documents still queued
+    at the end of the sample do not distort the delay.
+    """
+    lengths = np.asarray(sample_lengths, np.int64)
+    if lengths.size == 0 or np.any(lengths < 1):
+        raise ValueError("tune_queues needs a non-empty sample of lengths >= 1")
+    if not delay_budget >= 0:
+        raise ValueError(f"delay_budget must be >= 0 steps, got {delay_budget}")
+    # The delay a K causes depends on how often long documents arrive per context of tokens,
+    # not on N; a short sample is therefore simulated at a smaller N that still gives it
+    # _MIN_TUNE_STEPS global batches, rather than scoring a handful of steps at the full N.
+    n_tune = config.micro_batches
+    if lengths.sum() < _MIN_TUNE_STEPS * n_tune * config.context_len:
+        n_tune = max(1, int(lengths.sum() // (_MIN_TUNE_STEPS * config.context_len)))
+    config = replace(config, micro_batches=n_tune)
+    per_step = n_tune * config.context_len
+    if steps is None:
+        batches = int(lengths.sum() // per_step)
+        steps = max(1, batches - min(2 * max(waits), batches // 2))
+    candidates = {default_thresholds(cost_model, config.context_len, k) for k in levels}
+    if config.queue_thresholds is not None:
+        candidates.add(tuple(config.queue_thresholds))
+    results: list[TuneResult] = []
+    for th in sorted(candidates):
+        for k in waits:
+            cfg = replace(config, queue_thresholds=th, max_wait=k)
+            imb, delay = simulate(packer, lengths, cfg, cost_model, steps)
+            results.append(
+                TuneResult(queue_thresholds=th, max_wait=k, imbalance=imb, mean_delay=delay)
+            )
+    within = [r for r in results if r.mean_delay <= delay_budget]
+    if not within:
+        return min(results, key=lambda r: (r.mean_delay, r.imbalance))
+    # Imbalance differences below the tolerance are sampling noise: among the near-best, the
+    # least delay wins (a smaller K), which also leaves a margin for a differently skewed corpus.
+    best = min(r.imbalance for r in within)
+    near = [r for r in within if r.imbalance <= best + tolerance]
+    return min(near, key=lambda r: (r.mean_delay, r.imbalance))

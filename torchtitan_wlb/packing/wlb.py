@@ -1,0 +1,384 @@
+"""WLB-LLM packing: variable-length micro-batches with multi-level outlier queues (Algorithm 1).
+
+Two packers share the queues:
+
+* ``wlb_paper`` — the paper's Algorithm 1 as published: a document with ``L_i <= d < L_{i+1}``
+  waits in FIFO queue ``i``; a queue holding ``N`` documents releases all ``N``, one per
+  micro-batch; the remaining documents (last step's leftovers first) go, longest first, to the
+  micro-batch with minimum workload if it fits under ``S_max``, else to the one with minimum
+  length if it fits, else they are carried to the next step. It places documents one by one in a
+  Python loop and is kept as the reference for comparison.
+* ``wlb`` — the same queues and carry-over with five changes that target more balance at lower
+  delay and cost:
+
+  1. **Admission by cost.** A queued outlier is not held until its queue fills: at every step it
+     is placed at once if its workload fits under the step's level (the max of the heaviest
+     micro-batch and the mean workload), i.e. if it cannot become the step's slowest micro-batch.
+     Only documents more expensive than an average micro-batch wait.
+  2. **Release by cost.** A waiting outlier of cost ``c`` is released when the step can be lifted
+     to level ``c``: every micro-batch is then filled to ``c`` with other queued outliers (largest
+     first, any queue) and regular documents under ``S_max``, and the predicted max/mean stays
+     within ``balance_target``. Outliers of different queues mix (two 80K documents balance one
+     120K document), so a group forms sooner than from one queue alone.
+  3. **Ageing relaxes the release.** The target of a group led by an outlier that has waited
+     ``age`` steps is ``balance_target + release_slack * age / max_wait``: an ageing outlier takes
+     a step a few per cent unbalanced instead of being forced out alone at ``max_wait`` (which
+     makes a step 1.5-2.5x unbalanced when one long document meets only short ones). When an
+     outlier is forced anyway, every queued outlier that fits under its cost goes with it.
+  4. **Adaptive K.** ``max_wait`` may grow up to ``adaptive_max_wait`` while the running
+     token-weighted delay stays under 90 % of ``delay_target`` (and shrinks back above it): data
+     whose long documents are rare afford the long waits that balance them.
+  5. **Vectorised placement.** Regular documents are placed by
+     :func:`~torchtitan_wlb.packing.placement.fill_rounds` (greedy in vectorised rounds), so the
+     per-step cost grows with the number of rounds (logarithmic), not with documents.
+
+Both force a document out after K steps (``wlb``: the adaptive K, between ``max_wait`` and
+``adaptive_max_wait``), and both flush everything at the end.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from torchtitan_wlb.cost_model import CostModel
+from torchtitan_wlb.packing.base import DocPool, Packer, PackingConfig
+from torchtitan_wlb.packing.placement import fill_rounds, lpt_place
+
+__all__ = ["WLBPacker", "WLBPaperPacker", "default_thresholds", "default_smax"]
+
+_TOKEN_FILL = 0.98  # admission keeps 2 % of the step's token capacity for regular documents
+
+
+def default_smax(context_len: int) -> int:
+    """Default S_max of the WLB packers: 1.25 x the context length."""
+    return int(math.floor(1.25 * context_len))
+
+
+def length_for_cost(cost_model: CostModel, cost: float) -> float:
+    """The document length whose cost ``W(d)`` equals ``cost`` (inverse of the quadratic)."""
+    a, b = cost_model.attn_coef, cost_model.linear_coef
+    if a == 0:
+        return cost / b
+    return (-b + math.sqrt(b * b + 4 * a * cost)) / (2 * a)
+
+
+def default_thresholds(cost_model: CostModel, context_len: int, levels: int = 3) -> tuple[int, ...]:
+    """Queue thresholds derived from the cost model when none are configured.
+
+    Level i holds documents whose own workload is at least ``2**(i-1) / 2`` times that of a full
+    context of short documents (``linear_coef * context_len``): ``levels=3`` gives queues starting
+    at 1/2, 1 and 2 micro-batches' worth of linear work. A document below the first threshold can
+    always be balanced by the others in its micro-batch.
+    """
+    unit = cost_model.linear_coef * context_len
+    if unit == 0:  # attention-only cost: use fractions of a full-context document
+        unit = cost_model.doc_cost(np.array([context_len]))[0]
+    out = []
+    for i in range(levels):
+        d = int(length_for_cost(cost_model, unit * 0.5 * 2**i))
+        if d < context_len and (not out or d > out[-1]):
+            out.append(max(d, 1))
+    return tuple(out) or (context_len,)
+
+
+class _QueuedPacker(Packer):
+    """State shared by both WLB packers: carried regular documents and the outlier queues.
+
+    ``queue.tag`` is the queue level (1..n) of each waiting document; the pool is kept in arrival
+    order, so selecting by level gives each queue in FIFO order.
+    """
+
+    def __init__(self, config: PackingConfig, cost_model: CostModel) -> None:
+        super().__init__(config, cost_model)
+        self.smax = config.smax if config.smax is not None else default_smax(config.context_len)
+        th = config.queue_thresholds
+        self.thresholds = np.asarray(
+            th if th is not None else default_thresholds(cost_model, config.context_len), np.int64
+        )
+        self.carry = DocPool()
+        self.queue = DocPool()
+
+    @property
+    def cap(self) -> int:
+        return self.smax
+
+    def tokens_wanted(self) -> int:
+        return max(0, self.n * self.config.context_len - int(self.carry.lens.sum()))
+
+    def has_pending(self) -> bool:
+        return len(self.carry) > 0 or len(self.queue) > 0
+
+    def pending(self) -> DocPool:
+        return DocPool.concat([self.carry, self.queue])
+
+    def queue_depths(self) -> list[int]:
+        return np.bincount(self.queue.tag - 1, minlength=self.thresholds.size).tolist()
+
+    def _intake(self, ids: np.ndarray, lens: np.ndarray) -> DocPool:
+        """Queue the new outliers; return the regular documents (carry first, then new)."""
+        level = np.searchsorted(self.thresholds, lens, side="right")
+        new = DocPool()
+        new.add(ids, lens, self._step, level)
+        out = new.take(np.flatnonzero(level > 0))
+        self.queue = DocPool.concat([self.queue, out])
+        regular = DocPool.concat([self.carry, new])
+        regular.tag[:] = 0
+        self.carry = DocPool()
+        return regular
+
+    def _forced(self, flush: bool) -> np.ndarray:
+        if flush:
+            return np.ones(len(self.queue), bool)
+        return self._step - self.queue.arrival >= self.config.max_wait
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {"carry": self.carry.state(), "queue": self.queue.state()}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        self.carry = DocPool.from_state(state["carry"])
+        self.queue = DocPool.from_state(state["queue"])
+
+
+class WLBPaperPacker(_QueuedPacker):
+    """Algorithm 1 of the paper, document by document (reference implementation)."""
+
+    name = "wlb_paper"
+
+    def _plan(self, ids, lens, flush):
+        n, cap = self.n, self.smax
+        regular = self._intake(ids, lens)
+        loads = np.zeros(n)
+        tokens = np.zeros(n, np.int64)
+        out_docs: list[DocPool] = []
+        out_mb: list[np.ndarray] = []
+        # Full queues release N documents FIFO, one per micro-batch (the longest to the
+        # micro-batch with the fewest tokens, so that releases of several queues stay under
+        # S_max; a document that does not fit waits for the next step).
+        for level in range(1, self.thresholds.size + 1):
+            while True:
+                idx = np.flatnonzero(self.queue.tag == level)
+                if idx.size < n:
+                    break
+                idx = idx[:n]
+                by_len = idx[np.argsort(-self.queue.lens[idx], kind="stable")]
+                bins = np.argsort(tokens, kind="stable")
+                fit = tokens[bins] + self.queue.lens[by_len] <= cap
+                if not fit.any():
+                    break
+                group = self.queue.subset(by_len[fit])
+                self.queue.take(by_len[fit])
+                out_docs.append(group)
+                out_mb.append(bins[fit])
+                loads[bins[fit]] += self.cost_model.doc_cost(group.lens)
+                tokens[bins[fit]] += group.lens
+                if not fit.all():
+                    break
+        # Documents past their max wait (or everything, at the end) join the regular ones.
+        forced = self.queue.take(np.flatnonzero(self._forced(flush)))
+        rest = DocPool.concat([regular, forced])
+        order = np.argsort(-rest.lens, kind="stable")  # carry first among equal lengths
+        costs = self.cost_model.doc_cost(rest.lens)
+        mb = np.full(len(rest), -1, np.int64)
+        for i in order.tolist():
+            d = rest.lens[i]
+            j = int(np.argmin(loads))
+            if tokens[j] + d > cap:
+                j = int(np.argmin(tokens))
+                if tokens[j] + d > cap:
+                    continue
+            mb[i] = j
+            loads[j] += costs[i]
+            tokens[j] += d
+        placed = mb >= 0
+        self.carry = rest.subset(np.flatnonzero(~placed))
+        out_docs.append(rest.subset(np.flatnonzero(placed)))
+        out_mb.append(mb[placed])
+        return DocPool.concat(out_docs), np.concatenate(out_mb)
+
+
+class WLBPacker(_QueuedPacker):
+    """Improved WLB: admission and release of outliers by cost, vectorised placement."""
+
+    name = "wlb"
+    max_release_attempts = 4
+    _EMA = 0.1  # weight of the newest step in the running delay
+    _WAIT_STEP = 0.5  # change of the effective K per step
+
+    def __init__(self, config: PackingConfig, cost_model: CostModel) -> None:
+        super().__init__(config, cost_model)
+        self.k_eff = float(config.max_wait)
+        self.delay_ema = float(config.delay_target)
+
+    def _wait_bound(self) -> int:
+        return int(self.k_eff)
+
+    def _forced(self, flush: bool) -> np.ndarray:
+        if flush:
+            return np.ones(len(self.queue), bool)
+        return self._step - self.queue.arrival >= self._wait_bound()
+
+    def _adapt_wait(self, docs: DocPool) -> None:
+        """Let K grow (up to ``adaptive_max_wait``) while the delay stays well under target.
+
+        Data whose long documents are rare (few tokens wait) can afford long waits, which buy
+        balance; data full of long documents cannot. The running token-weighted delay decides:
+        above ``delay_target`` K steps back towards ``max_wait``, below 90 % of it K grows.
+        """
+        cfg = self.config
+        if cfg.adaptive_max_wait <= cfg.max_wait:
+            return
+        tokens = int(docs.lens.sum())
+        delay = float(((self._step - docs.arrival) * docs.lens).sum() / tokens) if tokens else 0.0
+        self.delay_ema = (1 - self._EMA) * self.delay_ema + self._EMA * delay
+        if self.delay_ema > cfg.delay_target:
+            self.k_eff = max(float(cfg.max_wait), self.k_eff - self._WAIT_STEP)
+        elif self.delay_ema < 0.9 * cfg.delay_target:
+            self.k_eff = min(float(cfg.adaptive_max_wait), self.k_eff + self._WAIT_STEP)
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {**super()._extra_state(), "k_eff": self.k_eff, "delay_ema": self.delay_ema}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        super()._load_extra_state(state)
+        self.k_eff = float(state["k_eff"])
+        self.delay_ema = float(state["delay_ema"])
+
+    def _plan(self, ids, lens, flush):
+        n, cap, cm = self.n, self.smax, self.cost_model
+        regular = self._intake(ids, lens)
+        loads = np.zeros(n)
+        tokens = np.zeros(n, np.int64)
+        q = self.queue
+        q_cost = cm.doc_cost(q.lens)
+        q_bin = np.full(len(q), -1, np.int64)
+
+        # 1. Forced outliers (waited K steps, or end of data) are placed first: oldest first (no
+        #    starvation when the forced work exceeds a step), largest first among equals.
+        forced = np.flatnonzero(self._forced(flush))
+        forced = forced[np.lexsort((-q_cost[forced], q.arrival[forced]))]
+        q_bin[forced] = lpt_place(loads, tokens, q_cost[forced], q.lens[forced], cap)
+
+        # 2. Regular documents (carried ones included) are placed after the outliers.
+        r_cost = cm.doc_cost(regular.lens)
+        r_bin = np.full(len(regular), -1, np.int64)
+        new_cost = float(r_cost.sum())
+        new_tokens = int(regular.lens.sum())
+
+        # 3. Waiting outliers: release a group at a higher level when it balances, then admit
+        #    whatever fits under the step's level.
+        waiting = np.flatnonzero(q_bin < 0)
+        waiting = waiting[np.argsort(-q_cost[waiting], kind="stable")]
+        mean0 = (loads.sum() + new_cost) / n
+        level0 = max(loads.max(), mean0)
+        # An outlier already fixes the step's maximum (a forced one): regular documents must not
+        # lift any micro-batch above it, and more queued outliers may go at no extra cost.
+        outlier_bound = loads.max() > mean0
+        chosen = None
+        limit = level0 if outlier_bound else np.inf
+        for top in waiting[: self.max_release_attempts]:
+            target = q_cost[top]
+            if target <= level0:
+                break
+            age = (self._step - q.arrival[top]) / max(self._wait_bound(), 1)
+            tau = self.config.balance_target + self.config.release_slack * age
+            trial = self._admit(
+                loads, tokens, q_cost, q.lens, waiting, target, new_cost, new_tokens, cap, tau
+            )
+            if trial is not None:
+                chosen, limit = trial, target
+                break
+        if chosen is None:
+            chosen = self._admit(
+                loads,
+                tokens,
+                q_cost,
+                q.lens,
+                waiting,
+                level0,
+                new_cost,
+                0 if outlier_bound else new_tokens,
+                cap,
+                None,
+            )
+        loads, tokens, admitted = chosen
+        q_bin[waiting] = admitted
+
+        # 4. Regular documents fill the micro-batches, vectorised; what does not fit under the cap
+        #    (or under the level an outlier set) is carried to the next step. Carried documents go
+        #    first: they have waited already; past K steps they ignore the level (only the token
+        #    cap binds).
+        for group in (regular.arrival < self._step, regular.arrival == self._step):
+            idx = np.flatnonzero(group)
+            if idx.size:
+                r_bin[idx] = fill_rounds(loads, tokens, r_cost[idx], regular.lens[idx], cap, limit)
+        overdue = np.flatnonzero((r_bin < 0) & (self._step - regular.arrival >= self._wait_bound()))
+        if overdue.size and np.isfinite(limit):
+            r_bin[overdue] = fill_rounds(loads, tokens, r_cost[overdue], regular.lens[overdue], cap)
+
+        self.carry = regular.subset(np.flatnonzero(r_bin < 0))
+        released = self.queue.take(np.flatnonzero(q_bin >= 0))
+        docs = DocPool.concat([released, regular.subset(np.flatnonzero(r_bin >= 0))])
+        self._adapt_wait(docs)
+        return docs, np.concatenate([q_bin[q_bin >= 0], r_bin[r_bin >= 0]])
+
+    def _admit(
+        self,
+        loads: np.ndarray,
+        tokens: np.ndarray,
+        q_cost: np.ndarray,
+        q_lens: np.ndarray,
+        waiting: np.ndarray,
+        level: float,
+        new_cost: float,
+        new_tokens: int,
+        cap: int,
+        tau: float | None,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """Place waiting outliers (largest first) into micro-batches without exceeding ``level``.
+
+        With a target ``tau`` (a release at a raised level) the result is kept only if the regular
+        documents can then lift every micro-batch close to ``level`` (predicted max/mean within
+        ``tau``); with ``tau=None`` admission keeps a 2 % token margin so that outliers
+        do not push the step's fresh documents into carry-over. Returns the updated
+        (loads, tokens, bin per waiting document) or ``None`` when the release would not balance.
+        """
+        n = self.n
+        must_balance = tau is not None
+        loads, tokens = loads.copy(), tokens.copy()
+        costs, lens = q_cost[waiting], q_lens[waiting]
+        fits = costs <= level
+        if must_balance:
+            budget = loads.sum() + new_cost + costs[fits].sum()
+            if budget * tau < n * level:
+                return None  # not enough work to lift every micro-batch to the level
+        token_budget = int(_TOKEN_FILL * n * cap) - int(tokens.sum())
+        if not must_balance:
+            token_budget -= new_tokens
+        out = np.full(waiting.size, -1, np.int64)
+        cand = np.flatnonzero(fits)
+        for i in cand.tolist():  # O(#waiting outliers), bounded by the queues
+            if lens[i] > token_budget:
+                continue
+            room_ok = tokens + lens[i] <= cap
+            if not room_ok.any():
+                continue
+            j = int(np.argmin(np.where(room_ok, loads, np.inf)))
+            dyn = level if must_balance else max(level, (loads.sum() + costs[i] + new_cost) / n)
+            if loads[j] + costs[i] > dyn:
+                continue
+            out[i] = j
+            loads[j] += costs[i]
+            tokens[j] += lens[i]
+            token_budget -= lens[i]
+        if must_balance:
+            if not (out >= 0).any():
+                return None
+            rho = new_cost / new_tokens if new_tokens else 0.0
+            fill = np.minimum(np.maximum(level - loads, 0.0), (cap - tokens) * rho).sum()
+            mean = (loads.sum() + min(new_cost, fill)) / n
+            if mean <= 0 or max(level, loads.max()) / mean > tau:
+                return None
+        return loads, tokens, out

@@ -1,0 +1,290 @@
+"""The simulator's bridge to the project's packers, CP planner and cost model (no re-implementation).
+
+* packing: the packers of ``torchtitan_wlb.packing`` driven exactly as the data node drives them
+  (``tokens_wanted`` -> pull documents in stream order -> ``step``);
+* CP: ``torchtitan_wlb.cp.plan.build_cp_plan`` per micro-batch; its segment table is the attention work
+  of each rank;
+* attention throughput: the CP planner's throughput profile (the table adaptive selection uses), scaled
+  to the hardware profile's ``attn_tflops``, so the simulator times attention with the same shape
+  efficiency the planner assumed when it chose;
+* cost model: ``torchtitan_wlb.cost_model.CostModel``, either analytic FLOPs or "profiled": fitted to
+  this simulator's own per-micro-batch times, as the paper fits its latency predictors to offline
+  GPU profiles.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from functools import lru_cache
+
+import numpy as np
+
+from torchtitan_wlb.cost_model import CostModel
+from torchtitan_wlb.sim.timing import (
+    TILE,
+    AttentionTimeFn,
+    causal_pairs,
+    layer_costs,
+    tile_padded_time_fn,
+)
+
+# Imported lazily by name so that a packer module still being written elsewhere does not break the
+# simulator's other modes.
+_PACKING_PKG = "torchtitan_wlb.packing"
+
+
+@lru_cache(maxsize=1)
+def _packer_classes() -> dict[str, type]:
+    """Packer name -> class, found by scanning torchtitan_wlb.packing for Packer subclasses."""
+    from torchtitan_wlb.packing import base
+
+    pkg = importlib.import_module(_PACKING_PKG)
+    found: dict[str, type] = {}
+    for info in pkgutil.iter_modules(pkg.__path__):
+        try:
+            mod = importlib.import_module(f"{_PACKING_PKG}.{info.name}")
+        except ImportError:
+            continue
+        for obj in vars(mod).values():
+            if (
+                isinstance(obj, type)
+                and issubclass(obj, base.Packer)
+                and not getattr(obj, "__abstractmethods__", None)
+                and isinstance(getattr(obj, "name", None), str)
+            ):
+                found.setdefault(obj.name, obj)
+    return found
+
+
+def make_packer(name: str, config, cost_model: CostModel):
+    """Instantiate the project's packer ``name`` (the registry if the package has one)."""
+    pkg = importlib.import_module(_PACKING_PKG)
+    builder = getattr(pkg, "build_packer", None)
+    if builder is not None:
+        return builder(name, config, cost_model)
+    classes = _packer_classes()
+    if name not in classes:
+        raise ValueError(f"packer {name!r} is not available; found: {', '.join(sorted(classes))}")
+    return classes[name](config, cost_model)
+
+
+def packing_config(mode, cfg, n_global: int):
+    """The PackingConfig of one mode."""
+    from torchtitan_wlb.packing.base import PackingConfig
+
+    thresholds = cfg.queue_thresholds
+    if mode.packer.startswith("wlb") and not mode.outlier_delay:
+        thresholds = ()  # no outlier queues: variable-length balancing inside the step only
+    return PackingConfig(
+        micro_batches=n_global,
+        context_len=cfg.context_len,
+        smax=cfg.smax if mode.variable_length else None,
+        queue_thresholds=thresholds,
+        max_wait=cfg.max_delay_steps,
+    )
+
+
+def pack_steps(mode, lengths: np.ndarray, cfg, n_steps: int) -> tuple[list[list[np.ndarray]], dict]:
+    """Run the mode's packer over the document stream for ``n_steps`` steps.
+
+    Long documents are first split at the context length (the loader's default policy,
+    ``max_doc_len = seq_len``). The stream is repeated (reshuffled with ``cfg.seed``) if it is too
+    short. Returns the per-step lists of micro-batch document lengths and averaged packer stats.
+    """
+    from torchtitan_wlb.sim.lengths import cycle_to, split_long
+
+    docs = split_long(lengths, cfg.context_len)
+    need = int((n_steps + cfg.max_delay_steps + 2) * cfg.n_global * cfg.context_len * 1.3)
+    docs = cycle_to(docs, need, np.random.default_rng(cfg.seed))
+    cum = np.cumsum(docs)
+    packer = make_packer(mode.packer, packing_config(mode, cfg, cfg.n_global), cost_model_for(cfg))
+    pos = 0
+    steps: list[list[np.ndarray]] = []
+    stats_acc: dict[str, list[float]] = {}
+    for _ in range(n_steps):
+        budget = packer.tokens_wanted()
+        end = pos
+        if budget > 0 and pos < docs.size:
+            base = cum[pos - 1] if pos else 0
+            end = min(int(np.searchsorted(cum, base + budget, side="left")) + 1, docs.size)
+        plan = packer.step(np.arange(pos, end, dtype=np.int64), docs[pos:end])
+        pos = end
+        steps.append([np.asarray(x, dtype=np.int64) for x in plan.doc_lens])
+        for k, v in plan.stats.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                stats_acc.setdefault(k, []).append(float(v))
+    stats = {k: float(np.mean(v)) for k, v in stats_acc.items()}
+    return steps, stats
+
+
+def cp_shards(micro_batches: list[np.ndarray], cfg, strategy: str):
+    """Attention segments of every micro-batch under ``strategy``, from the CP planner."""
+    from torchtitan_wlb.cp.plan import build_cp_plan
+    from torchtitan_wlb.sim.engine import CPShards
+
+    c = cfg.layout.cp
+    mbs, ranks, qs, kvs = [], [], [], []
+    local = np.zeros((len(micro_batches), c), dtype=np.int64)
+    chose_doc = np.zeros(len(micro_batches), dtype=bool)
+    profile = planner_profile(cfg) if strategy == "adaptive" else None
+    for i, lens in enumerate(micro_batches):
+        if int(np.sum(lens)) < c:  # an empty micro-batch (a packer may leave one): no work
+            continue
+        plan = build_cp_plan(lens, c, strategy, profile=profile)
+        keep = plan.seg_len > 0
+        q = plan.seg_len[keep]
+        ranks.append(plan.slot_owner()[plan.seg_slot[keep]])
+        qs.append(q)
+        kvs.append(plan.seg_start[keep] + q)
+        mbs.append(np.full(q.size, i, dtype=np.int64))
+        local[i] = plan.local_lens
+        chose_doc[i] = plan.strategy == "per_document"
+    empty = np.zeros(0, dtype=np.int64)
+    return CPShards(
+        seg_mb=np.concatenate([empty, *mbs]),
+        seg_rank=np.concatenate([empty, *ranks]),
+        seg_q=np.concatenate([empty, *qs]),
+        seg_kv=np.concatenate([empty, *kvs]),
+        local_tokens=local,
+        chose_per_document=chose_doc,
+    )
+
+
+@lru_cache(maxsize=8)
+def simulated_cp_profile(hw):
+    """A CP throughput profile (the planner's table format) of the simulated attention kernel.
+
+    Adaptive selection must judge per-document vs per-sequence with the efficiency of the GPU being
+    simulated, not with the packaged CPU table, so the simulator tabulates its own kernel model
+    (``timing.tile_padded_time_fn``) on a dense (q_len, kv_len) grid, in the planner's convention
+    (padded forward + backward FLOPs / time).
+    """
+    from torchtitan_wlb.cp.profile import CPProfile, attention_flops
+
+    grid = np.unique(np.round(2.0 ** np.arange(3, 18.01, 0.25)).astype(np.int64))
+    q, kv = np.meshgrid(grid, grid, indexing="ij")
+    fn = tile_padded_time_fn(hw)
+    head_dim = 128
+    valid = q <= kv
+    kv_v = np.where(valid, kv, q)  # cells with q > kv are never looked up (NaN in the table)
+    fwd_flops = 4.0 * head_dim * causal_pairs(q, kv_v)
+    seconds = fn(q, kv_v, fwd_flops) * (1.0 + hw.bwd_attn_factor)
+    tile = TILE
+    pq = -(-q // tile) * tile
+    pk = np.maximum(-(-kv_v // tile) * tile, pq)
+    tflops = np.where(valid, attention_flops(pq, pk, 1, head_dim) / seconds / 1e12, np.nan)
+    return CPProfile(
+        lengths=tuple(int(x) for x in grid),
+        tflops=tuple(tuple(float(x) for x in row) for row in tflops),
+        tile=tile,
+        device=f"simulated-{hw.name}",
+        backend="simulated",
+        n_heads=1,
+        n_kv_heads=1,
+        head_dim=head_dim,
+        dtype="bfloat16",
+    )
+
+
+@lru_cache(maxsize=8)
+def _measured_profile(path: str):
+    from torchtitan_wlb.cp.profile import resolve_profile
+
+    return resolve_profile(path)
+
+
+def planner_profile(cfg):
+    """The throughput table adaptive CP selection uses: a measured one if given, else the model's."""
+    return (
+        _measured_profile(cfg.cp_profile) if cfg.cp_profile else simulated_cp_profile(cfg.hardware)
+    )
+
+
+def attention_time_fn(cfg) -> AttentionTimeFn:
+    """Forward attention time: the hardware profile's kernel model, or a measured CP profile.
+
+    A measured profile gives forward + backward throughput per (q_len, kv_len) for padded FLOPs; the
+    forward share is 1 / (1 + bwd_attn_factor) of the time, so the simulator's backward factor applies
+    on top and the profile's total is reproduced.
+    """
+    if not cfg.cp_profile:
+        return tile_padded_time_fn(cfg.hardware)
+    from torchtitan_wlb.cp.profile import attention_flops
+
+    table = _measured_profile(cfg.cp_profile)
+    hw = cfg.hardware
+
+    def fn(q_len: np.ndarray, kv_len: np.ndarray, flops: np.ndarray) -> np.ndarray:
+        q = np.asarray(q_len, dtype=np.int64)
+        kv = np.asarray(kv_len, dtype=np.int64)
+        pq = -(-q // table.tile) * table.tile
+        pk = np.maximum(-(-kv // table.tile) * table.tile, pq)
+        # flops (the model's, per GPU) over the unpadded count gives heads x head_dim scaling.
+        per_pair = np.divide(flops, 4.0 * causal_pairs(q, kv), out=np.zeros(q.shape),
+                             where=q > 0)  # fmt: skip
+        total = attention_flops(pq, pk, 1, 1) * per_pair / (table.lookup_tflops(q, kv) * 1e12)
+        return np.where(q > 0, total / (1.0 + hw.bwd_attn_factor), 0.0)
+
+    return fn
+
+
+def profiling_micro_batches(context_len: int, cp: int, n_points: int = 24) -> list[np.ndarray]:
+    """Micro-batches an offline profile would time: each filled to the context length with
+    documents of ONE length d (d from 2 x CP tokens to the context length, geometric).
+
+    Full micro-batches keep the linear work near one context's worth, so the fit resolves the
+    attention term across document lengths instead of fitting fixed per-call latencies.
+    """
+    lens = np.unique(np.geomspace(max(2 * cp, 128), context_len, n_points).astype(np.int64))
+    out = []
+    for d in lens:
+        k, rem = divmod(context_len, int(d))
+        mb = np.full(k, d, dtype=np.int64)
+        out.append(np.append(mb, rem) if rem >= 2 * cp else mb)
+    return out
+
+
+def cost_model_for(cfg) -> CostModel:
+    """The packers' cost model for a simulation (see SimConfig.cost_model)."""
+    m, lay = cfg.model, cfg.layout
+    if cfg.cost_model == "analytic":
+        return CostModel.from_model_dims(
+            dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
+            ffn_hidden_dim=m.ffn_hidden_dim, vocab_size=m.vocab_size, tp=lay.tp, cp=lay.cp,
+        )  # fmt: skip
+    return _profiled_cost_model(m, lay, cfg.hardware, cfg.context_len, cfg.cp_profile)
+
+
+@lru_cache(maxsize=32)
+def _profiled_cost_model(model, layout, hw, context_len: int, cp_profile: str | None) -> CostModel:
+    """Fit W(d) = a d^2 + b d to the simulated time (all layers, forward + backward, slowest CP rank,
+    per-document sharding) of profiling micro-batches: an offline profile of the simulated GPUs."""
+    from torchtitan_wlb.sim.calibrate import MicroBatchRecord, fit
+    from torchtitan_wlb.sim.engine import SimConfig, stage_times
+
+    cfg = SimConfig(model=model, layout=layout, context_len=context_len, hardware=hw,
+                    schedule="1f1b", v=1, cost_model="analytic", cp_profile=cp_profile)  # fmt: skip
+    mbs = profiling_micro_batches(context_len, layout.cp)
+    shards = cp_shards(mbs, cfg, "per_document")
+    costs = layer_costs(model, layout, hw, shards.seg_mb, shards.seg_rank, shards.seg_q,
+                        shards.seg_kv, shards.local_tokens, attention_time=attention_time_fn(cfg))  # fmt: skip
+    fwd, bwd, _ = stage_times(cfg, costs, shards.local_tokens)
+    seconds = (fwd + bwd).sum(axis=1)
+    records = [MicroBatchRecord(mb, float(s)) for mb, s in zip(mbs, seconds, strict=True)]
+    return fit(records, overhead=False).cost_model()
+
+
+def generator_lengths(
+    name: str | None, context_len: int, seed: int = 0, num_docs: int = 200_000
+) -> np.ndarray:
+    """Document lengths from the packing benchmark's built-in synthetic generators."""
+    if name is None:
+        raise ValueError("give --lengths FILE or --generator NAME")
+    from torchtitan_wlb.tools import pack_bench
+
+    if name not in pack_bench.GENERATORS:
+        raise ValueError(
+            f"unknown generator {name!r}; accepted: {', '.join(pack_bench.GENERATORS)}"
+        )
+    return pack_bench.generate(name, num_docs, context_len, seed)

@@ -1,0 +1,163 @@
+"""Measure per-micro-batch and per-step training times of the ``llama3_wlb`` model on this CPU.
+
+The records feed ``torchtitan_wlb.sim.calibrate``: it fits the cost model to the standalone
+micro-batches, then predicts the measured steps (gradient accumulation over several micro-batches
+plus the optimizer) that it did not fit on.
+
+    python -m torchtitan_wlb.sim.measure_cpu --out outputs/cpu_calib.json
+    python -m torchtitan_wlb.sim.calibrate --records outputs/cpu_calib.json --json
+
+Micro-batches are packed from the packing benchmark's ``longtail`` generator by the project's
+``original`` and ``wlb`` packers (realistic compositions), plus micro-batches of equal documents of
+one length each (so that the attention and linear terms can be told apart). Each is run forward and
+backward on the real model (document-masked attention, per-document RoPE positions) with
+``torch.set_num_threads(--threads)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def micro_batches(seq_len: int, n: int, seed: int) -> list[np.ndarray]:
+    """n micro-batches of at most ``seq_len`` tokens: packer outputs and equal-length packs."""
+    from torchtitan_wlb.sim.engine import SimConfig
+    from torchtitan_wlb.sim.integration import generator_lengths, pack_steps
+    from torchtitan_wlb.sim.modes import MODES
+    from torchtitan_wlb.sim.presets import Layout, ModelSpec
+
+    model = ModelSpec("cpu", dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden_dim=768,
+                      vocab_size=264)  # fmt: skip
+    cfg = SimConfig(model=model, layout=Layout(), context_len=seq_len, schedule="1f1b",
+                    micro_batches=4, warmup_steps=0, cost_model="analytic")  # fmt: skip
+    lengths = generator_lengths("longtail", seq_len, seed=seed, num_docs=20_000)
+    packed = []
+    for mode in ("plain_4d", "wlb"):
+        steps, _ = pack_steps(MODES[mode], lengths, cfg, max(1, n // 8))
+        packed += [mb for s in steps for mb in s if mb.size]
+    rng = np.random.default_rng(seed)
+    equal = []
+    for d in np.unique(np.geomspace(64, seq_len, max(2, n // 2)).astype(np.int64)):
+        k = max(1, int(seq_len * rng.uniform(0.6, 1.0)) // int(d))
+        equal.append(np.full(k, d, dtype=np.int64))
+    out = packed[: n - len(equal)] + equal
+    order = rng.permutation(len(out))
+    return [out[i] for i in order]
+
+
+def build_model(flavor: str, seq_len: int):
+    from torchtitan_wlb import cpu_support
+
+    cpu_support.activate()
+    import dataclasses
+
+    import torch
+
+    from torchtitan_wlb.models.llama3_wlb import WLBTransformer, llama3_wlb_args
+
+    if flavor not in llama3_wlb_args:
+        raise ValueError(f"unknown flavor {flavor!r}; accepted: {', '.join(llama3_wlb_args)}")
+    args = dataclasses.replace(llama3_wlb_args[flavor], max_seq_len=seq_len)
+    torch.manual_seed(0)
+    model = WLBTransformer(args)
+    with torch.no_grad():
+        model.init_weights()
+    return model, args
+
+
+def run(
+    flavor: str,
+    seq_len: int,
+    n_mb: int,
+    n_steps: int,
+    accum: int,
+    threads: int,
+    seed: int,
+    repeats: int = 3,
+):
+    import torch
+
+    from torchtitan_wlb.attention.metadata import metadata_from_doc_lens
+
+    torch.set_num_threads(threads)
+    model, args = build_model(flavor, int(seq_len * 1.25))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    rng = np.random.default_rng(seed)
+
+    def fwd_bwd(lens: np.ndarray) -> float:
+        total = int(lens.sum())
+        tokens = torch.from_numpy(rng.integers(0, args.vocab_size, size=(1, total + 1)))
+        starts = np.repeat(np.cumsum(lens) - lens, lens)
+        pos = torch.from_numpy(np.arange(total) - starts).view(1, -1)
+        meta = metadata_from_doc_lens(lens, backend="cpu")
+        t0 = time.perf_counter()
+        logits = model(tokens[:, :-1], attention_masks=meta, positions=pos)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[0, 1:])
+        loss.backward()
+        return time.perf_counter() - t0
+
+    mbs = micro_batches(seq_len, n_mb + n_steps * accum, seed)
+    fwd_bwd(mbs[0])  # warm-up
+    records, steps = [], []
+    # Every measurement is the minimum of `repeats` runs: on a shared machine other processes only
+    # ever add time, so the minimum is the best estimate of the uncontended time.
+    for lens in mbs[:n_mb]:
+        best = min(fwd_bwd(lens) for _ in range(repeats))
+        records.append({"doc_lens": lens.tolist(), "seconds": best, "step": -1})
+        opt.zero_grad(set_to_none=True)
+    for s in range(n_steps):
+        group = mbs[n_mb + s * accum : n_mb + (s + 1) * accum]
+        best_step, best_mb = float("inf"), [float("inf")] * len(group)
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            times = [fwd_bwd(lens) for lens in group]
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            best_step = min(best_step, time.perf_counter() - t0)
+            best_mb = [min(a, b) for a, b in zip(best_mb, times, strict=True)]
+        for lens, t in zip(group, best_mb, strict=True):
+            records.append({"doc_lens": lens.tolist(), "seconds": t, "step": s})
+        steps.append({"step": s, "seconds": best_step})
+    return {
+        "microbatches": records,
+        "steps": steps,
+        "flavor": flavor,
+        "seq_len": seq_len,
+        "threads": threads,
+        "layout": {"tp": 1, "cp": 1, "pp": 1, "dp": 1},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m torchtitan_wlb.sim.measure_cpu")
+    p.add_argument("--out", required=True)
+    p.add_argument("--flavor", default="debugmodel", help="llama3_wlb flavor (debugmodel, tiny)")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--micro-batches", type=int, default=24, help="standalone micro-batches")
+    p.add_argument("--steps", type=int, default=8, help="measured steps")
+    p.add_argument("--repeats", type=int, default=3, help="runs per measurement (minimum kept)")
+    p.add_argument("--grad-accum", type=int, default=4, help="micro-batches per step")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    try:
+        data = run(args.flavor, args.seq_len, args.micro_batches, args.steps, args.grad_accum,
+                   args.threads, args.seed, args.repeats)  # fmt: skip
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(data))
+    n = len(data["microbatches"])
+    print(f"wrote {args.out}: {n} micro-batch records, {len(data['steps'])} steps")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""The training configurations the simulator compares: the paper's three systems and their parts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torchtitan_wlb.config import MODE_PRESETS
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    """One way to pack and shard a step.
+
+    Attributes:
+        name: Mode name used on the command line and in the JSON output.
+        packer: Packer name of torchtitan_wlb.packing ("original", "fixed_greedy", "solver", "wlb",
+            "wlb_paper").
+        cp_strategy: CP sharding plan of torchtitan_wlb.cp.plan ("per_sequence", "per_document",
+            "adaptive").
+        outlier_delay: For the "wlb" packers: whether outlier documents wait in queues (True) or the
+            packer only varies micro-batch lengths within the step (False).
+        variable_length: Whether micro-batches may exceed the context length up to S_max.
+        description: One line for tables and plots.
+    """
+
+    name: str
+    packer: str
+    cp_strategy: str
+    outlier_delay: bool = True
+    variable_length: bool = False
+    description: str = ""
+
+
+def _preset(name: str) -> tuple[str, str]:
+    return MODE_PRESETS[name]
+
+
+MODES: dict[str, ModeSpec] = {
+    "plain_4d": ModeSpec("plain_4d", *_preset("plain_4d"),
+                         description="Plain-4D: original packing + per-sequence CP"),
+    "fixed_4d": ModeSpec("fixed_4d", *_preset("fixed_4d"),
+                         description="Fixed-4D: fixed-length greedy packing + fixed CP sharding"),
+    "wlb": ModeSpec("wlb", *_preset("wlb"), variable_length=True,
+                    description="WLB-LLM: variable-length packing with outlier delay + adaptive CP"),
+    "per_doc_cp": ModeSpec("per_doc_cp", "original", "per_document",
+                           description="per-document CP only (original packing)"),
+    "adaptive_cp": ModeSpec("adaptive_cp", "original", "adaptive",
+                            description="adaptive CP only (original packing)"),
+    "varlen_packing": ModeSpec("varlen_packing", "wlb", "per_sequence", variable_length=True,
+                               description="variable-length packing with outlier delay only"),
+    "varlen_no_delay": ModeSpec("varlen_no_delay", "wlb", "per_sequence", outlier_delay=False,
+                                variable_length=True,
+                                description="variable-length packing without outlier delay"),
+    "wlb_no_delay": ModeSpec("wlb_no_delay", "wlb", "adaptive", outlier_delay=False,
+                             variable_length=True,
+                             description="WLB-LLM without outlier delay"),
+    "wlb_paper": ModeSpec("wlb_paper", "wlb_paper", "adaptive", variable_length=True,
+                          description="WLB-LLM with the paper's Algorithm 1 as published"),
+}  # fmt: skip
+
+REQUIRED_MODES = ("plain_4d", "fixed_4d", "wlb")
+
+
+def get_mode(name: str) -> ModeSpec:
+    """A mode by name, with a clear error listing the accepted names."""
+    if name not in MODES:
+        raise ValueError(f"unknown mode {name!r}; accepted: {', '.join(MODES)}")
+    return MODES[name]

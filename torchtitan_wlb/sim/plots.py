@@ -1,0 +1,154 @@
+"""PNG figures of simulation results: per-GPU latency heat maps, pipeline Gantt charts, speedup bars.
+
+matplotlib is an optional dependency (the ``sim`` extra); it is imported only when a figure is drawn,
+with a clear message when it is missing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from torchtitan_wlb.sim.engine import ModeResult
+
+
+def _plt():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ValueError(
+            "--plot needs matplotlib: pip install 'torchtitan-wlb[sim]' (or pip install matplotlib)"
+        ) from exc
+    return plt
+
+
+def latency_heatmap(results: Sequence[ModeResult], path: str | Path, max_rows: int = 48) -> Path:
+    """Per-micro-batch, per-CP-rank compute latency over its step's mean (paper Figure 4 style).
+
+    Rows are the micro-batches of the first steps (step / DP replica / micro-batch), columns the CP
+    ranks of the group that runs them; every pipeline stage of the replica sees the same row. Rows
+    that differ are PP-level imbalance (the slowest micro-batch stalls the pipeline), columns that
+    differ are CP-level imbalance (the slowest rank stalls each layer's all-gather). The colour scale
+    is shared so modes compare.
+    """
+    plt = _plt()
+    first = results[0].mb_rank_compute_s
+    n_mb, cp = first.shape[1], first.shape[2]
+    steps = max(1, min(first.shape[0], max_rows // max(1, n_mb)))
+    mats = []
+    for r in results:
+        lat = r.mb_rank_compute_s[:steps]  # [steps, N, cp]
+        # Normalised within each step: balance across steps is not the goal (WLB releases a group
+        # of outliers together), balance inside the global batch is.
+        lat = lat / lat.mean(axis=(1, 2), keepdims=True)
+        mats.append(lat.reshape(-1, cp))
+    vmax = max(1.1, max(float(m.max()) for m in mats))
+    vmin = min(0.9, min(float(m.min()) for m in mats))
+    n_rows = mats[0].shape[0]
+    fig, axes = plt.subplots(
+        1, len(results), figsize=(2.2 * len(results) + 1.5, 1.6 + 0.16 * n_rows), squeeze=False
+    )
+    im = None
+    dp = results[0].rank_compute_s.shape[1]
+    m = n_mb // dp
+    labels = [f"s{s} dp{d} mb{j}" for s in range(steps) for d in range(dp) for j in range(m)]
+    for k, (ax, r, mat) in enumerate(zip(axes[0], results, mats, strict=True)):
+        im = ax.imshow(mat, cmap="RdYlGn_r", vmin=vmin, vmax=vmax, aspect="auto",
+                       interpolation="nearest")  # fmt: skip
+        ax.set_title(f"{r.mode.name}\nworst {mat.max():.2f}", fontsize=9)
+        ax.set_xlabel("CP rank", fontsize=8)
+        ax.set_xticks(range(cp))
+        ax.tick_params(labelsize=7)
+        if k == 0:
+            ax.set_yticks(range(n_rows))
+            ax.set_yticklabels(labels, fontsize=6)
+        else:
+            ax.set_yticks([])
+    fig.colorbar(im, ax=axes[0].tolist(), label="latency / step mean", shrink=0.9)
+    out = Path(path)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return out
+
+
+def gantt(results: Sequence[ModeResult], path: str | Path) -> Path:
+    """Pipeline timeline of one step (the slowest DP replica) for each mode, on a shared time axis.
+
+    Forward ops are light, backward ops dark; the colour hue is the micro-batch, so one long
+    micro-batch can be followed through the stages.
+    """
+    plt = _plt()
+    fig, axes = plt.subplots(len(results), 1, figsize=(12, 1.3 + 0.45 * results[0].gantt[0].pp
+                                                       * len(results)), squeeze=False, sharex=True)  # fmt: skip
+    cmap = plt.get_cmap("tab20")
+    for ax, r in zip(axes[:, 0], results, strict=True):
+        sched, start, end = r.gantt
+        base = np.array([cmap((2 * int(mb)) % 20) for mb in sched.mb])
+        colors = np.where(sched.is_fwd[:, None], base, base * np.array([0.6, 0.6, 0.6, 1.0]))
+        for rank in range(sched.pp):  # one call per stage, not per operation
+            sel = np.flatnonzero(sched.rank == rank)
+            ax.broken_barh(list(zip(start[sel], end[sel] - start[sel], strict=True)),
+                           (rank - 0.4, 0.8), facecolors=colors[sel], edgecolor="white",
+                           linewidth=0.3)  # fmt: skip
+        ax.set_ylim(sched.pp - 0.5, -0.5)
+        ax.set_yticks(range(sched.pp))
+        ax.set_yticklabels([f"PP{p}" for p in range(sched.pp)], fontsize=8)
+        ax.set_title(
+            f"{r.mode.name}: step {end.max():.2f} s, bubbles {r.bubble_fraction[0]:.0%}",
+            fontsize=10, loc="left",
+        )  # fmt: skip
+    axes[-1, 0].set_xlabel("time (s); light = forward, dark = backward, colour = micro-batch")
+    out = Path(path)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def speedup_bars(
+    speedups: Mapping[str, Mapping[str, float]],
+    path: str | Path,
+    title: str = "Speedup over Plain-4D",
+    paper: Mapping[str, Mapping[str, float]] | None = None,
+) -> Path:
+    """Grouped bars: for each configuration (outer key) the speedup of each mode (inner key).
+
+    ``paper`` (same keys) adds the paper's values as black ticks over the bars.
+    """
+    plt = _plt()
+    configs = list(speedups)
+    modes = list(dict.fromkeys(m for c in configs for m in speedups[c]))
+    width = 0.8 / max(1, len(modes))
+    fig, ax = plt.subplots(
+        figsize=(max(5.0, 1.1 * len(configs) * max(1, len(modes)) * 0.6 + 2), 3.6)
+    )
+    x = np.arange(len(configs))
+    for j, mode in enumerate(modes):
+        vals = [speedups[c].get(mode, np.nan) for c in configs]
+        pos = x + (j - (len(modes) - 1) / 2) * width
+        bars = ax.bar(pos, vals, width, label=mode)
+        for b, v in zip(bars, vals, strict=True):
+            if np.isfinite(v):  # inside the bar's top, clear of the paper's tick above it
+                ax.text(b.get_x() + b.get_width() / 2, v - 0.012, f"{v:.2f}", ha="center",
+                        va="top", fontsize=7, color="white", fontweight="bold")  # fmt: skip
+        if paper:
+            pv = [paper.get(c, {}).get(mode, np.nan) for c in configs]
+            ax.scatter(pos, pv, marker="_", s=300, color="black", zorder=3,
+                       label="paper" if j == 0 else None)  # fmt: skip
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xticks(x)
+    ax.set_xticklabels(configs, fontsize=8)
+    ax.set_ylabel("speedup (x)")
+    ax.set_ylim(0.8, max(1.5, np.nanmax([v for c in speedups.values() for v in c.values()]) + 0.12))
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, ncol=min(4, len(modes) + 1))
+    out = Path(path)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -1,0 +1,216 @@
+"""Per-layer compute and communication time of packed micro-batches on a 4D layout.
+
+Everything here is counted, not fitted: FLOPs and bytes come from the model's dimensions and the
+micro-batch's document lengths, times from the hardware profile's achieved throughputs and bandwidths.
+
+What one transformer layer costs one GPU, forward, for one micro-batch (local tokens ``n`` on this CP
+rank, ``S`` in the whole micro-batch, TP degree ``t``):
+
+* GEMMs: ``2 n P_layer / t`` FLOPs (projections + SwiGLU MLP), at ``gemm_tflops``;
+* element-wise ops (norms, RoPE, activation, residual): ``n * dim * bytes / t`` over HBM;
+* attention: for every local query chunk of ``q`` tokens attending ``k`` keys of its own document
+  (bottom-right causal), ``4 * head_dim * heads / t * (q k - q (q - 1) / 2)`` FLOPs, at the attention
+  kernel's shape-dependent throughput;
+* TP with sequence parallelism: two all-gathers and two reduce-scatters of ``n x dim`` bf16 activations;
+* CP (all-gather KV): gather ``S`` tokens' K and V for the local KV heads; backward reduce-scatters
+  dK, dV of the same size.
+
+CP ranks meet at every layer's all-gather, so a layer costs the *slowest* CP rank's compute plus the
+exposed communication; that is how per-rank attention imbalance turns into step time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from torchtitan_wlb.sim.hardware import HardwareProfile
+from torchtitan_wlb.sim.presets import Layout, ModelSpec
+
+BF16_BYTES = 2
+TILE = 128
+
+# fwd attention seconds for (q_len, kv_len, flops) arrays -> seconds array.
+AttentionTimeFn = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+
+
+def causal_pairs(q_len: np.ndarray, kv_len: np.ndarray) -> np.ndarray:
+    """(query, key) pairs a bottom-right-aligned causal chunk computes: q k - q (q - 1) / 2."""
+    q = np.asarray(q_len, dtype=np.float64)
+    k = np.asarray(kv_len, dtype=np.float64)
+    return q * k - q * (q - 1.0) / 2.0
+
+
+def tile_padded_time_fn(hw: HardwareProfile, tile: int = TILE) -> AttentionTimeFn:
+    """Forward attention time of the simulated kernel.
+
+    Every chunk's queries are padded up to the kernel tile (keys shift with them, bottom-right
+    aligned), and the achieved throughput grows with the mean key-loop length of a query row,
+    ``kbar / (kbar + attn_kv_half)`` of ``attn_tflops``: tiny per-document chunks pay both, which is why
+    per-document sharding can lose to per-sequence sharding on short documents.
+    """
+
+    def fn(q_len: np.ndarray, kv_len: np.ndarray, flops: np.ndarray) -> np.ndarray:
+        q = np.asarray(q_len, dtype=np.float64)
+        k = np.asarray(kv_len, dtype=np.float64)
+        qp = np.ceil(np.maximum(q, 1.0) / tile) * tile
+        padded = causal_pairs(qp, k + (qp - q))
+        useful = causal_pairs(q, k)
+        scale = np.divide(padded, useful, out=np.ones_like(padded), where=useful > 0)
+        kbar = padded / qp
+        eff = kbar / (kbar + hw.attn_kv_half)
+        return flops * scale / (hw.attn_tflops * 1e12 * eff)
+
+    return fn
+
+
+@dataclass
+class LayerCosts:
+    """Forward and backward time of ONE transformer layer per micro-batch, on one GPU.
+
+    Attributes:
+        compute_fwd: [n_mb, cp] per CP rank: attention + GEMM + element-wise, forward (s).
+        compute_bwd: [n_mb, cp] the same, backward (s).
+        attn_fwd: [n_mb, cp] the attention part of compute_fwd (s).
+        comm_fwd: [n_mb] exposed TP + CP communication of the forward (s).
+        comm_bwd: [n_mb] exposed TP + CP communication of the backward (s).
+        local_tokens: [n_mb, cp] tokens each CP rank holds.
+        total_tokens: [n_mb] tokens in the micro-batch.
+    """
+
+    compute_fwd: np.ndarray
+    compute_bwd: np.ndarray
+    attn_fwd: np.ndarray
+    comm_fwd: np.ndarray
+    comm_bwd: np.ndarray
+    local_tokens: np.ndarray
+    total_tokens: np.ndarray
+
+    @property
+    def layer_fwd(self) -> np.ndarray:
+        """[n_mb] one layer's forward: slowest CP rank's compute + exposed communication."""
+        return self.compute_fwd.max(axis=1) + self.comm_fwd
+
+    @property
+    def layer_bwd(self) -> np.ndarray:
+        """[n_mb] one layer's backward."""
+        return self.compute_bwd.max(axis=1) + self.comm_bwd
+
+
+def _collective_seconds(bytes_per_gpu: np.ndarray, group: int, span: int, hw: HardwareProfile):
+    """Ring all-gather / reduce-scatter: each GPU moves (g-1)/g of the full buffer, plus latency."""
+    if group <= 1:
+        return np.zeros_like(np.asarray(bytes_per_gpu, dtype=np.float64))
+    bw = hw.link_gbps(span) * 1e9
+    return (group - 1) / group * bytes_per_gpu / bw + hw.collective_latency_us * 1e-6
+
+
+def layer_costs(
+    model: ModelSpec,
+    layout: Layout,
+    hw: HardwareProfile,
+    seg_mb: np.ndarray,
+    seg_rank: np.ndarray,
+    seg_q: np.ndarray,
+    seg_kv: np.ndarray,
+    local_tokens: np.ndarray,
+    attention_time: AttentionTimeFn | None = None,
+) -> LayerCosts:
+    """One layer's per-GPU costs for a batch of micro-batches, from their CP attention segments.
+
+    Args:
+        model, layout, hw: What runs where.
+        seg_mb, seg_rank, seg_q, seg_kv: flat arrays, one entry per local attention segment (a query
+            chunk of one document on one CP rank): micro-batch index, CP rank, query length and key
+            length (the document's prefix up to the chunk's end).
+        local_tokens: [n_mb, cp] tokens each CP rank holds (padding included).
+        attention_time: fwd attention seconds for (q, kv, flops); default: tile-padded at attn_tflops.
+    """
+    local_tokens = np.asarray(local_tokens, dtype=np.float64)
+    n_mb, cp = local_tokens.shape
+    if cp != layout.cp:
+        raise ValueError(f"local_tokens has {cp} CP ranks, layout has CP={layout.cp}")
+    tp = layout.tp
+    time_fn = attention_time or tile_padded_time_fn(hw)
+    heads_per_gpu = model.n_heads / tp
+    kv_heads_per_gpu = max(model.n_kv_heads / tp, 1.0)  # KV heads are replicated when TP > n_kv
+
+    flops = 4.0 * model.head_dim * heads_per_gpu * causal_pairs(seg_q, seg_kv)
+    seg_time = time_fn(np.asarray(seg_q), np.asarray(seg_kv), flops)
+    flat = np.asarray(seg_mb, dtype=np.int64) * cp + np.asarray(seg_rank, dtype=np.int64)
+    attn = np.bincount(flat, weights=seg_time, minlength=n_mb * cp).reshape(n_mb, cp)
+
+    gemm = 2.0 * local_tokens * model.params_per_layer / tp / (hw.gemm_tflops * 1e12)
+    elem = local_tokens * model.dim * hw.elementwise_bytes_per_token_dim / tp / (hw.hbm_gbps * 1e9)
+    compute_fwd = attn + gemm + elem
+    compute_bwd = hw.bwd_attn_factor * attn + hw.bwd_gemm_factor * gemm + 2.0 * elem
+
+    # TP (sequence parallel): 2 all-gathers + 2 reduce-scatters of the full-sequence activation of
+    # this CP rank; every rank of the TP group moves (t-1)/t of [n, dim].
+    n_max = local_tokens.max(axis=1)
+    act_bytes = n_max * model.dim * BF16_BYTES
+    tp_comm = 4.0 * _collective_seconds(act_bytes, tp, tp, hw) * (1.0 - hw.tp_overlap)
+    # CP: all-gather K and V of the whole micro-batch (local KV heads), reduce-scatter in backward.
+    total = local_tokens.sum(axis=1)
+    kv_bytes = total * 2.0 * kv_heads_per_gpu * model.head_dim * BF16_BYTES
+    cp_comm = _collective_seconds(kv_bytes, layout.cp, layout.cp * tp, hw) * (1.0 - hw.cp_overlap)
+    return LayerCosts(
+        compute_fwd=compute_fwd,
+        compute_bwd=compute_bwd,
+        attn_fwd=attn,
+        comm_fwd=tp_comm + cp_comm,
+        comm_bwd=tp_comm + cp_comm,
+        local_tokens=local_tokens,
+        total_tokens=total,
+    )
+
+
+def output_layer_seconds(
+    model: ModelSpec, layout: Layout, hw: HardwareProfile, local_tokens: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Forward and backward time of the output projection + loss on the last stage, [n_mb] each."""
+    n = np.asarray(local_tokens, dtype=np.float64).max(axis=1)
+    fwd = 2.0 * n * model.dim * model.vocab_size / layout.tp / (hw.gemm_tflops * 1e12)
+    return fwd, hw.bwd_gemm_factor * fwd
+
+
+def p2p_seconds(
+    model: ModelSpec, layout: Layout, hw: HardwareProfile, local_tokens: np.ndarray
+) -> np.ndarray:
+    """[n_mb] time to send one micro-batch's activations to the next pipeline stage.
+
+    Each GPU sends its own (sequence-parallel) shard, n / t tokens x dim; stages are tp*cp GPUs apart.
+    """
+    if layout.pp == 1:
+        return np.zeros(np.asarray(local_tokens).shape[0])
+    n = np.asarray(local_tokens, dtype=np.float64).max(axis=1)
+    nbytes = n * model.dim * BF16_BYTES / layout.tp
+    bw = hw.link_gbps(2 * layout.tp * layout.cp) * 1e9
+    return nbytes / bw + hw.collective_latency_us * 1e-6
+
+
+def layers_per_vstage(n_layers: int, n_vstages: int) -> np.ndarray:
+    """Split the layers over virtual stages as evenly as possible (earlier stages get the extra ones)."""
+    if n_vstages > n_layers:
+        raise ValueError(
+            f"{n_vstages} pipeline (virtual) stages need at least as many layers, model has {n_layers}"
+        )
+    base, extra = divmod(n_layers, n_vstages)
+    return np.array([base + (1 if i < extra else 0) for i in range(n_vstages)], dtype=np.float64)
+
+
+def dp_exposed_seconds(model: ModelSpec, layout: Layout, hw: HardwareProfile, v: int = 1) -> float:
+    """Per-step exposed FSDP time: parameter all-gather + gradient reduce-scatter over DP x CP.
+
+    FSDP shards a stage's weights over the DP x CP ranks that hold the same TP shard; most of the
+    traffic overlaps compute (``dp_overlap``), the rest (the last chunk's reduce-scatter) is exposed.
+    """
+    group = layout.dp * layout.cp
+    if group <= 1:
+        return 0.0
+    stage_params = model.n_params / layout.pp / layout.tp
+    nbytes = 2.0 * stage_params * BF16_BYTES  # all-gather + reduce-scatter
+    span = layout.tp * layout.cp * (layout.pp if layout.dp > 1 else 1) * layout.dp
+    return float(_collective_seconds(np.array(nbytes), group, span, hw)) * (1.0 - hw.dp_overlap)
