@@ -30,6 +30,7 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.train import Trainer
 
 from torchtitan_wlb.attention.metadata import DocumentAttentionMetadata, metadata_from_doc_lens
+from torchtitan_wlb.models.llama3_wlb import cost_model_for_job
 from torchtitan_wlb.validate import check_job_config
 
 
@@ -52,6 +53,10 @@ class WLBTrainer(Trainer):
             self._cp_profile = resolve_profile(job_config.wlb.cp_profile or None)
         self._cp_stats: list[tuple[int, float]] = []
         self._last_doc_lens: list[int] | None = None
+        self._pp_doc_lens: list[list[int]] = []
+        self._cost_model = (
+            cost_model_for_job(job_config) if job_config.wlb.loader == "documents" else None
+        )
 
     # ----------------------------------------------------------------------------- data
     def post_dataloading_process(
@@ -179,9 +184,12 @@ class WLBTrainer(Trainer):
         runner = self._pp_runner
         inputs, labels, _, extra_kwargs = self.post_dataloading_process(input_dict, labels)
         self._pp_pending.append((inputs, labels, extra_kwargs))
+        if self._last_doc_lens is not None:
+            self._pp_doc_lens.append(self._last_doc_lens)
         if len(self._pp_pending) < runner.n_microbatches:
             return None
         pending, self._pp_pending = self._pp_pending, []
+        self._record_bubble_estimate()
         losses: list[torch.Tensor] | None = [] if self.pp_has_last_stage else None
         with self.train_context():
             runner.step(
@@ -195,6 +203,23 @@ class WLBTrainer(Trainer):
         if losses is not None:
             return torch.sum(torch.stack([loss.detach() for loss in losses])).to(self.device)
         return torch.tensor(-1.0, device=self.device)  # TorchTitan: no loss off the last stage
+
+    def _record_bubble_estimate(self) -> None:
+        """Predicted pipeline bubble of this step from the micro-batches' cost-model workloads.
+
+        A 1F1B-style schedule over ``p`` stages and micro-batches of (per-stage) cost ``c_i`` takes
+        about ``sum(c) + (p - 1) * max(c)``: the slowest micro-batch is paid again while the
+        pipeline fills and drains. The bubble is the idle share of that time; it is 0 only for
+        ``p = 1`` and grows with the micro-batches' imbalance, which is what WLB packing removes.
+        """
+        lens, self._pp_doc_lens = self._pp_doc_lens, []
+        if self._cost_model is None or not lens:
+            return
+        costs = np.array([float(self._cost_model.doc_cost(np.asarray(d)).sum()) for d in lens])
+        stalls = (self.parallel_dims.pp - 1) * costs.max()
+        self.metrics_processor.record(
+            {"pp_bubble_estimate": float(stalls / (costs.sum() + stalls))}
+        )
 
     def _flush_cp_stats(self) -> None:
         if not self._cp_stats:
