@@ -76,6 +76,10 @@ def test_layout_checks():
             ),
             world_size=4,
         )
+    with pytest.raises(ConfigError, match="cannot be traced by torch.compile"):
+        check_job_config(
+            _parse("--parallelism.context_parallel_degree", "2", "--compile.enable"), world_size=2
+        )
     with pytest.raises(ConfigError, match="needs document boundaries"):
         check_job_config(
             _parse("--parallelism.context_parallel_degree", "2", "--wlb.loader", "torchtitan"),

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
 from torchtitan_wlb.attention.metadata import DocumentAttentionMetadata, metadata_from_doc_lens
@@ -51,6 +52,12 @@ class WLBTrainer(Trainer):
             from torchtitan_wlb.cp.profile import resolve_profile
 
             self._cp_profile = resolve_profile(job_config.wlb.cp_profile or None)
+            if self.device.type == "cuda" and not job_config.wlb.cp_profile:
+                logger.warning(
+                    "adaptive CP sharding is choosing with the packaged CPU throughput profile; "
+                    "measure one for this GPU (python -m torchtitan_wlb.tools.cp_profile --device "
+                    "cuda --out FILE) and set [wlb] cp_profile = FILE"
+                )
         self._cp_stats: list[tuple[int, float]] = []
         self._last_doc_lens: list[int] | None = None
         self._pp_doc_lens: list[list[int]] = []

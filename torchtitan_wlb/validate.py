@@ -74,6 +74,12 @@ def check_job_config(job_config: Any, world_size: int | None = None) -> dict[str
             f"[wlb] max_doc_len = {wlb.max_doc_len} exceeds the longest micro-batch "
             f"(max(seq_len, micro_batch_max_len) = {max(seq_len, wlb.micro_batch_max_len)})"
         )
+    if degrees["cp"] > 1 and job_config.compile.enable and "model" in job_config.compile.components:
+        raise ConfigError(
+            f"[compile] enable = true with components including 'model' and [parallelism] "
+            f"context_parallel_degree = {degrees['cp']}: the per-document CP attention op's "
+            "backward cannot be traced by torch.compile; disable [compile] or compile only 'loss'"
+        )
     dp = degrees["dp_replicate"] * degrees["dp_shard"]
     if wlb.loader == "documents":
         # Checks the dataset kind and that its path exists (DataError names it).

@@ -1,0 +1,238 @@
+"""CP attention op on CPU/gloo against single-device document-masked causal attention.
+
+One 4-process spawn serves the whole module: CP = 4 runs on the world group, CP = 2 on the two halves
+of a (dp=2, cp=2) DeviceMesh, so every case runs for both degrees. Every rank writes the worst error of
+every case to a JSON file; the tests below assert on those numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import traceback
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WORLD = 4
+TOLERANCE = 1e-5  # max |error| / max |reference|, fp32 op vs float64 reference
+
+# name -> (doc_lens, strategy, n_heads, n_kv_heads, use_dtensor)
+CASES: dict[str, tuple[list[int] | str, str, int, int, bool]] = {
+    "one_document": ([37], "per_document", 4, 4, False),
+    "one_document_per_sequence": ([37], "per_sequence", 4, 4, False),
+    "random_documents": ("random", "per_document", 4, 4, False),
+    "random_documents_per_sequence": ("random", "per_sequence", 4, 4, False),
+    "random_documents_adaptive": ("random", "adaptive", 4, 4, False),
+    "short_documents_len1": ([1, 3, 1, 2, 7, 1, 5, 1], "per_document", 2, 2, False),
+    "total_not_divisible": ([13, 6, 2], "per_document", 2, 2, False),
+    "one_token_per_rank": ("one_per_rank", "per_document", 2, 2, False),
+    "gqa_2_to_1": ("random", "per_document", 4, 2, False),
+    "gqa_4_to_1_per_sequence": ([9, 30, 1, 17], "per_sequence", 4, 1, False),
+    "dtensor_inputs": ([11, 25, 3], "per_document", 4, 2, True),
+}
+
+
+def _doc_lens(spec, cp: int) -> np.ndarray:
+    if spec == "random":
+        rng = np.random.default_rng(7)
+        return rng.integers(1, 40, size=9)
+    if spec == "one_per_rank":
+        return np.ones(cp, dtype=np.int64)
+    return np.asarray(spec, dtype=np.int64)
+
+
+def _reference(q, k, v, doc_lens, grad_out):
+    """Dense float64 attention with a block-diagonal causal mask over the unsharded micro-batch."""
+    q, k, v = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    rep = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    doc = torch.repeat_interleave(torch.arange(len(doc_lens)), torch.as_tensor(doc_lens))
+    pos = torch.arange(len(doc))
+    mask = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
+    scores = torch.einsum("qhd,khd->hqk", q, kk) / q.shape[-1] ** 0.5
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    out = torch.einsum("hqk,khd->qhd", probs, vv)
+    out.backward(grad_out.double())
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    scale = want.abs().max().item() or 1.0
+    return (got.double() - want).abs().max().item() / scale
+
+
+def _run_case(name, cp, mesh_or_group, rank_in_group):
+    from torch.distributed.tensor import DTensor, Shard
+
+    from torchtitan_wlb.attention import DocumentAttentionMetadata, attention_from_metadata
+    from torchtitan_wlb.cp import build_cp_plan
+
+    spec, strategy, n_heads, n_kv, use_dtensor = CASES[name]
+    doc_lens = _doc_lens(spec, cp)
+    total = int(doc_lens.sum())
+    gen = torch.Generator().manual_seed(total * 31 + n_kv)
+    q = torch.randn(total, n_heads, 8, generator=gen)
+    k = torch.randn(total, n_kv, 8, generator=gen)
+    v = torch.randn(total, n_kv, 8, generator=gen)
+    grad_out = torch.randn(total, n_heads, 8, generator=gen)
+    ref_out, ref_dq, ref_dk, ref_dv = _reference(q, k, v, doc_lens, grad_out)
+
+    plan = build_cp_plan(doc_lens, cp, strategy)
+    idx = torch.from_numpy(plan.token_indices(rank_in_group))
+    ql, kl, vl = (plan.shard(rank_in_group, t, dim=0).requires_grad_(True) for t in (q, k, v))
+    cp_meta = plan.attention_metadata(rank_in_group, mesh_or_group)
+    meta = DocumentAttentionMetadata(
+        cu_seqlens=torch.zeros(1, dtype=torch.int32), max_seqlen=0, backend="cpu", cp=cp_meta
+    )
+    if use_dtensor:
+        mesh = mesh_or_group
+
+        def wrap(t):
+            shape = (total,) + tuple(t.shape[1:])
+            stride = torch.empty(shape).stride()
+            return DTensor.from_local(
+                t, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride
+            )
+
+        out_d = attention_from_metadata(wrap(ql), wrap(kl), wrap(vl), meta)
+        assert isinstance(out_d, DTensor), type(out_d)
+        out = out_d.to_local()
+    else:
+        out = attention_from_metadata(ql, kl, vl, meta)
+    out.backward(grad_out[idx])
+    return {
+        "tokens": int(len(idx)),
+        "out": _rel(out.detach(), ref_out[idx]),
+        "dq": _rel(ql.grad, ref_dq[idx]),
+        "dk": _rel(kl.grad, ref_dk[idx]),
+        "dv": _rel(vl.grad, ref_dv[idx]),
+    }
+
+
+def _run_shard_helper(cp, mesh, rank_in_group):
+    """shard_micro_batch: local inputs/labels/positions agree with the plan; its metadata runs."""
+    from torchtitan_wlb.attention import attention_from_metadata
+    from torchtitan_wlb.cp import build_cp_plan
+    from torchtitan_wlb.cp.shard import shard_micro_batch
+
+    doc_lens = np.array([7, 1, 12, 3])
+    inputs = torch.arange(23)[None, :] + 100
+    labels = torch.arange(23)[None, :] + 200
+    shard = shard_micro_batch(
+        doc_lens, inputs, labels, mesh, strategy="per_document", backend="cpu"
+    )
+    plan = build_cp_plan(doc_lens, cp, "per_document")
+    idx, pos = plan.rank_indices(rank_in_group)
+    ok = (
+        shard.inputs[0].tolist() == (idx + 100).tolist()
+        and shard.labels[0].tolist() == (idx + 200).tolist()
+        and shard.positions[0].tolist() == pos.tolist()
+        and shard.num_tokens == 23
+    )
+    q = torch.randn(len(idx), 2, 4)
+    out = attention_from_metadata(q, q, q, shard.attention_masks)
+    return {"tokens": len(idx), "out": 0.0 if ok and out.shape == q.shape else 1.0,
+            "dq": 0.0, "dk": 0.0, "dv": 0.0}  # fmt: skip
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    results: dict[str, dict] = {}
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh_2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+        mesh_1d = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("cp",))
+        setups = {
+            2: (mesh_2d["cp"], mesh_2d["cp"].get_local_rank()),
+            4: (mesh_1d, rank),
+        }
+        for cp, (mesh, cp_rank) in setups.items():
+            for name, case in CASES.items():
+                # Plain-tensor cases use the ProcessGroup; DTensor cases need the mesh itself.
+                target = mesh if case[4] or cp == 2 else mesh.get_group()
+                key = f"{name}@cp{cp}"
+                try:
+                    results[key] = _run_case(name, cp, target, cp_rank)
+                except Exception:  # report, keep the collectives of the other ranks in step
+                    results[key] = {"error": traceback.format_exc()}
+                dist.barrier()
+            try:
+                results[f"shard_helper@cp{cp}"] = _run_shard_helper(cp, mesh, cp_rank)
+            except Exception:
+                results[f"shard_helper@cp{cp}"] = {"error": traceback.format_exc()}
+            dist.barrier()
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out_dir = str(tmp_path_factory.mktemp("cp_op"))
+    mp.spawn(_worker, args=(_free_port(), out_dir), nprocs=WORLD, join=True)
+    merged = {}
+    for rank in range(WORLD):
+        with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
+            for key, value in json.load(f).items():
+                merged.setdefault(key, []).append(value)
+    return merged
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("name", [*CASES, "shard_helper"])
+def test_cp_attention_matches_single_device(results, name, cp):
+    per_rank = results[f"{name}@cp{cp}"]
+    assert len(per_rank) == WORLD
+    for rank, res in enumerate(per_rank):
+        assert "error" not in res, f"rank {rank}: {res.get('error')}"
+        assert res["tokens"] >= 1, f"rank {rank} holds no token"
+        for field in ("out", "dq", "dk", "dv"):
+            assert res[field] <= TOLERANCE, f"rank {rank} {field} rel error {res[field]:.3e}"
+
+
+def test_shape_errors_name_the_values():
+    from torchtitan_wlb.cp.op import CPAttentionMetadata, cp_attention
+
+    meta = CPAttentionMetadata(
+        group_name="unused",
+        cp_rank=0,
+        cp_degree=2,
+        local_len=4,
+        max_local_len=4,
+        kv_order=torch.arange(8),
+        n_head_tokens=2,
+        cu_seqlens_q=(torch.zeros(2, dtype=torch.int32),) * 2,
+        cu_seqlens_k=(torch.zeros(2, dtype=torch.int32),) * 2,
+        max_seqlen_q=(2, 2),
+        max_seqlen_k=(8, 8),
+    )
+    q = torch.randn(4, 4, 8)
+    with pytest.raises(ValueError, match=r"k=\(4, 2, 8\), v=\(3, 2, 8\)"):
+        cp_attention(q, torch.randn(4, 2, 8), torch.randn(3, 2, 8), meta)
+    with pytest.raises(ValueError, match="multiple of n_kv_heads=3"):
+        cp_attention(q, torch.randn(4, 3, 8), torch.randn(4, 3, 8), meta)
+    with pytest.raises(ValueError, match="holds 4 tokens"):
+        cp_attention(torch.randn(5, 4, 8), torch.randn(5, 2, 8), torch.randn(5, 2, 8), meta)
+
+
+def test_resolve_group_rejects_other_objects():
+    from torchtitan_wlb.cp.op import resolve_cp_group
+
+    with pytest.raises(ValueError, match="ProcessGroup or DeviceMesh"):
+        resolve_cp_group("cp")

@@ -1,0 +1,287 @@
+"""Properties of CP sharding plans (pure NumPy; no process group needed)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from torchtitan_wlb.cp import CPProfile, build_cp_plan, default_profile
+from torchtitan_wlb.cp.plan import causal_pairs
+
+FIXED = ["per_sequence", "per_document"]
+
+
+def _global_positions(doc_lens):
+    cu = np.concatenate([[0], np.cumsum(doc_lens)])
+    doc = np.repeat(np.arange(len(doc_lens)), doc_lens)
+    return doc, np.arange(cu[-1]) - cu[doc]
+
+
+def _check_plan(doc_lens, cp, strategy):
+    doc_lens = np.asarray(doc_lens, dtype=np.int64)
+    plan = build_cp_plan(doc_lens, cp, strategy)
+    total = int(doc_lens.sum())
+    doc_of, pos_of = _global_positions(doc_lens)
+    all_idx = []
+    for r in range(cp):
+        idx, pos = plan.rank_indices(r)
+        assert len(idx) == plan.local_lens[r] >= 1
+        np.testing.assert_array_equal(pos, pos_of[idx])
+        all_idx.append(idx)
+        # Local attention spec: the head/tail split and key segments tile the global order.
+        spec = plan.local_attention_spec(r)
+        for half, (cq, ck) in enumerate(zip(spec.cu_seqlens_q, spec.cu_seqlens_k, strict=True)):
+            n_q = spec.n_head_tokens if half == 0 else len(idx) - spec.n_head_tokens
+            assert cq[0] == 0 and cq[-1] == n_q and ck[-1] == total
+            assert np.all(np.diff(cq) >= 0) and np.all(np.diff(ck) >= 0)
+            assert cq.dtype == np.int32 and ck.dtype == np.int32
+            # Each query segment's keys are its document's prefix ending at its last query.
+            q_seg = np.flatnonzero(np.diff(cq) > 0)
+            local = idx[: spec.n_head_tokens] if half == 0 else idx[spec.n_head_tokens :]
+            for s in q_seg[:50]:
+                q_tok = local[cq[s] : cq[s + 1]]
+                assert len(set(doc_of[q_tok])) == 1
+                k_start, k_end = ck[s], ck[s + 1]
+                assert doc_of[k_start] == doc_of[q_tok[0]] and pos_of[k_start] == 0
+                assert k_end - 1 == q_tok[-1]
+            assert spec.max_seqlen_q[half] == max(np.diff(cq).max(), 0)
+    flat = np.concatenate(all_idx)
+    np.testing.assert_array_equal(np.sort(flat), np.arange(total))  # every token exactly once
+    # kv_order maps global tokens to the rank-major all-gather buffer.
+    buffer = np.full(cp * plan.max_local_len, -1)
+    for r, idx in enumerate(all_idx):
+        buffer[r * plan.max_local_len : r * plan.max_local_len + len(idx)] = idx
+    np.testing.assert_array_equal(buffer[plan.kv_order()], np.arange(total))
+    # Padding policy: no padding, local lengths within 2 tokens.
+    assert plan.local_lens.sum() == total
+    assert plan.local_lens.max() - plan.local_lens.min() <= 2
+    assert plan.slot_tokens.max() - plan.slot_tokens.min() <= 1
+    return plan
+
+
+@pytest.mark.parametrize("strategy", FIXED)
+@pytest.mark.parametrize("cp", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize(
+    "doc_lens",
+    [[64], [37], [1] * 16, [1, 2, 3, 4, 5, 6, 7, 8, 9], [100, 1, 1, 250, 3], [8, 8, 8, 8]],
+)
+def test_plan_properties(doc_lens, cp, strategy):
+    if sum(doc_lens) < cp:
+        pytest.skip("fewer tokens than ranks is rejected (tested below)")
+    _check_plan(doc_lens, cp, strategy)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    doc_lens=st.lists(st.integers(1, 300), min_size=1, max_size=40),
+    cp=st.sampled_from([1, 2, 4, 8, 16]),
+    strategy=st.sampled_from(FIXED),
+)
+def test_plan_properties_random(doc_lens, cp, strategy):
+    if sum(doc_lens) < cp:
+        return
+    _check_plan(doc_lens, cp, strategy)
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8, 16])
+def test_per_document_balances_long_tail(cp):
+    rng = np.random.default_rng(cp)
+    doc_lens = np.concatenate([rng.integers(1, 500, 300), [20000, 9000]])
+    per_doc = build_cp_plan(doc_lens, cp, "per_document").flops_imbalance()
+    per_seq = build_cp_plan(doc_lens, cp, "per_sequence").flops_imbalance()
+    assert per_doc <= 1.01
+    assert per_seq > per_doc
+
+
+def test_per_document_chunks_and_remainder_counter():
+    # cp = 2 -> 4 slots. Doc 0 (len 6): base 1, remainder 2 dealt to slots 0, 1.
+    # Doc 1 (len 5): base 1, remainder 1 dealt to slot 2 (the counter carried over).
+    plan = build_cp_plan(np.array([6, 5]), 2, "per_document")
+    sizes = plan.seg_len.reshape(2, 4)
+    np.testing.assert_array_equal(sizes, [[2, 2, 1, 1], [1, 1, 2, 1]])
+    # rank 0 keeps slots 0 and 3; head segments first (doc order), then tail segments.
+    np.testing.assert_array_equal(plan.token_indices(0), [0, 1, 6, 5, 10])
+    np.testing.assert_array_equal(plan.positions(0), [0, 1, 0, 5, 4])
+    np.testing.assert_array_equal(plan.token_indices(1), [2, 3, 7, 4, 8, 9])
+
+
+def test_per_sequence_is_head_tail_of_whole_sequence():
+    plan = build_cp_plan(np.array([10, 6]), 2, "per_sequence")
+    np.testing.assert_array_equal(plan.token_indices(0), [0, 1, 2, 3, 12, 13, 14, 15])
+    np.testing.assert_array_equal(plan.positions(0), [0, 1, 2, 3, 2, 3, 4, 5])
+    np.testing.assert_array_equal(plan.token_indices(1), [4, 5, 6, 7, 8, 9, 10, 11])
+
+
+def test_not_divisible_total_and_every_rank_has_a_token():
+    # 5 tokens on 4 ranks (8 slots): slots 0..4 get one token each, so ranks 0..3 all get one.
+    for strategy in FIXED:
+        plan = _check_plan([5], 4, strategy)
+        np.testing.assert_array_equal(plan.local_lens, [1, 1, 1, 2])
+        plan = _check_plan([1, 1, 1, 1], 4, strategy)
+        np.testing.assert_array_equal(plan.local_lens, [1, 1, 1, 1])
+
+
+def test_rank_attention_pairs_sum_to_total():
+    doc_lens = np.array([50, 3, 77, 1, 12])
+    for strategy in FIXED:
+        plan = build_cp_plan(doc_lens, 4, strategy)
+        total_pairs = causal_pairs(doc_lens, doc_lens).sum()
+        assert plan.rank_attention_pairs().sum() == pytest.approx(total_pairs)
+
+
+def test_adaptive_picks_lower_estimate():
+    doc_lens = np.array([4000, 30, 20, 10, 40])
+    plan = build_cp_plan(doc_lens, 4, "adaptive")
+    assert plan.requested == "adaptive"
+    est = plan.estimated_seconds
+    assert set(est) == {"per_sequence", "per_document"}
+    assert plan.strategy == min(est, key=est.get)
+    # The shortcut estimates equal the profile's estimate of each fully built plan.
+    prof = default_profile()
+    for name in FIXED:
+        built = build_cp_plan(doc_lens, 4, name)
+        assert est[name] == pytest.approx(prof.estimate_plan_seconds(built), rel=1e-9)
+    # A pack of equal short documents: identical work per rank either way except tiny chunks,
+    # so per-sequence (fewer, larger chunks) wins under the CPU profile.
+    many_short = build_cp_plan(np.full(64, 32), 8, "adaptive")
+    assert many_short.strategy == "per_sequence"
+    # One long document plus small ones: per-document keeps ranks balanced.
+    assert build_cp_plan(np.array([4096, 4096, 64, 64, 64]), 2, "adaptive").estimated_seconds
+
+
+def test_shard_selects_tokens():
+    plan = build_cp_plan(np.array([3, 5]), 2, "per_document")
+    tokens = torch.arange(8)[None, :] * 10
+    np.testing.assert_array_equal(plan.shard(1, tokens).numpy()[0], plan.token_indices(1) * 10)
+    with pytest.raises(ValueError, match="tensor has 7 tokens along dim -1, the plan covers 8"):
+        plan.shard(0, torch.zeros(1, 7))
+    with pytest.raises(ValueError, match="rank 2 is outside"):
+        plan.token_indices(2)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"doc_lens": [3, 0, 2]}, r"doc_lens\[1\] = 0"),
+        ({"doc_lens": []}, "non-empty 1-D integer"),
+        ({"doc_lens": [[1, 2]]}, "non-empty 1-D integer"),
+        ({"doc_lens": [1.5, 2.0]}, "integer"),
+        ({"cp_degree": 0}, r"cp_degree must be in \[1, 10\].*got 0"),
+        ({"cp_degree": 11}, r"got 11"),
+        ({"cp_degree": 2.0}, "must be an int"),
+        ({"strategy": "ring"}, "'ring' is not one of"),
+        ({"seq_len": 12}, "sum to 10, but the sequence has 12"),
+    ],
+)
+def test_bad_input(kwargs, match):
+    args = {"doc_lens": [4, 6], "cp_degree": 2, "strategy": "per_document", "seq_len": None}
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        build_cp_plan(
+            np.asarray(args["doc_lens"]),
+            args["cp_degree"],
+            args["strategy"],
+            seq_len=args["seq_len"],
+        )
+
+
+def _tiny_profile_dict():
+    return {
+        "lengths": [16, 64],
+        "tflops": [[0.01, 0.02], [None, 0.03]],
+        "tile": 16,
+        "device": "cpu",
+        "backend": "cpu",
+        "n_heads": 2,
+        "n_kv_heads": 2,
+        "head_dim": 8,
+        "dtype": "float32",
+    }
+
+
+def test_profile_roundtrip_and_lookup(tmp_path):
+    prof = CPProfile.from_json(json.dumps(_tiny_profile_dict()))
+    again = CPProfile.from_json(prof.to_json())
+    assert again == prof or np.allclose(again.table, prof.table, equal_nan=True)
+    # largest grid point <= length, clamped to the grid
+    np.testing.assert_allclose(
+        prof.lookup_tflops(np.array([1, 16, 63, 64, 1000]), np.array([1, 64, 64, 64, 5000])),
+        [0.01, 0.02, 0.02, 0.03, 0.03],
+    )
+    import torchtitan_wlb.cp.profile as profile_mod
+
+    lookups = (np.array([0, 16, 63, 64, 99999]), np.array([5, 64, 64, 64, 99999]))
+    want = prof.lookup_tflops(*lookups)
+    old = profile_mod.MAX_LUT_LENGTH
+    profile_mod.MAX_LUT_LENGTH = 8  # force the binary-search path
+    try:
+        np.testing.assert_allclose(prof.lookup_tflops(*lookups), want)
+    finally:
+        profile_mod.MAX_LUT_LENGTH = old
+    path = tmp_path / "p.json"
+    path.write_text(prof.to_json())
+    plan = build_cp_plan(np.array([40, 30, 2]), 2, "adaptive", profile=str(path))
+    assert plan.estimated_seconds["per_document"] > 0
+
+
+def test_profile_missing_entry_is_an_error(tmp_path):
+    data = _tiny_profile_dict()
+    data["tflops"][0][1] = None
+    with pytest.raises(ValueError, match=r"\(q_len, kv_len\) = \[\(16, 64\)\]"):
+        CPProfile.from_json(json.dumps(data))
+    data = _tiny_profile_dict()
+    del data["tile"]
+    with pytest.raises(ValueError, match="lacks the fields \\['tile'\\]"):
+        CPProfile.from_json(json.dumps(data))
+    with pytest.raises(ValueError, match="does not exist"):
+        build_cp_plan(np.array([4, 4]), 2, "adaptive", profile=str(tmp_path / "none.json"))
+
+
+def test_default_profile_is_complete():
+    prof = default_profile()
+    n = len(prof.lengths)
+    assert prof.table.shape == (n, n)
+    assert np.all(prof.table[np.triu_indices(n)] > 0)
+
+
+def test_cp_bench_cli_json(capsys):
+    from torchtitan_wlb.tools import cp_bench
+
+    args = ["--generator", "longtail", "--context-len", "2048", "--cp", "2", "--micro-batches", "3"]
+    args += ["--plan-repeats", "1", "--measure", "--measure-micro-batches", "1"]
+    args += ["--measure-repeats", "1", "--json"]
+    assert cp_bench.main(args) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(result) >= {"per_sequence", "per_document", "adaptive", "config"}
+    for name in ("per_sequence", "per_document", "adaptive"):
+        entry = result[name]
+        assert entry["flops_imbalance"] >= 1.0 and entry["plan_ms"] > 0
+        assert entry["measured_micro_batches"] == 1 and entry["measured_max_ms"] > 0
+    assert 0.0 <= result["adaptive"]["per_document_share"] <= 1.0
+    assert result["per_document"]["flops_imbalance"] <= result["per_sequence"]["flops_imbalance"]
+
+
+def test_cp_bench_packing_splits_long_documents():
+    from torchtitan_wlb.tools.cp_bench import pack_micro_batches, split_long
+
+    np.testing.assert_array_equal(split_long(np.array([5, 25, 10]), 10), [5, 10, 10, 5, 10])
+    mbs = pack_micro_batches(np.array([5, 25, 10, 3, 9, 9]), 10, 3)
+    assert all(m.sum() <= 10 for m in mbs) and len(mbs) == 3
+
+
+def test_cp_profile_cli_measures_a_complete_table(tmp_path, capsys):
+    from torchtitan_wlb.tools import cp_profile
+
+    out = tmp_path / "cpu.json"
+    args = ["--device", "cpu", "--lengths", "16,32", "--pairs-per-cell", "2000", "--repeats", "1"]
+    assert cp_profile.main([*args, "--out", str(out)]) == 0
+    prof = CPProfile.load(out)
+    assert prof.lengths == (16, 32) and prof.backend == "cpu" and prof.tile == 16
+    assert np.all(prof.table[np.triu_indices(2)] > 0) and np.isnan(prof.table[1, 0])
+    plan = build_cp_plan(np.array([30, 20, 5]), 2, "adaptive", profile=prof)
+    assert plan.strategy in FIXED

@@ -1,0 +1,153 @@
+"""Vectorised document-masked causal attention for CPU (and any device without a varlen kernel).
+
+Why buckets: a Python loop over documents costs one kernel launch chain per document, which is
+what made earlier reproductions slow on micro-batches of a thousand short documents. Padding every
+segment to the longest one instead costs ``num_segments * max_len**2`` work. The middle road used
+here groups segments by their (query, key) lengths rounded up to a coarse geometric grid (four steps
+per octave, at least ``MIN_BUCKET`` tokens), gathers each group into a dense ``[n, P_q, P_k]`` batch
+and runs one masked SDPA call per group. Segments with more than ``QUERY_BLOCK`` queries are first cut
+into query blocks (each block only sees keys up to its own diagonal), so the dense work tracks the
+causal work, as flash-attention's tile skipping does, within the bucket padding (<= 25 % per
+dimension). The number of Python iterations is the number of distinct buckets, not of documents.
+
+Autograd flows through plain tensor ops (advanced indexing, SDPA, ``index_copy``), so backward needs
+no hand-written kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["cpu_document_attention", "bucket_length"]
+
+MIN_BUCKET = 16
+QUERY_BLOCK = 256  # query rows per dense block: bounds the masked (wasted) part of the work
+STEPS_PER_OCTAVE_LOG2 = 2  # 2**2 = 4 grid points per octave: at most 25 % padding per dimension
+# Upper bound on the score-matrix elements (n * heads * P_q * P_k) handled in one SDPA call; bounds the
+# temporary memory of the dense batch (scores, probabilities and their gradients).
+MAX_SCORE_ELEMENTS = 1 << 24
+
+
+def bucket_length(lengths: torch.Tensor) -> torch.Tensor:
+    """Round lengths up to the bucket grid (``MIN_BUCKET``, then 4 points per power of two)."""
+    clamped = lengths.clamp(min=1).to(torch.int64)
+    octave = torch.floor(torch.log2(clamped.to(torch.float64))).to(torch.int64)
+    granule = torch.pow(2, (octave - STEPS_PER_OCTAVE_LOG2).clamp(min=0))
+    padded = (clamped + granule - 1) // granule * granule
+    return padded.clamp(min=MIN_BUCKET)
+
+
+def cpu_document_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Segment-wise causal attention, bottom-right aligned, by bucketed dense SDPA.
+
+    Shapes follow :func:`torchtitan_wlb.attention.document_attention` (already validated there).
+    Query rows that see no key (``l_q > l_k``, the first ``l_q - l_k`` rows) return zeros, matching
+    the flash-attention convention.
+    """
+    total_q, n_heads, _ = q.shape
+    total_k, n_kv_heads, _ = k.shape
+    out_dim = v.shape[-1]
+    if total_q == 0:
+        return q.new_zeros((0, n_heads, out_dim)) + 0.0 * q.sum()
+    cu_q = cu_seqlens_q.to(device=q.device, dtype=torch.int64)
+    cu_k = cu_seqlens_k.to(device=q.device, dtype=torch.int64)
+    len_q = cu_q[1:] - cu_q[:-1]
+    len_k = cu_k[1:] - cu_k[:-1]
+
+    # Long segments are cut into query blocks of QUERY_BLOCK rows; block b of a segment is itself a
+    # bottom-right causal segment whose keys end at its last query's diagonal. Dense work then
+    # follows the causal pairs (like flash-attention skipping masked tiles) instead of l_q * l_k.
+    n_blocks = torch.where((len_q > 0) & (len_k > 0), (len_q + QUERY_BLOCK - 1) // QUERY_BLOCK, 0)
+    total_blocks = int(n_blocks.sum())
+    if total_blocks == 0:
+        return q.new_zeros((total_q, n_heads, out_dim)) + 0.0 * (q.sum() + k.sum() + v.sum())
+    seg = torch.repeat_interleave(torch.arange(len(len_q), device=q.device), n_blocks)
+    first_block = torch.cumsum(n_blocks, 0) - n_blocks
+    offset = (torch.arange(total_blocks, device=q.device) - first_block[seg]) * QUERY_BLOCK
+    blk_lq = torch.clamp(len_q[seg] - offset, max=QUERY_BLOCK)
+    blk_lk = len_k[seg] - len_q[seg] + offset + blk_lq
+    keep = blk_lk > 0  # blocks whose queries all precede the keys see nothing: zeros
+    blk_q0 = (cu_q[:-1][seg] + offset)[keep]
+    blk_k0 = cu_k[:-1][seg][keep]
+    blk_lq, blk_lk = blk_lq[keep], blk_lk[keep]
+    if blk_lq.numel() == 0:
+        return q.new_zeros((total_q, n_heads, out_dim)) + 0.0 * (q.sum() + k.sum() + v.sum())
+
+    pad_q = bucket_length(blk_lq)
+    pad_k = bucket_length(blk_lk)
+    stride_k = int(pad_k.max()) + 1
+    key = pad_q * stride_k + pad_k
+    order = torch.argsort(key, stable=True)
+    group_keys, group_counts = torch.unique_consecutive(key[order], return_counts=True)
+
+    gqa = n_heads != n_kv_heads
+    dest_parts: list[torch.Tensor] = []
+    value_parts: list[torch.Tensor] = []
+    start = 0
+    for group_key, count in zip(group_keys.tolist(), group_counts.tolist(), strict=True):
+        p_q, p_k = divmod(group_key, stride_k)
+        per_call = max(1, MAX_SCORE_ELEMENTS // (n_heads * p_q * p_k))
+        for sub in range(start, start + count, per_call):
+            blocks = order[sub : min(sub + per_call, start + count)]
+            dest, values = _dense_group(
+                q, k, v, blk_q0[blocks], blk_lq[blocks], blk_k0[blocks], blk_lk[blocks],
+                p_q, p_k, scale, gqa,
+            )  # fmt: skip
+            dest_parts.append(dest)
+            value_parts.append(values)
+        start += count
+    out = q.new_zeros((total_q, n_heads, out_dim))
+    return out.index_copy(0, torch.cat(dest_parts), torch.cat(value_parts))
+
+
+def _dense_group(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_start: torch.Tensor,
+    len_q: torch.Tensor,
+    k_start: torch.Tensor,
+    len_k: torch.Tensor,
+    p_q: int,
+    p_k: int,
+    scale: float,
+    gqa: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one bucket of blocks: returns (query rows written, their outputs)."""
+    device = q.device
+    q_pos = torch.arange(p_q, device=device)
+    k_pos = torch.arange(p_k, device=device)
+    lq = len_q[:, None]
+    lk = len_k[:, None]
+    # Padded rows/columns point at a real row (clamped); they are masked or discarded below.
+    q_rows = (q_start[:, None] + q_pos).clamp(max=q.shape[0] - 1)
+    k_rows = (k_start[:, None] + k_pos).clamp(max=k.shape[0] - 1)
+    # Bottom-right causal: query j sees keys 0 .. lk - lq + j, and only real keys.
+    diag = (lk - lq)[:, :, None] + q_pos[None, :, None]  # [n, p_q, 1]
+    allowed = (k_pos[None, None, :] <= diag) & (k_pos[None, None, :] < lk[:, :, None])
+    row_sees_key = allowed.any(dim=-1)  # [n, p_q]
+    # Rows with no visible key would make softmax NaN: let them see key 0, then drop their output.
+    allowed = allowed | (~row_sees_key[:, :, None] & (k_pos == 0)[None, None, :])
+    # index_select (backward: index_add) rather than advanced indexing (backward: a sorting
+    # index_put with accumulation, several times slower on CPU).
+    qb = _rows(q, q_rows).transpose(1, 2)  # [n, H, p_q, D]
+    kb = _rows(k, k_rows).transpose(1, 2)
+    vb = _rows(v, k_rows).transpose(1, 2)
+    ob = F.scaled_dot_product_attention(
+        qb, kb, vb, attn_mask=allowed[:, None], scale=scale, enable_gqa=gqa
+    ).transpose(1, 2)  # [n, p_q, H, Dv]
+    keep = (q_pos[None, :] < lq) & row_sees_key
+    return q_rows[keep], ob[keep]
+
+
+def _rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``x[rows]`` for a 2-D index ``[n, p]`` into the token dim of ``x [tokens, heads, dim]``."""
+    return x.index_select(0, rows.reshape(-1)).view(*rows.shape, *x.shape[1:])

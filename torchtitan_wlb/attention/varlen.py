@@ -1,0 +1,126 @@
+"""``document_attention``: one entry point for document-masked causal attention on packed tokens.
+
+Packed micro-batches hold several documents back to back; a token must attend only to earlier tokens
+of its own document. Every backend here takes the flash-attn varlen layout (``[tokens, heads, dim]``
+plus ``cu_seqlens``), so the model and the context-parallel op do not care which kernel runs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from torchtitan_wlb.attention.cpu import cpu_document_attention
+from torchtitan_wlb.attention.cuda import (
+    flash_attention,
+    flash_available,
+    torch_varlen_attention,
+    torch_varlen_available,
+)
+
+__all__ = ["BACKENDS", "document_attention", "resolve_backend"]
+
+BACKENDS = ("auto", "cpu", "flash", "torch_varlen")
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """Map ``"auto"`` to a concrete backend for ``device``; check explicit choices are usable.
+
+    ``auto`` prefers flash-attn on CUDA (fastest, supports GQA natively), then torch's varlen kernel,
+    and falls back to the bucketed implementation, which runs on any device.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}")
+    is_cuda = device.type == "cuda"
+    if backend == "auto":
+        if is_cuda and flash_available():
+            return "flash"
+        if is_cuda and torch_varlen_available():
+            return "torch_varlen"
+        return "cpu"
+    if backend in ("flash", "torch_varlen") and not is_cuda:
+        raise ValueError(f"attention backend {backend!r} needs CUDA tensors, got device {device}")
+    return backend
+
+
+def document_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Causal attention within segments of a packed sequence.
+
+    Args:
+        q: ``[total_q, n_heads, head_dim]``.
+        k, v: ``[total_k, n_kv_heads, head_dim]``; ``n_heads % n_kv_heads == 0`` (GQA).
+        cu_seqlens_q, cu_seqlens_k: ``int32 [num_segments + 1]``, starting at 0 and ending at
+            ``total_q`` / ``total_k``. Segment ``i`` of q attends only to segment ``i`` of k/v.
+        max_seqlen_q, max_seqlen_k: longest segment (the CUDA kernels size their grids with it).
+        scale: softmax scale, ``1/sqrt(head_dim)`` by default.
+        backend: ``"auto" | "cpu" | "flash" | "torch_varlen"``.
+
+    Returns:
+        ``[total_q, n_heads, head_dim]``. Causality is aligned bottom-right: query ``j`` of a segment
+        with ``l_q`` queries and ``l_k`` keys sits at key position ``l_k - l_q + j`` and sees keys
+        ``0 .. l_k - l_q + j``; a query that sees no key (``l_q > l_k``) gets zeros.
+    """
+    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    chosen = resolve_backend(backend, q.device)
+    if chosen == "flash":
+        return flash_attention(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale
+        )
+    if chosen == "torch_varlen":
+        return torch_varlen_attention(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale
+        )
+    return cpu_document_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+) -> None:
+    """Shape checks always; value checks of cu_seqlens only for host tensors (no device sync)."""
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(
+            "q, k, v must be [tokens, heads, head_dim]; got shapes "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if k.shape[:2] != v.shape[:2] or q.shape[2] != k.shape[2]:
+        raise ValueError(
+            "k and v must share [tokens, kv_heads] and q/k the head_dim; got shapes "
+            f"q={tuple(q.shape)}, k={tuple(k.shape)}, v={tuple(v.shape)}"
+        )
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(
+            f"n_heads={q.shape[1]} must be a multiple of n_kv_heads={k.shape[1]} (GQA)"
+        )
+    if cu_q.dim() != 1 or cu_k.dim() != 1 or cu_q.numel() != cu_k.numel() or cu_q.numel() < 1:
+        raise ValueError(
+            "cu_seqlens_q and cu_seqlens_k must be 1-D with the same length >= 1; got shapes "
+            f"{tuple(cu_q.shape)} and {tuple(cu_k.shape)}"
+        )
+    if cu_q.device.type != "cpu" or cu_k.device.type != "cpu":
+        return
+    for name, cu, total in (("cu_seqlens_q", cu_q, q.shape[0]), ("cu_seqlens_k", cu_k, k.shape[0])):
+        if int(cu[0]) != 0 or int(cu[-1]) != total:
+            raise ValueError(
+                f"{name} must start at 0 and end at {total} (the token count); "
+                f"got {int(cu[0])} .. {int(cu[-1])}"
+            )
+        if cu.numel() > 1 and bool((cu[1:] < cu[:-1]).any()):
+            raise ValueError(f"{name} must be non-decreasing; got {cu.tolist()[:16]}...")

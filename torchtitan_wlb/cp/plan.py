@@ -1,0 +1,474 @@
+"""Context-parallel sharding plans for one packed micro-batch (pure NumPy).
+
+A packed micro-batch of ``T`` tokens holds documents of known lengths. Context parallelism over ``c``
+ranks cuts it into ``2c`` chunk *slots*; rank ``r`` keeps slot ``r`` (its *head*) and slot
+``2c - 1 - r`` (its *tail*), so that under causal attention an early, cheap slot is paired with a late,
+expensive one.
+
+* ``per_sequence`` (TorchTitan's head-tail balancer): the slots are ``2c`` contiguous pieces of the
+  whole packed sequence. Balanced for one long document, unbalanced for a pack of several documents
+  (the slot holding a long document's end does most of the work).
+* ``per_document`` (WLB-LLM): every document is cut into ``2c`` chunks and chunk ``j`` goes to slot
+  ``j``, so every rank does the same attention work for every document. No padding: each chunk gets
+  ``d // 2c`` tokens and the ``d % 2c`` remainder tokens are dealt one per slot, continuing from where
+  the previous document's remainder stopped (a counter carried across documents). Per-document work is
+  then balanced up to one token per slot.
+* ``adaptive``: builds both and keeps the one with the lower estimated latency (profile-table lookup,
+  :mod:`torchtitan_wlb.cp.profile`): per-document chunks are small and run at a lower achieved
+  throughput, which can outweigh their better balance.
+
+**Padding policy.** Plans never add tokens. When ``T`` is not a multiple of ``2c``, slot sizes differ by
+at most one token (the first ``T % 2c`` slots, in dealing order ``0, 1, ..., 2c - 1``, get one more), so
+local lengths differ by at most two tokens across ranks; the CP op pads only its internal all-gather
+buffer to the longest local length. Since dealing starts at slot 0 and slots ``0..c-1`` belong to
+ranks ``0..c-1``, every rank holds at least one token whenever ``T >= c``; ``T < c`` is rejected.
+
+**Local layout.** Rank-major: rank ``r``'s tokens are its head slot's segments (in document order)
+followed by its tail slot's segments. A *segment* is the part of one document inside one slot; its
+queries attend to the document's prefix up to the segment's end (bottom-right causal). Within one slot
+each document appears at most once, which lets each half run as one varlen call whose key segments are
+disjoint ranges of the globally ordered keys (gaps between them are zero-query segments).
+
+Construction is vectorised: the cost is O(num_docs * 2c) for the segment table plus O(T) for the
+index arrays of the ranks that are asked for; no Python loop runs over documents.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+    from torchtitan_wlb.cp.op import CPAttentionMetadata
+    from torchtitan_wlb.cp.profile import CPProfile
+
+__all__ = ["STRATEGIES", "CPPlan", "LocalAttentionSpec", "build_cp_plan", "causal_pairs"]
+
+STRATEGIES = ("per_sequence", "per_document", "adaptive")
+
+
+def causal_pairs(q_len: np.ndarray, kv_len: np.ndarray) -> np.ndarray:
+    """(query, key) pairs a bottom-right causal segment computes: ``q*kv - q*(q-1)/2`` for q <= kv."""
+    q = np.asarray(q_len, dtype=np.float64)
+    kv = np.asarray(kv_len, dtype=np.float64)
+    return q * kv - q * (q - 1.0) / 2.0
+
+
+@dataclass(frozen=True)
+class LocalAttentionSpec:
+    """What one rank's local attention needs, for its head half and its tail half.
+
+    Keys are indexed in *global token order* (the packed micro-batch order, as the CP op lays out the
+    all-gathered keys). Segment lists interleave zero-query "gap" segments so that consecutive key
+    segments are contiguous: ``[gap_0, doc_0 prefix, gap_1, doc_1 prefix, ..., final gap]``.
+
+    Attributes:
+        n_head_tokens: local tokens of the head half (the tail half follows them).
+        cu_seqlens_q: ``(head, tail)`` int32 cumulative query lengths into the local tokens of each
+            half (each starts at 0).
+        cu_seqlens_k: ``(head, tail)`` int32 cumulative key lengths into the global key order
+            (each ends at ``T``).
+        max_seqlen_q: ``(head, tail)`` longest query segment.
+        max_seqlen_k: ``(head, tail)`` longest key segment (gaps included).
+    """
+
+    n_head_tokens: int
+    cu_seqlens_q: tuple[np.ndarray, np.ndarray]
+    cu_seqlens_k: tuple[np.ndarray, np.ndarray]
+    max_seqlen_q: tuple[int, int]
+    max_seqlen_k: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class CPPlan:
+    """How one packed micro-batch is split over ``cp_degree`` ranks.
+
+    The segment table lists, in global token order, every (document, slot) piece. Every array is
+    int64 unless stated otherwise.
+
+    Attributes:
+        doc_lens: ``[n_docs]`` document lengths of the micro-batch.
+        doc_cu: ``[n_docs + 1]`` document start offsets in the packed sequence.
+        cp_degree: number of CP ranks ``c``.
+        strategy: the sharding in effect, ``"per_sequence"`` or ``"per_document"``.
+        requested: the strategy that was asked for (``"adaptive"`` resolves to one of the two).
+        seg_doc: ``[S]`` document of each segment.
+        seg_start: ``[S]`` first position of the segment inside its document.
+        seg_len: ``[S]`` tokens of the segment (0 for chunks of documents shorter than ``2c``).
+        seg_slot: ``[S]`` chunk slot ``0 .. 2c-1`` of the segment.
+        slot_order: ``[S]`` segment ids sorted by (slot, document).
+        slot_offsets: ``[2c + 1]`` range of ``slot_order`` holding each slot.
+        slot_tokens: ``[2c]`` tokens per slot.
+        local_lens: ``[c]`` tokens per rank (head slot + tail slot).
+        seg_local_offset: ``[S]`` offset of each segment inside its rank's local layout.
+        estimated_seconds: ``{strategy: estimated max-rank latency}`` when adaptive selection ran,
+            else empty.
+    """
+
+    doc_lens: np.ndarray
+    doc_cu: np.ndarray
+    cp_degree: int
+    strategy: str
+    requested: str
+    seg_doc: np.ndarray
+    seg_start: np.ndarray
+    seg_len: np.ndarray
+    seg_slot: np.ndarray
+    slot_order: np.ndarray
+    slot_offsets: np.ndarray
+    slot_tokens: np.ndarray
+    local_lens: np.ndarray
+    seg_local_offset: np.ndarray
+    estimated_seconds: dict[str, float] = field(default_factory=dict)
+
+    # ----------------------------------------------------------------------------------- basics
+    @property
+    def seq_len(self) -> int:
+        """Tokens of the packed micro-batch."""
+        return int(self.doc_cu[-1])
+
+    @property
+    def max_local_len(self) -> int:
+        """Longest local length: the per-rank size of the CP op's all-gather buffer."""
+        return int(self.local_lens.max())
+
+    def slot_owner(self) -> np.ndarray:
+        """``[2c]`` rank owning each slot."""
+        slots = np.arange(2 * self.cp_degree)
+        return np.minimum(slots, 2 * self.cp_degree - 1 - slots)
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.cp_degree:
+            raise ValueError(f"rank {rank} is outside the CP group [0, {self.cp_degree})")
+
+    def _rank_segments(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
+        """Segment ids of the head slot and of the tail slot of ``rank``, each in document order."""
+        self._check_rank(rank)
+        off = self.slot_offsets
+        tail = 2 * self.cp_degree - 1 - rank
+        return (
+            self.slot_order[off[rank] : off[rank + 1]],
+            self.slot_order[off[tail] : off[tail + 1]],
+        )
+
+    # ---------------------------------------------------------------------------- index arrays
+    def rank_indices(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(token_indices, positions)`` of ``rank``, both ``[local_lens[rank]]``: indices into the
+        packed sequence of the tokens it keeps (local layout order) and their per-document
+        positions (RoPE positions, restarting at 0 for every document)."""
+        segs = np.concatenate(self._rank_segments(rank))
+        lens = self.seg_len[segs]
+        local = _arange(int(self.local_lens[rank]))
+        pos_shift = self.seg_start[segs] - self.seg_local_offset[segs]
+        positions = np.repeat(pos_shift, lens)
+        positions += local
+        tokens = np.repeat(self.doc_cu[self.seg_doc[segs]], lens)
+        tokens += positions
+        return tokens, positions
+
+    def token_indices(self, rank: int) -> np.ndarray:
+        """``[local_lens[rank]]`` indices into the packed sequence of the tokens ``rank`` keeps."""
+        return self.rank_indices(rank)[0]
+
+    def positions(self, rank: int) -> np.ndarray:
+        """``[local_lens[rank]]`` per-document positions (RoPE) of the tokens ``rank`` keeps."""
+        return self.rank_indices(rank)[1]
+
+    def kv_order(self) -> np.ndarray:
+        """``[T]``: row of the all-gather buffer (``c * max_local_len`` rows, rank-major) holding
+        each token of the packed sequence. Indexing the buffer with it restores global order."""
+        owner = self.slot_owner()[self.seg_slot]
+        gathered = owner * self.max_local_len + self.seg_local_offset
+        global_start = self.doc_cu[self.seg_doc] + self.seg_start
+        order = np.repeat(gathered - global_start, self.seg_len)
+        order += _arange(self.seq_len)
+        return order
+
+    def local_attention_spec(self, rank: int) -> LocalAttentionSpec:
+        """cu_seqlens of ``rank``'s two varlen calls (head half, tail half)."""
+        doc_cu = self.doc_cu
+        total = self.seq_len
+        halves = []
+        for segs in self._rank_segments(rank):  # two halves, not a loop over documents
+            segs = segs[self.seg_len[segs] > 0]
+            q_len = self.seg_len[segs]
+            prefix = self.seg_start[segs] + q_len  # keys a segment sees: its document's prefix
+            k_start = doc_cu[self.seg_doc[segs]]
+            gaps = np.append(k_start, total) - np.append(0, k_start + prefix)
+            q_lens = np.zeros(2 * len(segs) + 1, dtype=np.int64)
+            q_lens[1::2] = q_len
+            k_lens = np.empty(2 * len(segs) + 1, dtype=np.int64)
+            k_lens[0::2] = gaps
+            k_lens[1::2] = prefix
+            halves.append(
+                (_cumsum0(q_lens), _cumsum0(k_lens), int(q_lens.max()), int(k_lens.max()))
+            )
+        (cq_h, ck_h, mq_h, mk_h), (cq_t, ck_t, mq_t, mk_t) = halves
+        return LocalAttentionSpec(
+            n_head_tokens=int(self.slot_tokens[rank]),
+            cu_seqlens_q=(cq_h, cq_t),
+            cu_seqlens_k=(ck_h, ck_t),
+            max_seqlen_q=(mq_h, mq_t),
+            max_seqlen_k=(mk_h, mk_t),
+        )
+
+    # ------------------------------------------------------------------------------ statistics
+    def rank_attention_pairs(self) -> np.ndarray:
+        """``[c]`` causal (query, key) pairs each rank computes: proportional to attention FLOPs."""
+        pairs = causal_pairs(self.seg_len, self.seg_start + self.seg_len)
+        owner = self.slot_owner()[self.seg_slot]
+        return np.bincount(owner, weights=pairs, minlength=self.cp_degree)
+
+    def flops_imbalance(self) -> float:
+        """max / mean of the per-rank attention FLOPs (1.0 is perfect balance)."""
+        pairs = self.rank_attention_pairs()
+        mean = pairs.mean()
+        return float(pairs.max() / mean) if mean > 0 else 1.0
+
+    # ------------------------------------------------------------------------- torch helpers
+    def shard(self, rank: int, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Keep ``rank``'s tokens of ``tensor`` along ``dim`` (default: last dim, e.g. ``[1, T]``)."""
+        import torch
+
+        if tensor.shape[dim] != self.seq_len:
+            raise ValueError(
+                f"tensor has {tensor.shape[dim]} tokens along dim {dim}, the plan covers "
+                f"{self.seq_len}; shape {tuple(tensor.shape)}"
+            )
+        index = torch.from_numpy(self.token_indices(rank)).to(tensor.device)
+        return tensor.index_select(dim, index)
+
+    def attention_metadata(
+        self, rank: int, mesh_or_group: Any, device: torch.device | str | None = None
+    ) -> CPAttentionMetadata:
+        """The CP op's metadata for ``rank`` on a 1-D DeviceMesh (or a mesh with a ``"cp"`` dim)
+        or a ProcessGroup; index tensors go to ``device`` (CPU by default)."""
+        from torchtitan_wlb.cp.op import build_cp_attention_metadata
+
+        return build_cp_attention_metadata(self, rank, mesh_or_group, device)
+
+
+_ARANGE = np.arange(0, dtype=np.int64)
+
+
+def _arange(n: int) -> np.ndarray:
+    """A read-only ``arange(n)`` view of a cached array.
+
+    Why: building the index arrays needs ``arange(T)`` next to the output, and two fresh
+    megabyte-sized allocations per call cost more in page faults (~1 ms at T = 128K) than the
+    arithmetic itself; reusing one cached ramp keeps plan construction well under a millisecond.
+    """
+    global _ARANGE
+    if _ARANGE.size < n:
+        _ARANGE = np.arange(max(n, 2 * _ARANGE.size), dtype=np.int64)
+        _ARANGE.flags.writeable = False
+    return _ARANGE[:n]
+
+
+def _cumsum0(lengths: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=out[1:])
+    return out
+
+
+# ----------------------------------------------------------------------------------- building
+def build_cp_plan(
+    doc_lens: np.ndarray,
+    cp_degree: int,
+    strategy: str = "per_document",
+    profile: CPProfile | str | None = None,
+    *,
+    seq_len: int | None = None,
+) -> CPPlan:
+    """Plan the CP split of one packed micro-batch.
+
+    Args:
+        doc_lens: 1-D document lengths (each >= 1), in packed order.
+        cp_degree: CP ranks ``c`` (``1 <= c <= sum(doc_lens)``).
+        strategy: ``"per_sequence" | "per_document" | "adaptive"``.
+        profile: throughput table for ``"adaptive"`` (a :class:`CPProfile` or a JSON path);
+            ``None`` loads the packaged CPU default.
+        seq_len: if given, the packed length the lengths must sum to.
+    """
+    lens = _validate(doc_lens, cp_degree, strategy, seq_len)
+    doc_cu = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=doc_cu[1:])
+    if strategy != "adaptive":
+        build = _per_sequence if strategy == "per_sequence" else _per_document
+        return _finish(lens, doc_cu, cp_degree, strategy, strategy, *build(lens, doc_cu, cp_degree))
+
+    from torchtitan_wlb.cp.profile import resolve_profile
+
+    table = resolve_profile(profile)
+    # Estimate both from the segment shapes alone; only the winner gets its layout built.
+    # Per-document shapes stay an [n_docs, 2c] matrix here: summing over documents gives per-slot
+    # times without materialising per-segment slot/owner arrays.
+    doc_sizes, doc_starts = _per_document_chunks(lens, cp_degree)
+    doc_slot_s = table.segment_seconds(doc_sizes, doc_starts + doc_sizes).sum(axis=0)
+    seq_raw = _per_sequence(lens, doc_cu, cp_degree)
+    _, seg_start, seg_len, seg_slot, _, _ = seq_raw
+    seq_slot_s = np.bincount(
+        seg_slot,
+        weights=table.segment_seconds(seg_len, seg_start + seg_len),
+        minlength=2 * cp_degree,
+    )
+    estimates = {
+        "per_sequence": float((seq_slot_s[:cp_degree] + seq_slot_s[::-1][:cp_degree]).max()),
+        "per_document": float((doc_slot_s[:cp_degree] + doc_slot_s[::-1][:cp_degree]).max()),
+    }
+    if estimates["per_document"] < estimates["per_sequence"]:
+        raw = _per_document_table(doc_sizes, doc_starts)
+        chosen = _finish(lens, doc_cu, cp_degree, "per_document", strategy, *raw)
+    else:
+        chosen = _finish(lens, doc_cu, cp_degree, "per_sequence", strategy, *seq_raw)
+    chosen.estimated_seconds.update(estimates)
+    return chosen
+
+
+def _validate(doc_lens: Any, cp_degree: Any, strategy: str, seq_len: int | None) -> np.ndarray:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"CP strategy {strategy!r} is not one of {STRATEGIES}")
+    lens = np.asarray(doc_lens)
+    if lens.ndim != 1 or lens.size == 0 or not np.issubdtype(lens.dtype, np.integer):
+        raise ValueError(
+            f"doc_lens must be a non-empty 1-D integer array; got shape {lens.shape}, "
+            f"dtype {lens.dtype}"
+        )
+    lens = lens.astype(np.int64, copy=False)
+    if lens.min() < 1:
+        bad = int(np.flatnonzero(lens < 1)[0])
+        raise ValueError(f"doc_lens must all be >= 1; doc_lens[{bad}] = {int(lens[bad])}")
+    total = int(lens.sum())
+    if seq_len is not None and total != seq_len:
+        raise ValueError(f"doc_lens sum to {total}, but the sequence has {seq_len} tokens")
+    if isinstance(cp_degree, bool) or not isinstance(cp_degree, int | np.integer):
+        raise ValueError(f"cp_degree must be an int; got {cp_degree!r}")
+    if not 1 <= cp_degree <= total:
+        raise ValueError(
+            f"cp_degree must be in [1, {total}] (the sequence length, so that every rank holds a "
+            f"token); got {cp_degree}"
+        )
+    return lens
+
+
+def _per_document_chunks(lens: np.ndarray, c: int) -> tuple[np.ndarray, np.ndarray]:
+    """``[n_docs, 2c]`` chunk sizes and chunk starts (inside each document) of per-document
+    sharding."""
+    two_c = 2 * c
+    base, rem = np.divmod(lens, two_c)
+    # Remainder dealing with a counter carried across documents: document i starts where i-1 ended.
+    first_slot = (np.cumsum(rem) - rem) % two_c
+    slots = np.arange(two_c)
+    # Slot j gets an extra token iff (j - first_slot) mod 2c < rem, i.e. j falls in the
+    # (possibly wrapping) window [first_slot, first_slot + rem); comparisons avoid a modulo.
+    end_slot = (first_slot + rem)[:, None]
+    first = first_slot[:, None]
+    extra = ((slots >= first) & (slots < end_slot)) | (slots + two_c < end_slot)
+    sizes = extra.astype(np.int64)
+    sizes += base[:, None]
+    starts = np.cumsum(sizes, axis=1)
+    starts -= sizes
+    return sizes, starts
+
+
+def _per_document_table(sizes: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Segment table of per-document sharding, document-major (= global order), plus its layout
+    (slot tokens and local offsets, computed on the [n_docs, 2c] matrix)."""
+    n, two_c = sizes.shape
+    c = two_c // 2
+    seg_doc = np.repeat(np.arange(n, dtype=np.int64), two_c)
+    seg_slot = np.tile(np.arange(two_c, dtype=np.int64), n)
+    slot_order = np.arange(n * two_c, dtype=np.int64).reshape(n, two_c).T.ravel()
+    slot_offsets = np.arange(two_c + 1, dtype=np.int64) * n
+    # Offset inside the slot = tokens of earlier documents in the same slot; a tail slot (j >= c)
+    # follows its rank's head slot 2c-1-j in the local layout.
+    local_offset = np.cumsum(sizes, axis=0)
+    slot_tokens = local_offset[-1].copy()
+    local_offset -= sizes
+    local_offset[:, c:] += slot_tokens[:c][::-1]
+    layout = (slot_tokens, local_offset.ravel())
+    return seg_doc, starts.ravel(), sizes.ravel(), seg_slot, slot_order, slot_offsets, layout
+
+
+def _per_document(lens: np.ndarray, doc_cu: np.ndarray, c: int) -> tuple[np.ndarray, ...]:
+    """Segment table (and layout) of per-document sharding."""
+    return _per_document_table(*_per_document_chunks(lens, c))
+
+
+def _per_sequence(lens: np.ndarray, doc_cu: np.ndarray, c: int) -> tuple[np.ndarray, ...]:
+    """Segment table of per-sequence (head-tail) sharding, slot-major (= global order)."""
+    two_c = 2 * c
+    total = int(doc_cu[-1])
+    base, rem = divmod(total, two_c)
+    bounds = np.zeros(two_c + 1, dtype=np.int64)
+    np.cumsum(base + (np.arange(two_c) < rem), out=bounds[1:])
+    nonempty = bounds[1:] > bounds[:-1]
+    first = np.searchsorted(doc_cu, bounds[:-1], side="right") - 1
+    last = np.searchsorted(doc_cu, bounds[1:] - 1, side="right") - 1
+    counts = np.where(nonempty, last - first + 1, 0)
+    slot_offsets = np.zeros(two_c + 1, dtype=np.int64)
+    np.cumsum(counts, out=slot_offsets[1:])
+    n_seg = int(slot_offsets[-1])
+    seg_slot = np.repeat(np.arange(two_c, dtype=np.int64), counts)
+    seg_doc = np.repeat(first, counts) + np.arange(n_seg) - np.repeat(slot_offsets[:-1], counts)
+    g_start = np.maximum(bounds[seg_slot], doc_cu[seg_doc])
+    g_end = np.minimum(bounds[seg_slot + 1], doc_cu[seg_doc + 1])
+    seg_start = g_start - doc_cu[seg_doc]
+    slot_order = np.arange(n_seg, dtype=np.int64)
+    return seg_doc, seg_start, g_end - g_start, seg_slot, slot_order, slot_offsets
+
+
+def _finish(
+    lens: np.ndarray,
+    doc_cu: np.ndarray,
+    c: int,
+    strategy: str,
+    requested: str,
+    seg_doc: np.ndarray,
+    seg_start: np.ndarray,
+    seg_len: np.ndarray,
+    seg_slot: np.ndarray,
+    slot_order: np.ndarray,
+    slot_offsets: np.ndarray,
+    layout: tuple[np.ndarray, np.ndarray] | None = None,
+) -> CPPlan:
+    """Slot sizes, rank lengths and each segment's offset inside its rank's local layout.
+
+    ``layout`` = (slot_tokens, seg_local_offset) when the caller computed them more cheaply
+    (per-document sharding does, from its [n_docs, 2c] matrix)."""
+    two_c = 2 * c
+    if layout is None:
+        sorted_lens = seg_len[slot_order]
+        cum = np.zeros(len(sorted_lens) + 1, dtype=np.int64)
+        np.cumsum(sorted_lens, out=cum[1:])
+        slot_tokens = cum[slot_offsets[1:]] - cum[slot_offsets[:-1]]
+        # Head slots start a rank's layout; a tail slot follows its rank's head slot (2c-1-j).
+        slot_base = np.where(np.arange(two_c) < c, 0, slot_tokens[::-1])
+        sorted_slot = np.repeat(np.arange(two_c, dtype=np.int64), np.diff(slot_offsets))
+        local_offset = np.empty(len(seg_len), dtype=np.int64)
+        local_offset[slot_order] = (
+            cum[:-1] - cum[slot_offsets[sorted_slot]] + slot_base[sorted_slot]
+        )
+    else:
+        slot_tokens, local_offset = layout
+    local_lens = slot_tokens[:c] + slot_tokens[::-1][:c]
+    return CPPlan(
+        doc_lens=lens,
+        doc_cu=doc_cu,
+        cp_degree=c,
+        strategy=strategy,
+        requested=requested,
+        seg_doc=seg_doc,
+        seg_start=seg_start,
+        seg_len=seg_len,
+        seg_slot=seg_slot,
+        slot_order=slot_order,
+        slot_offsets=slot_offsets,
+        slot_tokens=slot_tokens,
+        local_lens=local_lens,
+        seg_local_offset=local_offset,
+    )

@@ -1,0 +1,325 @@
+"""Achieved attention throughput by (q_len, kv_len): the table adaptive CP selection looks up.
+
+Why a measured table: per-document sharding cuts documents into ``2c`` small chunks, and a kernel
+runs small query blocks far below its peak (a 128-token tile that holds 20 real queries is mostly
+padding; Hopper's multicast only helps from q_len >= 256). Whether the better balance of per-document
+sharding beats the lower throughput depends on the kernel and the hardware, so the decision uses a table
+measured on the machine in use.
+
+Convention: ``tflops[i, j]`` is the *padded* forward + backward attention FLOPs of a segment with
+``lengths[i]`` queries and ``lengths[j]`` keys (both rounded up to ``tile``), divided by the measured
+time per segment, in TFLOP/s. Estimating a segment's time with the same padded count divided by the
+table value reproduces the measurement exactly at grid points. Lookups use the largest grid point <=
+the length (clamped to the grid's ends).
+
+A CPU table (``profiles/cpu_default.json``) ships with the package; re-measure for your hardware with
+``python -m torchtitan_wlb.tools.cp_profile --device cuda --out my_profile.json`` and pass that path as
+``[wlb] cp_profile``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from dataclasses import asdict, dataclass
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from torchtitan_wlb.cp.plan import causal_pairs
+
+if TYPE_CHECKING:
+    from torchtitan_wlb.cp.plan import CPPlan
+
+__all__ = [
+    "CPProfile",
+    "attention_flops",
+    "default_profile",
+    "measure_profile",
+    "resolve_profile",
+]
+
+# Forward (QK^T and PV: 2 matmuls x 2 FLOPs per multiply-add) plus backward (2.5x forward: five
+# matmuls), per (query, key) pair, per head, per head-dim element.
+FLOPS_PER_PAIR_PER_HEAD_DIM = 4.0 * 3.5
+MAX_LUT_LENGTH = 1 << 20  # grids up to this length use a direct lookup table (<= 8 MB)
+
+
+def attention_flops(q_len, kv_len, n_heads: int, head_dim: int) -> np.ndarray:
+    """Forward + backward FLOPs of bottom-right causal segments (vectorised)."""
+    return FLOPS_PER_PAIR_PER_HEAD_DIM * n_heads * head_dim * causal_pairs(q_len, kv_len)
+
+
+@dataclass(frozen=True)
+class CPProfile:
+    """A measured throughput table and the configuration it was measured with.
+
+    Attributes:
+        lengths: sorted grid of segment lengths, used for both q_len and kv_len.
+        tflops: ``[len(lengths), len(lengths)]`` achieved TFLOP/s (padded FLOPs / time); entries with
+            q_len > kv_len are NaN (a causal-prefix segment never has more queries than keys).
+        tile: kernel tile the FLOP count pads every length up to (128 for the CUDA kernels).
+        device: where it was measured, e.g. ``"cpu"`` or the CUDA device name.
+        backend: attention backend measured (``"cpu" | "flash" | "torch_varlen"``).
+        n_heads, n_kv_heads, head_dim, dtype: attention configuration of the measurement.
+    """
+
+    lengths: tuple[int, ...]
+    tflops: tuple[tuple[float, ...], ...]
+    tile: int
+    device: str
+    backend: str
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    dtype: str
+
+    def __post_init__(self) -> None:
+        grid = np.asarray(self.lengths)
+        if grid.ndim != 1 or grid.size == 0 or np.any(np.diff(grid) <= 0) or grid[0] < 1:
+            raise ValueError(
+                f"profile lengths must be strictly increasing and >= 1: {self.lengths}"
+            )
+        table = self.table
+        if table.shape != (grid.size, grid.size):
+            raise ValueError(
+                f"profile tflops must be {grid.size}x{grid.size} for lengths {self.lengths}; "
+                f"got shape {table.shape}"
+            )
+        need = np.triu(np.ones_like(table, dtype=bool))  # q_len <= kv_len
+        missing = need & ~(np.isfinite(table) & (table > 0))
+        if missing.any():
+            pairs = [
+                (int(grid[i]), int(grid[j])) for i, j in zip(*np.nonzero(missing), strict=True)
+            ]
+            raise ValueError(
+                f"profile table has missing or non-positive entries for (q_len, kv_len) = "
+                f"{pairs[:8]}{' ...' if len(pairs) > 8 else ''}; re-measure with "
+                "python -m torchtitan_wlb.tools.cp_profile"
+            )
+        if self.tile < 1:
+            raise ValueError(f"profile tile must be >= 1; got {self.tile}")
+
+    @property
+    def table(self) -> np.ndarray:
+        """``tflops`` as a read-only float64 array (cached: the profile is immutable)."""
+        cached = self.__dict__.get("_table")
+        if cached is None:
+            cached = np.asarray(self.tflops, dtype=np.float64)
+            cached.flags.writeable = False
+            object.__setattr__(self, "_table", cached)
+        return cached
+
+    def _grid_lut(self) -> np.ndarray:
+        """``lut[x]`` = index of the largest grid length <= x (0 below the grid), for
+        ``0 <= x <= lengths[-1]``: one gather per lookup instead of a binary search."""
+        cached = self.__dict__.get("_lut")
+        if cached is None:
+            grid = np.asarray(self.lengths)
+            cached = np.searchsorted(grid, np.arange(grid[-1] + 1), side="right") - 1
+            cached = np.maximum(cached, 0).astype(np.int64)
+            cached.flags.writeable = False
+            object.__setattr__(self, "_lut", cached)
+        return cached
+
+    def lookup_tflops(self, q_len: np.ndarray, kv_len: np.ndarray) -> np.ndarray:
+        """Achieved TFLOP/s for each (q_len, kv_len); largest grid point <= length, clamped."""
+        if self.lengths[-1] > MAX_LUT_LENGTH:  # very long grids: binary search, no big table
+            grid = np.asarray(self.lengths)
+            qi = np.clip(np.searchsorted(grid, q_len, side="right") - 1, 0, grid.size - 1)
+            ki = np.clip(np.searchsorted(grid, kv_len, side="right") - 1, 0, grid.size - 1)
+            return self.table[qi, np.maximum(ki, qi)]
+        lut = self._grid_lut()
+        top = len(lut) - 1
+        qi = lut[np.clip(q_len, 0, top)]
+        ki = lut[np.clip(kv_len, 0, top)]
+        np.maximum(ki, qi, out=ki)
+        qi *= len(self.lengths)
+        qi += ki
+        return self.table.ravel()[qi]
+
+    def segment_seconds(self, q_len: np.ndarray, kv_len: np.ndarray) -> np.ndarray:
+        """Estimated forward + backward time of each segment: padded FLOPs / achieved throughput.
+        Segments with no queries cost nothing."""
+        q = np.asarray(q_len, dtype=np.float64)
+        kv = np.asarray(kv_len, dtype=np.float64)
+        tile = float(self.tile)
+        pq = np.ceil(q * (1.0 / tile))
+        pq *= tile
+        pk = np.ceil(kv * (1.0 / tile))
+        pk *= tile
+        np.maximum(pk, pq, out=pk)
+        # padded causal pairs pq*pk - pq*(pq-1)/2, computed in place
+        pairs = pk - 0.5 * (pq - 1.0)
+        pairs *= pq
+        scale = FLOPS_PER_PAIR_PER_HEAD_DIM * self.n_heads * self.head_dim / 1e12
+        pairs *= scale
+        pairs /= self.lookup_tflops(q_len, kv_len)
+        pairs[q == 0] = 0.0
+        return pairs
+
+    def estimate_plan_seconds(self, plan: CPPlan) -> float:
+        """Estimated attention time of the slowest rank under ``plan``."""
+        return self.estimate_seconds(plan.seg_start, plan.seg_len, plan.seg_slot, plan.cp_degree)
+
+    def estimate_seconds(
+        self, seg_start: np.ndarray, seg_len: np.ndarray, seg_slot: np.ndarray, cp_degree: int
+    ) -> float:
+        """Slowest rank's estimated time for a segment table (see ``CPPlan``'s fields)."""
+        seconds = self.segment_seconds(seg_len, seg_start + seg_len)
+        owner = np.minimum(seg_slot, 2 * cp_degree - 1 - seg_slot)
+        return float(np.bincount(owner, weights=seconds, minlength=cp_degree).max())
+
+    # ------------------------------------------------------------------------------------ I/O
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["tflops"] = [[None if not np.isfinite(x) else x for x in row] for row in self.tflops]
+        return json.dumps(data, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> CPProfile:
+        data = json.loads(text)
+        fields = {"lengths", "tflops", "tile", "device", "backend", "n_heads", "n_kv_heads"}
+        fields |= {"head_dim", "dtype"}
+        missing = sorted(fields - set(data))
+        if missing:
+            raise ValueError(f"profile JSON lacks the fields {missing}")
+        rows = tuple(
+            tuple(float("nan") if x is None else float(x) for x in row) for row in data["tflops"]
+        )
+        return cls(
+            lengths=tuple(int(x) for x in data["lengths"]),
+            tflops=rows,
+            tile=int(data["tile"]),
+            device=str(data["device"]),
+            backend=str(data["backend"]),
+            n_heads=int(data["n_heads"]),
+            n_kv_heads=int(data["n_kv_heads"]),
+            head_dim=int(data["head_dim"]),
+            dtype=str(data["dtype"]),
+        )
+
+    @classmethod
+    def load(cls, path: str | Path) -> CPProfile:
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"CP profile file {str(path)!r} does not exist")
+        return cls.from_json(path.read_text())
+
+
+@functools.cache
+def default_profile() -> CPProfile:
+    """The packaged CPU table (measured on the development machine; see docs/context_parallel.md)."""
+    text = resources.files("torchtitan_wlb.cp").joinpath("profiles/cpu_default.json").read_text()
+    return CPProfile.from_json(text)
+
+
+def resolve_profile(profile: CPProfile | str | Path | None) -> CPProfile:
+    """A profile object from an object, a JSON path, or ``None``/``""`` (packaged CPU default)."""
+    if profile is None or profile == "":
+        return default_profile()
+    if isinstance(profile, CPProfile):
+        return profile
+    if isinstance(profile, str | Path):
+        return CPProfile.load(profile)
+    raise ValueError(f"profile must be a CPProfile, a JSON path or None; got {type(profile)}")
+
+
+# ------------------------------------------------------------------------------- measurement
+def measure_profile(
+    lengths: list[int],
+    *,
+    device: str = "cpu",
+    backend: str = "auto",
+    n_heads: int = 4,
+    n_kv_heads: int = 2,
+    head_dim: int = 32,
+    dtype: str = "float32",
+    tile: int | None = None,
+    pairs_per_cell: int = 1 << 19,
+    repeats: int = 3,
+    log=None,
+) -> CPProfile:
+    """Time forward + backward of ``document_attention`` for every (q_len <= kv_len) grid cell.
+
+    Each cell packs ``m`` identical segments (``q_len`` queries against a ``kv_len`` key prefix) so
+    that a cell computes about ``pairs_per_cell`` (query, key) pairs: small cells are timed over many
+    segments, the way per-document chunks arrive in a micro-batch. The median of ``repeats`` timed runs
+    (after one warm-up) is used. On CUDA, wall-clock time with device synchronisation; on CPU,
+    process CPU time (see ``_median_time``).
+    """
+    import torch
+
+    from torchtitan_wlb.attention import document_attention, resolve_backend
+
+    dev = torch.device(device)
+    chosen = resolve_backend(backend, dev)
+    if tile is None:
+        tile = 128 if dev.type == "cuda" else 16
+    torch_dtype = getattr(torch, dtype)
+    grid = sorted(int(x) for x in lengths)
+    n = len(grid)
+    table = np.full((n, n), np.nan)
+    for i, q_len in enumerate(grid):
+        for j in range(i, n):
+            kv_len = grid[j]
+            m = max(1, pairs_per_cell // int(causal_pairs(q_len, kv_len)))
+            q = torch.randn(m * q_len, n_heads, head_dim, device=dev, dtype=torch_dtype)
+            k = torch.randn(m * kv_len, n_kv_heads, head_dim, device=dev, dtype=torch_dtype)
+            v = torch.randn_like(k)
+            for t in (q, k, v):
+                t.requires_grad_(True)
+            cu_q = torch.arange(m + 1, dtype=torch.int32, device=dev) * q_len
+            cu_k = torch.arange(m + 1, dtype=torch.int32, device=dev) * kv_len
+            grad = torch.randn_like(q)
+
+            def step(q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k, grad=grad, q_len=q_len, kv_len=kv_len):
+                out = document_attention(q, k, v, cu_q, cu_k, q_len, kv_len, backend=chosen)
+                out.backward(grad)
+
+            seconds = _median_time(step, dev, repeats)
+            pq = -(-q_len // tile) * tile
+            pk = max(-(-kv_len // tile) * tile, pq)
+            flops = m * float(attention_flops(pq, pk, n_heads, head_dim))
+            table[i, j] = flops / seconds / 1e12
+            if log is not None:
+                log(f"q_len={q_len} kv_len={kv_len} segments={m} {table[i, j]:.4f} TFLOP/s")
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    return CPProfile(
+        lengths=tuple(grid),
+        tflops=tuple(tuple(float(x) for x in row) for row in table),
+        tile=tile,
+        device=name,
+        backend=chosen,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+    )
+
+
+def _median_time(step, dev, repeats: int) -> float:
+    """Median seconds of ``step`` after one warm-up. CUDA: wall-clock with synchronisation. CPU:
+    this process's CPU time, so that other jobs on a shared machine do not inflate it (run with
+    one torch thread, as ``tools.cp_profile`` does, for it to equal the kernel's time)."""
+    import torch
+
+    cuda = dev.type == "cuda"
+    clock = time.perf_counter if cuda else time.process_time
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(dev)
+
+    step()  # warm-up (kernel selection, allocator)
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = clock()
+        step()
+        sync()
+        times.append(clock() - start)
+    return float(np.median(times))

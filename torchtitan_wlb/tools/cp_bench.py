@@ -1,0 +1,278 @@
+"""Compare CP sharding strategies on packed micro-batches.
+
+    python -m torchtitan_wlb.tools.cp_bench --lengths FILE --context-len L --cp C \\
+        --micro-batches M [--measure] --json
+
+Packs ``M`` micro-batches of at most ``L`` tokens from the document lengths (TorchTitan's sequential
+"original" fill, documents longer than ``L`` split into ``L``-token pieces first), plans each one with
+``per_sequence``, ``per_document`` and ``adaptive`` and prints, last, one JSON object::
+
+    {"per_sequence": {...}, "per_document": {...}, "adaptive": {...}, "config": {...}}
+
+Each strategy reports ``flops_imbalance`` (mean over micro-batches of max/mean per-rank attention
+FLOPs), ``plan_ms`` (median time to build one micro-batch's plan plus one rank's index arrays and
+attention metadata arrays), and adaptive the share of micro-batches that chose per-document.
+``--measure`` also runs every rank's local attention (forward + backward, CPU backend, one thread)
+and reports the measured max/mean per-rank CPU time. Without ``--lengths``, ``--generator longtail``
+synthesises a long-tailed length stream and ``--generator short`` about 1,000 documents per
+128K micro-batch (no outside data needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from torchtitan_wlb.cost_model import CostModel
+from torchtitan_wlb.cp.plan import CPPlan, build_cp_plan
+from torchtitan_wlb.cp.profile import resolve_profile
+from torchtitan_wlb.packing import OriginalPacker, PackingConfig
+
+STRATEGY_NAMES = ("per_sequence", "per_document", "adaptive")
+
+
+def longtail_lengths(n_docs: int, context_len: int, seed: int = 0) -> np.ndarray:
+    """Synthetic long-tailed document lengths: a log-normal body (median ~ context/40) plus a 3 %
+    Pareto tail reaching the context length, the shape of pretraining corpora."""
+    rng = np.random.default_rng(seed)
+    body = rng.lognormal(mean=np.log(max(context_len / 40, 2)), sigma=1.0, size=n_docs)
+    tail = context_len / 8 * (1 + rng.pareto(1.2, size=n_docs))
+    lens = np.where(rng.random(n_docs) < 0.03, tail, body)
+    return np.clip(np.round(lens), 1, context_len).astype(np.int64)
+
+
+def short_lengths(n_docs: int, context_len: int, seed: int = 0) -> np.ndarray:
+    """Many short documents: uniform in [1, context_len / 500], about 1,000 per micro-batch (the
+    worst case for plan construction cost)."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(1, max(2, context_len // 500) + 1, size=n_docs).astype(np.int64)
+
+
+GENERATORS = {"longtail": longtail_lengths, "short": short_lengths}
+
+
+def load_lengths(path: str) -> np.ndarray:
+    data = json.loads(Path(path).read_text())
+    lens = np.asarray(data, dtype=np.int64)
+    if lens.ndim != 1 or lens.size == 0 or lens.min() < 1:
+        raise ValueError(f"{path}: expected a JSON list of document lengths >= 1")
+    return lens
+
+
+def split_long(lens: np.ndarray, context_len: int) -> np.ndarray:
+    """Cut documents longer than the context into ``context_len`` pieces (the loader's policy)."""
+    pieces = -(-lens // context_len)
+    out = np.repeat(np.minimum(lens, context_len), pieces)
+    last = np.cumsum(pieces) - 1
+    out[last] = lens - (pieces - 1) * context_len
+    return out
+
+
+def pack_micro_batches(lens: np.ndarray, context_len: int, micro_batches: int) -> list[np.ndarray]:
+    """``micro_batches`` micro-batches with the packing engineer's "original" packer."""
+    lens = split_long(lens, context_len)
+    packer = OriginalPacker(
+        PackingConfig(micro_batches=micro_batches, context_len=context_len),
+        CostModel.from_coefficients(1.0, 1.0),
+    )
+    need = packer.tokens_wanted()
+    take = int(np.searchsorted(np.cumsum(lens), need)) + 1
+    if take > len(lens):
+        raise ValueError(
+            f"{int(lens.sum())} tokens of documents cannot fill {micro_batches} micro-batches of "
+            f"{context_len} tokens"
+        )
+    step = packer.step(np.arange(take), lens[:take])
+    return [np.asarray(x) for x in step.doc_lens if len(x)]
+
+
+def plan_and_index(doc_lens: np.ndarray, cp: int, strategy: str, profile) -> CPPlan:
+    """What a rank does per micro-batch: the plan, its own index arrays, the op's index arrays."""
+    plan = build_cp_plan(doc_lens, cp, strategy, profile)
+    plan.rank_indices(0)
+    plan.kv_order()
+    plan.local_attention_spec(0)
+    return plan
+
+
+def _rank_step(plan: CPPlan, rank: int, heads: int, kv_heads: int, head_dim: int):
+    """A closure running ``rank``'s local attention (both halves), forward + backward."""
+    import torch
+
+    from torchtitan_wlb.attention import document_attention
+
+    spec = plan.local_attention_spec(rank)
+    n_local = int(plan.local_lens[rank])
+    gen = torch.Generator().manual_seed(rank)
+    q = torch.randn(n_local, heads, head_dim, generator=gen, requires_grad=True)
+    k = torch.randn(plan.seq_len, kv_heads, head_dim, generator=gen, requires_grad=True)
+    v = torch.randn(plan.seq_len, kv_heads, head_dim, generator=gen, requires_grad=True)
+    cu = [(torch.from_numpy(a), torch.from_numpy(b)) for a, b in zip(*(spec.cu_seqlens_q, spec.cu_seqlens_k), strict=True)]  # fmt: skip
+    split = spec.n_head_tokens
+
+    def step():
+        outs = []
+        for half, (qs, (cq, ck)) in enumerate(zip((q[:split], q[split:]), cu, strict=True)):
+            outs.append(
+                document_attention(
+                    qs, k, v, cq, ck, spec.max_seqlen_q[half], spec.max_seqlen_k[half],
+                    backend="cpu",
+                )
+            )  # fmt: skip
+        torch.cat(outs).sum().backward()
+
+    return step
+
+
+def measure_ranks_ms(plan: CPPlan, heads: int, kv_heads: int, head_dim: int, repeats: int):
+    """Per-rank forward + backward time (ms) of the local attention, on this machine.
+
+    Ranks run one after another in round-robin over ``repeats`` rounds and each keeps its fastest
+    round. Time is this process's CPU time (``time.process_time``; torch runs one thread here), not
+    wall-clock time, so that other processes competing for the cores (shared machines) do not
+    inflate one rank's time: the figure is the work the kernel did.
+    """
+    steps = [_rank_step(plan, r, heads, kv_heads, head_dim) for r in range(plan.cp_degree)]
+    for step in steps:
+        step()  # warm-up
+    best = np.full(len(steps), np.inf)
+    for _ in range(repeats):
+        for r, step in enumerate(steps):
+            start = time.process_time()
+            step()
+            best[r] = min(best[r], (time.process_time() - start) * 1e3)
+    return best
+
+
+def run(args: argparse.Namespace) -> dict:
+    if args.lengths:
+        lens = load_lengths(args.lengths)
+    else:
+        need = args.micro_batches * args.context_len
+        gen = GENERATORS[args.generator]
+        lens = gen(4096, args.context_len, seed=args.seed)
+        while lens.sum() < need * 1.5:
+            more = gen(4096, args.context_len, seed=args.seed + len(lens))
+            lens = np.concatenate([lens, more])
+    micro_batches = pack_micro_batches(lens, args.context_len, args.micro_batches)
+    profile = resolve_profile(args.profile)
+    results: dict = {}
+    for strategy in STRATEGY_NAMES:
+        imb, plan_ms, plan_ms_min, chose_doc, est = [], [], [], [], []
+        meas_imb, meas_max, meas_mean = [], [], []
+        for i, doc_lens in enumerate(micro_batches):
+            times = []
+            for _ in range(args.plan_repeats):
+                start = time.perf_counter()
+                plan = plan_and_index(doc_lens, args.cp, strategy, profile)
+                times.append((time.perf_counter() - start) * 1e3)
+            plan_ms.append(float(np.median(times)))
+            plan_ms_min.append(float(np.min(times)))
+            imb.append(plan.flops_imbalance())
+            chose_doc.append(plan.strategy == "per_document")
+            est.append(profile.estimate_plan_seconds(plan) * 1e3)
+            if args.measure and i < args.measure_micro_batches:
+                rank_ms = measure_ranks_ms(
+                    plan, args.heads, args.kv_heads, args.head_dim, args.measure_repeats
+                )
+                meas_imb.append(float(rank_ms.max() / rank_ms.mean()))
+                meas_max.append(float(rank_ms.max()))
+                meas_mean.append(float(rank_ms.mean()))
+        entry = {
+            "flops_imbalance": float(np.mean(imb)),
+            "flops_imbalance_max": float(np.max(imb)),
+            "plan_ms": float(np.median(plan_ms)),
+            "plan_ms_max": float(np.max(plan_ms)),
+            "plan_ms_min": float(np.min(plan_ms_min)),
+            "estimated_max_rank_ms": float(np.mean(est)),
+        }
+        if strategy == "adaptive":
+            entry["per_document_share"] = float(np.mean(chose_doc))
+        if args.measure:
+            n_meas = len(meas_imb)
+            entry["measured_micro_batches"] = n_meas
+            entry["measured_max_ms"] = float(np.mean(meas_max))
+            entry["measured_mean_ms"] = float(np.mean(meas_mean))
+            entry["measured_imbalance"] = float(np.mean(meas_imb))
+            entry["flops_imbalance_measured_subset"] = float(np.mean(imb[:n_meas]))
+        results[strategy] = entry
+    results["config"] = {
+        "lengths": args.lengths or f"generator:{args.generator}(seed={args.seed})",
+        "context_len": args.context_len,
+        "cp": args.cp,
+        "micro_batches": len(micro_batches),
+        "docs_per_micro_batch_mean": float(np.mean([len(m) for m in micro_batches])),
+        "docs_per_micro_batch_max": int(max(len(m) for m in micro_batches)),
+        "tokens_per_micro_batch_mean": float(np.mean([m.sum() for m in micro_batches])),
+        "profile": profile.device + "/" + profile.backend,
+    }
+    return results
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Compare CP sharding strategies on packed micro-batches"
+    )
+    p.add_argument("--lengths", default=None, help="JSON list of document lengths")
+    p.add_argument(
+        "--generator",
+        default="longtail",
+        choices=sorted(GENERATORS),
+        help="synthetic lengths when --lengths is not given",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--context-len", type=int, default=131072)
+    p.add_argument("--cp", type=int, default=8)
+    p.add_argument("--micro-batches", type=int, default=16)
+    p.add_argument("--profile", default=None, help="CP profile JSON (default: packaged CPU table)")
+    p.add_argument("--plan-repeats", type=int, default=5, help="timings per micro-batch plan")
+    p.add_argument("--measure", action="store_true", help="time every rank's local attention")
+    p.add_argument("--measure-micro-batches", type=int, default=4, help="micro-batches measured")
+    p.add_argument("--measure-repeats", type=int, default=5, help="rounds per rank (fastest kept)")
+    p.add_argument("--heads", type=int, default=2, help="query heads for --measure")
+    p.add_argument("--kv-heads", type=int, default=1, help="KV heads for --measure")
+    p.add_argument("--head-dim", type=int, default=16, help="head dim for --measure")
+    p.add_argument("--json", action="store_true", help="print the JSON result last")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    for name in ("context_len", "cp", "micro_batches", "plan_repeats"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    import torch
+
+    threads = torch.get_num_threads()
+    if args.measure:
+        torch.set_num_threads(1)  # CPU time of one thread = the kernel's work
+    try:
+        results = run(args)
+    finally:
+        torch.set_num_threads(threads)
+    for strategy in STRATEGY_NAMES:
+        r = results[strategy]
+        line = (
+            f"{strategy:13s} flops_imbalance={r['flops_imbalance']:.4f} plan_ms={r['plan_ms']:.3f}"
+        )
+        if "per_document_share" in r:
+            line += f" per_document_share={r['per_document_share']:.2f}"
+        if "measured_imbalance" in r:
+            line += (
+                f" measured_imbalance={r['measured_imbalance']:.4f} "
+                f"(flops {r['flops_imbalance_measured_subset']:.4f}) "
+                f"max={r['measured_max_ms']:.1f}ms mean={r['measured_mean_ms']:.1f}ms"
+            )
+        print(line, file=sys.stderr if args.json else sys.stdout)
+    if args.json:
+        print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

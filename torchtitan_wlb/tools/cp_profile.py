@@ -1,0 +1,82 @@
+"""Measure the (q_len, kv_len) attention throughput table used by adaptive CP selection.
+
+    python -m torchtitan_wlb.tools.cp_profile --device cuda --out cuda_h100.json
+    python -m torchtitan_wlb.tools.cp_profile --device cpu \\
+        --out torchtitan_wlb/cp/profiles/cpu_default.json   # how the shipped default was made
+
+Use the attention shape of your model (``--heads/--kv-heads/--head-dim``, ``--dtype bfloat16`` on GPU)
+and point ``[wlb] cp_profile`` at the output file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from torchtitan_wlb.cp.profile import measure_profile
+
+DEFAULT_CPU_LENGTHS = "16,32,64,128,256,512,1024,2048,4096"
+DEFAULT_CUDA_LENGTHS = "64,128,256,512,1024,2048,4096,8192,16384,32768,65536,131072"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--backend", default="auto", help="auto | cpu | flash | torch_varlen")
+    parser.add_argument(
+        "--lengths", default=None, help="comma-separated grid (default depends on the device)"
+    )
+    parser.add_argument("--heads", type=int, default=None, help="query heads (cpu 4, cuda 32)")
+    parser.add_argument("--kv-heads", type=int, default=None, help="KV heads (cpu 2, cuda 8)")
+    parser.add_argument("--head-dim", type=int, default=None, help="head dim (cpu 32, cuda 128)")
+    parser.add_argument("--dtype", default=None, help="float32 (cpu) / bfloat16 (cuda)")
+    parser.add_argument(
+        "--tile", type=int, default=None, help="FLOP padding tile (cpu 16, cuda 128)"
+    )
+    parser.add_argument(
+        "--pairs-per-cell", type=int, default=None, help="(q, k) pairs timed per grid cell"
+    )
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", required=True, help="output JSON path")
+    args = parser.parse_args(argv)
+
+    cuda = args.device.startswith("cuda")
+    import torch
+
+    threads = torch.get_num_threads()
+    if not cuda:
+        # One thread: the CPU table is timed in process CPU time, like cp_bench --measure.
+        torch.set_num_threads(1)
+    try:
+        return _measure_and_write(args, cuda)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure_and_write(args: argparse.Namespace, cuda: bool) -> int:
+    lengths = args.lengths or (DEFAULT_CUDA_LENGTHS if cuda else DEFAULT_CPU_LENGTHS)
+    try:
+        grid = [int(x) for x in lengths.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--lengths must be comma-separated integers; got {lengths!r}") from None
+    profile = measure_profile(
+        grid,
+        device=args.device,
+        backend=args.backend,
+        n_heads=args.heads or (32 if cuda else 4),
+        n_kv_heads=args.kv_heads or (8 if cuda else 2),
+        head_dim=args.head_dim or (128 if cuda else 32),
+        dtype=args.dtype or ("bfloat16" if cuda else "float32"),
+        tile=args.tile,
+        pairs_per_cell=args.pairs_per_cell or ((1 << 30) if cuda else (1 << 19)),
+        repeats=args.repeats,
+        log=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+    Path(args.out).write_text(profile.to_json() + "\n")
+    print(f"wrote {args.out}: {len(grid)}x{len(grid)} grid, backend {profile.backend}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
