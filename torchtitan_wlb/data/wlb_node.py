@@ -31,6 +31,7 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from torchtitan_wlb.packing import Packer
+from torchtitan_wlb.packing.placement import dp_order
 
 __all__ = ["WLBPackingNode"]
 
@@ -138,23 +139,15 @@ class WLBPackingNode(BaseNode[dict]):
     def _rank_micro_batches(self, doc_lens: list[np.ndarray]) -> np.ndarray:
         """The plan's micro-batches this DP rank trains, ``N // dp`` of them.
 
-        ``original`` keeps TorchTitan's contiguous slices (rank r: ``[r*N/dp, (r+1)*N/dp)``): it is
-        the baseline. The other packers' plans are *dealt* to DP ranks so that every rank's total
-        predicted workload is as equal as the micro-batches allow: a DP rank runs its micro-batches
-        one after the other, so the slowest rank's sum sets the step time. Micro-batches sorted by
-        workload are dealt in snake order (0, 1, .., dp-1, dp-1, .., 0, ...), which is
-        deterministic, identical on every rank and costs O(N log N).
+        ``original`` keeps TorchTitan's contiguous slices (it is the baseline); the other packers'
+        plans are dealt to DP ranks by workload (:func:`~torchtitan_wlb.packing.placement.dp_order`)
+        so that every rank's total is as even as the micro-batches allow.
         """
-        if self.dp_degree == 1 or self.packer.name == "original":
-            lo = self.dp_rank * self._per_rank
-            return np.arange(lo, lo + self._per_rank)
         cost = self.packer.cost_model
         loads = np.array([float(cost.doc_cost(lens).sum()) for lens in doc_lens])
-        order = np.argsort(-loads, kind="stable")
-        rounds = np.arange(order.size) // self.dp_degree
-        pos = np.arange(order.size) % self.dp_degree
-        owner = np.where(rounds % 2 == 0, pos, self.dp_degree - 1 - pos)
-        return np.sort(order[owner == self.dp_rank])
+        order = dp_order(loads, self.dp_degree, balanced=self.packer.name != "original")
+        lo = self.dp_rank * self._per_rank
+        return order[lo : lo + self._per_rank]
 
     def _check(self, item: Any) -> tuple[int, np.ndarray]:
         if not isinstance(item, dict) or "doc_id" not in item or "tokens" not in item:

@@ -119,7 +119,9 @@ llama3_wlb_args: dict[str, WLBModelArgs] = {
     "debugmodel": _llama_like(256, 4, 8, 4, vocab_size=264, multiple_of=128),
     "tiny": _llama_like(128, 2, 4, 2, vocab_size=264, multiple_of=64),
     "8B": _llama_like(4096, 32, 32, 8, vocab_size=128256, multiple_of=1024, ffn_dim_multiplier=1.3),
-    "70B": _llama_like(8192, 80, 64, 8, vocab_size=128256, multiple_of=4096, ffn_dim_multiplier=1.3),
+    "70B": _llama_like(
+        8192, 80, 64, 8, vocab_size=128256, multiple_of=4096, ffn_dim_multiplier=1.3
+    ),
     "paper_550M": _llama_like(1280, 14, 10, 2, vocab_size=128256, multiple_of=256),
     "paper_7B": _llama_like(4096, 32, 32, 8, vocab_size=128256, multiple_of=256),
     "paper_30B": _llama_like(7168, 52, 56, 8, vocab_size=128256, multiple_of=256),

@@ -159,3 +159,26 @@ def fill_rounds(
         tokens += np.bincount(dest, weights=lens[placed], minlength=loads.size).astype(tokens.dtype)
         rem = rem[~ok]
     return out
+
+
+def dp_order(loads: np.ndarray, dp: int, balanced: bool = True) -> np.ndarray:
+    """A permutation of a step's micro-batches; DP rank ``r`` trains ``order[r*m:(r+1)*m]``.
+
+    A DP rank runs its ``m = N / dp`` micro-batches one after the other, so the slowest rank's
+    total sets the step time. ``balanced`` deals micro-batches sorted by workload in snake order
+    (0, 1, .., dp-1, dp-1, .., 0, ...), which evens the ranks' totals; otherwise ranks take
+    contiguous slices, as TorchTitan's loaders do (the ``original`` baseline). Deterministic, so
+    every rank computes the same assignment. Each rank's micro-batches stay in plan order.
+    """
+    n = int(loads.size)
+    if n % dp:
+        raise ValueError(f"{n} micro-batches cannot be split evenly over {dp} DP ranks")
+    if dp == 1 or not balanced:
+        return np.arange(n)
+    by_load = np.argsort(-np.asarray(loads, dtype=np.float64), kind="stable")
+    slot = np.arange(n)
+    rounds, pos = slot // dp, slot % dp
+    owner = np.where(rounds % 2 == 0, pos, dp - 1 - pos)
+    rank_of = np.empty(n, dtype=np.int64)
+    rank_of[by_load] = owner
+    return np.lexsort((np.arange(n), rank_of))

@@ -53,6 +53,9 @@ class MicroBatchRecord:
     doc_lens: np.ndarray
     seconds: float
     step: int = -1
+    rank: int = 0
+    """Data-parallel rank that ran it: ranks run their micro-batches concurrently, so a step's
+    predicted time is the slowest rank's."""
 
 
 @dataclass(frozen=True)
@@ -211,18 +214,25 @@ def step_prediction_error(
     first half of the steps and the error reported on the second half, so the number is a prediction,
     not a fit.
     """
-    by_step: dict[int, list[np.ndarray]] = {}
+    by_rank_step: dict[tuple[int, int], list[np.ndarray]] = {}
     for r in records:
         if r.step >= 0:
-            by_step.setdefault(r.step, []).append(r.doc_lens)
-    common = sorted(set(by_step) & set(measured))
+            by_rank_step.setdefault((r.rank, r.step), []).append(r.doc_lens)
+    by_step = {step for _, step in by_rank_step}
+    common = sorted(by_step & set(measured))
     if len(common) < 2:
         raise ValueError(
             f"step-time check needs >= 2 steps with both micro-batch records and a measured time, "
             f"got {len(common)}"
         )
-    pred = predict_step_times(calib, {s: by_step[s] for s in common}, pp=pp)
-    p = np.array([pred[s] for s in common])
+    ranks = sorted({rank for rank, _ in by_rank_step})
+    per_rank = [
+        predict_step_times(
+            calib, {s: by_rank_step[(k, s)] for s in common if (k, s) in by_rank_step}, pp=pp
+        )
+        for k in ranks
+    ]
+    p = np.array([max(pr.get(s, 0.0) for pr in per_rank) for s in common])
     m = np.array([measured[s] for s in common])
     half = len(common) // 2
     overhead = float(np.median(m[:half] - p[:half]))
@@ -244,8 +254,9 @@ def _parse_records(raw: list, source: str) -> list[MicroBatchRecord]:
             if "doc_lens" not in item or "seconds" not in item:
                 raise ValueError(f"{source}: micro-batch record {i} needs 'doc_lens' and 'seconds'")
             lens, secs, step = item["doc_lens"], item["seconds"], item.get("step", -1)
+            rank = item.get("rank", 0)
         elif isinstance(item, (list, tuple)) and len(item) == 2:
-            (lens, secs), step = item, -1
+            (lens, secs), step, rank = item, -1, 0
         else:
             raise ValueError(f"{source}: micro-batch record {i} must be {{doc_lens, seconds}}")
         if (
@@ -258,7 +269,9 @@ def _parse_records(raw: list, source: str) -> list[MicroBatchRecord]:
             )
         if not isinstance(secs, (int, float)) or secs <= 0:
             raise ValueError(f"{source}: micro-batch record {i} seconds = {secs!r} must be > 0")
-        records.append(MicroBatchRecord(np.asarray(lens, dtype=np.int64), float(secs), int(step)))
+        records.append(
+            MicroBatchRecord(np.asarray(lens, dtype=np.int64), float(secs), int(step), int(rank))
+        )
     return records
 
 

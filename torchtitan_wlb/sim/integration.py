@@ -92,13 +92,16 @@ def pack_steps(mode, lengths: np.ndarray, cfg, n_steps: int) -> tuple[list[list[
     ``max_doc_len = seq_len``). The stream is repeated (reshuffled with ``cfg.seed``) if it is too
     short. Returns the per-step lists of micro-batch document lengths and averaged packer stats.
     """
+    from torchtitan_wlb.packing.placement import dp_order
     from torchtitan_wlb.sim.lengths import cycle_to, split_long
 
     docs = split_long(lengths, cfg.context_len)
     need = int((n_steps + cfg.max_delay_steps + 2) * cfg.n_global * cfg.context_len * 1.3)
     docs = cycle_to(docs, need, np.random.default_rng(cfg.seed))
     cum = np.cumsum(docs)
-    packer = make_packer(mode.packer, packing_config(mode, cfg, cfg.n_global), cost_model_for(cfg))
+    cost_model = cost_model_for(cfg)
+    packer = make_packer(mode.packer, packing_config(mode, cfg, cfg.n_global), cost_model)
+    dp = cfg.layout.dp
     pos = 0
     steps: list[list[np.ndarray]] = []
     stats_acc: dict[str, list[float]] = {}
@@ -110,7 +113,12 @@ def pack_steps(mode, lengths: np.ndarray, cfg, n_steps: int) -> tuple[list[list[
             end = min(int(np.searchsorted(cum, base + budget, side="left")) + 1, docs.size)
         plan = packer.step(np.arange(pos, end, dtype=np.int64), docs[pos:end])
         pos = end
-        steps.append([np.asarray(x, dtype=np.int64) for x in plan.doc_lens])
+        mbs = [np.asarray(x, dtype=np.int64) for x in plan.doc_lens]
+        # DP ranks take contiguous groups of micro-batches downstream: order them the way the
+        # data loader deals them (workload-balanced, or contiguous for the original baseline).
+        loads = np.array([float(cost_model.doc_cost(x).sum()) for x in mbs])
+        order = dp_order(loads, dp, balanced=mode.packer != "original")
+        steps.append([mbs[j] for j in order])
         for k, v in plan.stats.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 stats_acc.setdefault(k, []).append(float(v))

@@ -133,13 +133,13 @@ def calibration_records(per_rank: list[dict[int, dict]], steps: list[int]) -> di
     Each rank's micro-batches are timed on that rank; a step's time is the slowest rank's.
     """
     micro_batches = []
-    for rank_log in per_rank:
+    for rank, rank_log in enumerate(per_rank):
         for s in steps:
             rec = rank_log[s]
             for lens, sec in zip(
                 rec.get("micro_batch_doc_lens", []), rec["micro_batch_times_s"], strict=False
             ):
-                micro_batches.append({"doc_lens": lens, "seconds": sec, "step": s})
+                micro_batches.append({"doc_lens": lens, "seconds": sec, "step": s, "rank": rank})
     step_times = [
         {"step": s, "seconds": max(r[s]["wlb/step_time_s"] for r in per_rank)} for s in steps
     ]
@@ -213,7 +213,10 @@ def main(argv: list[str] | None = None) -> int:
         out_dir.mkdir(parents=True, exist_ok=True)
         for mode, rec in records.items():
             with open(out_dir / f"records_{mode}.json", "w") as f:
-                json.dump({**rec, "model": args.model, "parallel": args.parallel}, f)
+                layout = {"tp": 1, "cp": 1, "pp": 1, "dp": 1}
+                layout[args.parallel[:2]] = 2
+                # The flavor is not a simulator preset: the calibration fits coefficients only.
+                json.dump({**rec, "layout": layout, "flavor": args.model}, f)
     summary: dict[str, Any] = {
         "parallel": args.parallel,
         "model": args.model,
