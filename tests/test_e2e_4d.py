@@ -79,6 +79,8 @@ LAYOUTS = {
                     "--parallelism.context_parallel_degree", "2"]),
     "cp2_pp2": (4, ["--parallelism.context_parallel_degree", "2",
                     "--parallelism.pipeline_parallel_degree", "2"]),
+    "pp2_interleaved": (2, ["--parallelism.pipeline_parallel_degree", "2",
+                            "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
 }  # fmt: skip
 
 
