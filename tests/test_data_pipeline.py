@@ -217,3 +217,14 @@ def test_dataloader_restores_state_after_template_state_dict():
         WLBDataLoader(MicroBatchNode(IterableWrapper(steps)), 0, 2).load_state_dict(
             {**saved, "world_size": 1}
         )
+
+
+def test_hf_source_reads_a_local_dataset_offline(tmp_path, monkeypatch):
+    """`dataset = "hf"` with a local directory works without network (HF_DATASETS_OFFLINE)."""
+    pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (tmp_path / "ds").mkdir()
+    _write_jsonl(tmp_path / "ds" / "train.jsonl", ["first doc", "second doc", "third"])
+    texts = [t for _, t in TextSource("hf", str(tmp_path / "ds")).open_texts(1)]
+    assert texts == ["second doc", "third"]
