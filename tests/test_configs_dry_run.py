@@ -31,6 +31,15 @@ def test_table1_and_llama3_configs_build_with_fake_backend():
     assert "256 ranks" in sizes["70b_128k.toml"]  # TP16 x CP4 x PP4
 
 
+def test_debug_configs_build_with_fake_backend():
+    debug = [os.path.join(ROOT, "train_configs", f"debug_{k}.toml") for k in ("cpu", "gpu")]
+    r = subprocess.run(
+        [sys.executable, "-m", "torchtitan_wlb.tools.dry_run", *debug, "--ngpu", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0 and r.stdout.count("OK ") == 2, r.stdout + r.stderr[-3000:]
+
+
 def test_fake_backend_step_of_debug_config():
     """COMM_MODE=fake_backend as run_train.sh does it: one real training step, fake collectives."""
     env = dict(
