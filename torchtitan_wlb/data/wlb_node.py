@@ -13,7 +13,7 @@ No communication is needed, and a rank's checkpoint is enough to resume it.
 
 Checkpointing (``state_dict`` / ``reset``): the packer's state lists the pending documents (ids,
 lengths, arrival steps) but the node does not store their *tokens*. It stores, for every step
-since the oldest pending document arrived, the source's state before that step's intake and how
+since the oldest pending document was pulled, the source's state before that step's intake and how
 many documents were pulled. ``reset(state)`` rewinds the source to the oldest snapshot, replays the
 pulls and keeps the pending documents' tokens, then restores the source's latest state. Why: a
 queue can hold ``levels * N`` documents of up to ``S_max`` tokens (tens of MB per rank at 128K
@@ -177,11 +177,11 @@ class WLBPackingNode(BaseNode[dict]):
         if len(pending) == 0:
             self._snapshots = []
             return
-        oldest = int(pending.arrival.min())
+        oldest = int(pending.pulled.min())
         self._snapshots = [s for s in self._snapshots if s[0] >= oldest]
 
     def _replay(self, pending) -> None:
-        """Re-read the pulls since the oldest pending arrival; keep the pending documents."""
+        """Re-read the pulls since the oldest pending pull; keep the pending documents."""
         want = dict(zip(pending.ids.tolist(), pending.lens.tolist(), strict=True))
         if not self._snapshots:
             raise ValueError("checkpoint has pending documents but no source snapshots")

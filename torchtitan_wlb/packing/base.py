@@ -146,31 +146,47 @@ class PackedStep:
 
 
 class DocPool:
-    """Documents waiting in a packer: parallel int64 arrays (id, length, arrival step, tag).
+    """Documents waiting in a packer: parallel int64 arrays (id, length, arrival, tag, pulled).
 
-    ``tag`` is packer-specific (the queue level for ``wlb``, the planned step for windowed
-    packers). Kept as arrays so that state save/restore and per-step selection are vectorised.
+    ``arrival`` is the step a document entered the packing order (delays and the max wait count
+    from it); ``pulled`` is the step its tokens were read from the stream, which differs only
+    for documents a packer handed back unread-in-order (``wlb``'s back-pressure) and tells the
+    data node how far back to replay the source on restore. ``tag`` is packer-specific (the
+    queue level for ``wlb``, the planned step for windowed packers). Kept as arrays so that
+    state save/restore and per-step selection are vectorised.
     """
 
-    FIELDS = ("ids", "lens", "arrival", "tag")
+    FIELDS = ("ids", "lens", "arrival", "tag", "pulled")
 
     def __init__(self) -> None:
         self.ids = np.zeros(0, np.int64)
         self.lens = np.zeros(0, np.int64)
         self.arrival = np.zeros(0, np.int64)
         self.tag = np.zeros(0, np.int64)
+        self.pulled = np.zeros(0, np.int64)
 
     def __len__(self) -> int:
         return int(self.ids.size)
 
-    def add(self, ids: np.ndarray, lens: np.ndarray, arrival: np.ndarray | int, tag=0) -> None:
+    def add(
+        self,
+        ids: np.ndarray,
+        lens: np.ndarray,
+        arrival: np.ndarray | int,
+        tag: np.ndarray | int = 0,
+        pulled: np.ndarray | int | None = None,
+    ) -> None:
+        """Append documents; ``pulled`` defaults to ``arrival``."""
         n = ids.size
+
+        def col(value: np.ndarray | int) -> np.ndarray:
+            return np.broadcast_to(np.asarray(value, np.int64), (n,))
+
         self.ids = np.concatenate([self.ids, ids.astype(np.int64)])
         self.lens = np.concatenate([self.lens, lens.astype(np.int64)])
-        self.arrival = np.concatenate(
-            [self.arrival, np.broadcast_to(np.asarray(arrival, np.int64), (n,))]
-        )
-        self.tag = np.concatenate([self.tag, np.broadcast_to(np.asarray(tag, np.int64), (n,))])
+        self.arrival = np.concatenate([self.arrival, col(arrival)])
+        self.tag = np.concatenate([self.tag, col(tag)])
+        self.pulled = np.concatenate([self.pulled, col(arrival if pulled is None else pulled)])
 
     def take(self, mask: np.ndarray) -> DocPool:
         """Remove the documents selected by ``mask`` (bool or index array) and return them."""
@@ -203,7 +219,9 @@ class DocPool:
     def from_state(cls, state: dict[str, list[int]]) -> DocPool:
         out = cls()
         for f in cls.FIELDS:
-            setattr(out, f, np.asarray(state[f], dtype=np.int64).reshape(-1))
+            # States written before ``pulled`` existed: every document was pulled on arrival.
+            value = state[f] if f in state or f != "pulled" else state["arrival"]
+            setattr(out, f, np.asarray(value, dtype=np.int64).reshape(-1))
         return out
 
 
