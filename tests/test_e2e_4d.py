@@ -97,6 +97,23 @@ def test_4d_matches_single_process(seeded, layout):
         assert got[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=2e-4), step
         # the same documents were trained on
         assert set(got[step]["doc_ids"]) <= set(ref[step]["doc_ids"])
+        if "--parallelism.pipeline_parallel_degree" in args:
+            _check_pp_actions(got[step], 2 if "Interleaved1F1B" in args else 1)
+
+
+def _check_pp_actions(record, stages_per_rank):
+    """Per-action pipeline times in the metrics log, and their calibration records."""
+    from torchtitan_wlb.tools.e2e_bench import calibration_records
+
+    (act,) = record["pp_actions"]
+    n_mb = len(act["doc_lens"])
+    assert n_mb >= 1 and len(act["stages"]) == stages_per_rank
+    for fwd, bwd in zip(act["fwd_s"], act["bwd_s"], strict=True):
+        assert len(fwd) == len(bwd) == n_mb and min(fwd) > 0 and min(bwd) > 0
+    recs = calibration_records([{record["step"]: record}], [record["step"]])["microbatches"]
+    assert len(recs) == n_mb * stages_per_rank
+    assert {r["stage"] for r in recs} == set(act["stages"])
+    assert all(r["seconds"] == pytest.approx(r["fwd_s"] + r["bwd_s"]) for r in recs)
 
 
 def _audit(records, steps):

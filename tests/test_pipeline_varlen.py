@@ -166,7 +166,9 @@ def _pp_worker(rank: int, world_size: int, init_file: str, schedule_name: str, d
                     labels if bad.has_last_stage else None,
                     lengths,
                 )
-        runner = VarlenPipelineRunner(schedule, verify_seq_lens=schedule_name != "1F1B")
+        runner = VarlenPipelineRunner(
+            schedule, verify_seq_lens=schedule_name != "1F1B", time_actions=True
+        )
         assert runner.has_first_stage == (pp_rank == 0)
         assert runner.has_last_stage == (pp_rank == pp - 1)
 
@@ -219,6 +221,7 @@ def _pp_worker(rank: int, world_size: int, init_file: str, schedule_name: str, d
                 losses=losses,
             )
             resized_total += stats.buffers_resized
+            _check_action_times(runner, n_mb)
             for part in parts:
                 for param in part.parameters():
                     dist.all_reduce(param.grad, group=dp_group)
@@ -246,6 +249,22 @@ def _pp_worker(rank: int, world_size: int, init_file: str, schedule_name: str, d
         assert resized_total > 0
     finally:
         dist.destroy_process_group()
+
+
+def _check_action_times(runner: VarlenPipelineRunner, n_mb: int) -> None:
+    """Per-action timing: every micro-batch's forward and backward on every local stage, and the
+    timing wrappers are gone after the step."""
+    times = runner.last_action_times
+    assert times is not None
+    assert times.stage_indices == [int(s.stage_index) for s in runner.stages]
+    for fwd, bwd in zip(times.fwd_s, times.bwd_s, strict=True):
+        assert len(fwd) == len(bwd) == n_mb
+        assert all(t > 0 for t in fwd) and all(t > 0 for t in bwd)
+    assert set(times.to_dict()) == {"stages", "fwd_s", "bwd_s"}
+    for stage in runner.stages:
+        assert "forward_one_chunk" not in vars(stage)
+        assert "backward_one_chunk" not in vars(stage)
+    assert "_maybe_compute_loss" not in vars(runner.schedule)
 
 
 def _check_eval_step(runner: VarlenPipelineRunner, model, step: int, lengths: list[int]) -> None:

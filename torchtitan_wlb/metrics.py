@@ -11,7 +11,11 @@ to TensorBoard / W&B under ``wlb/``):
 
 With ``[wlb] metrics_jsonl = true`` every rank also appends each logged step, at full precision,
 to ``<dump_folder>/wlb_metrics/rank_<rank>.jsonl`` (loss, grad norm, step time, micro-batch times,
-peak memory, packing statistics): the end-to-end benchmark and the resume tests read it.
+peak memory, packing statistics): the end-to-end benchmark and the resume tests read it. Under
+pipeline parallelism ``micro_batch_times_s`` holds the whole pipeline step (the schedule interleaves
+the micro-batches) and ``pp_actions`` the per-action times: one entry per pipeline step,
+``{"stages": [stage index, ...], "fwd_s": [[s per micro-batch] per stage], "bwd_s": [[...]],
+"doc_lens": [[document lengths] per micro-batch]}``.
 
 The trainer records figures with :meth:`WLBMetricsProcessor.record`; they are flushed at the next
 ``log`` call, so steps that are not logged (``metrics.log_freq``) cost nothing beyond a dict update.
@@ -39,6 +43,7 @@ class WLBMetricsProcessor(MetricsProcessor):
         self.micro_batch_times: list[float] = []
         self.doc_ids: list[int] = []
         self.micro_batch_doc_lens: list[list[int]] = []
+        self.pp_actions: list[dict[str, Any]] = []
         self.jsonl_path: str | None = None
         wlb = getattr(job_config, "wlb", None)
         if wlb is not None and wlb.metrics_jsonl:
@@ -74,6 +79,13 @@ class WLBMetricsProcessor(MetricsProcessor):
         if doc_lens is not None and self.jsonl_path is not None:
             self.micro_batch_doc_lens.append(doc_lens)
 
+    def record_pipeline_actions(
+        self, actions: dict[str, Any], doc_lens: list[list[int]] | None = None
+    ) -> None:
+        """One pipeline step's per-action forward / backward times on this rank (PP only)."""
+        if self.jsonl_path is not None:
+            self.pp_actions.append({**actions, "doc_lens": doc_lens})
+
     def log(
         self,
         step: int,
@@ -104,6 +116,7 @@ class WLBMetricsProcessor(MetricsProcessor):
                 "micro_batch_times_s": list(self.micro_batch_times),
                 "doc_ids": sorted(self.doc_ids),
                 "micro_batch_doc_lens": list(self.micro_batch_doc_lens),
+                **({"pp_actions": list(self.pp_actions)} if self.pp_actions else {}),
                 **{k: v for k, v in extra.items() if isinstance(v, (int, float))},
             }
             with open(self.jsonl_path, "a") as f:
@@ -128,6 +141,7 @@ class WLBMetricsProcessor(MetricsProcessor):
         self.micro_batch_times.clear()
         self.doc_ids.clear()
         self.micro_batch_doc_lens.clear()
+        self.pp_actions.clear()
 
 
 def build_wlb_metrics_processor(

@@ -12,7 +12,9 @@ this subclass adds:
     positions with it -- TorchTitan 0.2.2 shards neither positions nor document metadata;
   - ``forward_backward_step`` times every micro-batch and, under pipeline parallelism, collects the
     step's micro-batches and runs them through the schedule together with
-    :class:`~torchtitan_wlb.pipeline.varlen.VarlenPipelineRunner`, each with its own length.
+    :class:`~torchtitan_wlb.pipeline.varlen.VarlenPipelineRunner`, each with its own length; with
+    ``[wlb] metrics_jsonl`` it also times every pipeline action (forward and backward of each
+    micro-batch on each of this rank's stages) for calibrating the simulator's timeline.
 
 Loss normalisation is TorchTitan's: every micro-batch's summed token loss is divided by the valid
 tokens of the whole global batch (all micro-batches, all DP ranks), so micro-batches of different
@@ -46,7 +48,9 @@ class WLBTrainer(Trainer):
         if self.parallel_dims.pp_enabled:
             from torchtitan_wlb.pipeline.varlen import VarlenPipelineRunner
 
-            self._pp_runner = VarlenPipelineRunner(self.pp_schedule)
+            self._pp_runner = VarlenPipelineRunner(
+                self.pp_schedule, time_actions=bool(job_config.wlb.metrics_jsonl)
+            )
         self._cp_profile = None
         if self.parallel_dims.cp_enabled and job_config.wlb.cp_sharding == "adaptive":
             from torchtitan_wlb.cp.profile import resolve_profile
@@ -196,6 +200,7 @@ class WLBTrainer(Trainer):
         if len(self._pp_pending) < runner.n_microbatches:
             return None
         pending, self._pp_pending = self._pp_pending, []
+        step_doc_lens = list(self._pp_doc_lens)
         self._record_bubble_estimate()
         losses: list[torch.Tensor] | None = [] if self.pp_has_last_stage else None
         with self.train_context():
@@ -206,6 +211,11 @@ class WLBTrainer(Trainer):
                 seq_lens=[int(p[0].shape[1]) for p in pending],
                 global_valid_tokens=global_valid_tokens,
                 losses=losses,
+            )
+        if runner.last_action_times is not None:
+            self.metrics_processor.record_pipeline_actions(
+                runner.last_action_times.to_dict(),
+                step_doc_lens if len(step_doc_lens) == len(pending) else None,
             )
         if losses is not None:
             return torch.sum(torch.stack([loss.detach() for loss in losses])).to(self.device)

@@ -9,6 +9,7 @@ from torchtitan_wlb.pipeline.loss import (
 from torchtitan_wlb.pipeline.schedule_check import VARLEN_SCHEDULES, check_pp_microbatches
 from torchtitan_wlb.pipeline.varlen import (
     SUPPORTED_TORCH_RANGE,
+    PipelineActionTimes,
     UnsupportedTorchVersionError,
     VarlenPipelineRunner,
     VarlenStepStats,
@@ -18,6 +19,7 @@ from torchtitan_wlb.pipeline.varlen import (
 __all__ = [
     "IGNORE_INDEX",
     "SUPPORTED_TORCH_RANGE",
+    "PipelineActionTimes",
     "UnsupportedTorchVersionError",
     "VARLEN_SCHEDULES",
     "VarlenPipelineRunner",

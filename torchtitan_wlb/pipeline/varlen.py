@@ -25,6 +25,7 @@ from __future__ import annotations
 import inspect
 import os
 import re
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,7 @@ import torch
 
 __all__ = [
     "SUPPORTED_TORCH_RANGE",
+    "PipelineActionTimes",
     "UnsupportedTorchVersionError",
     "VarlenPipelineRunner",
     "VarlenStepStats",
@@ -108,6 +110,117 @@ class VarlenStepStats:
     recv_bytes: int
 
 
+@dataclass
+class PipelineActionTimes:
+    """Measured compute time of every pipeline action of one step on this rank.
+
+    One row per stage this rank holds (``stage_indices``), one column per micro-batch: the wall
+    time of the stage's ``forward_one_chunk`` (plus the loss on the last stage) and of its
+    ``backward_one_chunk`` (plus ``backward_weight_one_chunk`` for split-backward schedules).
+    Waiting for activations or gradients from neighbouring stages happens outside these calls
+    (the schedule waits for its receives first), so these are the per-action costs a pipeline
+    timeline plays, not the time the schedule spent on them.
+    """
+
+    stage_indices: list[int]
+    fwd_s: list[list[float]]
+    bwd_s: list[list[float]]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"stages": self.stage_indices, "fwd_s": self.fwd_s, "bwd_s": self.bwd_s}
+
+
+class _ActionTimer:
+    """Times a stage's per-micro-batch forward / backward calls while a step runs.
+
+    Installs instance-level wrappers around ``forward_one_chunk``, ``backward_one_chunk``,
+    ``backward_weight_one_chunk`` of each stage and the schedule's ``_maybe_compute_loss`` (public
+    stage methods the torch schedules call once per action; the loss is attributed to the forward)
+    and removes them afterwards. On CUDA the calls are bracketed with events, read once after the
+    step, so timing adds no synchronisation inside the schedule.
+    """
+
+    _STAGE_METHODS = (
+        ("forward_one_chunk", 0),
+        ("backward_one_chunk", 1),
+        ("backward_weight_one_chunk", 1),
+    )
+
+    def __init__(self, schedule: Any, stages: Sequence[Any], n_mb: int):
+        self.schedule = schedule
+        self.stages = list(stages)
+        self.row = {id(stage): i for i, stage in enumerate(self.stages)}
+        # (row, kind 0 fwd / 1 bwd, mb) -> list of CPU seconds or (start, end) CUDA events
+        self.samples: list[tuple[int, int, int, Any]] = []
+        self.n_mb = n_mb
+        self.cuda = any(
+            getattr(getattr(s, "device", None), "type", "cpu") == "cuda" for s in self.stages
+        )
+        self._installed: list[tuple[Any, str]] = []
+
+    def _measure(self, row: int, kind: int, mb: int, fn: Callable[[], Any]) -> Any:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn()
+            end.record()
+            self.samples.append((row, kind, mb, (start, end)))
+            return out
+        t0 = time.perf_counter()
+        out = fn()
+        self.samples.append((row, kind, mb, time.perf_counter() - t0))
+        return out
+
+    def install(self) -> None:
+        for stage in self.stages:
+            row = self.row[id(stage)]
+            for name, kind in self._STAGE_METHODS:
+                original = getattr(stage, name, None)
+                if original is None or name in vars(stage):
+                    continue
+
+                def wrapped(*args, _o=original, _r=row, _k=kind, **kwargs):
+                    mb = (
+                        args[0]
+                        if args
+                        else kwargs.get("fwd_chunk_id", kwargs.get("bwd_chunk_id", -1))
+                    )
+                    return self._measure(_r, _k, int(mb), lambda: _o(*args, **kwargs))
+
+                setattr(stage, name, wrapped)
+                self._installed.append((stage, name))
+        original_loss = getattr(self.schedule, "_maybe_compute_loss", None)
+        if original_loss is not None and "_maybe_compute_loss" not in vars(self.schedule):
+
+            def wrapped_loss(stage, output, target_mbs, mb_index, *args, **kwargs):
+                row = self.row.get(id(stage))
+                call = lambda: original_loss(stage, output, target_mbs, mb_index, *args, **kwargs)  # noqa: E731
+                if row is None or not getattr(stage, "is_last", False):
+                    return call()
+                return self._measure(row, 0, int(mb_index), call)
+
+            self.schedule._maybe_compute_loss = wrapped_loss
+            self._installed.append((self.schedule, "_maybe_compute_loss"))
+
+    def remove(self) -> None:
+        for obj, name in self._installed:
+            delattr(obj, name)
+        self._installed.clear()
+
+    def result(self) -> PipelineActionTimes:
+        if self.cuda and self.samples:
+            torch.cuda.synchronize()
+        fwd = [[0.0] * self.n_mb for _ in self.stages]
+        bwd = [[0.0] * self.n_mb for _ in self.stages]
+        for row, kind, mb, sample in self.samples:
+            sec = sample[0].elapsed_time(sample[1]) / 1e3 if self.cuda else sample
+            if 0 <= mb < self.n_mb:
+                (fwd if kind == 0 else bwd)[row][mb] += float(sec)
+        return PipelineActionTimes(
+            stage_indices=[int(s.stage_index) for s in self.stages], fwd_s=fwd, bwd_s=bwd
+        )
+
+
 class _TokenMeanLoss:
     """``loss_fn(pred, target) / global_valid_tokens``: makes a sum-reduced loss a global mean."""
 
@@ -150,9 +263,20 @@ class VarlenPipelineRunner:
             the pipeline group that every rank passed the same ``seq_lens`` (a mismatch is a
             size error on gloo but a hang or silent corruption on NCCL). Off by default: the
             point of the runner is that no shape information travels.
+        time_actions: time every forward and backward of every micro-batch on this rank's
+            stages (two ``perf_counter`` calls per action on CPU, CUDA events on GPU) and keep
+            them in :attr:`last_action_times` after each step, for calibrating the simulator's
+            pipeline timeline.
     """
 
-    def __init__(self, schedule: Any, *, seq_dim: int = 1, verify_seq_lens: bool = False):
+    def __init__(
+        self,
+        schedule: Any,
+        *,
+        seq_dim: int = 1,
+        verify_seq_lens: bool = False,
+        time_actions: bool = False,
+    ):
         check_torch_version()
         from torch.distributed.pipelining.schedules import (
             PipelineScheduleMulti,
@@ -197,6 +321,9 @@ class VarlenPipelineRunner:
         self.stages = stages
         self.seq_dim = seq_dim
         self.verify_seq_lens = verify_seq_lens
+        self.time_actions = time_actions
+        # Per-action times of the last step (time_actions=True), else None.
+        self.last_action_times: PipelineActionTimes | None = None
         self._init_fn = init_fn
         init_params = inspect.signature(init_fn).parameters
         self._init_takes_target = "target" in init_params
@@ -284,6 +411,7 @@ class VarlenPipelineRunner:
             schedule._loss_fn = _TokenMeanLoss(original_loss_fn, denominator)
         saved_validate = [getattr(s, "_runtime_validate", None) for s in self.stages]
         shadowed: list[tuple[Any, str]] = []
+        timer = _ActionTimer(schedule, self.stages, n) if self.time_actions else None
         try:
             for stage in self.stages:
                 stage.has_backward = schedule._has_backward
@@ -303,10 +431,16 @@ class VarlenPipelineRunner:
             step_kwargs: dict[str, Any] = {}
             if self._step_takes_loss_kwargs:
                 step_kwargs["loss_kwargs"] = dict(loss_kwargs) if loss_kwargs else None
+            if timer is not None:
+                timer.install()
             schedule._step_microbatches(
                 arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs=False, **step_kwargs
             )
+            if timer is not None:
+                self.last_action_times = timer.result()
         finally:
+            if timer is not None:
+                timer.remove()
             schedule._loss_fn = original_loss_fn
             for stage, name in shadowed:
                 delattr(stage, name)

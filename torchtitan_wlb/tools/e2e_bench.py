@@ -130,12 +130,27 @@ def run_mode(mode: str, args: argparse.Namespace, data: Path, workdir: Path) -> 
 def calibration_records(per_rank: list[dict[int, dict]], steps: list[int]) -> dict[str, Any]:
     """Measured micro-batches and steps in the simulator's calibration format (docs/simulator.md).
 
-    Each rank's micro-batches are timed on that rank; a step's time is the slowest rank's.
+    Each rank's micro-batches are timed on that rank; a step's time is the slowest rank's. Under
+    pipeline parallelism (the log has ``pp_actions``) there is one record per micro-batch *and
+    stage*: ``seconds`` is that stage's forward + backward, with ``fwd_s``, ``bwd_s``, ``stage`` and
+    ``mb`` (the micro-batch's index in the step, the order the schedule runs them) added.
     """
     micro_batches = []
     for rank, rank_log in enumerate(per_rank):
         for s in steps:
             rec = rank_log[s]
+            if rec.get("pp_actions"):
+                for act in rec["pp_actions"]:
+                    lens_list = act.get("doc_lens") or []
+                    for stage, fwd, bwd in zip(
+                        act["stages"], act["fwd_s"], act["bwd_s"], strict=True
+                    ):
+                        for mb, (lens, f, b) in enumerate(zip(lens_list, fwd, bwd, strict=False)):
+                            micro_batches.append(
+                                {"doc_lens": lens, "seconds": f + b, "fwd_s": f, "bwd_s": b,
+                                 "stage": stage, "mb": mb, "step": s, "rank": rank}
+                            )  # fmt: skip
+                continue
             for lens, sec in zip(
                 rec.get("micro_batch_doc_lens", []), rec["micro_batch_times_s"], strict=False
             ):
