@@ -20,6 +20,15 @@ on the second half of the steps, with any per-step overhead fitted on the first 
 with ``step`` < 0 (standalone micro-batches), when present next to measured steps, are the only ones
 fitted, so the steps' own micro-batches are held out.
 
+Pipeline-parallel runs (records with ``stage``, written by ``e2e_bench --parallel pp2``): one record
+per micro-batch and stage, with that stage's ``fwd_s`` and ``bwd_s`` and the micro-batch's index
+``mb`` in its step. Forward and backward are fitted separately per stage (``a sum d^2 + b sum d +
+c`` each) on the actions of the first half of the steps; every step is then predicted by playing the
+simulator's own pipeline timeline (:mod:`torchtitan_wlb.sim.timeline`, the 1F1B schedule the run
+used) with the fitted action times, plus a constant per-step overhead fitted on the first half, and
+compared with the measured step time on the second half. ``--predict-records`` predicts other runs
+(other modes) from this file's fit.
+
 Run: ``python -m torchtitan_wlb.sim.calibrate --records runs/e2e_mb_times.json [--json]``.
 """
 
@@ -56,6 +65,14 @@ class MicroBatchRecord:
     rank: int = 0
     """Data-parallel rank that ran it: ranks run their micro-batches concurrently, so a step's
     predicted time is the slowest rank's."""
+    stage: int = -1
+    """Pipeline (virtual) stage the times are for; -1: the whole model (no pipeline)."""
+    mb: int = -1
+    """Index of the micro-batch in its step (schedule order); -1 when unknown."""
+    fwd_s: float | None = None
+    """Forward time of this stage (pipeline records)."""
+    bwd_s: float | None = None
+    """Backward time of this stage (pipeline records)."""
 
 
 @dataclass(frozen=True)
@@ -247,6 +264,245 @@ def step_prediction_error(
     }
 
 
+@dataclass(frozen=True)
+class PipelineCalibration:
+    """Per-stage fits of forward and backward times (``a sum d^2 + b sum d + c`` each).
+
+    Attributes:
+        fwd: stage index -> Calibration of the forward (loss included on the last stage).
+        bwd: stage index -> Calibration of the backward.
+    """
+
+    fwd: dict[int, Calibration]
+    bwd: dict[int, Calibration]
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.fwd)
+
+    def predict(self, doc_lens_list: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """[n_stages, m] forward and backward seconds of each micro-batch on each stage."""
+        stages = sorted(self.fwd)
+        fwd = np.stack([self.fwd[k].predict(doc_lens_list) for k in stages])
+        bwd = np.stack([self.bwd[k].predict(doc_lens_list) for k in stages])
+        return fwd, bwd
+
+    def summary(self) -> dict:
+        out = {}
+        for k in sorted(self.fwd):
+            for kind, cal in (("fwd", self.fwd[k]), ("bwd", self.bwd[k])):
+                out[f"stage{k}_{kind}"] = {
+                    "a": cal.attn_coef,
+                    "b": cal.linear_coef,
+                    "c": cal.overhead_s,
+                    "mean_abs_rel_error": cal.mean_abs_rel_error,
+                    "max_abs_rel_error": cal.max_abs_rel_error,
+                }
+        return out
+
+
+def is_pipeline(records: list[MicroBatchRecord]) -> bool:
+    """Whether the records are per-stage pipeline actions (``e2e_bench --parallel pp2``)."""
+    return any(r.stage >= 0 for r in records)
+
+
+def fit_pipeline(records: list[MicroBatchRecord], overhead: bool = True) -> PipelineCalibration:
+    """Fit forward and backward time per stage from per-action records."""
+    fwd, bwd = {}, {}
+    for k in sorted({r.stage for r in records if r.stage >= 0}):
+        recs = [r for r in records if r.stage == k]
+        if any(r.fwd_s is None or r.bwd_s is None for r in recs):
+            raise ValueError(f"pipeline records of stage {k} need 'fwd_s' and 'bwd_s'")
+        fwd[k] = fit([MicroBatchRecord(r.doc_lens, r.fwd_s) for r in recs], overhead=overhead)
+        bwd[k] = fit([MicroBatchRecord(r.doc_lens, r.bwd_s) for r in recs], overhead=overhead)
+    if not fwd:
+        raise ValueError("no pipeline records (with 'stage') to fit")
+    return PipelineCalibration(fwd, bwd)
+
+
+def whole_model_records(records: list[MicroBatchRecord]) -> list[MicroBatchRecord]:
+    """Per-stage records summed over the stages: each micro-batch's whole forward + backward."""
+    by_mb: dict[tuple[int, int], list[MicroBatchRecord]] = {}
+    for r in records:
+        by_mb.setdefault((r.step, r.mb), []).append(r)
+    n_stages = len({r.stage for r in records})
+    return [
+        MicroBatchRecord(rs[0].doc_lens, float(sum(r.seconds for r in rs)), step)
+        for (step, _), rs in sorted(by_mb.items())
+        if len({r.stage for r in rs}) == n_stages
+    ]
+
+
+def _pipeline_steps(records: list[MicroBatchRecord]) -> dict[int, dict]:
+    """step -> {"lens": [doc_lens per mb], "fwd": [n_stages, m], "bwd": [n_stages, m]} (measured)."""
+    stages = sorted({r.stage for r in records if r.stage >= 0})
+    row = {k: i for i, k in enumerate(stages)}
+    by_step: dict[int, list[MicroBatchRecord]] = {}
+    for r in records:
+        if r.stage >= 0 and r.step >= 0:
+            by_step.setdefault(r.step, []).append(r)
+    out = {}
+    for step, recs in by_step.items():
+        m = max(r.mb for r in recs) + 1
+        fwd = np.full((len(stages), m), np.nan)
+        bwd = np.full((len(stages), m), np.nan)
+        lens: list[np.ndarray | None] = [None] * m
+        for r in recs:
+            if not np.isnan(fwd[row[r.stage], r.mb]):
+                raise ValueError(
+                    f"step {step}: two records for stage {r.stage}, micro-batch {r.mb}; pipeline "
+                    f"calibration supports one pipeline (DP = 1)"
+                )
+            fwd[row[r.stage], r.mb] = r.fwd_s
+            bwd[row[r.stage], r.mb] = r.bwd_s
+            lens[r.mb] = r.doc_lens
+        if np.isnan(fwd).any() or np.isnan(bwd).any() or any(x is None for x in lens):
+            continue  # an incomplete step (a rank's log is missing)
+        out[step] = {"lens": lens, "fwd": fwd, "bwd": bwd}
+    return out
+
+
+def play_pipeline(fwd: np.ndarray, bwd: np.ndarray, pp: int) -> float:
+    """Makespan of one step's 1F1B (interleaved when there are more stages than ranks) timeline.
+
+    ``fwd`` and ``bwd`` are [virtual stages, m]; virtual stage k runs on rank k % pp.
+    """
+    n_v, m = fwd.shape
+    v = max(1, n_v // pp)
+    sched = build_schedule(pp, m, v)
+    return float(simulate_pipeline(sched, fwd[None], bwd[None]).makespan[0])
+
+
+def pipeline_step_prediction(
+    records: list[MicroBatchRecord],
+    measured: dict[int, float],
+    pp: int,
+    *,
+    predict: list[tuple[list[MicroBatchRecord], dict[int, float]]] | None = None,
+    overhead: bool = True,
+) -> dict:
+    """Fit per-stage action costs on the first half of the steps, predict the second half.
+
+    Each step is played through the pipeline timeline twice: with the *fitted* action times (the
+    prediction) and with the *measured* ones (``replay_*``: how much of the error is the timeline
+    and the per-step constant rather than the cost fit). A constant per-step overhead (optimizer,
+    data loading, point-to-point transfers) is the median residual on the fitting half. With
+    ``predict``, the fit (coefficients and overhead, on all of this run's steps) also predicts
+    every step of other runs (``cross``).
+    """
+    steps = _pipeline_steps(records)
+    common = sorted(set(steps) & set(measured))
+    if len(common) < 2:
+        raise ValueError(
+            f"step-time check needs >= 2 complete pipeline steps with a measured time, "
+            f"got {len(common)}"
+        )
+    half = len(common) // 2
+    first, second = common[:half], common[half:]
+
+    def predict_steps(pcal: PipelineCalibration, stp: dict, which: list[int]) -> np.ndarray:
+        out = []
+        for s in which:
+            f, b = pcal.predict(stp[s]["lens"])
+            out.append(play_pipeline(f, b, pp))
+        return np.array(out)
+
+    def errors(pred: np.ndarray, meas: np.ndarray) -> dict:
+        rel = np.abs(pred - meas) / meas
+        return {"mean_abs_rel_error": float(rel.mean()), "max_abs_rel_error": float(rel.max())}
+
+    fit_recs = [r for r in records if r.step in set(first)]
+    pcal = fit_pipeline(fit_recs, overhead=overhead)
+    m_all = np.array([measured[s] for s in common])
+    p_all = predict_steps(pcal, steps, common)
+    step_overhead = float(np.median(m_all[:half] - p_all[:half]))
+    replay = np.array([play_pipeline(steps[s]["fwd"], steps[s]["bwd"], pp) for s in common])
+    replay_overhead = float(np.median(m_all[:half] - replay[:half]))
+    test_recs = [r for r in records if r.step in set(second)]
+    pred_f, pred_b = [], []
+    meas_f, meas_b = [], []
+    for k in sorted(pcal.fwd):
+        recs = [r for r in test_recs if r.stage == k]
+        lens = [r.doc_lens for r in recs]
+        pred_f.append(pcal.fwd[k].predict(lens))
+        pred_b.append(pcal.bwd[k].predict(lens))
+        meas_f.append([r.fwd_s for r in recs])
+        meas_b.append([r.bwd_s for r in recs])
+    act_pred = np.concatenate(pred_f + pred_b)
+    act_meas = np.concatenate([np.asarray(x, dtype=float) for x in meas_f + meas_b])
+    out = {
+        "fit": "per-stage forward/backward costs and the step overhead on the first half of "
+        "the steps; errors on the second half",
+        "schedule": "1f1b"
+        if pcal.n_stages <= pp
+        else f"interleaved_1f1b (v={pcal.n_stages // pp})",
+        "steps_fitted": half,
+        "steps_compared": len(second),
+        "step_overhead_s": step_overhead,
+        **errors(p_all[half:] + step_overhead, m_all[half:]),
+        "mean_abs_rel_error_no_overhead": float(np.mean(np.abs(p_all - m_all) / m_all)),
+        "heldout_action_mean_abs_rel_error": float(np.mean(np.abs(act_pred - act_meas) / act_meas)),
+        "replay_measured_actions": {
+            "step_overhead_s": replay_overhead,
+            **errors(replay[half:] + replay_overhead, m_all[half:]),
+        },
+        "stages": pcal.summary(),
+    }
+    if predict:
+        full = fit_pipeline([r for r in records if r.step in set(common)], overhead=overhead)
+        full_overhead = float(np.median(m_all - predict_steps(full, steps, common)))
+        cross = []
+        for other_records, other_measured in predict:
+            o_steps = _pipeline_steps(other_records)
+            o_common = sorted(set(o_steps) & set(other_measured))
+            if not o_common:
+                raise ValueError("a --predict-records file has no complete pipeline steps")
+            pred = predict_steps(full, o_steps, o_common) + full_overhead
+            meas = np.array([other_measured[s] for s in o_common])
+            cross.append({"steps_compared": len(o_common), **errors(pred, meas)})
+        out["cross"] = cross
+    return out
+
+
+def cross_step_prediction(
+    calib: Calibration,
+    records: list[MicroBatchRecord],
+    measured: dict[int, float],
+    other_records: list[MicroBatchRecord],
+    other_measured: dict[int, float],
+    pp: int = 1,
+) -> dict:
+    """Predict another run's steps (no pipeline records) from this run's fit and step overhead."""
+
+    def predicted(recs: list[MicroBatchRecord], meas: dict[int, float]) -> tuple[list, np.ndarray]:
+        by_rank_step: dict[tuple[int, int], list[np.ndarray]] = {}
+        for r in recs:
+            if r.step >= 0:
+                by_rank_step.setdefault((r.rank, r.step), []).append(r.doc_lens)
+        common = sorted({s for _, s in by_rank_step} & set(meas))
+        ranks = sorted({k for k, _ in by_rank_step})
+        per_rank = [
+            predict_step_times(
+                calib, {s: by_rank_step[(k, s)] for s in common if (k, s) in by_rank_step}, pp=pp
+            )
+            for k in ranks
+        ]
+        return common, np.array([max(pr.get(s, 0.0) for pr in per_rank) for s in common])
+
+    own_steps, own_pred = predicted(records, measured)
+    overhead = float(np.median(np.array([measured[s] for s in own_steps]) - own_pred))
+    steps, pred = predicted(other_records, other_measured)
+    if not steps:
+        raise ValueError("a --predict-records file has no steps with micro-batch records")
+    meas = np.array([other_measured[s] for s in steps])
+    rel = np.abs(pred + overhead - meas) / meas
+    return {
+        "steps_compared": len(steps),
+        "mean_abs_rel_error": float(rel.mean()),
+        "max_abs_rel_error": float(rel.max()),
+    }
+
+
 def _parse_records(raw: list, source: str) -> list[MicroBatchRecord]:
     records = []
     for i, item in enumerate(raw):
@@ -255,8 +511,25 @@ def _parse_records(raw: list, source: str) -> list[MicroBatchRecord]:
                 raise ValueError(f"{source}: micro-batch record {i} needs 'doc_lens' and 'seconds'")
             lens, secs, step = item["doc_lens"], item["seconds"], item.get("step", -1)
             rank = item.get("rank", 0)
+            extra = {
+                "stage": int(item.get("stage", -1)),
+                "mb": int(item.get("mb", -1)),
+                "fwd_s": None if item.get("fwd_s") is None else float(item["fwd_s"]),
+                "bwd_s": None if item.get("bwd_s") is None else float(item["bwd_s"]),
+            }
+            if extra["stage"] >= 0 and (
+                extra["mb"] < 0
+                or extra["fwd_s"] is None
+                or extra["bwd_s"] is None
+                or extra["fwd_s"] <= 0
+                or extra["bwd_s"] <= 0
+            ):
+                raise ValueError(
+                    f"{source}: pipeline record {i} (stage {extra['stage']}) needs 'mb' >= 0 and "
+                    f"'fwd_s', 'bwd_s' > 0"
+                )
         elif isinstance(item, (list, tuple)) and len(item) == 2:
-            (lens, secs), step, rank = item, -1, 0
+            (lens, secs), step, rank, extra = item, -1, 0, {}
         else:
             raise ValueError(f"{source}: micro-batch record {i} must be {{doc_lens, seconds}}")
         if (
@@ -270,7 +543,9 @@ def _parse_records(raw: list, source: str) -> list[MicroBatchRecord]:
         if not isinstance(secs, (int, float)) or secs <= 0:
             raise ValueError(f"{source}: micro-batch record {i} seconds = {secs!r} must be > 0")
         records.append(
-            MicroBatchRecord(np.asarray(lens, dtype=np.int64), float(secs), int(step), int(rank))
+            MicroBatchRecord(
+                np.asarray(lens, dtype=np.int64), float(secs), int(step), int(rank), **extra
+            )
         )
     return records
 
@@ -309,12 +584,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pp", type=int, default=None)
     parser.add_argument("--no-overhead", action="store_true", help="fit without the constant c")
     parser.add_argument(
+        "--predict-records",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="another run's calibration JSON (e.g. another mode) whose step times are predicted "
+        "from this file's fit (repeatable); reported under step_prediction.cross",
+    )
+    parser.add_argument(
         "--hardware-out", default=None, help="write the fitted HardwareProfile JSON"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     args = parser.parse_args(argv)
     try:
         records, steps, meta = load_records(args.records)
+        others = [load_records(path)[:2] for path in args.predict_records]
+        pipeline_records = records if is_pipeline(records) else None
+        if pipeline_records is not None:
+            # Per-stage actions: the top-level fit is of the whole micro-batch (all stages).
+            records = whole_model_records(pipeline_records)
         # With measured steps and enough standalone micro-batches, fit on the standalone ones only:
         # the steps' micro-batches (and the steps) are then a held-out test of the prediction.
         standalone = [r for r in records if r.step < 0]
@@ -351,8 +639,22 @@ def main(argv: list[str] | None = None) -> int:
             out["gemm_tflops"] = hw.gemm_tflops
             if args.hardware_out:
                 hw.to_json(args.hardware_out)
-        if steps:
+        if steps and pipeline_records is not None:
+            n_stages = len({r.stage for r in pipeline_records})
+            out["step_prediction"] = pipeline_step_prediction(
+                pipeline_records,
+                steps,
+                pp=args.pp or int(lay.get("pp", n_stages)),
+                predict=[(o[0], o[1]) for o in others],
+                overhead=not args.no_overhead,
+            )
+        elif steps:
             out["step_prediction"] = step_prediction_error(calib, records, steps, pp=layout.pp)
+            if others:
+                out["step_prediction"]["cross"] = [
+                    cross_step_prediction(calib, records, steps, o[0], o[1], pp=layout.pp)
+                    for o in others
+                ]
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
