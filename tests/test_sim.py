@@ -13,7 +13,7 @@ import torchtitan_wlb.cp
 from torchtitan_wlb.sim.__main__ import main as sim_main
 from torchtitan_wlb.sim.engine import SimConfig, simulate_mode, speedup
 from torchtitan_wlb.sim.hardware import HardwareProfile
-from torchtitan_wlb.sim.lengths import load_lengths, split_long
+from torchtitan_wlb.sim.lengths import cut_stream, load_lengths, split_long
 from torchtitan_wlb.sim.modes import MODES
 from torchtitan_wlb.sim.presets import Layout, ModelSpec, get_model, resolve_layout
 from torchtitan_wlb.sim.timeline import build_schedule, ideal_makespan, simulate_pipeline
@@ -107,6 +107,29 @@ def test_layers_per_vstage():
 def test_split_long_keeps_tokens():
     out = split_long(np.array([5, 10, 3]), 4)
     assert out.tolist() == [4, 1, 4, 4, 2, 3]
+
+
+def test_cut_stream_is_torchtitans_loader():
+    # Stream 5 | 10 | 3 cut every 4 tokens: [4] [1 3] [4] [3 1] [2] (the last window partial).
+    out = cut_stream(np.array([5, 10, 3]), 4)
+    assert out.tolist() == [4, 1, 3, 4, 3, 1, 2]
+    windows = np.cumsum(out)
+    assert set(range(4, 18, 4)) <= set(windows.tolist()) and out.sum() == 18
+
+
+def test_torchtitan_loader_packs_full_sequences_from_the_cut_stream():
+    from torchtitan_wlb.sim.integration import pack_steps
+
+    cfg = SimConfig(model=get_model("550M"), layout=Layout(tp=1, cp=2, pp=2, dp=1),
+                    context_len=8192, steps=4, warmup_steps=0)  # fmt: skip
+    lengths = _workload(n=800)
+    steps, _ = pack_steps(MODES["plain_4d_torchtitan"], lengths, cfg, 4)
+    assert all(int(mb.sum()) == 8192 for step in steps for mb in step)
+    whole, _ = pack_steps(MODES["plain_4d"], lengths, cfg, 4)
+    assert any(int(mb.sum()) < 8192 for step in whole for mb in step)
+    # The cut stream is the documents' own order: the first sequence starts with the first ones.
+    first = steps[0][0]
+    assert first[: len(first) - 1].tolist() == lengths[: len(first) - 1].tolist()
 
 
 # -------------------------------------------------------------------------------- simulations

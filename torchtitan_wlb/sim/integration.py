@@ -89,15 +89,20 @@ def pack_steps(mode, lengths: np.ndarray, cfg, n_steps: int) -> tuple[list[list[
     """Run the mode's packer over the document stream for ``n_steps`` steps.
 
     Long documents are first split at the context length (the loader's default policy,
-    ``max_doc_len = seq_len``). The stream is repeated (reshuffled with ``cfg.seed``) if it is too
+    ``max_doc_len = seq_len``); for modes that model TorchTitan's loader (``mode.stream_cut``) the
+    stream is instead cut every context length, wherever documents end
+    (``lengths.cut_stream``). The stream is repeated (reshuffled with ``cfg.seed``) if it is too
     short. Returns the per-step lists of micro-batch document lengths and averaged packer stats.
     """
     from torchtitan_wlb.packing.placement import dp_order
-    from torchtitan_wlb.sim.lengths import cycle_to, split_long
+    from torchtitan_wlb.sim.lengths import cut_stream, cycle_to, split_long
 
-    docs = split_long(lengths, cfg.context_len)
     need = int((n_steps + cfg.max_delay_steps + 2) * cfg.n_global * cfg.context_len * 1.3)
-    docs = cycle_to(docs, need, np.random.default_rng(cfg.seed))
+    if getattr(mode, "stream_cut", False):
+        docs = cut_stream(cycle_to(lengths, need, np.random.default_rng(cfg.seed)), cfg.context_len)
+    else:
+        docs = split_long(lengths, cfg.context_len)
+        docs = cycle_to(docs, need, np.random.default_rng(cfg.seed))
     cum = np.cumsum(docs)
     cost_model = cost_model_for(cfg)
     packer = make_packer(mode.packer, packing_config(mode, cfg, cfg.n_global), cost_model)

@@ -100,6 +100,26 @@ def split_long(lengths: np.ndarray, max_doc_len: int) -> np.ndarray:
     return out
 
 
+def cut_stream(lengths: np.ndarray, seq_len: int) -> np.ndarray:
+    """TorchTitan's loader: concatenate the documents and cut the token stream every ``seq_len``.
+
+    ``torchtitan.hf_datasets.text_datasets`` appends every document's tokens to one buffer and
+    yields consecutive ``seq_len``-token windows, so a document that straddles a window boundary is
+    cut there and its continuation opens the next sequence (with document masking, as a separate
+    document). Returns the pieces in stream order: every ``seq_len`` consecutive tokens of them
+    form exactly one sequence (vectorised: the cut points are the documents' ends together with the
+    multiples of ``seq_len``).
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if seq_len < 1:
+        raise ValueError(f"seq_len = {seq_len} must be >= 1")
+    ends = np.cumsum(lengths)
+    if ends.size == 0:
+        return lengths
+    cuts = np.union1d(ends, np.arange(seq_len, int(ends[-1]), seq_len, dtype=np.int64))
+    return np.diff(cuts, prepend=0)
+
+
 def cycle_to(
     lengths: np.ndarray, n_tokens: int, rng: np.random.Generator | None = None
 ) -> np.ndarray:
