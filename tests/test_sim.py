@@ -11,7 +11,7 @@ import pytest
 
 import torchtitan_wlb.cp
 from torchtitan_wlb.sim.__main__ import main as sim_main
-from torchtitan_wlb.sim.engine import SimConfig, simulate_mode, speedup
+from torchtitan_wlb.sim.engine import SimConfig, epoch_steps, simulate_mode, speedup
 from torchtitan_wlb.sim.hardware import HardwareProfile
 from torchtitan_wlb.sim.lengths import cut_stream, load_lengths, split_long
 from torchtitan_wlb.sim.modes import MODES
@@ -210,9 +210,37 @@ def test_cli_plots(tmp_path, capsys):
         assert (tmp_path / "p" / name).stat().st_size > 5000
 
 
+def test_epoch_steps_cover_the_stream_once():
+    # 10 steps of 2 x 8192 tokens, minus the warm-up.
+    assert epoch_steps(10 * 2 * 8192 + 5, n_global=2, context_len=8192, warmup_steps=3) == 7
+    with pytest.raises(ValueError, match="less than 4 steps"):
+        epoch_steps(3 * 2 * 8192, n_global=2, context_len=8192, warmup_steps=3)
+
+
+def test_cli_steps_epoch_reads_the_source_once(tmp_path, capsys):
+    lens = _workload(3000)
+    path = tmp_path / "lens.json"
+    path.write_text(json.dumps(lens.tolist()))
+    args = [a for a in WORKLOAD_ARGS if a not in ("--steps", "6")]
+    rc = sim_main(["--lengths", str(path), *args, "--steps", "epoch", "--json"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    # N = PP x DP = 2 micro-batches of 8192 tokens per step, one warm-up step.
+    expected = int(lens.sum()) // (2 * 8192) - 1
+    assert f"{expected} steps" in out.splitlines()[0]
+    res = json.loads(out.strip().splitlines()[-1])
+    for mode in ("plain_4d", "wlb"):
+        # The timed steps read about one pass: not more than the stream holds (the warm-up step
+        # took its share), and most of it (next-fit leaves room unfilled at sequence ends).
+        tokens = res[mode]["tokens_per_step"] * expected
+        assert 0.8 * lens.sum() <= tokens <= lens.sum()
+
+
 @pytest.mark.parametrize(
     "extra,needle",
     [
+        (["--steps", "many"], "'many' is not a positive integer or 'epoch'"),
+        (["--steps", "0"], "'0' is not a positive integer or 'epoch'"),
         (["--model", "13B"], "'13B'"),
         (["--gpus", "6"], "does not divide the GPU count 6"),
         (["--context-len", "8190"], "8190"),
@@ -222,7 +250,10 @@ def test_cli_plots(tmp_path, capsys):
 def test_cli_bad_input_is_one_clear_message(tmp_path, capsys, extra, needle):
     path = tmp_path / "lens.json"
     path.write_text(json.dumps(_workload(500).tolist()))
-    rc = sim_main(["--lengths", str(path), *WORKLOAD_ARGS, *extra])
+    try:
+        rc = sim_main(["--lengths", str(path), *WORKLOAD_ARGS, *extra])
+    except SystemExit as exc:  # argparse rejects a bad value before main's own checks
+        rc = exc.code
     err = capsys.readouterr().err
     assert rc != 0
     assert needle in err
@@ -289,3 +320,42 @@ def test_cli_outlier_delay_off_changes_only_wlb(tmp_path, capsys):
     on, off = outs
     assert on["plain_4d"] == off["plain_4d"]  # deterministic, and untouched by the flag
     assert on["wlb"]["step_time_s"] != off["wlb"]["step_time_s"]
+
+
+# ------------------------------------------------------------------------- the reproduction page
+def test_reproduce_page_has_every_section_and_verdict(tmp_path):
+    pytest.importorskip("matplotlib")
+    from torchtitan_wlb.sim.reproduce import main as reproduce_main
+
+    rng = np.random.default_rng(3)
+    body = rng.lognormal(np.log(3000), 0.7, 6000)
+    tail = rng.uniform(32 * 1024, 128 * 1024, 6000)
+    lens = np.where(rng.random(6000) < 0.01, tail, body).clip(1).astype(np.int64)
+    path = tmp_path / "lens.json"
+    path.write_text(json.dumps(lens.tolist()))
+    out = tmp_path / "repro.md"
+    rc = reproduce_main(["--workload", str(path), "--out", str(out), "--figures",
+                         str(tmp_path / "fig"), "--quick", "--skip-table2", "--windows", "2"])  # fmt: skip
+    assert rc == 0
+    page = out.read_text()
+    for heading in ("## Figure 12", "## Figure 13", "## How much the figures depend on the window",
+                    "## Figure 14", "## Figure 15", "## Scale"):  # fmt: skip
+        assert heading in page
+    # Every target carries a verdict, and the sensitivity table has the paper's row and ours.
+    assert "Targets: the average over the 8 configurations" in page
+    assert "Targets (each within ±0.05 of the paper):" in page
+    assert "| paper | 1.02x | 1.05x | 1.28x | 1.33x | 0.08 | 0.20 |" in page
+    assert "| default H100 profile |" in page
+    assert page.count("of 2 |") == 5  # five rows of the window table, two windows each
+    assert len(list((tmp_path / "fig").glob("*.png"))) == 5
+
+
+def test_reproduce_rejects_bad_window_arguments(tmp_path, capsys):
+    from torchtitan_wlb.sim.reproduce import main as reproduce_main
+
+    path = tmp_path / "lens.json"
+    path.write_text(json.dumps(_workload(100).tolist()))
+    rc = reproduce_main(["--workload", str(path), "--out", str(tmp_path / "r.md"),
+                         "--windows", "-1"])  # fmt: skip
+    assert rc == 2
+    assert "--windows -1" in capsys.readouterr().err

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from torchtitan_wlb.sim.engine import ModeResult, SimConfig, simulate_mode, speedup
+from torchtitan_wlb.sim.engine import ModeResult, SimConfig, epoch_steps, simulate_mode, speedup
 from torchtitan_wlb.sim.hardware import get_hardware
 from torchtitan_wlb.sim.modes import MODES, REQUIRED_MODES, ModeSpec, get_mode
 from torchtitan_wlb.sim.presets import MODEL_PRESETS, ModelSpec, get_model, resolve_layout
@@ -63,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--outlier-delay", choices=["on", "off"], default="on",
                    help="outlier delay of the 'wlb' mode (off = variable-length packing within a "
                    "step only)")  # fmt: skip
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=steps_arg, default=20,
+                   help="timed steps, or 'epoch': one pass over the document source after the "
+                   "warm-up (total tokens / (PP x DP x context))")  # fmt: skip
     p.add_argument("--warmup-steps", type=int, default=4)
     p.add_argument("--smax-factor", type=float, default=1.25, help="S_max / context length")
     p.add_argument("--queue-thresholds", default=None,
@@ -79,6 +81,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default=None, metavar="DIR", help="write PNG figures into DIR")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     return p
+
+
+def steps_arg(text: str) -> int | str:
+    """argparse type of ``--steps``: a positive integer or 'epoch'."""
+    if text.strip().lower() == "epoch":
+        return "epoch"
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer or 'epoch'")
+    return value
 
 
 def model_from_args(args: argparse.Namespace) -> ModelSpec:
@@ -98,7 +113,8 @@ def model_from_args(args: argparse.Namespace) -> ModelSpec:
     return ModelSpec(f"{base.name}-custom", **dims)
 
 
-def config_from_args(args: argparse.Namespace) -> SimConfig:
+def config_from_args(args: argparse.Namespace, total_tokens: int | None = None) -> SimConfig:
+    """The SimConfig of the command line; ``total_tokens`` of the source resolves ``--steps epoch``."""
     layout = resolve_layout(args.tp, args.cp, args.pp, args.dp, args.gpus)
     thresholds = None
     if args.queue_thresholds:
@@ -108,6 +124,12 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
             raise ValueError(
                 f"--queue-thresholds {args.queue_thresholds!r} must be comma-separated integers"
             ) from None
+    steps = args.steps
+    if steps == "epoch":
+        if total_tokens is None:
+            raise ValueError("--steps epoch needs the document source's token count")
+        m = args.micro_batches if args.micro_batches is not None else layout.pp
+        steps = epoch_steps(total_tokens, m * layout.dp, args.context_len, args.warmup_steps)
     return SimConfig(
         model=model_from_args(args),
         layout=layout,
@@ -115,7 +137,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         hardware=get_hardware(args.hardware),
         schedule=args.schedule,
         v=args.v,
-        steps=args.steps,
+        steps=steps,
         warmup_steps=args.warmup_steps,
         micro_batches=args.micro_batches,
         smax_factor=args.smax_factor,
@@ -163,9 +185,9 @@ def summarize(results: dict[str, ModeResult]) -> dict:
 
 
 def run(args: argparse.Namespace) -> tuple[dict, dict[str, ModeResult], SimConfig]:
-    cfg = config_from_args(args)
-    modes = modes_from_args(args)
     lengths = load_source(args)
+    cfg = config_from_args(args, int(np.asarray(lengths).sum()))
+    modes = modes_from_args(args)
     results = {m.name: simulate_mode(m, lengths, cfg) for m in modes}
     return summarize(results), results, cfg
 
@@ -195,12 +217,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{cfg.model.name}  context {cfg.context_len}  TP{lay.tp} CP{lay.cp} PP{lay.pp} DP{lay.dp}  "
         f"{cfg.schedule} (v={cfg.chunks})  {cfg.steps} steps  hardware {cfg.hardware.name}"
     )
-    print(f"{'mode':<16}{'step_s':>9}{'imbal':>8}{'bubble':>8}{'speedup':>9}")
+    w = max(16, *(len(n) + 2 for n in results))
+    print(f"{'mode':<{w}}{'step_s':>9}{'imbal':>8}{'bubble':>8}{'speedup':>9}")
     for name, r in results.items():
         s = r.summary()
         sp = 1.0 if name == "plain_4d" else out[f"speedup_{name}_vs_plain"]
         print(
-            f"{name:<16}{s['step_time_s']:>9.3f}{s['imbalance']:>8.3f}"
+            f"{name:<{w}}{s['step_time_s']:>9.3f}{s['imbalance']:>8.3f}"
             f"{s['bubble_fraction']:>8.3f}{sp:>8.3f}x"
         )
     print(f"WLB vs Plain-4D {out['speedup_wlb_vs_plain']:.3f}x, vs Fixed-4D "

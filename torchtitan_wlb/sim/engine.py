@@ -123,6 +123,23 @@ class SimConfig:
         return max(self.context_len, int(self.context_len * self.smax_factor) // unit * unit)
 
 
+def epoch_steps(total_tokens: int, n_global: int, context_len: int, warmup_steps: int = 0) -> int:
+    """Timed steps that cover a document stream about once: ``total / (N x context) - warmup``.
+
+    A step trains about N x context tokens under every mode (variable-length packing moves tokens
+    between micro-batches, not out of the step), so this many steps after the warm-up read the
+    stream once. Results over a whole pass do not depend on which window of the data is simulated;
+    a 100-step window of a skewed workload moves the speedup by a few hundredths.
+    """
+    per_step = n_global * context_len
+    if total_tokens < per_step * (warmup_steps + 1):
+        raise ValueError(
+            f"the document stream holds {total_tokens} tokens, less than {warmup_steps + 1} steps of "
+            f"{n_global} x {context_len}; give --steps explicitly (the stream is then repeated)"
+        )
+    return int(total_tokens // per_step) - warmup_steps
+
+
 @dataclass
 class CPShards:
     """Attention segments of a batch of micro-batches under one CP strategy (flat arrays).
