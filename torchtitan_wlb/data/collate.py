@@ -14,6 +14,9 @@ and turns every packed micro-batch into tensors that keep the document boundarie
   - ``doc_ids``: ``[D]`` the documents' stream ids (for the exactly-once audit in the metrics log);
   - ``wlb_stats`` (first micro-batch of each step only): the packer's per-step statistics.
 
+A micro-batch without documents, which only a final step of the data can have, becomes a
+one-token filler that trains nothing (see :func:`collate_micro_batch`).
+
 State: the source's state *before* the current step plus how many of its micro-batches were
 already handed out, so a checkpoint taken between micro-batches (TorchTitan only checkpoints
 between steps, but a user's trainer may not) also resumes exactly.
@@ -42,9 +45,22 @@ def document_positions(doc_lens: np.ndarray) -> np.ndarray:
 def collate_micro_batch(
     tokens: np.ndarray, doc_lens: np.ndarray, reset_positions: bool = True
 ) -> BatchT:
-    """One packed micro-batch as ``({"input", "positions", "doc_lens"}, labels)``."""
+    """One packed micro-batch as ``({"input", "positions", "doc_lens"}, labels)``.
+
+    A micro-batch without documents (a final step of the data holding fewer documents than
+    micro-batches) becomes a *filler*: one token whose label is ``IGNORE_INDEX``. It adds nothing
+    to the loss, its gradients are zero, and every rank and pipeline stage still runs the step's
+    fixed number of micro-batches (gradient accumulation and the pipeline schedule need it).
+    """
     tokens = np.asarray(tokens, dtype=np.int64)
     doc_lens = np.asarray(doc_lens, dtype=np.int64)
+    if doc_lens.size == 0 and tokens.size == 0:
+        input_dict = {
+            "input": torch.zeros(1, 1, dtype=torch.int64),
+            "positions": torch.zeros(1, 1, dtype=torch.int64),
+            "doc_lens": torch.ones(1, dtype=torch.int32),
+        }
+        return input_dict, torch.full((1, 1), IGNORE_INDEX, dtype=torch.int64)
     if doc_lens.size == 0 or int(doc_lens.sum()) != tokens.size or (doc_lens <= 0).any():
         raise ValueError(
             f"document lengths {doc_lens.tolist()[:8]}... (sum {int(doc_lens.sum())}) do not "

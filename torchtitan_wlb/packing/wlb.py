@@ -41,9 +41,15 @@ Two packers share the queues:
      are reordered. On the built-in ``longtail`` workload at N = 32 this cut the token-weighted
      delay from 0.54 to 0.45 steps (the carry's share went from 0.11 to 0.01).
 
+  7. **A balanced drain.** At the end of the data the documents still held (queued outliers,
+     carried and handed-back documents) are spread over as few final steps as balance allows by
+     :func:`~torchtitan_wlb.packing.drain.plan_drain`, heaviest step first, instead of being
+     released together.
+
 Both force a document out after K steps (``wlb``: the adaptive K, between ``max_wait`` and
 ``adaptive_max_wait``, counted from the step a document enters the packing order; a handed-back
-document enters it one step after its pull), and both flush everything at the end.
+document enters it one step after its pull). At the end of the data ``wlb_paper`` releases
+everything it holds at once, as the paper does; ``wlb`` drains in balance (item 7).
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ import numpy as np
 
 from torchtitan_wlb.cost_model import CostModel
 from torchtitan_wlb.packing.base import DocPool, Packer, PackingConfig
+from torchtitan_wlb.packing.drain import plan_drain
 from torchtitan_wlb.packing.placement import fill_rounds, lpt_place
 
 __all__ = ["WLBPacker", "WLBPaperPacker", "default_thresholds", "default_smax"]
@@ -239,11 +246,6 @@ class WLBPacker(_QueuedPacker):
     def _wait_bound(self) -> int:
         return int(self.k_eff)
 
-    def _forced(self, flush: bool) -> np.ndarray:
-        if flush:
-            return np.ones(len(self.queue), bool)
-        return self._step - self.queue.arrival >= self._wait_bound()
-
     def _adapt_wait(self, docs: DocPool) -> None:
         """Let K grow (up to ``adaptive_max_wait``) while the delay stays well under target.
 
@@ -270,18 +272,41 @@ class WLBPacker(_QueuedPacker):
         self.k_eff = float(state["k_eff"])
         self.delay_ema = float(state["delay_ema"])
 
+    def _drain(self, regular: DocPool) -> tuple[DocPool, np.ndarray]:
+        """End of the data: emit the heaviest of the balanced final steps, hold the rest."""
+        held = DocPool.concat([self.queue, regular])  # tag: queue level, 0 for regular
+        cost = self.cost_model.doc_cost(held.lens)
+        plan = plan_drain(cost, held.lens, self.n, self.smax)
+        now, mb = plan.step == 0, plan.micro_batch.copy()
+        # The wait bound holds through the drain: documents due now join this step if they fit.
+        late = np.flatnonzero(~now & (self._step - held.arrival >= self._wait_bound()))
+        if late.size:
+            loads = np.bincount(mb[now], weights=cost[now], minlength=self.n)
+            tokens = np.bincount(mb[now], weights=held.lens[now], minlength=self.n)
+            late = late[np.argsort(-cost[late], kind="stable")]
+            mb[late] = lpt_place(
+                loads, tokens.astype(np.int64), cost[late], held.lens[late], self.smax
+            )
+            now[late] = mb[late] >= 0
+        rest = held.subset(np.flatnonzero(~now))
+        self.queue = rest.subset(np.flatnonzero(rest.tag > 0))
+        self.carry = rest.subset(np.flatnonzero(rest.tag == 0))
+        return held.subset(np.flatnonzero(now)), mb[now]
+
     def _plan(self, ids, lens, flush):
         n, cap, cm = self.n, self.smax, self.cost_model
         regular = self._intake(ids, lens)
+        if flush:
+            return self._drain(regular)
         loads = np.zeros(n)
         tokens = np.zeros(n, np.int64)
         q = self.queue
         q_cost = cm.doc_cost(q.lens)
         q_bin = np.full(len(q), -1, np.int64)
 
-        # 1. Forced outliers (waited K steps, or end of data) are placed first: oldest first (no
+        # 1. Forced outliers (waited K steps) are placed first: oldest first (no
         #    starvation when the forced work exceeds a step), largest first among equals.
-        forced = np.flatnonzero(self._forced(flush))
+        forced = np.flatnonzero(self._step - q.arrival >= self._wait_bound())
         forced = forced[np.lexsort((-q_cost[forced], q.arrival[forced]))]
         q_bin[forced] = lpt_place(loads, tokens, q_cost[forced], q.lens[forced], cap)
 
