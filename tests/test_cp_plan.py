@@ -252,7 +252,8 @@ def test_default_profile_is_complete():
 def test_cp_bench_cli_json(capsys):
     from torchtitan_wlb.tools import cp_bench
 
-    args = ["--generator", "longtail", "--context-len", "2048", "--cp", "2", "--micro-batches", "3"]
+    args = ["--generator", "longtail_scaled", "--context-len", "2048", "--cp", "2"]
+    args += ["--micro-batches", "3"]
     args += ["--plan-repeats", "1", "--measure", "--measure-micro-batches", "1"]
     args += ["--measure-repeats", "1", "--json"]
     assert cp_bench.main(args) == 0
@@ -267,7 +268,8 @@ def test_cp_bench_cli_json(capsys):
 
 
 def test_cp_bench_packing_splits_long_documents():
-    from torchtitan_wlb.tools.cp_bench import pack_micro_batches, split_long
+    from torchtitan_wlb.tools.cp_bench import pack_micro_batches
+    from torchtitan_wlb.workloads import split_long
 
     np.testing.assert_array_equal(split_long(np.array([5, 25, 10]), 10), [5, 10, 10, 5, 10])
     mbs = pack_micro_batches(np.array([5, 25, 10, 3, 9, 9]), 10, 3)

@@ -128,3 +128,20 @@ def test_tune_option(capsys):
     assert out["tokens_in"] == out["tokens_out"]
     with pytest.raises(SystemExit):
         pack_bench.main(args[:-4] + ["--packer", "original", "--tune", "0.5"])
+
+
+@pytest.mark.parametrize(
+    "name, model",
+    [("550m", "550M"), ("7b", "7B"), ("8b", "llama3_8B"), ("30b", "30B"), ("70b", "70B"),
+     ("LLAMA3_70b", "llama3_70B")],
+)  # fmt: skip
+def test_model_names_map_to_the_catalogue(name, model):
+    from torchtitan_wlb.cost_model import CostModel
+    from torchtitan_wlb.models.catalogue import get_model
+
+    args = pack_bench.parser().parse_args(["--generator", "longtail", "--model", name, "--tp", "2"])
+    assert args.model == model
+    expected = CostModel.from_model_dims(**get_model(model).dims(), tp=2)
+    assert pack_bench.build_cost_model(args) == expected
+    with pytest.raises(SystemExit):
+        pack_bench.parser().parse_args(["--generator", "longtail", "--model", "13b"])

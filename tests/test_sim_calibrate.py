@@ -8,10 +8,11 @@ import json
 import numpy as np
 import pytest
 
+from torchtitan_wlb.models.catalogue import get_model
 from torchtitan_wlb.sim import calibrate
 from torchtitan_wlb.sim.analyze import length_histogram
 from torchtitan_wlb.sim.analyze import main as analyze_main
-from torchtitan_wlb.sim.presets import Layout, get_model
+from torchtitan_wlb.sim.presets import Layout
 
 A_TRUE, B_TRUE, C_TRUE = 3e-10, 2e-6, 0.004
 

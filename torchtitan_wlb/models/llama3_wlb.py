@@ -28,6 +28,7 @@ from torchtitan_wlb.attention import DocumentAttentionMetadata, attention_from_m
 from torchtitan_wlb.attention.metadata import metadata_from_doc_lens
 from torchtitan_wlb.config import ConfigError
 from torchtitan_wlb.cost_model import CostModel
+from torchtitan_wlb.models.catalogue import PAPER_MODELS, ModelSpec, get_model
 
 
 @dataclasses.dataclass
@@ -100,34 +101,48 @@ class WLBTransformer(Transformer):
         )
 
 
-def _llama_like(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, **kw: Any) -> WLBModelArgs:
+def ffn_hidden_dim(args: TransformerModelArgs) -> int:
+    """The SwiGLU hidden size TorchTitan's FeedForward derives from the model args."""
+    hidden = int(2 * (4 * args.dim) / 3)
+    if args.ffn_dim_multiplier is not None:
+        hidden = int(args.ffn_dim_multiplier * hidden)
+    return args.multiple_of * ((hidden + args.multiple_of - 1) // args.multiple_of)
+
+
+def model_args(spec: ModelSpec) -> WLBModelArgs:
+    """TorchTitan's Llama 3 arguments for a catalogue model (RoPE theta 500,000, as Llama 3).
+
+    TorchTitan derives the SwiGLU width from ``multiple_of`` and ``ffn_dim_multiplier`` (see
+    :func:`ffn_hidden_dim`) instead of taking it. With ``multiple_of`` set to the catalogue's width,
+    and the multiplier bringing TorchTitan's ``8/3 dim`` down to at most that width where it is
+    larger, the derived width is exactly the catalogue's.
+    """
+    base = int(2 * (4 * spec.dim) / 3)
     return WLBModelArgs(
-        dim=dim,
-        n_layers=n_layers,
-        n_heads=n_heads,
-        n_kv_heads=n_kv_heads,
+        dim=spec.dim,
+        n_layers=spec.n_layers,
+        n_heads=spec.n_heads,
+        n_kv_heads=spec.n_kv_heads,
+        vocab_size=spec.vocab_size,
+        multiple_of=spec.ffn_hidden_dim,
+        ffn_dim_multiplier=None if base <= spec.ffn_hidden_dim else spec.ffn_hidden_dim / base,
         rope_theta=500000,
-        **kw,
     )
 
 
-# Flavors. "debugmodel" and "tiny" run on CPU with the built-in byte tokenizer (vocabulary 264).
-# "8B" and "70B" are Llama 3.1 8B / 70B. "paper_*" are the Llama-like models of the WLB-LLM paper
-# (Table 1; dims are not published: chosen for the parameter counts and so that the paper's TP
-# degrees divide the query and key/value heads). Those use the Llama 3 vocabulary (128256).
+FLAVORS: dict[str, str] = {
+    "debugmodel": "debugmodel",
+    "tiny": "tiny",
+    "8B": "llama3_8B",
+    "70B": "llama3_70B",
+    **{f"paper_{name}": name for name in PAPER_MODELS},
+}
+"""Flavor name -> :mod:`~torchtitan_wlb.models.catalogue` model. "debugmodel" and "tiny" run on CPU
+with the built-in byte tokenizer; "8B" and "70B" are Llama 3.1 8B / 70B; "paper_*" are the
+Llama-like models of the WLB-LLM paper's Table 1."""
+
 llama3_wlb_args: dict[str, WLBModelArgs] = {
-    "debugmodel": _llama_like(256, 4, 8, 4, vocab_size=264, multiple_of=128),
-    "tiny": _llama_like(128, 2, 4, 2, vocab_size=264, multiple_of=64),
-    "8B": _llama_like(4096, 32, 32, 8, vocab_size=128256, multiple_of=1024, ffn_dim_multiplier=1.3),
-    "70B": _llama_like(
-        8192, 80, 64, 8, vocab_size=128256, multiple_of=4096, ffn_dim_multiplier=1.3
-    ),
-    "paper_550M": _llama_like(1280, 14, 10, 2, vocab_size=128256, multiple_of=256),
-    "paper_7B": _llama_like(4096, 32, 32, 8, vocab_size=128256, multiple_of=256),
-    "paper_30B": _llama_like(7168, 52, 56, 8, vocab_size=128256, multiple_of=256),
-    "paper_70B": _llama_like(
-        8192, 80, 64, 16, vocab_size=128256, multiple_of=4096, ffn_dim_multiplier=1.3
-    ),
+    flavor: model_args(get_model(name)) for flavor, name in FLAVORS.items()
 }
 
 
@@ -162,14 +177,6 @@ def parallelize_llama_wlb(model: nn.Module, parallel_dims: Any, job_config: JobC
     return model
 
 
-def ffn_hidden_dim(args: TransformerModelArgs) -> int:
-    """The SwiGLU hidden size TorchTitan's FeedForward derives from the model args."""
-    hidden = int(2 * (4 * args.dim) / 3)
-    if args.ffn_dim_multiplier is not None:
-        hidden = int(args.ffn_dim_multiplier * hidden)
-    return args.multiple_of * ((hidden + args.multiple_of - 1) // args.multiple_of)
-
-
 def cost_model_for_job(job_config: JobConfig) -> CostModel:
     """The workload model W(d) the packers and the CP planner use for this job.
 
@@ -183,19 +190,13 @@ def cost_model_for_job(job_config: JobConfig) -> CostModel:
     if wlb.cost_model == "profile":
         return CostModel.from_profile(wlb.cost_profile)
     flavor = job_config.model.flavor
-    if flavor not in llama3_wlb_args:
+    if flavor not in FLAVORS:
         raise ConfigError(
             f"[model] flavor = {flavor!r} is not a llama3_wlb flavor; use one of "
-            f"{', '.join(repr(k) for k in llama3_wlb_args)}"
+            f"{', '.join(repr(k) for k in FLAVORS)}"
         )
-    args = llama3_wlb_args[flavor]
     return CostModel.from_model_dims(
-        dim=args.dim,
-        n_layers=args.n_layers,
-        n_heads=args.n_heads,
-        n_kv_heads=args.n_kv_heads,
-        ffn_hidden_dim=ffn_hidden_dim(args),
-        vocab_size=args.vocab_size,
+        **get_model(FLAVORS[flavor]).dims(),
         tp=job_config.parallelism.tensor_parallel_degree,
         cp=job_config.parallelism.context_parallel_degree,
     )

@@ -9,21 +9,18 @@ see docs/simulator.md.
 from torchtitan_wlb.sim.engine import ModeResult, SimConfig, simulate_mode, speedup
 from torchtitan_wlb.sim.hardware import HardwareProfile, get_hardware
 from torchtitan_wlb.sim.modes import MODES, ModeSpec, get_mode
-from torchtitan_wlb.sim.presets import MODEL_PRESETS, PAPER_TABLE1, Layout, ModelSpec, get_model
+from torchtitan_wlb.sim.presets import PAPER_TABLE1, Layout
 
 __all__ = [
-    "MODEL_PRESETS",
     "MODES",
     "PAPER_TABLE1",
     "HardwareProfile",
     "Layout",
     "ModeResult",
     "ModeSpec",
-    "ModelSpec",
     "SimConfig",
     "get_hardware",
     "get_mode",
-    "get_model",
     "simulate_mode",
     "speedup",
 ]

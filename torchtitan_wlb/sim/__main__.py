@@ -20,12 +20,12 @@ from pathlib import Path
 
 import numpy as np
 
+from torchtitan_wlb.models.catalogue import DIM_FIELDS, MODELS, ModelSpec, get_model
 from torchtitan_wlb.sim.engine import ModeResult, SimConfig, epoch_steps, simulate_mode, speedup
 from torchtitan_wlb.sim.hardware import get_hardware
 from torchtitan_wlb.sim.modes import MODES, REQUIRED_MODES, ModeSpec, get_mode
-from torchtitan_wlb.sim.presets import MODEL_PRESETS, ModelSpec, get_model, resolve_layout
-
-CUSTOM_DIMS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim", "vocab_size")
+from torchtitan_wlb.sim.presets import resolve_layout
+from torchtitan_wlb.workloads import DEFAULT_NUM_DOCS, GENERATORS, generate, load_lengths
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,10 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument(
         "--generator",
         default=None,
-        help="built-in synthetic long-tail workload (see torchtitan_wlb.tools.pack_bench --help)",
+        help=f"built-in synthetic workload ({', '.join(GENERATORS)}; torchtitan_wlb.workloads)",
     )
-    p.add_argument("--model", default="7B", help=f"preset: {', '.join(MODEL_PRESETS)} or 'custom'")
-    for dim in CUSTOM_DIMS:
+    p.add_argument("--model", default="7B", help=f"preset: {', '.join(MODELS)} or 'custom'")
+    for dim in DIM_FIELDS:
         p.add_argument(f"--{dim.replace('_', '-')}", type=int, default=None,
                        help=f"custom model {dim} (overrides the preset's)")  # fmt: skip
     p.add_argument("--context-len", type=int, default=131072)
@@ -98,18 +98,21 @@ def steps_arg(text: str) -> int | str:
 
 def model_from_args(args: argparse.Namespace) -> ModelSpec:
     """A preset, or a preset with some dims replaced, or fully custom dims."""
-    overrides = {d: getattr(args, d) for d in CUSTOM_DIMS if getattr(args, d) is not None}
+    overrides = {d: getattr(args, d) for d in DIM_FIELDS if getattr(args, d) is not None}
     if args.model.lower() == "custom":
-        missing = [d for d in CUSTOM_DIMS if d not in overrides]
+        missing = [d for d in DIM_FIELDS if d not in overrides]
         if missing:
             raise ValueError(
                 "--model custom needs " + ", ".join("--" + m.replace("_", "-") for m in missing)
             )
         return ModelSpec("custom", **overrides)
-    base = get_model(args.model)
+    try:
+        base = get_model(args.model)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (or 'custom' with --dim/--n-layers/--n-heads/...)") from None
     if not overrides:
         return base
-    dims = {d: getattr(base, d) for d in CUSTOM_DIMS} | overrides
+    dims = base.dims() | overrides
     return ModelSpec(f"{base.name}-custom", **dims)
 
 
@@ -165,12 +168,11 @@ def modes_from_args(args: argparse.Namespace) -> list[ModeSpec]:
 
 
 def load_source(args: argparse.Namespace) -> np.ndarray:
-    from torchtitan_wlb.sim.integration import generator_lengths
-    from torchtitan_wlb.sim.lengths import load_lengths
-
     if args.lengths:
         return load_lengths(args.lengths)
-    return generator_lengths(args.generator, args.context_len, seed=args.seed)
+    if args.generator is None:
+        raise ValueError("give --lengths FILE or --generator NAME")
+    return generate(args.generator, DEFAULT_NUM_DOCS, args.context_len, seed=args.seed)
 
 
 def summarize(results: dict[str, ModeResult]) -> dict:

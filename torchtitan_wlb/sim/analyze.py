@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from torchtitan_wlb.sim.lengths import load_lengths, split_long
+from torchtitan_wlb.workloads import load_lengths, split_long
 
 PACKERS_COMPARED = ("original", "fixed_greedy", "wlb_paper", "wlb")
 SMAX_CANDIDATES = (1.0, 1.125, 1.25, 1.5)

@@ -44,8 +44,9 @@ from pathlib import Path
 import numpy as np
 
 from torchtitan_wlb.cost_model import CostModel
+from torchtitan_wlb.models.catalogue import ModelSpec, get_model
 from torchtitan_wlb.sim.hardware import HardwareProfile
-from torchtitan_wlb.sim.presets import Layout, ModelSpec, get_model
+from torchtitan_wlb.sim.presets import Layout
 from torchtitan_wlb.sim.timeline import build_schedule, simulate_pipeline
 
 

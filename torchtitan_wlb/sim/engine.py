@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from torchtitan_wlb.models.catalogue import ModelSpec
 from torchtitan_wlb.sim.hardware import HardwareProfile
 from torchtitan_wlb.sim.modes import ModeSpec
-from torchtitan_wlb.sim.presets import Layout, ModelSpec
+from torchtitan_wlb.sim.presets import Layout
 from torchtitan_wlb.sim.timeline import SCHEDULES, Schedule, build_schedule, simulate_pipeline
 from torchtitan_wlb.sim.timing import (
     AttentionTimeFn,

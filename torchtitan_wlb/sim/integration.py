@@ -91,11 +91,11 @@ def pack_steps(mode, lengths: np.ndarray, cfg, n_steps: int) -> tuple[list[list[
     Long documents are first split at the context length (the loader's default policy,
     ``max_doc_len = seq_len``); for modes that model TorchTitan's loader (``mode.stream_cut``) the
     stream is instead cut every context length, wherever documents end
-    (``lengths.cut_stream``). The stream is repeated (reshuffled with ``cfg.seed``) if it is too
+    (``workloads.cut_stream``). The stream is repeated (reshuffled with ``cfg.seed``) if it is too
     short. Returns the per-step lists of micro-batch document lengths and averaged packer stats.
     """
     from torchtitan_wlb.packing.placement import dp_order
-    from torchtitan_wlb.sim.lengths import cut_stream, cycle_to, split_long
+    from torchtitan_wlb.workloads import cut_stream, cycle_to, split_long
 
     need = int((n_steps + cfg.max_delay_steps + 2) * cfg.n_global * cfg.context_len * 1.3)
     if getattr(mode, "stream_cut", False):
@@ -286,18 +286,3 @@ def _profiled_cost_model(model, layout, hw, context_len: int, cp_profile: str | 
     seconds = (fwd + bwd).sum(axis=1)
     records = [MicroBatchRecord(mb, float(s)) for mb, s in zip(mbs, seconds, strict=True)]
     return fit(records, overhead=False).cost_model()
-
-
-def generator_lengths(
-    name: str | None, context_len: int, seed: int = 0, num_docs: int = 200_000
-) -> np.ndarray:
-    """Document lengths from the packing benchmark's built-in synthetic generators."""
-    if name is None:
-        raise ValueError("give --lengths FILE or --generator NAME")
-    from torchtitan_wlb.tools import pack_bench
-
-    if name not in pack_bench.GENERATORS:
-        raise ValueError(
-            f"unknown generator {name!r}; accepted: {', '.join(pack_bench.GENERATORS)}"
-        )
-    return pack_bench.generate(name, num_docs, context_len, seed)

@@ -27,16 +27,16 @@ import numpy as np
 
 def micro_batches(seq_len: int, n: int, seed: int) -> list[np.ndarray]:
     """n micro-batches of at most ``seq_len`` tokens: packer outputs and equal-length packs."""
+    from torchtitan_wlb.models.catalogue import get_model
     from torchtitan_wlb.sim.engine import SimConfig
-    from torchtitan_wlb.sim.integration import generator_lengths, pack_steps
+    from torchtitan_wlb.sim.integration import pack_steps
     from torchtitan_wlb.sim.modes import MODES
-    from torchtitan_wlb.sim.presets import Layout, ModelSpec
+    from torchtitan_wlb.sim.presets import Layout
+    from torchtitan_wlb.workloads import generate
 
-    model = ModelSpec("cpu", dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden_dim=768,
-                      vocab_size=264)  # fmt: skip
-    cfg = SimConfig(model=model, layout=Layout(), context_len=seq_len, schedule="1f1b",
+    cfg = SimConfig(model=get_model("debugmodel"), layout=Layout(), context_len=seq_len, schedule="1f1b",
                     micro_batches=4, warmup_steps=0, cost_model="analytic")  # fmt: skip
-    lengths = generator_lengths("longtail", seq_len, seed=seed, num_docs=20_000)
+    lengths = generate("longtail", 20_000, seq_len, seed=seed)
     packed = []
     for mode in ("plain_4d", "wlb"):
         steps, _ = pack_steps(MODES[mode], lengths, cfg, max(1, n // 8))

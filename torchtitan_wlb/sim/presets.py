@@ -1,99 +1,12 @@
-"""Model presets and parallel layouts the simulator knows by name.
+"""Parallel layouts the simulator knows, and the paper's Table 1 configurations.
 
-The paper (WLB-LLM, OSDI '25, Table 1) evaluates "Llama-like" 550M, 7B, 30B and 70B models without
-publishing their dimensions. The presets follow the Llama 3 recipe (grouped-query attention with 8 KV
-heads, the 128,256-token vocabulary) at the public Llama widths closest to those sizes: Llama-2 7B and
-70B widths, a 30B with 56 heads of 128 (TP8 must divide the heads; LLaMA-30B's 52 would not), and a
-550M model (dim 1024, 24 layers; 509M parameters with tied embeddings, 640M untied). Every FLOP the
-simulator counts comes from a concrete architecture rather than from a fitted constant.
+The models themselves (the paper's 550M/7B/30B/70B and why they have the shapes they have) are in
+:mod:`torchtitan_wlb.models.catalogue`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """Dimensions of a decoder-only Llama-style transformer.
-
-    Attributes:
-        name: Preset name, or ``"custom"``.
-        dim: Hidden size (model width).
-        n_layers: Number of transformer blocks.
-        n_heads: Number of query heads.
-        n_kv_heads: Number of key/value heads (grouped-query attention when smaller than n_heads).
-        ffn_hidden_dim: Inner size of the SwiGLU MLP (three dim x ffn matrices).
-        vocab_size: Vocabulary size (embedding and output projection).
-    """
-
-    name: str
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    ffn_hidden_dim: int
-    vocab_size: int
-
-    def __post_init__(self) -> None:
-        for field_name in (
-            "dim",
-            "n_layers",
-            "n_heads",
-            "n_kv_heads",
-            "ffn_hidden_dim",
-            "vocab_size",
-        ):
-            value = getattr(self, field_name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"model {field_name}={value!r} must be a positive integer")
-        if self.dim % self.n_heads:
-            raise ValueError(f"model dim={self.dim} is not divisible by n_heads={self.n_heads}")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(
-                f"model n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}"
-            )
-
-    @property
-    def head_dim(self) -> int:
-        """Size of one attention head."""
-        return self.dim // self.n_heads
-
-    @property
-    def params_per_layer(self) -> int:
-        """Weights of one transformer block (attention projections + SwiGLU MLP; norms ignored)."""
-        qo = 2 * self.dim * self.n_heads * self.head_dim
-        kv = 2 * self.dim * self.n_kv_heads * self.head_dim
-        mlp = 3 * self.dim * self.ffn_hidden_dim
-        return qo + kv + mlp
-
-    @property
-    def n_params(self) -> int:
-        """Total weights, with untied input embedding and output projection."""
-        return self.n_layers * self.params_per_layer + 2 * self.vocab_size * self.dim
-
-
-MODEL_PRESETS: dict[str, ModelSpec] = {
-    "550M": ModelSpec("550M", dim=1024, n_layers=24, n_heads=16, n_kv_heads=8,
-                      ffn_hidden_dim=4096, vocab_size=128256),
-    "7B": ModelSpec("7B", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
-                    ffn_hidden_dim=11008, vocab_size=128256),
-    "30B": ModelSpec("30B", dim=7168, n_layers=56, n_heads=56, n_kv_heads=8,
-                     ffn_hidden_dim=18432, vocab_size=128256),
-    "70B": ModelSpec("70B", dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
-                     ffn_hidden_dim=28672, vocab_size=128256),
-}  # fmt: skip
-
-
-def get_model(name: str) -> ModelSpec:
-    """Look a preset up by name (case-insensitive), with a clear error for unknown names."""
-    for key, spec in MODEL_PRESETS.items():
-        if key.lower() == name.strip().lower():
-            return spec
-    raise ValueError(
-        f"unknown model preset {name!r}; accepted: {', '.join(MODEL_PRESETS)} "
-        "(or give custom dims with --dim/--n-layers/--n-heads/...)"
-    )
 
 
 @dataclass(frozen=True)
@@ -159,7 +72,7 @@ class PaperConfig:
     """One row of the paper's Table 1.
 
     Attributes:
-        model: Model preset name.
+        model: Model name in :mod:`torchtitan_wlb.models.catalogue`.
         context_len: Context window in tokens.
         layout: (TP, CP, PP, DP) used in the paper.
     """

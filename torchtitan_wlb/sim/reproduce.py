@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from torchtitan_wlb.models.catalogue import get_model
 from torchtitan_wlb.sim.__main__ import steps_arg
 from torchtitan_wlb.sim.engine import (
     Integration,
@@ -26,9 +27,9 @@ from torchtitan_wlb.sim.engine import (
     speedup,
 )
 from torchtitan_wlb.sim.hardware import HardwareProfile
-from torchtitan_wlb.sim.lengths import cut_stream, load_lengths, split_long
 from torchtitan_wlb.sim.modes import MODES
-from torchtitan_wlb.sim.presets import PAPER_TABLE1, Layout, get_model
+from torchtitan_wlb.sim.presets import PAPER_TABLE1, Layout
+from torchtitan_wlb.workloads import cut_stream, load_lengths, split_long
 
 K = 1024
 # The paper's numbers (OSDI '25, via ../shared/design/wlb-llm-facts.md).

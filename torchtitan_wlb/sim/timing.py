@@ -26,8 +26,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from torchtitan_wlb.models.catalogue import ModelSpec
 from torchtitan_wlb.sim.hardware import HardwareProfile
-from torchtitan_wlb.sim.presets import Layout, ModelSpec
+from torchtitan_wlb.sim.presets import Layout
 
 BF16_BYTES = 2
 TILE = 128

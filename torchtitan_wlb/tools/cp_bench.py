@@ -13,9 +13,9 @@ Each strategy reports ``flops_imbalance`` (mean over micro-batches of max/mean p
 FLOPs), ``plan_ms`` (median time to build one micro-batch's plan plus one rank's index arrays and
 attention metadata arrays), and adaptive the share of micro-batches that chose per-document.
 ``--measure`` also runs every rank's local attention (forward + backward, CPU backend, one thread)
-and reports the measured max/mean per-rank CPU time. Without ``--lengths``, ``--generator longtail``
-synthesises a long-tailed length stream and ``--generator short`` about 1,000 documents per
-128K micro-batch (no outside data needed).
+and reports the measured max/mean per-rank CPU time. Without ``--lengths``, ``--generator NAME``
+synthesises the lengths with one of :data:`torchtitan_wlb.workloads.GENERATORS` (default
+``longtail_scaled``, a long-tailed stream; ``short``: about 1,000 documents per 128K micro-batch).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -32,45 +31,9 @@ from torchtitan_wlb.cost_model import CostModel
 from torchtitan_wlb.cp.plan import CPPlan, build_cp_plan
 from torchtitan_wlb.cp.profile import resolve_profile
 from torchtitan_wlb.packing import OriginalPacker, PackingConfig
+from torchtitan_wlb.workloads import GENERATORS, generate, load_lengths, split_long
 
 STRATEGY_NAMES = ("per_sequence", "per_document", "adaptive")
-
-
-def longtail_lengths(n_docs: int, context_len: int, seed: int = 0) -> np.ndarray:
-    """Synthetic long-tailed document lengths: a log-normal body (median ~ context/40) plus a 3 %
-    Pareto tail reaching the context length, the shape of pretraining corpora."""
-    rng = np.random.default_rng(seed)
-    body = rng.lognormal(mean=np.log(max(context_len / 40, 2)), sigma=1.0, size=n_docs)
-    tail = context_len / 8 * (1 + rng.pareto(1.2, size=n_docs))
-    lens = np.where(rng.random(n_docs) < 0.03, tail, body)
-    return np.clip(np.round(lens), 1, context_len).astype(np.int64)
-
-
-def short_lengths(n_docs: int, context_len: int, seed: int = 0) -> np.ndarray:
-    """Many short documents: uniform in [1, context_len / 500], about 1,000 per micro-batch (the
-    worst case for plan construction cost)."""
-    rng = np.random.default_rng(seed)
-    return rng.integers(1, max(2, context_len // 500) + 1, size=n_docs).astype(np.int64)
-
-
-GENERATORS = {"longtail": longtail_lengths, "short": short_lengths}
-
-
-def load_lengths(path: str) -> np.ndarray:
-    data = json.loads(Path(path).read_text())
-    lens = np.asarray(data, dtype=np.int64)
-    if lens.ndim != 1 or lens.size == 0 or lens.min() < 1:
-        raise ValueError(f"{path}: expected a JSON list of document lengths >= 1")
-    return lens
-
-
-def split_long(lens: np.ndarray, context_len: int) -> np.ndarray:
-    """Cut documents longer than the context into ``context_len`` pieces (the loader's policy)."""
-    pieces = -(-lens // context_len)
-    out = np.repeat(np.minimum(lens, context_len), pieces)
-    last = np.cumsum(pieces) - 1
-    out[last] = lens - (pieces - 1) * context_len
-    return out
 
 
 def pack_micro_batches(lens: np.ndarray, context_len: int, micro_batches: int) -> list[np.ndarray]:
@@ -154,10 +117,9 @@ def run(args: argparse.Namespace) -> dict:
         lens = load_lengths(args.lengths)
     else:
         need = args.micro_batches * args.context_len
-        gen = GENERATORS[args.generator]
-        lens = gen(4096, args.context_len, seed=args.seed)
+        lens = generate(args.generator, 4096, args.context_len, seed=args.seed)
         while lens.sum() < need * 1.5:
-            more = gen(4096, args.context_len, seed=args.seed + len(lens))
+            more = generate(args.generator, 4096, args.context_len, seed=args.seed + len(lens))
             lens = np.concatenate([lens, more])
     micro_batches = pack_micro_batches(lens, args.context_len, args.micro_batches)
     profile = resolve_profile(args.profile)
@@ -218,10 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Compare CP sharding strategies on packed micro-batches"
     )
-    p.add_argument("--lengths", default=None, help="JSON list of document lengths")
+    p.add_argument(
+        "--lengths", default=None, help="JSON list / .npy / one integer per line of doc lengths"
+    )
     p.add_argument(
         "--generator",
-        default="longtail",
+        default="longtail_scaled",
         choices=sorted(GENERATORS),
         help="synthetic lengths when --lengths is not given",
     )
@@ -242,7 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     for name in ("context_len", "cp", "micro_batches", "plan_repeats"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
@@ -253,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)  # CPU time of one thread = the kernel's work
     try:
         results = run(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     finally:
         torch.set_num_threads(threads)
     for strategy in STRATEGY_NAMES:

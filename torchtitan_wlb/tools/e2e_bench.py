@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from torchtitan_wlb.tools.pack_bench import GENERATORS, generate, load_lengths
+from torchtitan_wlb.workloads import GENERATORS, generate, load_lengths
 
 ROOT = Path(__file__).resolve().parents[2]
 MODES = ("plain_4d", "fixed_4d", "wlb")

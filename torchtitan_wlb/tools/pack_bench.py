@@ -18,40 +18,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from torchtitan_wlb.cost_model import CostModel
+from torchtitan_wlb.models.catalogue import MODELS, get_model
 from torchtitan_wlb.packing import PACKERS, PackingConfig, build_packer
 from torchtitan_wlb.packing.tuning import tune_queues
-
-# Llama-style model dimensions for the analytic cost model (dim, layers, heads, kv heads, ffn,
-# vocab). "7b" is the paper's 7B at 128K: Llama-2-7B shapes with the Llama-3 vocabulary.
-MODEL_PRESETS: dict[str, dict[str, int]] = {
-    "550m": dict(
-        dim=1536, n_layers=16, n_heads=12, n_kv_heads=12, ffn_hidden_dim=4096, vocab_size=128256
-    ),
-    "7b": dict(
-        dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_hidden_dim=11008, vocab_size=128256
-    ),
-    "8b": dict(
-        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden_dim=14336, vocab_size=128256
-    ),
-    "30b": dict(
-        dim=6656, n_layers=60, n_heads=52, n_kv_heads=52, ffn_hidden_dim=17920, vocab_size=128256
-    ),
-    "70b": dict(
-        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden_dim=28672, vocab_size=128256
-    ),
-}
-
-GENERATORS = ("longtail", "pareto", "bimodal")
+from torchtitan_wlb.workloads import (
+    DEFAULT_NUM_DOCS,
+    GENERATORS,
+    generate,
+    load_lengths,
+    split_long,
+)
 
 # The paper's Table 2 (7B, 128K context): (method, config, imbalance, overhead).
 PAPER_TABLE2 = [
@@ -70,71 +54,6 @@ PAPER_TABLE2 = [
 ]
 
 
-def generate(name: str, num_docs: int, context_len: int, seed: int) -> np.ndarray:
-    """Synthetic long-tail length distributions (no outside data needed).
-
-    ``longtail``: log-normal body (median ~3K tokens) with 3 % of documents drawn log-uniformly
-    from 16K (or context / 8) up to the context length, giving ~15 % of tokens in documents above half the context, close
-    to the skew WLB-LLM describes. ``pareto``: a Pareto(1.1) tail from 512 tokens, clipped to the
-    context. ``bimodal``: 97 % short (~2K) and 3 % near-context documents.
-    """
-    rng = np.random.default_rng(seed)
-    if name == "longtail":
-        body = rng.lognormal(mean=math.log(3000), sigma=0.9, size=num_docs)
-        low = min(16384, max(1, context_len // 8))
-        tail = np.exp(rng.uniform(math.log(low), math.log(context_len), size=num_docs))
-        out = np.where(rng.random(num_docs) < 0.03, tail, body)
-    elif name == "pareto":
-        out = 512 * (1 + rng.pareto(1.1, size=num_docs))
-    elif name == "bimodal":
-        short = rng.normal(2048, 512, size=num_docs)
-        long = rng.uniform(0.6 * context_len, context_len, size=num_docs)
-        out = np.where(rng.random(num_docs) < 0.03, long, short)
-    else:
-        raise ValueError(f"unknown generator {name!r}; choose one of {', '.join(GENERATORS)}")
-    return np.clip(np.rint(out), 1, context_len).astype(np.int64)
-
-
-def load_lengths(path: str) -> np.ndarray:
-    """Document lengths from JSON (list of ints), ``.npy``, or one integer per line."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"--lengths: no such file {path!r}")
-    try:
-        if p.suffix == ".npy":
-            arr = np.load(p, allow_pickle=False)
-        elif p.suffix == ".json":
-            arr = np.asarray(json.loads(p.read_text()))
-        else:
-            arr = np.asarray([int(x) for x in p.read_text().split()])
-    except (ValueError, json.JSONDecodeError, OSError) as exc:
-        raise ValueError(f"--lengths: cannot read {path!r} as a list of integers ({exc})") from exc
-    if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.number):
-        raise ValueError(f"--lengths: {path!r} must hold a non-empty flat list of integers")
-    if np.any(arr != np.floor(arr)):
-        raise ValueError(f"--lengths: {path!r} holds non-integer lengths")
-    arr = arr.astype(np.int64)
-    bad = np.flatnonzero(arr < 1)
-    if bad.size:
-        raise ValueError(
-            f"--lengths: document {int(bad[0])} has length {int(arr[bad[0]])}; lengths must be >= 1"
-        )
-    return arr
-
-
-def split_long(lengths: np.ndarray, max_len: int) -> tuple[np.ndarray, int]:
-    """Split documents longer than ``max_len`` into ``max_len`` pieces (+ remainder), in order."""
-    pieces = -(-lengths // max_len)
-    n_split = int((pieces > 1).sum())
-    if n_split == 0:
-        return lengths, 0
-    owner = np.repeat(np.arange(lengths.size), pieces)
-    first = np.cumsum(pieces) - pieces
-    k = np.arange(owner.size) - first[owner]
-    out = np.minimum(max_len, lengths[owner] - k * max_len)
-    return out.astype(np.int64), n_split
-
-
 def build_cost_model(args: argparse.Namespace) -> CostModel:
     if args.profile:
         return CostModel.from_profile(args.profile)
@@ -142,7 +61,7 @@ def build_cost_model(args: argparse.Namespace) -> CostModel:
         if args.attn_coef is None or args.linear_coef is None:
             raise ValueError("--attn-coef and --linear-coef must be given together")
         return CostModel.from_coefficients(args.attn_coef, args.linear_coef)
-    return CostModel.from_model_dims(**MODEL_PRESETS[args.model], tp=args.tp, cp=args.cp)
+    return CostModel.from_model_dims(**get_model(args.model).dims(), tp=args.tp, cp=args.cp)
 
 
 def run(
@@ -252,6 +171,15 @@ def _fraction(text: str) -> float:
     return v
 
 
+def _model_name(text: str) -> str:
+    """A catalogue model name in any case; "8b", this tool's name for Llama 3 8B, still works."""
+    name = "llama3_8B" if text.strip().lower() == "8b" else text
+    try:
+        return get_model(name).name
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _queues(text: str) -> tuple[int, ...]:
     try:
         out = tuple(int(x) for x in text.split(",") if x.strip())
@@ -271,7 +199,9 @@ def parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--lengths", help="JSON list / .npy / one integer per line of doc lengths")
     src.add_argument("--generator", choices=GENERATORS, help="built-in synthetic workload")
-    p.add_argument("--num-docs", type=_positive_int, default=200_000, help="docs to generate")
+    p.add_argument(
+        "--num-docs", type=_positive_int, default=DEFAULT_NUM_DOCS, help="docs to generate"
+    )
     p.add_argument("--seed", type=_nonneg_int, default=0, help="generator seed")
     p.add_argument("--context-len", type=_positive_int, default=131072)
     p.add_argument("--micro-batches", type=_positive_int, default=4, help="N per step")
@@ -299,7 +229,12 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="split longer documents into pieces (default: the context length)",
     )
-    p.add_argument("--model", choices=sorted(MODEL_PRESETS), default="7b")
+    p.add_argument(
+        "--model",
+        type=_model_name,
+        default="7B",
+        help=f"analytic cost model of a catalogue model: {', '.join(MODELS)} (any case)",
+    )
     p.add_argument("--tp", type=_positive_int, default=1)
     p.add_argument("--cp", type=_positive_int, default=1)
     p.add_argument("--attn-coef", type=float, default=None)
@@ -349,13 +284,16 @@ def _config(args: argparse.Namespace, packer: str, **over: Any) -> PackingConfig
 
 def _prepare(args: argparse.Namespace, cap: int) -> tuple[np.ndarray, int]:
     if args.lengths:
-        lengths = load_lengths(args.lengths)
+        try:
+            lengths = load_lengths(args.lengths)
+        except ValueError as exc:
+            raise ValueError(f"--lengths: {exc}") from None
     else:
         lengths = generate(args.generator, args.num_docs, args.context_len, args.seed)
     max_len = args.max_doc_len or min(cap, args.context_len)
     if max_len > cap:
         raise ValueError(f"--max-doc-len {max_len} exceeds the micro-batch cap {cap}")
-    return split_long(lengths, max_len)
+    return split_long(lengths, max_len), int((lengths > max_len).sum())
 
 
 def table2(args: argparse.Namespace, cost_model: CostModel) -> list[dict[str, Any]]:

@@ -1,0 +1,222 @@
+"""Document-length workloads: built-in generators, length files, and the loader's long-document
+policies.
+
+Every tool (``pack_bench``, ``cp_bench``, ``e2e_bench``) and the simulator takes its documents from
+here, so one generator name or one file means the same documents everywhere. Pure NumPy.
+
+A lengths file is a JSON list of token counts (``.json``, or any file whose text starts with
+``[``), a ``.npy`` array, or text with integers separated by whitespace (one per line is usual).
+Anything that is not a positive integer is rejected with the offending value and its position: a
+benchmark fed silently-rounded lengths would report the wrong imbalance.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+DEFAULT_NUM_DOCS = 200_000
+"""Documents a generator draws when a tool is not told otherwise."""
+
+
+# ------------------------------------------------------------------------------- generators
+def _longtail(rng: np.random.Generator, num_docs: int, context_len: int) -> np.ndarray:
+    body = rng.lognormal(mean=math.log(3000), sigma=0.9, size=num_docs)
+    low = min(16384, max(1, context_len // 8))
+    tail = np.exp(rng.uniform(math.log(low), math.log(context_len), size=num_docs))
+    return np.where(rng.random(num_docs) < 0.03, tail, body)
+
+
+def _longtail_scaled(rng: np.random.Generator, num_docs: int, context_len: int) -> np.ndarray:
+    body = rng.lognormal(mean=np.log(max(context_len / 40, 2)), sigma=1.0, size=num_docs)
+    tail = context_len / 8 * (1 + rng.pareto(1.2, size=num_docs))
+    return np.where(rng.random(num_docs) < 0.03, tail, body)
+
+
+def _pareto(rng: np.random.Generator, num_docs: int, context_len: int) -> np.ndarray:
+    return 512 * (1 + rng.pareto(1.1, size=num_docs))
+
+
+def _bimodal(rng: np.random.Generator, num_docs: int, context_len: int) -> np.ndarray:
+    short = rng.normal(2048, 512, size=num_docs)
+    long = rng.uniform(0.6 * context_len, context_len, size=num_docs)
+    return np.where(rng.random(num_docs) < 0.03, long, short)
+
+
+def _short(rng: np.random.Generator, num_docs: int, context_len: int) -> np.ndarray:
+    return rng.integers(1, max(2, context_len // 500) + 1, size=num_docs)
+
+
+GENERATORS: dict[str, Callable[[np.random.Generator, int, int], np.ndarray]] = {
+    "longtail": _longtail,
+    "longtail_scaled": _longtail_scaled,
+    "pareto": _pareto,
+    "bimodal": _bimodal,
+    "short": _short,
+}
+"""Synthetic length distributions (no outside data needed), by name. Each draws from the given
+random generator; :func:`generate` rounds and clips to ``[1, context_len]``.
+
+- ``longtail``: log-normal body (median ~3K tokens) with 3 % of documents drawn log-uniformly from
+  16K (or context / 8) up to the context length: ~15 % of tokens in documents above half the
+  context, close to the skew WLB-LLM describes.
+- ``longtail_scaled``: a body that scales with the context (log-normal, median context / 40) and a
+  3 % Pareto(1.2) tail from context / 8; ``cp_bench``'s default.
+- ``pareto``: a Pareto(1.1) tail from 512 tokens.
+- ``bimodal``: 97 % short (~2K) and 3 % near-context documents.
+- ``short``: uniform in [1, context / 500], about 1,000 documents per 128K micro-batch (the worst
+  case for CP plan construction).
+"""
+
+
+def generate(name: str, num_docs: int, context_len: int, seed: int = 0) -> np.ndarray:
+    """``num_docs`` int64 lengths in ``[1, context_len]`` from generator ``name``, deterministic in
+    ``seed``."""
+    if name not in GENERATORS:
+        raise ValueError(f"unknown generator {name!r}; accepted: {', '.join(GENERATORS)}")
+    if num_docs < 1 or context_len < 1:
+        raise ValueError(
+            f"generator {name!r}: num_docs = {num_docs} and context_len = {context_len} must be >= 1"
+        )
+    out = GENERATORS[name](np.random.default_rng(seed), num_docs, context_len)
+    return np.clip(np.rint(out), 1, context_len).astype(np.int64)
+
+
+# ------------------------------------------------------------------------------- length files
+def _check_integers(values: list | np.ndarray, source: str) -> np.ndarray:
+    """``values`` as int64 if every entry is a positive integer, else a ValueError naming the first
+    offending entry (integral floats such as ``3.0`` pass; booleans do not)."""
+    try:
+        arr = np.asarray(values)
+    except ValueError:  # a ragged list: find the entry that is not a number
+        arr = np.asarray(values, dtype=object)
+    if isinstance(values, list) and (
+        not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating))
+        or any(isinstance(v, bool) for v in values)
+    ):
+        arr = np.asarray(values, dtype=object)  # mixed, non-numeric or true/false: find the entry
+    if arr.ndim != 1:
+        raise ValueError(
+            f"lengths file {source}: expected a flat list of integers, got shape {arr.shape}"
+        )
+    if arr.size == 0:
+        raise ValueError(f"lengths file {source}: no document lengths")
+    if arr.dtype == object:
+        for i, v in enumerate(arr.tolist()):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(
+                    f"lengths file {source}: entry {i} = {v!r} is not an integer token count"
+                )
+        arr = np.asarray(arr.tolist(), dtype=np.int64)
+    elif not np.issubdtype(arr.dtype, np.integer):
+        bad = np.flatnonzero(~np.isfinite(arr.astype(np.float64)) | (arr != np.round(arr)))
+        if bad.size or not np.issubdtype(arr.dtype, np.floating):
+            i = int(bad[0]) if bad.size else 0
+            raise ValueError(
+                f"lengths file {source}: entry {i} = {arr[i].item()!r} is not an integer token count"
+            )
+    arr = arr.astype(np.int64)
+    bad = np.flatnonzero(arr < 1)
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(
+            f"lengths file {source}: entry {i} = {int(arr[i])} is not a positive token count"
+        )
+    return arr
+
+
+def load_lengths(path: str | Path) -> np.ndarray:
+    """Read document lengths (int64, all >= 1) from JSON, ``.npy`` or whitespace-separated text.
+
+    Every problem (missing file, invalid JSON, a non-integer or non-positive entry) is one
+    ValueError naming the file and, where there is one, the offending entry.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"lengths file {str(path)!r}: no such file")
+    if p.suffix == ".npy":
+        try:
+            arr = np.load(p, allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"lengths file {path}: not a readable .npy array ({exc})") from None
+        return _check_integers(arr, str(path))
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"lengths file {path}: cannot read it as text ({exc})") from None
+    if p.suffix == ".json" or text.lstrip().startswith("["):
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"lengths file {path}: invalid JSON ({exc.msg} at line {exc.lineno})"
+            ) from None
+        if not isinstance(values, list):
+            raise ValueError(f"lengths file {path}: expected a JSON list of integers")
+        return _check_integers(values, str(path))
+    values: list = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        for token in line.split():
+            try:
+                values.append(int(token))
+            except ValueError:
+                raise ValueError(
+                    f"lengths file {path}: line {lineno} = {token!r} is not an integer token count"
+                ) from None
+    return _check_integers(values, str(path))
+
+
+# ------------------------------------------------------------------------------- loader policies
+def split_long(lengths: np.ndarray, max_doc_len: int) -> np.ndarray:
+    """The loader's "split" policy: a document longer than ``max_doc_len`` becomes consecutive
+    pieces of ``max_doc_len`` tokens, the last one shorter (vectorised, order preserved)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if max_doc_len < 1:
+        raise ValueError(f"max_doc_len = {max_doc_len} must be >= 1")
+    pieces = -(-lengths // max_doc_len)
+    if (pieces == 1).all():
+        return lengths
+    out = np.full(int(pieces.sum()), max_doc_len, dtype=np.int64)
+    last = np.cumsum(pieces) - 1
+    out[last] = lengths - (pieces - 1) * max_doc_len
+    return out
+
+
+def cut_stream(lengths: np.ndarray, seq_len: int) -> np.ndarray:
+    """TorchTitan's loader: concatenate the documents and cut the token stream every ``seq_len``.
+
+    ``torchtitan.hf_datasets.text_datasets`` appends every document's tokens to one buffer and
+    yields consecutive ``seq_len``-token windows, so a document that straddles a window boundary is
+    cut there and its continuation opens the next sequence (with document masking, as a separate
+    document). Returns the pieces in stream order: every ``seq_len`` consecutive tokens of them
+    form exactly one sequence (vectorised: the cut points are the documents' ends together with the
+    multiples of ``seq_len``).
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if seq_len < 1:
+        raise ValueError(f"seq_len = {seq_len} must be >= 1")
+    ends = np.cumsum(lengths)
+    if ends.size == 0:
+        return lengths
+    cuts = np.union1d(ends, np.arange(seq_len, int(ends[-1]), seq_len, dtype=np.int64))
+    return np.diff(cuts, prepend=0)
+
+
+def cycle_to(
+    lengths: np.ndarray, n_tokens: int, rng: np.random.Generator | None = None
+) -> np.ndarray:
+    """Enough documents for ``n_tokens`` tokens: the lengths in order, repeated (reshuffled with
+    ``rng`` on each repeat when given) until the total reaches ``n_tokens``."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    total = int(lengths.sum())
+    reps = max(1, -(-n_tokens // total))
+    parts = [lengths]
+    for _ in range(reps - 1):
+        parts.append(rng.permutation(lengths) if rng is not None else lengths)
+    out = np.concatenate(parts)
+    cut = int(np.searchsorted(np.cumsum(out), n_tokens)) + 1
+    return out[: min(cut, out.size)]
