@@ -101,6 +101,8 @@ class _QueuedPacker(Packer):
     order, so selecting by level gives each queue in FIFO order.
     """
 
+    variable_length = True
+
     def __init__(self, config: PackingConfig, cost_model: CostModel) -> None:
         super().__init__(config, cost_model)
         self.smax = config.smax if config.smax is not None else default_smax(config.context_len)
