@@ -130,3 +130,62 @@ def test_configuration_reference_is_up_to_date():
         "docs/configuration.md is stale: python -m torchtitan_wlb.tools.config_doc > "
         "docs/configuration.md"
     )
+
+
+def test_choice_fields_are_literals_of_the_registries():
+    """The [wlb] choice fields are typed Literal with exactly the registries' names, so the
+    config, the packers, the CP planner and the attention backends cannot drift apart."""
+    import dataclasses
+
+    from torchtitan_wlb.attention import BACKENDS
+    from torchtitan_wlb.config import MODE_PRESETS, choice_values
+    from torchtitan_wlb.cp.plan import STRATEGIES
+    from torchtitan_wlb.packing import PACKERS
+
+    types = {f.name: f.type for f in dataclasses.fields(WLB)}
+    assert choice_values(types["packing"]) == tuple(PACKERS)
+    assert choice_values(types["cp_sharding"]) == tuple(STRATEGIES)
+    assert choice_values(types["attention_backend"]) == tuple(BACKENDS)
+    assert choice_values(types["mode"]) == ("", *MODE_PRESETS)
+    for packing, cp_sharding in MODE_PRESETS.values():
+        assert packing in PACKERS and cp_sharding in STRATEGIES
+    assert choice_values(types["max_doc_len"]) == ()
+
+
+def test_packing_config_from_job_maps_every_knob():
+    """The loader's PackingConfig carries every [wlb] packing knob, and PackingConfig's defaults
+    are the [wlb] defaults (the tools and the simulator rely on them)."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from torchtitan_wlb.data.packing_node import WLB_KNOBS, packing_config_from_job
+    from torchtitan_wlb.packing import PackingConfig
+
+    defaults = {f.name: f.default for f in dataclasses.fields(PackingConfig)}
+    for src, dst in WLB_KNOBS.items():
+        assert getattr(WLB(), src) == defaults[dst], (src, dst)
+    wlb = WLB(
+        max_delay_steps=5,
+        adaptive_max_delay_steps=9,
+        delay_target=0.4,
+        balance_target=1.02,
+        release_slack=0.5,
+        packing_window=3,
+        solver_time_limit_s=2.0,
+        micro_batch_max_len=100,
+        queue_thresholds=[20, 40],
+    )
+    job = SimpleNamespace(wlb=wlb, training=SimpleNamespace(seq_len=80))
+    cfg = packing_config_from_job(job, 4)
+    assert (cfg.micro_batches, cfg.context_len, cfg.smax, cfg.queue_thresholds) == (
+        4,
+        80,
+        100,
+        (20, 40),
+    )
+    for src, dst in WLB_KNOBS.items():
+        assert getattr(cfg, dst) == getattr(wlb, src)
+    # The fixed-length packers cap at the context length: S_max is not theirs to set.
+    wlb_fixed = WLB(packing="fixed_greedy", micro_batch_max_len=100)
+    fixed = packing_config_from_job(SimpleNamespace(wlb=wlb_fixed, training=job.training), 4)
+    assert fixed.smax is None and fixed.queue_thresholds is None

@@ -12,7 +12,7 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan_wlb.cost_model import CostModel
 from torchtitan_wlb.data.collate import collate_micro_batch
 from torchtitan_wlb.packing import PackingConfig, build_packer
-from torchtitan_wlb.packing.drain import plan_drain
+from torchtitan_wlb.packing.end_of_data import plan_drain
 
 COST = CostModel.from_coefficients(attn_coef=1.0 / 32, linear_coef=1.0)
 SETTINGS = settings(

@@ -10,7 +10,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from torchtitan_wlb.cost_model import CostModel
-from torchtitan_wlb.packing import PACKERS, PackingConfig, build_packer
+from torchtitan_wlb.packing import (
+    PACKERS,
+    LengthStream,
+    PackingConfig,
+    build_packer,
+    drain,
+    drive,
+    next_plan,
+)
+from torchtitan_wlb.packing.driver import pull_until, take_until
 from torchtitan_wlb.packing.placement import fill_rounds, water_level
 from torchtitan_wlb.packing.solver import solve_minmax
 from torchtitan_wlb.packing.wlb import default_thresholds
@@ -39,26 +48,19 @@ def make(name: str, n: int, *, smax=None, window=1, max_wait=2, queues=None, **k
     return build_packer(name, cfg, COST)
 
 
-def drive(packer, lens: np.ndarray, start: int = 0, pos: int = 0, max_steps: int = 10_000):
-    """Run the documented driving protocol to the end; return (plans, positions per step)."""
-    ids = np.arange(lens.size, dtype=np.int64)
-    cs = np.cumsum(lens)
-    plans, positions = [], []
-    for _ in range(max_steps):
-        budget = packer.tokens_wanted()
-        end = pos
-        if budget > 0 and pos < lens.size:
-            base = cs[pos - 1] if pos else 0
-            end = min(lens.size, int(np.searchsorted(cs, base + budget, side="left")) + 1)
-        exhausted = end >= lens.size
-        if pos >= lens.size and not packer.has_pending():
-            break
-        positions.append(pos)
-        plans.append(packer.step(ids[pos:end], lens[pos:end], flush=exhausted))
-        pos = end
-    else:
-        raise AssertionError("packer did not drain")
-    return plans, positions
+def run(packer, lens: np.ndarray | LengthStream) -> list:
+    """The driving protocol (the package's driver) to the end of the data, its flush included."""
+    stream = lens if isinstance(lens, LengthStream) else LengthStream(lens)
+    plans = list(drive(packer, stream, 10_000))
+    assert stream.remaining == 0 and not packer.has_pending(), "packer did not drain"
+    return plans
+
+
+def head(packer, lens: np.ndarray, k: int) -> tuple[list, LengthStream]:
+    """The first ``k`` steps of :func:`run`, and a stream that resumes where they stopped."""
+    stream = LengthStream(lens)
+    plans = list(drive(packer, stream, k))
+    return plans, LengthStream(lens, pos=stream.pos, exhausted=stream.exhausted)
 
 
 def cap_of(name: str, n: int) -> int:
@@ -74,7 +76,7 @@ lengths_st = st.lists(st.integers(1, CTX), min_size=0, max_size=120).map(
 @given(name=st.sampled_from(FAST), lens=lengths_st, n=st.integers(1, 5), window=st.integers(1, 3))
 def test_exactly_once_and_cap(name, lens, n, window):
     packer = make(name, n, window=window)
-    plans, _ = drive(packer, lens)
+    plans = run(packer, lens)
     emitted = np.concatenate([np.concatenate(p.doc_ids) for p in plans] or [np.zeros(0, int)])
     assert np.array_equal(np.sort(emitted), np.arange(lens.size))
     for p in plans:
@@ -90,38 +92,20 @@ def test_exactly_once_and_cap(name, lens, n, window):
 @given(name=st.sampled_from(FAST), lens=lengths_st, n=st.integers(1, 4), data=st.data())
 def test_deterministic_and_resume_from_any_step(name, lens, n, data):
     window = 2 if name == "fixed_greedy" else 1
-    ref, positions = drive(make(name, n, window=window), lens)
-    again, _ = drive(make(name, n, window=window), lens)
+    ref = run(make(name, n, window=window), lens)
+    again = run(make(name, n, window=window), lens)
     _assert_same(ref, again)
     if not ref:
         return
     k = data.draw(st.integers(0, len(ref) - 1))
     # Run k steps, save (through JSON: the state must be plain data), restore into a new packer.
     first = make(name, n, window=window)
-    head, _ = _steps(first, lens, k)
+    first_plans, rest = head(first, lens, k)
     state = json.loads(json.dumps(first.state_dict()))
     resumed = make(name, n, window=window)
     resumed.load_state_dict(state)
-    tail, _ = drive(resumed, lens, pos=positions[k])
-    _assert_same(ref, head + tail)
-
-
-def _steps(packer, lens, k):
-    """The first ``k`` steps of :func:`drive`."""
-    plans, positions = [], []
-    ids = np.arange(lens.size, dtype=np.int64)
-    cs = np.cumsum(lens)
-    pos = 0
-    for _ in range(k):
-        budget = packer.tokens_wanted()
-        end = pos
-        if budget > 0 and pos < lens.size:
-            base = cs[pos - 1] if pos else 0
-            end = min(lens.size, int(np.searchsorted(cs, base + budget, side="left")) + 1)
-        positions.append(pos)
-        plans.append(packer.step(ids[pos:end], lens[pos:end], flush=end >= lens.size))
-        pos = end
-    return plans, positions
+    tail = run(resumed, rest)
+    _assert_same(ref, first_plans + tail)
 
 
 def _assert_same(a, b):
@@ -148,7 +132,7 @@ def test_bounded_delay(name, lens, n, k):
     packer = make(
         name, n, max_wait=k, smax=4 * CTX, queues=(CTX // 8, CTX // 4), adaptive_max_wait=0
     )
-    plans, _ = drive(packer, lens)
+    plans = run(packer, lens)
     for p in plans:
         assert p.stats["max_delay"] <= max(k, 1)
 
@@ -160,7 +144,7 @@ def test_wlb_balances_a_skewed_batch_better_than_original():
     )
     res = {}
     for name in ("original", "wlb"):
-        plans, _ = drive(make(name, 4, max_wait=8), lens)
+        plans = run(make(name, 4, max_wait=8), lens)
         res[name] = np.mean([p.stats["imbalance"] for p in plans[:-3]])
     assert res["wlb"] < res["original"]
     assert res["wlb"] < 1.1
@@ -258,7 +242,7 @@ def test_solver_is_optimal_on_small_instance():
 def test_solver_packer_exactly_once():
     rng = np.random.default_rng(2)
     lens = rng.integers(1, CTX + 1, 40)
-    plans, _ = drive(make("solver", 2, window=2), lens)
+    plans = run(make("solver", 2, window=2), lens)
     emitted = np.sort(np.concatenate([np.concatenate(p.doc_ids) for p in plans]))
     assert np.array_equal(emitted, np.arange(lens.size))
 
@@ -312,12 +296,12 @@ def test_adaptive_wait_grows_when_delay_is_low_and_bounds_the_wait():
         rng.random(n_docs) < 0.01, rng.integers(48, CTX + 1, n_docs), rng.integers(1, 6, n_docs)
     )
     adaptive = make("wlb", 4, max_wait=2, adaptive_max_wait=10)
-    plans, _ = drive(adaptive, lens)
+    plans = run(adaptive, lens)
     assert 2 < max(p.stats["max_delay"] for p in plans) <= 10
     state = adaptive.state_dict()
     assert 2 <= state["k_eff"] <= 10
     fixed = make("wlb", 4, max_wait=2, adaptive_max_wait=0)
-    plans, _ = drive(fixed, lens)
+    plans = run(fixed, lens)
     assert max(p.stats["max_delay"] for p in plans) <= 2
     assert fixed.state_dict()["k_eff"] == 2
 
@@ -336,22 +320,15 @@ def test_back_pressure_hands_back_a_stream_suffix_of_regular_documents():
     lens = _skewed(3000, 5)
     packer = make("wlb", 8, max_wait=6)
     threshold = int(packer.thresholds[0])
-    ids = np.arange(lens.size, dtype=np.int64)
-    cs = np.cumsum(lens)
-    pos, handed_back_steps = 0, 0
-    while pos < lens.size or packer.has_pending():
-        budget = packer.tokens_wanted()
-        end = pos
-        if budget > 0 and pos < lens.size:
-            base = cs[pos - 1] if pos else 0
-            end = min(lens.size, int(np.searchsorted(cs, base + budget, side="left")) + 1)
-        before = packer.backlog.ids.copy()
-        plan = packer.step(ids[pos:end], lens[pos:end], flush=end >= lens.size)
-        pos = end
+    stream = LengthStream(lens)
+    handed_back_steps = 0
+    before = np.zeros(0, np.int64)  # the hand-back before each step
+    for plan in drive(packer, stream):
+        pos = stream.pos  # after this step's pull
         emitted = np.concatenate(plan.doc_ids)
         if before.size:  # last step's hand-back precedes this step's pull in the stream
             assert before.max() < pos
-        back = packer.backlog.ids
+        back = before = packer.backlog.ids.copy()
         if back.size == 0:
             continue
         handed_back_steps += 1
@@ -366,26 +343,26 @@ def test_back_pressure_hands_back_a_stream_suffix_of_regular_documents():
 
 def test_back_pressure_keeps_exact_resume_and_old_states_load():
     lens = _skewed(1500, 6)
-    ref, positions = drive(make("wlb", 8, max_wait=6), lens)
+    ref = run(make("wlb", 8, max_wait=6), lens)
     # Resume at every step whose state holds handed-back documents.
     checked = 0
     for k in range(1, len(ref)):
         packer = make("wlb", 8, max_wait=6)
-        head, _ = _steps(packer, lens, k)
+        first_plans, rest = head(packer, lens, k)
         if len(packer.backlog) == 0:
             continue
         state = json.loads(json.dumps(packer.state_dict()))
         resumed = make("wlb", 8, max_wait=6)
         resumed.load_state_dict(state)
-        tail, _ = drive(resumed, lens, pos=positions[k])
-        _assert_same(ref, head + tail)
+        tail = run(resumed, rest)
+        _assert_same(ref, first_plans + tail)
         checked += 1
         if checked == 3:
             break
     assert checked > 0
     # A state written before hand-back existed (no "backlog", no "pulled") still loads.
     packer = make("wlb", 8, max_wait=6)
-    _steps(packer, lens, 3)
+    head(packer, lens, 3)
     state = packer.state_dict()
     state.pop("backlog")
     for pool in ("carry", "queue"):
@@ -394,3 +371,97 @@ def test_back_pressure_keeps_exact_resume_and_old_states_load():
     legacy.load_state_dict(state)
     assert np.array_equal(legacy.carry.pulled, legacy.carry.arrival)
     assert len(legacy.backlog) == 0
+
+
+# ---------------------------------------------------------------------- the driver
+def test_take_until_budget_rule():
+    cum = np.cumsum(np.array([5, 3, 7, 2], np.int64))  # 5 8 15 17
+    assert take_until(0, cum, 0) == (0, False)  # budget 0: nothing, even at the start
+    assert take_until(0, cum, 2) == (2, False)
+    assert take_until(-3, cum, 1) == (1, False)
+    assert take_until(1, cum, 0) == (1, False)  # the crossing document is included
+    assert take_until(5, cum, 0) == (1, False)  # reached exactly: no more
+    assert take_until(6, cum, 0) == (2, False)
+    assert take_until(4, cum, 1) == (3, False)  # from position 1: 3 + 7 crosses 4
+    assert take_until(9, cum, 2) == (4, False)  # 7 + 2 reaches 9 exactly at the end
+    assert take_until(10, cum, 2) == (4, True)  # the stream ends before the budget
+    assert take_until(1, cum, 4) == (4, True)
+    assert take_until(1, np.zeros(0, np.int64), 0) == (0, True)
+
+
+def test_pull_until_matches_take_until():
+    lens = [5, 3, 7, 2]
+    for budget in range(-1, 20):
+        for start in range(len(lens) + 1):
+            it = iter(lens[start:])
+            calls = []
+
+            def pull(it=it, calls=calls):
+                n = next(it, None)
+                calls.append(n)
+                return n
+
+            ran_out = pull_until(budget, pull)
+            pulled = len([c for c in calls if c is not None])
+            end, expect = take_until(budget, np.cumsum(lens), start)
+            assert (start + pulled, ran_out) == (end, expect)
+            if budget <= 0:
+                assert calls == []  # budget 0 pulls nothing
+
+
+def test_driver_pulls_nothing_when_the_budget_is_zero():
+    """fixed_greedy with G = 2 plans two steps at once; the second asks for 0 tokens."""
+    lens = np.full(40, 16, np.int64)
+    packer = make("fixed_greedy", 2, window=2)
+    stream = LengthStream(lens)
+    assert next_plan(packer, stream) is not None
+    pos = stream.pos
+    assert pos > 0 and packer.tokens_wanted() == 0
+    plan = next_plan(packer, stream)
+    assert stream.pos == pos and plan.stats["num_docs"] > 0
+
+
+def test_driver_flushes_from_the_end_of_the_data():
+    """The step whose pull runs out is planned with flush=True, and so is every later one; the
+    queued outliers come out and nothing is lost. A stream that is only a sample is not flushed."""
+    lens = np.array([3] * 30 + [50, 50, 3, 3], np.int64)
+    flushes = []
+
+    class Spy:
+        def __init__(self, packer):
+            self.packer = packer
+
+        def __getattr__(self, name):
+            return getattr(self.packer, name)
+
+        def step(self, ids, lens, *, flush=False):
+            flushes.append(flush)
+            return self.packer.step(ids, lens, flush=flush)
+
+    packer = Spy(make("wlb_paper", 4, queues=(40,), max_wait=20, adaptive_max_wait=0))
+    stream = LengthStream(lens)
+    plans = run(packer, stream)
+    assert stream.exhausted and flushes[-1] and not packer.has_pending()
+    first = flushes.index(True)
+    assert all(flushes[first:]) and stream.pos == lens.size
+    emitted = np.sort(np.concatenate([np.concatenate(p.doc_ids) for p in plans]))
+    assert np.array_equal(emitted, np.arange(lens.size))
+    # A sample: no flush, the queued outliers stay queued once the sample is used up.
+    flushes.clear()
+    sample = Spy(make("wlb_paper", 4, queues=(40,), max_wait=20, adaptive_max_wait=0))
+    for _ in drive(sample, LengthStream(lens, end_of_data=False), 3):
+        pass
+    assert not any(flushes) and sample.has_pending()
+    # drain() flushes what a run that stops early still holds.
+    rest = list(drain(sample))
+    assert rest and not sample.has_pending()
+
+
+def test_drive_stops_after_steps_and_resumes():
+    lens = _skewed(400, 7)
+    whole = run(make("wlb", 4, max_wait=3), lens)
+    packer = make("wlb", 4, max_wait=3)
+    stream = LengthStream(lens)
+    first = list(drive(packer, stream, 5))
+    assert len(first) == 5
+    _assert_same(whole, first + run(packer, stream))

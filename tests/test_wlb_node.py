@@ -13,7 +13,7 @@ from torchdata.nodes import IterableWrapper
 
 from torchtitan_wlb.cost_model import CostModel
 from torchtitan_wlb.data.wlb_node import WLBPackingNode
-from torchtitan_wlb.packing import PackingConfig, build_packer
+from torchtitan_wlb.packing import LengthStream, PackingConfig, build_packer, drive
 
 CTX = 64
 COST = CostModel.from_coefficients(attn_coef=1.0 / 32, linear_coef=1.0)
@@ -231,3 +231,29 @@ def test_resume_with_documents_handed_back_by_back_pressure():
         _same(ref, head + collect(restored))
         checked += 1
     assert checked > 0  # the stream exercises hand-back across a checkpoint
+
+
+@pytest.mark.parametrize("name", ["original", "fixed_greedy", "wlb", "wlb_paper"])
+@pytest.mark.parametrize(
+    "lens",
+    [
+        skewed_lengths(300, 1),
+        [16] * 48,  # the data ends exactly at a step's budget (4 x 64 tokens per step)
+        [60, 60, 50, 3, 3, 3, 2, 70 - 6, 64, 1],  # ends part-way through the first step
+    ],
+)
+def test_node_and_array_driver_plan_alike(name, lens):
+    """The node (over a torchdata source, with tokens) and the in-memory driver (over lengths)
+    follow the same budget and flush rules: the same documents in the same steps."""
+    node = node_for(docs(lens), name, window=2, max_wait=3)
+    from_node = [
+        (s["stats"]["step"], sorted(tuple(mb["doc_ids"] - 1000) for mb in s["micro_batches"]))
+        for s in collect(node)
+    ]
+    packer = node_for(docs(lens), name, window=2, max_wait=3).packer
+    from_array = [
+        (p.step, sorted(tuple(ids) for ids in p.doc_ids))
+        for p in drive(packer, LengthStream(np.asarray(lens)))
+    ]
+    assert from_node == from_array
+    assert not packer.has_pending()

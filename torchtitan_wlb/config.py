@@ -13,15 +13,13 @@ Field-by-field documentation for users lives in docs/configuration.md.
 annotations at run time.)
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Annotated, Any, Literal, get_args, get_origin
 
-PACKERS = ("original", "fixed_greedy", "solver", "wlb", "wlb_paper")
-CP_SHARDINGS = ("per_sequence", "per_document", "adaptive")
-MODES = ("", "plain_4d", "fixed_4d", "wlb")
-ATTENTION_BACKENDS = ("auto", "cpu", "flash", "torch_varlen")
-LONG_DOC_POLICIES = ("split", "truncate", "error")
-COST_MODELS = ("analytic", "coefficients", "profile")
-LOADERS = ("documents", "torchtitan")
+import tyro
+
+from torchtitan_wlb.cp.plan import STRATEGIES
+from torchtitan_wlb.packing import PACKERS
 
 # What each mode of the paper sets: (packing, cp_sharding).
 MODE_PRESETS: dict[str, tuple[str, str]] = {
@@ -29,6 +27,42 @@ MODE_PRESETS: dict[str, tuple[str, str]] = {
     "fixed_4d": ("fixed_greedy", "per_document"),
     "wlb": ("wlb", "adaptive"),
 }
+
+
+def _choice(*values: str) -> Any:
+    """``Literal[values]``, which the command line reads as a plain string shown as ``{a,b,...}``.
+
+    Why not the bare Literal: tyro would reject a bad value itself, before ``__post_init__``, with
+    a message that names neither the ``[wlb]`` section nor the TOML spelling; this way every bad
+    value, from TOML or the command line, gets the same :class:`ConfigError`.
+    """
+    as_string = tyro.constructors.PrimitiveConstructorSpec(
+        nargs=1,
+        metavar="{" + ",".join(values) + "}",
+        instance_from_str=lambda args: args[0],
+        is_instance=lambda value: isinstance(value, str),
+        str_from_instance=lambda value: [value],
+    )
+    return Annotated[Literal[values], as_string]
+
+
+def choice_values(annotation: Any) -> tuple[str, ...]:
+    """The accepted values of a choice field's annotation; empty for other fields."""
+    if get_origin(annotation) is Annotated:
+        annotation = get_args(annotation)[0]
+    return get_args(annotation) if get_origin(annotation) is Literal else ()
+
+
+# The choice fields' types. Packers and CP strategies come from their registries. The attention
+# backends are spelled out because their registry (torchtitan_wlb.attention) imports torch, which
+# the config (read by the simulator and the tools too) must not; a test keeps the two equal.
+Mode = _choice("", *MODE_PRESETS)
+Packing = _choice(*PACKERS)
+CPSharding = _choice(*STRATEGIES)
+AttentionBackend = _choice("auto", "cpu", "flash", "torch_varlen")
+LongDocPolicy = _choice("split", "truncate", "error")
+CostModelKind = _choice("analytic", "coefficients", "profile")
+Loader = _choice("documents", "torchtitan")
 
 
 class ConfigError(ValueError):
@@ -51,20 +85,20 @@ def _check_positive(name: str, value: float, *, allow_zero: bool = False) -> Non
 class WLB:
     """Workload-balanced packing, per-document context parallelism and the document pipeline."""
 
-    mode: str = ""
+    mode: Mode = ""
     """Preset of the paper's configurations: "plain_4d" (original packing + per-sequence CP),
     "fixed_4d" (fixed-length greedy packing + per-document CP), "wlb" (variable-length packing with
     outlier queues + adaptive CP). Empty: use `packing` and `cp_sharding` as given. A preset
     overrides both."""
 
-    packing: str = "wlb"
+    packing: Packing = "wlb"
     """How documents become micro-batches: "original" (TorchTitan-style sequential fill of
     fixed-length sequences), "fixed_greedy", "solver", "wlb" or "wlb_paper"."""
 
-    cp_sharding: str = "adaptive"
+    cp_sharding: CPSharding = "adaptive"
     """How a micro-batch is split over the CP group: "per_sequence", "per_document", "adaptive"."""
 
-    attention_backend: str = "auto"
+    attention_backend: AttentionBackend = "auto"
     """Document-masked attention kernel: "auto", "cpu", "flash" (flash-attn varlen, CUDA),
     "torch_varlen" (torch.nn.attention.varlen, CUDA)."""
 
@@ -72,7 +106,7 @@ class WLB:
     """Restart RoPE positions at 0 at every document (False: positions run over the packed
     sequence, as in TorchTitan)."""
 
-    long_doc_policy: str = "split"
+    long_doc_policy: LongDocPolicy = "split"
     """A document longer than `max_doc_len`: "split" into consecutive pieces (default, no token
     lost), "truncate" (keep the head, count the dropped tokens in the log), "error" (stop)."""
 
@@ -115,7 +149,7 @@ class WLB:
     solver_time_limit_s: float = 10.0
     """Time limit of the exact solver per packing window (packing = "solver")."""
 
-    cost_model: str = "analytic"
+    cost_model: CostModelKind = "analytic"
     """Workload model W(d) = W_a(d) + W_l(d): "analytic" (FLOPs from the model config),
     "coefficients" (attn_coef, linear_coef below), "profile" (JSON table at cost_profile)."""
 
@@ -134,7 +168,7 @@ class WLB:
     text_field: str = "text"
     """Field holding the document text in jsonl / parquet / Hugging Face datasets."""
 
-    loader: str = "documents"
+    loader: Loader = "documents"
     """ "documents": the WLB document pipeline (boundaries reach the model). "torchtitan":
     TorchTitan's own concatenate-and-chop loader, unchanged (no document masking)."""
 
@@ -147,15 +181,11 @@ class WLB:
     <dump_folder>/wlb_metrics/rank_<rank>.jsonl."""
 
     def __post_init__(self) -> None:
-        _check_choice("mode", self.mode, MODES)
-        _check_choice("packing", self.packing, PACKERS)
-        _check_choice("cp_sharding", self.cp_sharding, CP_SHARDINGS)
+        for f in fields(self):  # mode, packing, cp_sharding, ... in declaration order
+            if choice_values(f.type):
+                _check_choice(f.name, getattr(self, f.name), choice_values(f.type))
         if self.mode:
             self.packing, self.cp_sharding = MODE_PRESETS[self.mode]
-        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        _check_choice("long_doc_policy", self.long_doc_policy, LONG_DOC_POLICIES)
-        _check_choice("cost_model", self.cost_model, COST_MODELS)
-        _check_choice("loader", self.loader, LOADERS)
         _check_positive("epochs", self.epochs, allow_zero=True)
         _check_positive("max_doc_len", self.max_doc_len, allow_zero=True)
         _check_positive("micro_batch_max_len", self.micro_batch_max_len, allow_zero=True)

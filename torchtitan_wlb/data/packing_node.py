@@ -14,26 +14,30 @@ from torchdata.nodes import BaseNode
 
 from torchtitan_wlb.cost_model import CostModel
 from torchtitan_wlb.data.wlb_node import WLBPackingNode
-from torchtitan_wlb.packing import PackingConfig, build_packer
+from torchtitan_wlb.packing import PackingConfig, build_packer, packing_config
+
+# [wlb] field -> PackingConfig field, for the knobs passed through unchanged.
+WLB_KNOBS = {
+    "max_delay_steps": "max_wait",
+    "adaptive_max_delay_steps": "adaptive_max_wait",
+    "delay_target": "delay_target",
+    "balance_target": "balance_target",
+    "release_slack": "release_slack",
+    "packing_window": "window",
+    "solver_time_limit_s": "solver_time_limit",
+}
 
 
 def packing_config_from_job(job_config: Any, num_micro_batches: int) -> PackingConfig:
     """The packers' configuration for this job (N micro-batches per step across DP ranks)."""
     wlb = job_config.wlb
-    variable = wlb.packing in ("wlb", "wlb_paper")
-    return PackingConfig(
-        micro_batches=num_micro_batches,
-        context_len=job_config.training.seq_len,
-        # Only the variable-length packers may exceed the context length.
-        smax=(wlb.micro_batch_max_len or None) if variable else None,
-        queue_thresholds=tuple(wlb.queue_thresholds) or None,
-        max_wait=wlb.max_delay_steps,
-        adaptive_max_wait=wlb.adaptive_max_delay_steps,
-        delay_target=wlb.delay_target,
-        balance_target=wlb.balance_target,
-        release_slack=wlb.release_slack,
-        window=wlb.packing_window,
-        solver_time_limit=wlb.solver_time_limit_s,
+    return packing_config(
+        wlb.packing,
+        num_micro_batches,
+        job_config.training.seq_len,
+        smax=wlb.micro_batch_max_len or None,
+        queue_thresholds=wlb.queue_thresholds or None,
+        **{dst: getattr(wlb, src) for src, dst in WLB_KNOBS.items()},
     )
 
 

@@ -31,6 +31,7 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from torchtitan_wlb.packing import Packer
+from torchtitan_wlb.packing.driver import next_plan, pull_until
 from torchtitan_wlb.packing.placement import dp_order
 
 __all__ = ["WLBPackingNode"]
@@ -97,30 +98,9 @@ class WLBPackingNode(BaseNode[dict]):
         }
 
     def next(self) -> dict[str, Any]:
-        budget = self.packer.tokens_wanted()
-        step = self.packer.steps_done
-        ids: list[int] = []
-        lens: list[int] = []
-        if budget > 0 and not self._exhausted:
-            snapshot = self.source.state_dict()
-            got = 0
-            while got < budget:
-                try:
-                    item = next(self.source)
-                except StopIteration:
-                    self._exhausted = True
-                    break
-                doc_id, tokens = self._check(item)
-                self._tokens[doc_id] = tokens
-                ids.append(doc_id)
-                lens.append(tokens.size)
-                got += tokens.size
-            self._snapshots.append((step, snapshot, len(ids)))
-        if not ids and not self.packer.has_pending():
+        plan = next_plan(self.packer, self)
+        if plan is None:
             raise StopIteration
-        plan = self.packer.step(
-            np.asarray(ids, np.int64), np.asarray(lens, np.int64), flush=self._exhausted
-        )
         micro_batches = []
         for j in self._rank_micro_batches(plan.doc_lens).tolist():
             doc_ids, doc_lens = plan.doc_ids[j], plan.doc_lens[j]
@@ -134,6 +114,35 @@ class WLBPackingNode(BaseNode[dict]):
         stats = dict(plan.stats)
         stats["step"] = plan.step
         return {"micro_batches": micro_batches, "stats": stats}
+
+    # ------------------------------------------------------------------ DocumentStream
+    @property
+    def exhausted(self) -> bool:
+        """Whether the source has ended (the packer is flushed from then on)."""
+        return self._exhausted
+
+    def pull(self, budget: int) -> tuple[np.ndarray, np.ndarray]:
+        """Pull documents from the source by the budget rule, keeping their tokens; record the
+        source's state before the pull so that a restore can replay it."""
+        ids: list[int] = []
+        lens: list[int] = []
+        if budget > 0 and not self._exhausted:
+            snapshot = self.source.state_dict()
+
+            def one() -> int | None:
+                try:
+                    item = next(self.source)
+                except StopIteration:
+                    return None
+                doc_id, tokens = self._check(item)
+                self._tokens[doc_id] = tokens
+                ids.append(doc_id)
+                lens.append(tokens.size)
+                return tokens.size
+
+            self._exhausted = pull_until(budget, one)
+            self._snapshots.append((self.packer.steps_done, snapshot, len(ids)))
+        return np.asarray(ids, np.int64), np.asarray(lens, np.int64)
 
     # ------------------------------------------------------------------ helpers
     def _rank_micro_batches(self, doc_lens: list[np.ndarray]) -> np.ndarray:

@@ -5,7 +5,8 @@ optimizer step: ``N`` micro-batches, each a list of document ids. It is a determ
 the documents it has been given, so every data-parallel rank, fed the same stream, computes the
 same plan without communication and keeps its own slice of the ``N`` micro-batches.
 
-Driving protocol (the torchdata node and the benchmark both follow it):
+Driving protocol (implemented once in :mod:`torchtitan_wlb.packing.driver`, which the data node,
+the tools and the simulator use):
 
 1. ``budget = packer.tokens_wanted()``; pull documents from the stream, in order, until their
    token count reaches ``budget`` (the document crossing the budget is included; pull nothing when
@@ -14,8 +15,10 @@ Driving protocol (the torchdata node and the benchmark both follow it):
    fixed-length packing.
 2. ``plan = packer.step(ids, lens)``: the step's ``N`` micro-batches. Documents not placed are
    kept (carried or queued) and placed in a later step.
-3. At the end of the data call ``packer.step(empty, empty, flush=True)`` while
-   ``packer.has_pending()``: queued documents are released and nothing is lost.
+3. At the end of the data (a pull that runs out before its budget) that step and every later one
+   are planned with ``flush=True`` while ``packer.has_pending()``: queued documents are released
+   and nothing is lost. A run that stops before its data ends flushes the same way with no new
+   documents (``driver.drain``).
 
 All state lives in NumPy arrays exposed through ``state_dict`` / ``load_state_dict`` so that a
 restored packer continues bit-for-bit.
@@ -229,6 +232,8 @@ class Packer(ABC):
     """Base of all packers: validation, step counting, metrics and state handling."""
 
     name: str = "base"
+    variable_length: bool = False
+    """Whether micro-batches may exceed the context length up to ``smax`` (else capped at it)."""
 
     def __init__(self, config: PackingConfig, cost_model: CostModel) -> None:
         self.config = config

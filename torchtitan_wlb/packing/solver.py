@@ -16,7 +16,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import highspy
 import numpy as np
 
 from torchtitan_wlb.cost_model import CostModel
@@ -56,6 +55,8 @@ def solve_minmax(
     nothing at all) within ``time_limit`` seconds, it is returned. Raises ``ValueError`` if the
     documents cannot fit and no warm start is given.
     """
+    import highspy  # only the solver needs it; the packer registry imports this module
+
     t0 = time.perf_counter()
     lens = np.asarray(lens, np.int64)
     n = lens.size

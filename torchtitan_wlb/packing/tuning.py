@@ -16,6 +16,7 @@ import numpy as np
 
 from torchtitan_wlb.cost_model import CostModel
 from torchtitan_wlb.packing.base import PackingConfig
+from torchtitan_wlb.packing.driver import LengthStream, drive
 from torchtitan_wlb.packing.wlb import default_thresholds
 
 __all__ = ["TuneResult", "simulate", "tune_queues"]
@@ -47,21 +48,16 @@ def simulate(
     from torchtitan_wlb.packing import build_packer
 
     packer = build_packer(name, config, cost_model)
-    ids = np.arange(lengths.size, dtype=np.int64)
-    cs = np.cumsum(lengths)
-    pos = 0
+    # A sample of a longer stream: its end is not the end of the data, so nothing is flushed,
+    # and the steps stop once it is used up.
+    stream = LengthStream(lengths, end_of_data=False)
     imb, delay_tok, tok = [], 0.0, 0
-    for _ in range(steps):
-        budget = packer.tokens_wanted()
-        if pos >= lengths.size:
-            break
-        base = cs[pos - 1] if pos else 0
-        end = min(lengths.size, int(np.searchsorted(cs, base + budget, side="left")) + 1)
-        plan = packer.step(ids[pos:end], lengths[pos:end])
-        pos = end
+    for plan in drive(packer, stream, steps):
         imb.append(plan.stats["imbalance"])
         delay_tok += plan.stats["mean_delay"] * plan.stats["tokens"]
         tok += plan.stats["tokens"]
+        if stream.remaining == 0:
+            break
     return (float(np.mean(imb)) if imb else 1.0, delay_tok / tok if tok else 0.0)
 
 

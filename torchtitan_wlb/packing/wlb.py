@@ -43,7 +43,7 @@ Two packers share the queues:
 
   7. **A balanced drain.** At the end of the data the documents still held (queued outliers,
      carried and handed-back documents) are spread over as few final steps as balance allows by
-     :func:`~torchtitan_wlb.packing.drain.plan_drain`, heaviest step first, instead of being
+     :func:`~torchtitan_wlb.packing.end_of_data.plan_drain`, heaviest step first, instead of being
      released together.
 
 Both force a document out after K steps (``wlb``: the adaptive K, between ``max_wait`` and
@@ -61,7 +61,7 @@ import numpy as np
 
 from torchtitan_wlb.cost_model import CostModel
 from torchtitan_wlb.packing.base import DocPool, Packer, PackingConfig
-from torchtitan_wlb.packing.drain import plan_drain
+from torchtitan_wlb.packing.end_of_data import plan_drain
 from torchtitan_wlb.packing.placement import fill_rounds, lpt_place
 
 __all__ = ["WLBPacker", "WLBPaperPacker", "default_thresholds", "default_smax"]
@@ -107,6 +107,8 @@ class _QueuedPacker(Packer):
     ``queue.tag`` is the queue level (1..n) of each waiting document; the pool is kept in arrival
     order, so selecting by level gives each queue in FIFO order.
     """
+
+    variable_length = True
 
     def __init__(self, config: PackingConfig, cost_model: CostModel) -> None:
         super().__init__(config, cost_model)

@@ -1,7 +1,7 @@
 """The simulator's bridge to the project's packers, CP planner and cost model (no re-implementation).
 
-* packing: the packers of ``torchtitan_wlb.packing`` driven exactly as the data node drives them
-  (``tokens_wanted`` -> pull documents in stream order -> ``step``);
+* packing: the packers of ``torchtitan_wlb.packing`` driven by its driver, as the data node drives
+  them (``tokens_wanted`` -> pull documents in stream order -> ``step``);
 * CP: ``torchtitan_wlb.cp.plan.build_cp_plan`` per micro-batch; its segment table is the attention work
   of each rank;
 * attention throughput: the CP planner's throughput profile (the table adaptive selection uses), scaled
@@ -14,13 +14,13 @@
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from functools import lru_cache
 
 import numpy as np
 
 from torchtitan_wlb.cost_model import CostModel
+from torchtitan_wlb.packing import LengthStream, build_packer, drive
+from torchtitan_wlb.packing import packing_config as _packing_config
 from torchtitan_wlb.sim.timing import (
     TILE,
     AttentionTimeFn,
@@ -29,56 +29,19 @@ from torchtitan_wlb.sim.timing import (
     tile_padded_time_fn,
 )
 
-# Imported lazily by name so that a packer module still being written elsewhere does not break the
-# simulator's other modes.
-_PACKING_PKG = "torchtitan_wlb.packing"
-
-
-@lru_cache(maxsize=1)
-def _packer_classes() -> dict[str, type]:
-    """Packer name -> class, found by scanning torchtitan_wlb.packing for Packer subclasses."""
-    from torchtitan_wlb.packing import base
-
-    pkg = importlib.import_module(_PACKING_PKG)
-    found: dict[str, type] = {}
-    for info in pkgutil.iter_modules(pkg.__path__):
-        try:
-            mod = importlib.import_module(f"{_PACKING_PKG}.{info.name}")
-        except ImportError:
-            continue
-        for obj in vars(mod).values():
-            if (
-                isinstance(obj, type)
-                and issubclass(obj, base.Packer)
-                and not getattr(obj, "__abstractmethods__", None)
-                and isinstance(getattr(obj, "name", None), str)
-            ):
-                found.setdefault(obj.name, obj)
-    return found
-
-
-def make_packer(name: str, config, cost_model: CostModel):
-    """Instantiate the project's packer ``name`` (the registry if the package has one)."""
-    pkg = importlib.import_module(_PACKING_PKG)
-    builder = getattr(pkg, "build_packer", None)
-    if builder is not None:
-        return builder(name, config, cost_model)
-    classes = _packer_classes()
-    if name not in classes:
-        raise ValueError(f"packer {name!r} is not available; found: {', '.join(sorted(classes))}")
-    return classes[name](config, cost_model)
+make_packer = build_packer  # the name sim.analyze imports
 
 
 def packing_config(mode, cfg, n_global: int):
-    """The PackingConfig of one mode."""
-    from torchtitan_wlb.packing.base import PackingConfig
-
+    """The PackingConfig of one mode. The knobs the simulator has no setting for (the adaptive
+    delay and release targets of ``wlb``) keep their defaults, the ``[wlb]`` section's."""
     thresholds = cfg.queue_thresholds
     if mode.packer.startswith("wlb") and not mode.outlier_delay:
         thresholds = ()  # no outlier queues: variable-length balancing inside the step only
-    return PackingConfig(
-        micro_batches=n_global,
-        context_len=cfg.context_len,
+    return _packing_config(
+        mode.packer,
+        n_global,
+        cfg.context_len,
         smax=cfg.smax if mode.variable_length else None,
         queue_thresholds=thresholds,
         max_wait=cfg.max_delay_steps,
@@ -103,21 +66,13 @@ def pack_steps(mode, lengths: np.ndarray, cfg, n_steps: int) -> tuple[list[list[
     else:
         docs = split_long(lengths, cfg.context_len)
         docs = cycle_to(docs, need, np.random.default_rng(cfg.seed))
-    cum = np.cumsum(docs)
     cost_model = cost_model_for(cfg)
-    packer = make_packer(mode.packer, packing_config(mode, cfg, cfg.n_global), cost_model)
+    packer = build_packer(mode.packer, packing_config(mode, cfg, cfg.n_global), cost_model)
     dp = cfg.layout.dp
-    pos = 0
     steps: list[list[np.ndarray]] = []
     stats_acc: dict[str, list[float]] = {}
-    for _ in range(n_steps):
-        budget = packer.tokens_wanted()
-        end = pos
-        if budget > 0 and pos < docs.size:
-            base = cum[pos - 1] if pos else 0
-            end = min(int(np.searchsorted(cum, base + budget, side="left")) + 1, docs.size)
-        plan = packer.step(np.arange(pos, end, dtype=np.int64), docs[pos:end])
-        pos = end
+    # A window of a training run's stream: its end is not the end of the data (no flush).
+    for plan in drive(packer, LengthStream(docs, end_of_data=False), n_steps):
         mbs = [np.asarray(x, dtype=np.int64) for x in plan.doc_lens]
         # DP ranks take contiguous groups of micro-batches downstream: order them the way the
         # data loader deals them (workload-balanced, or contiguous for the original baseline).

@@ -70,7 +70,11 @@ def render() -> str:
     lines = [HEADER]
     for f in dataclasses.fields(config.WLB):
         value = getattr(default, f.name)
-        type_name = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        choices = config.choice_values(f.type)
+        if choices:
+            type_name = " | ".join(repr(c) for c in choices)
+        else:
+            type_name = getattr(f.type, "__name__", str(f.type))
         lines.append(f"### `{f.name}` — `{type_name}`, default `{value!r}`\n")
         lines.append(textwrap.fill(docs.get(f.name, "(undocumented)"), width=100) + "\n")
     return "\n".join(lines)

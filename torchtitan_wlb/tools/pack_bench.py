@@ -20,14 +20,22 @@ import argparse
 import json
 import statistics
 import sys
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
 import numpy as np
 
 from torchtitan_wlb.cost_model import CostModel
 from torchtitan_wlb.models.catalogue import MODELS, get_model
-from torchtitan_wlb.packing import PACKERS, PackingConfig, build_packer
+from torchtitan_wlb.packing import (
+    PACKERS,
+    LengthStream,
+    PackingConfig,
+    build_packer,
+    drain,
+    drive,
+    packing_config,
+)
 from torchtitan_wlb.packing.tuning import tune_queues
 from torchtitan_wlb.workloads import (
     DEFAULT_NUM_DOCS,
@@ -73,41 +81,17 @@ def run(
 ) -> dict[str, Any]:
     """Drive one packer over ``steps`` global batches plus the final flush; return the summary."""
     packer = build_packer(packer_name, config, cost_model)
-    ids = np.arange(lengths.size, dtype=np.int64)
-    cs = np.cumsum(lengths)
-    pos = 0
-    per_step: list[dict[str, Any]] = []
-    tokens_out = 0
-    emitted = 0
-    max_mb_tokens = 0
-    done = 0
-    while done < steps:
-        budget = packer.tokens_wanted()
-        end = pos
-        if budget > 0 and pos < lengths.size:
-            base = cs[pos - 1] if pos else 0
-            end = min(lengths.size, int(np.searchsorted(cs, base + budget, side="left")) + 1)
-        exhausted = end >= lengths.size and budget > 0
-        if pos >= lengths.size and not packer.has_pending():
-            break
-        plan = packer.step(ids[pos:end], lengths[pos:end], flush=exhausted and end == pos)
-        pos = end
-        per_step.append(plan.stats)
-        tokens_out += sum(int(x.sum()) for x in plan.doc_lens)
-        emitted += sum(x.size for x in plan.doc_ids)
-        max_mb_tokens = max(max_mb_tokens, plan.stats["max_tokens"])
-        done += 1
+    stream = LengthStream(lengths)
+    main = list(drive(packer, stream, steps))
     # Flush: what is still queued or carried after the S steps is emitted and counted.
-    flush_steps = 0
-    while packer.has_pending():
-        plan = packer.step(ids[:0], lengths[:0], flush=True)
-        tokens_out += sum(int(x.sum()) for x in plan.doc_lens)
-        emitted += sum(x.size for x in plan.doc_ids)
-        max_mb_tokens = max(max_mb_tokens, plan.stats["max_tokens"])
-        flush_steps += 1
-        if flush_steps > 10 * (lengths.size + 1):
-            raise RuntimeError("flush did not terminate")
-    tokens_in = int(lengths[:pos].sum())
+    flushed = list(drain(packer))
+    plans = main + flushed
+    per_step = [plan.stats for plan in main]
+    tokens_out = sum(int(x.sum()) for plan in plans for x in plan.doc_lens)
+    emitted = sum(x.size for plan in plans for x in plan.doc_ids)
+    max_mb_tokens = max((plan.stats["max_tokens"] for plan in plans), default=0)
+    flush_steps = len(flushed)
+    tokens_in = int(lengths[: stream.pos].sum())
     n_tok = sum(s["tokens"] for s in per_step)
     ms = [s["pack_ms"] for s in per_step]
     if config.window > 1 and packer_name in ("fixed_greedy", "solver"):
@@ -129,7 +113,7 @@ def run(
         "max_tokens_per_microbatch": int(max_mb_tokens),
         "tokens_in": tokens_in,
         "tokens_out": int(tokens_out),
-        "docs_in": int(pos),
+        "docs_in": stream.pos,
         "docs_out": int(emitted),
         "flush_steps": flush_steps,
         "context_len": config.context_len,
@@ -139,6 +123,19 @@ def run(
         "final_wait": getattr(packer, "k_eff", config.max_wait),
         "queues": [int(x) for x in getattr(packer, "thresholds", [])],
     }
+
+
+# The flags named after PackingConfig fields (argparse dest = field name), defaults from it.
+DEFAULTS = {f.name: f.default for f in fields(PackingConfig)}
+KNOBS = (
+    "max_wait",
+    "window",
+    "solver_time_limit",
+    "balance_target",
+    "release_slack",
+    "adaptive_max_wait",
+    "delay_target",
+)
 
 
 def _positive_int(text: str) -> int:
@@ -209,20 +206,42 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=_positive_int, default=100)
     p.add_argument("--queues", type=_queues, default=None, help="thresholds, e.g. 32768,65536")
     p.add_argument("--smax", type=_positive_int, default=None, help="micro-batch token cap")
-    p.add_argument("--max-wait", type=_nonneg_int, default=12, help="K: max steps in a queue")
-    p.add_argument("--window", type=_positive_int, default=1, help="G for fixed_greedy/solver")
-    p.add_argument("--solver-time-limit", type=float, default=10.0, help="seconds per window")
-    p.add_argument("--balance-target", type=float, default=1.01, help="wlb release target")
     p.add_argument(
-        "--release-slack", type=float, default=0.25, help="wlb: target growth with age / K"
+        "--max-wait", type=_nonneg_int, default=DEFAULTS["max_wait"], help="K: max steps in a queue"
+    )
+    p.add_argument(
+        "--window", type=_positive_int, default=DEFAULTS["window"], help="G for fixed_greedy/solver"
+    )
+    p.add_argument(
+        "--solver-time-limit",
+        type=float,
+        default=DEFAULTS["solver_time_limit"],
+        help="seconds per window",
+    )
+    p.add_argument(
+        "--balance-target",
+        type=float,
+        default=DEFAULTS["balance_target"],
+        help="wlb release target",
+    )
+    p.add_argument(
+        "--release-slack",
+        type=float,
+        default=DEFAULTS["release_slack"],
+        help="wlb: target growth with age / K",
     )
     p.add_argument(
         "--adaptive-max-wait",
         type=_nonneg_int,
-        default=32,
+        default=DEFAULTS["adaptive_max_wait"],
         help="wlb: K may grow up to this while the delay is under --delay-target (<= K: fixed K)",
     )
-    p.add_argument("--delay-target", type=float, default=0.3, help="wlb: adaptive K's target")
+    p.add_argument(
+        "--delay-target",
+        type=float,
+        default=DEFAULTS["delay_target"],
+        help="wlb: adaptive K's target",
+    )
     p.add_argument(
         "--max-doc-len",
         type=_positive_int,
@@ -262,24 +281,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _config(args: argparse.Namespace, packer: str, **over: Any) -> PackingConfig:
-    smax = args.smax
-    if smax is None and packer in ("original", "fixed_greedy", "solver"):
-        smax = args.context_len
-    kw = dict(
-        micro_batches=args.micro_batches,
-        context_len=args.context_len,
-        smax=smax,
-        queue_thresholds=args.queues,
-        max_wait=args.max_wait,
-        window=args.window,
-        solver_time_limit=args.solver_time_limit,
-        balance_target=args.balance_target,
-        release_slack=args.release_slack,
-        adaptive_max_wait=args.adaptive_max_wait,
-        delay_target=args.delay_target,
-    )
-    kw.update(over)
-    return PackingConfig(**kw)
+    knobs: dict[str, Any] = {k: getattr(args, k) for k in KNOBS}
+    knobs.update(smax=args.smax, queue_thresholds=args.queues)
+    knobs.update(over)
+    return packing_config(packer, args.micro_batches, args.context_len, **knobs)
 
 
 def _prepare(args: argparse.Namespace, cap: int) -> tuple[np.ndarray, int]:
@@ -337,16 +342,8 @@ def solver_gap(
     from torchtitan_wlb.packing.solver import solve_minmax
 
     packer = build_packer("wlb", config, cost_model)
-    ids = np.arange(lengths.size, dtype=np.int64)
-    cs = np.cumsum(lengths)
-    pos = 0
     ratios, bound_ratios, solved = [], [], 0
-    for _ in range(steps):
-        budget = packer.tokens_wanted()
-        base = cs[pos - 1] if pos else 0
-        end = min(lengths.size, int(np.searchsorted(cs, base + budget, side="left")) + 1)
-        plan = packer.step(ids[pos:end], lengths[pos:end])
-        pos = end
+    for plan in drive(packer, LengthStream(lengths), steps):
         lens = np.concatenate(plan.doc_lens)
         mine = plan.stats["max_workload"]
         if lens.size == 0:  # everything queued this step: nothing to compare

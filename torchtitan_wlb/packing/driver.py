@@ -1,0 +1,150 @@
+"""The driving protocol of every packer (see ``base.py``): a document stream in, plans out.
+
+The data node, the packing benchmark, queue tuning and the simulator all drive packers through
+this module, so the budget rule exists once: the step's budget is ``packer.tokens_wanted()``;
+documents are taken in stream order until their tokens reach it, the crossing document included,
+none when it is 0 (:func:`take_until` over cumulative lengths, vectorised; :func:`pull_until` over
+an iterator). A pull that runs out of documents marks the end of the data: that step and every
+later one are planned with ``flush=True`` until the packer holds nothing (:func:`next_plan`).
+The data node and :class:`LengthStream` (lengths in memory) are the two :class:`DocumentStream`
+implementations; fed the same documents they produce the same plans.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+import numpy as np
+
+from torchtitan_wlb.packing.base import PackedStep, Packer
+
+__all__ = [
+    "DocumentStream",
+    "LengthStream",
+    "drain",
+    "drive",
+    "next_plan",
+    "pull_until",
+    "take_until",
+]
+
+
+def take_until(budget: int, cum: np.ndarray, start: int) -> tuple[int, bool]:
+    """Documents to take from position ``start`` of a stream with cumulative lengths ``cum``.
+
+    Returns ``(end, ran_out)``: documents ``start .. end - 1`` are taken, the fewest whose tokens
+    reach ``budget`` (none when ``budget <= 0``); ``ran_out`` is True when the stream ends before
+    the budget is reached (everything left is taken). One ``searchsorted``, no per-document loop.
+    """
+    if budget <= 0:
+        return start, False
+    base = int(cum[start - 1]) if start else 0
+    end = int(np.searchsorted(cum, base + budget, side="left")) + 1
+    if end > cum.size:
+        return int(cum.size), True
+    return end, False
+
+
+def pull_until(budget: int, pull: Callable[[], int | None]) -> bool:
+    """The same rule over an iterator: call ``pull`` (one document's length, or None at the end of
+    the stream) until the pulled tokens reach ``budget``; never when ``budget <= 0``.
+
+    Returns whether the stream ran out before the budget was reached.
+    """
+    got = 0
+    while got < budget:
+        n = pull()
+        if n is None:
+            return True
+        got += n
+    return False
+
+
+class DocumentStream(Protocol):
+    """What :func:`next_plan` pulls from: an in-memory stream or the data node's source."""
+
+    @property
+    def exhausted(self) -> bool:
+        """Whether the end of the data was reached (the packer is flushed from then on)."""
+
+    def pull(self, budget: int) -> tuple[np.ndarray, np.ndarray]:
+        """Ids and lengths (int64) of the next documents, taken by the budget rule."""
+
+
+def next_plan(packer: Packer, stream: DocumentStream) -> PackedStep | None:
+    """One step of the protocol: pull the packer's budget, plan the step (flushing once the data
+    has ended). None when the stream gave nothing and the packer holds nothing: the data is done."""
+    ids, lens = stream.pull(packer.tokens_wanted())
+    if ids.size == 0 and not packer.has_pending():
+        return None
+    return packer.step(ids, lens, flush=stream.exhausted)
+
+
+class LengthStream:
+    """Document lengths in stream order, pulled by the budget rule; document ``i`` has id ``i``.
+
+    Args:
+        lengths: token count of every document (>= 1), in stream order.
+        pos: documents already pulled (to resume a stream part-way).
+        exhausted: whether a pull has already run out (to resume a stream part-way).
+        end_of_data: whether running out of ``lengths`` is the end of the data (True: the packer
+            is flushed from then on, as the data node does at the end of its source). False for a
+            sample of a longer stream (tuning, the simulator's window): its end is not the data's
+            end, so queued documents are not forced out.
+    """
+
+    def __init__(
+        self,
+        lengths: np.ndarray,
+        *,
+        pos: int = 0,
+        exhausted: bool = False,
+        end_of_data: bool = True,
+    ) -> None:
+        self.lengths = np.asarray(lengths, np.int64).reshape(-1)
+        self.ids = np.arange(self.lengths.size, dtype=np.int64)
+        self.pos = pos
+        self.end_of_data = end_of_data
+        self._cum = np.cumsum(self.lengths)
+        self._ran_out = exhausted
+
+    @property
+    def exhausted(self) -> bool:
+        return self._ran_out and self.end_of_data
+
+    @property
+    def remaining(self) -> int:
+        """Documents not pulled yet."""
+        return int(self.lengths.size - self.pos)
+
+    def pull(self, budget: int) -> tuple[np.ndarray, np.ndarray]:
+        start = self.pos
+        self.pos, ran_out = take_until(budget, self._cum, start)
+        self._ran_out = self._ran_out or ran_out
+        return self.ids[start : self.pos], self.lengths[start : self.pos]
+
+
+def drive(packer: Packer, stream: LengthStream, steps: int | None = None) -> Iterator[PackedStep]:
+    """The plans of ``packer`` over ``stream``: at most ``steps`` of them (None: to the end of the
+    data, its final flush included), fewer if the stream and the packer run empty first."""
+    done = 0
+    while steps is None or done < steps:
+        plan = next_plan(packer, stream)
+        if plan is None:
+            return
+        yield plan
+        done += 1
+
+
+def drain(packer: Packer) -> Iterator[PackedStep]:
+    """Flush steps (no new documents) while ``packer`` holds documents: what a run that stops
+    before the end of its data still owes."""
+    empty = np.zeros(0, np.int64)
+    # Every flush step emits something; the bound only turns a packer bug into an error.
+    for _ in range(10 * (len(packer.pending()) + 1)):
+        if not packer.has_pending():
+            return
+        yield packer.step(empty, empty, flush=True)
+    if packer.has_pending():
+        raise RuntimeError(f"packer {packer.name!r} still holds documents after the flush steps")
