@@ -155,11 +155,15 @@ def test_adaptive_picks_lower_estimate():
 
 
 def test_shard_selects_tokens():
+    from torchtitan_wlb.cp.local import shard_tensor
+
     plan = build_cp_plan(np.array([3, 5]), 2, "per_document")
     tokens = torch.arange(8)[None, :] * 10
-    np.testing.assert_array_equal(plan.shard(1, tokens).numpy()[0], plan.token_indices(1) * 10)
+    np.testing.assert_array_equal(
+        shard_tensor(plan, 1, tokens).numpy()[0], plan.token_indices(1) * 10
+    )
     with pytest.raises(ValueError, match="tensor has 7 tokens along dim -1, the plan covers 8"):
-        plan.shard(0, torch.zeros(1, 7))
+        shard_tensor(plan, 0, torch.zeros(1, 7))
     with pytest.raises(ValueError, match="rank 2 is outside"):
         plan.token_indices(2)
 

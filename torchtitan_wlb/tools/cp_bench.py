@@ -29,7 +29,8 @@ from pathlib import Path
 import numpy as np
 
 from torchtitan_wlb.cost_model import CostModel
-from torchtitan_wlb.cp.plan import CPPlan, build_cp_plan
+from torchtitan_wlb.cp.adaptive import build_cp_plan
+from torchtitan_wlb.cp.plan import CPPlan
 from torchtitan_wlb.cp.profile import resolve_profile
 from torchtitan_wlb.packing import OriginalPacker, PackingConfig
 
