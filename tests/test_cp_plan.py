@@ -289,3 +289,10 @@ def test_cp_profile_cli_measures_a_complete_table(tmp_path, capsys):
     assert np.all(prof.table[np.triu_indices(2)] > 0) and np.isnan(prof.table[1, 0])
     plan = build_cp_plan(np.array([30, 20, 5]), 2, "adaptive", profile=prof)
     assert plan.strategy in FIXED
+
+
+def test_draft_takes_fixed_strategies_only():
+    from torchtitan_wlb.cp.plan import draft_sharding
+
+    with pytest.raises(ValueError, match="'adaptive' is not one of.*cp.adaptive.build_cp_plan"):
+        draft_sharding(np.array([4, 4]), 2, "adaptive")

@@ -47,7 +47,6 @@ __all__ = [
     "CPPlan",
     "LocalAttentionSpec",
     "ShardingDraft",
-    "build_fixed_plan",
     "causal_pairs",
     "draft_sharding",
     "validate_doc_lens",
@@ -313,31 +312,15 @@ class ShardingDraft:
         return _finish(lens, cu, c, self.strategy, requested, *raw)
 
 
-def build_fixed_plan(
-    doc_lens: np.ndarray,
-    cp_degree: int,
-    strategy: str = "per_document",
-    *,
-    seq_len: int | None = None,
-) -> CPPlan:
-    """Plan the CP split of one packed micro-batch with a fixed strategy.
-
-    Args:
-        doc_lens: 1-D document lengths (each >= 1), in packed order.
-        cp_degree: CP ranks ``c`` (``1 <= c <= sum(doc_lens)``).
-        strategy: ``"per_sequence" | "per_document"`` (adaptive choice between them:
-            ``torchtitan_wlb.cp.adaptive.build_cp_plan``).
-        seq_len: if given, the packed length the lengths must sum to.
-    """
-    _check_strategy(strategy)
-    return draft_sharding(
-        validate_doc_lens(doc_lens, cp_degree, seq_len), cp_degree, strategy
-    ).plan()
-
-
 def draft_sharding(lens: np.ndarray, cp_degree: int, strategy: str) -> ShardingDraft:
-    """The segments of ``strategy`` for lengths already checked by :func:`validate_doc_lens`."""
-    _check_strategy(strategy)
+    """The segments of ``strategy`` (``"per_sequence" | "per_document"``) for lengths checked by
+    :func:`validate_doc_lens`; ``draft_sharding(...).plan()`` is the plan. Choosing between the
+    two is ``torchtitan_wlb.cp.adaptive.build_cp_plan``."""
+    if strategy not in FIXED_STRATEGIES:
+        raise ValueError(
+            f"fixed CP strategy {strategy!r} is not one of {FIXED_STRATEGIES} (adaptive selection "
+            "is torchtitan_wlb.cp.adaptive.build_cp_plan)"
+        )
     doc_cu = np.zeros(len(lens) + 1, dtype=np.int64)
     np.cumsum(lens, out=doc_cu[1:])
     if strategy == "per_document":
@@ -345,14 +328,6 @@ def draft_sharding(lens: np.ndarray, cp_degree: int, strategy: str) -> ShardingD
     else:
         table = _per_sequence(lens, doc_cu, cp_degree)
     return ShardingDraft(strategy, lens, doc_cu, cp_degree, table)
-
-
-def _check_strategy(strategy: str) -> None:
-    if strategy not in FIXED_STRATEGIES:
-        raise ValueError(
-            f"fixed CP strategy {strategy!r} is not one of {FIXED_STRATEGIES} (adaptive selection "
-            "is torchtitan_wlb.cp.adaptive.build_cp_plan)"
-        )
 
 
 def validate_doc_lens(doc_lens: Any, cp_degree: Any, seq_len: int | None = None) -> np.ndarray:
