@@ -43,10 +43,11 @@ ROOMS = {
 }
 
 # Room -> the other rooms its modules may import. Bottom up: the cost model, then packing (pure
-# NumPy) and the data nodes; attention kernels, the CP plan (pure NumPy), the CP op, and adaptive
-# selection with its profile ("cp"), then the model; the pipeline; the trainer; tools and the
-# simulator on top, neither importing the other. config holds the [wlb] section and takes its
-# accepted values from the registries below it.
+# NumPy) and the data nodes; attention kernels, the CP plan (pure NumPy), the CP op with its tensor
+# adapters ("cp.op"), adaptive selection with its profile ("cp"), then the model; the pipeline; the
+# trainer; tools and the simulator on top, neither importing the other. config holds the [wlb]
+# section and takes its accepted values from the registries below it; "platform" (cpu_support)
+# makes TorchTitan run on CPU and imports nothing of the package. A new module needs a room here.
 _CP = {"attention", "cp.plan", "cp.op", "cp"}
 _BELOW_PIPELINE = {"platform", "cost_model", "packing", "config", "data", "models"} | _CP
 ALLOWED = {
