@@ -139,7 +139,7 @@ def test_choice_fields_are_literals_of_the_registries():
 
     from torchtitan_wlb.attention import BACKENDS
     from torchtitan_wlb.config import MODE_PRESETS, choice_values
-    from torchtitan_wlb.cp.plan import STRATEGIES
+    from torchtitan_wlb.cp.adaptive import STRATEGIES
     from torchtitan_wlb.packing import PACKERS
 
     types = {f.name: f.type for f in dataclasses.fields(WLB)}

@@ -71,6 +71,7 @@ def _run_case(name, cp, mesh_or_group, rank_in_group):
 
     from torchtitan_wlb.attention import DocumentAttentionMetadata, attention_from_metadata
     from torchtitan_wlb.cp import build_cp_plan
+    from torchtitan_wlb.cp.local import build_cp_attention_metadata, shard_tensor
 
     spec, strategy, n_heads, n_kv, use_dtensor = CASES[name]
     doc_lens = _doc_lens(spec, cp)
@@ -84,8 +85,10 @@ def _run_case(name, cp, mesh_or_group, rank_in_group):
 
     plan = build_cp_plan(doc_lens, cp, strategy)
     idx = torch.from_numpy(plan.token_indices(rank_in_group))
-    ql, kl, vl = (plan.shard(rank_in_group, t, dim=0).requires_grad_(True) for t in (q, k, v))
-    cp_meta = plan.attention_metadata(rank_in_group, mesh_or_group)
+    ql, kl, vl = (
+        shard_tensor(plan, rank_in_group, t, dim=0).requires_grad_(True) for t in (q, k, v)
+    )
+    cp_meta = build_cp_attention_metadata(plan, rank_in_group, mesh_or_group)
     meta = DocumentAttentionMetadata(
         cu_seqlens=torch.zeros(1, dtype=torch.int32), max_seqlen=0, backend="cpu", cp=cp_meta
     )
@@ -115,27 +118,35 @@ def _run_case(name, cp, mesh_or_group, rank_in_group):
 
 
 def _run_shard_helper(cp, mesh, rank_in_group):
-    """shard_micro_batch: local inputs/labels/positions agree with the plan; its metadata runs."""
-    from torchtitan_wlb.attention import attention_from_metadata
+    """The trainer's CP sharding of a [1, T] micro-batch (``WLBTrainer._shard_for_cp``): local
+    inputs/labels/per-document positions agree with the plan; its metadata runs."""
+    from torchtitan_wlb.attention import DocumentAttentionMetadata, attention_from_metadata
     from torchtitan_wlb.cp import build_cp_plan
-    from torchtitan_wlb.cp.shard import shard_micro_batch
+    from torchtitan_wlb.cp.local import build_cp_attention_metadata, shard_tensor
 
     doc_lens = np.array([7, 1, 12, 3])
     inputs = torch.arange(23)[None, :] + 100
     labels = torch.arange(23)[None, :] + 200
-    shard = shard_micro_batch(
-        doc_lens, inputs, labels, mesh, strategy="per_document", backend="cpu"
-    )
+    starts = np.repeat(np.cumsum(doc_lens) - doc_lens, doc_lens)
+    positions = torch.from_numpy(np.arange(23) - starts)[None, :]
     plan = build_cp_plan(doc_lens, cp, "per_document")
+    rank = mesh.get_local_rank()
+    local = [shard_tensor(plan, rank, t, dim=1) for t in (inputs, labels, positions)]
+    masks = DocumentAttentionMetadata(
+        cu_seqlens=torch.zeros(0, dtype=torch.int32),
+        max_seqlen=0,
+        backend="cpu",
+        cp=build_cp_attention_metadata(plan, rank, mesh, device=inputs.device),
+    )
     idx, pos = plan.rank_indices(rank_in_group)
     ok = (
-        shard.inputs[0].tolist() == (idx + 100).tolist()
-        and shard.labels[0].tolist() == (idx + 200).tolist()
-        and shard.positions[0].tolist() == pos.tolist()
-        and shard.num_tokens == 23
+        local[0][0].tolist() == (idx + 100).tolist()
+        and local[1][0].tolist() == (idx + 200).tolist()
+        and local[2][0].tolist() == pos.tolist()
+        and plan.seq_len == 23
     )
     q = torch.randn(len(idx), 2, 4)
-    out = attention_from_metadata(q, q, q, shard.attention_masks)
+    out = attention_from_metadata(q, q, q, masks)
     return {"tokens": len(idx), "out": 0.0 if ok and out.shape == q.shape else 1.0,
             "dq": 0.0, "dk": 0.0, "dv": 0.0}  # fmt: skip
 
@@ -232,7 +243,7 @@ def test_shape_errors_name_the_values():
 
 
 def test_resolve_group_rejects_other_objects():
-    from torchtitan_wlb.cp.op import resolve_cp_group
+    from torchtitan_wlb.cp.local import resolve_cp_group
 
     with pytest.raises(ValueError, match="ProcessGroup or DeviceMesh"):
         resolve_cp_group("cp")

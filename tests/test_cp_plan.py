@@ -155,11 +155,15 @@ def test_adaptive_picks_lower_estimate():
 
 
 def test_shard_selects_tokens():
+    from torchtitan_wlb.cp.local import shard_tensor
+
     plan = build_cp_plan(np.array([3, 5]), 2, "per_document")
     tokens = torch.arange(8)[None, :] * 10
-    np.testing.assert_array_equal(plan.shard(1, tokens).numpy()[0], plan.token_indices(1) * 10)
+    np.testing.assert_array_equal(
+        shard_tensor(plan, 1, tokens).numpy()[0], plan.token_indices(1) * 10
+    )
     with pytest.raises(ValueError, match="tensor has 7 tokens along dim -1, the plan covers 8"):
-        plan.shard(0, torch.zeros(1, 7))
+        shard_tensor(plan, 0, torch.zeros(1, 7))
     with pytest.raises(ValueError, match="rank 2 is outside"):
         plan.token_indices(2)
 
@@ -287,3 +291,10 @@ def test_cp_profile_cli_measures_a_complete_table(tmp_path, capsys):
     assert np.all(prof.table[np.triu_indices(2)] > 0) and np.isnan(prof.table[1, 0])
     plan = build_cp_plan(np.array([30, 20, 5]), 2, "adaptive", profile=prof)
     assert plan.strategy in FIXED
+
+
+def test_draft_takes_fixed_strategies_only():
+    from torchtitan_wlb.cp.plan import draft_sharding
+
+    with pytest.raises(ValueError, match="'adaptive' is not one of.*cp.adaptive.build_cp_plan"):
+        draft_sharding(np.array([4, 4]), 2, "adaptive")

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 
 import tyro
 
-from torchtitan_wlb.cp.plan import STRATEGIES
+from torchtitan_wlb.cp.adaptive import STRATEGIES
 from torchtitan_wlb.packing import PACKERS
 
 # What each mode of the paper sets: (packing, cp_sharding).

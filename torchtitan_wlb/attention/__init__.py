@@ -1,6 +1,7 @@
 """Document-masked causal attention over packed sequences (CPU, flash-attn, torch varlen)."""
 
 from torchtitan_wlb.attention.metadata import (
+    ContextParallelAttention,
     DocumentAttentionMetadata,
     attention_from_metadata,
     metadata_from_doc_lens,
@@ -9,6 +10,7 @@ from torchtitan_wlb.attention.varlen import BACKENDS, document_attention, resolv
 
 __all__ = [
     "BACKENDS",
+    "ContextParallelAttention",
     "DocumentAttentionMetadata",
     "attention_from_metadata",
     "document_attention",

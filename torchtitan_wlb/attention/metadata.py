@@ -1,23 +1,40 @@
 """The attention metadata the model receives through ``attention_masks``.
 
 The model's attention module does not know whether context parallelism is on: it hands its local
-``q, k, v`` and this object to :func:`attention_from_metadata`, which runs plain document attention or
-the all-gather-KV context-parallel op.
+``q, k, v`` and this object to :func:`attention_from_metadata`, which runs plain document attention or,
+when the object carries a rank's context-parallel metadata, asks that metadata to run the CP op.
+
+Why the CP metadata runs itself: context parallelism (``torchtitan_wlb.cp``) is built on this
+package's kernels, so this package cannot import it; it only knows the
+:class:`ContextParallelAttention` protocol, which the CP op's metadata implements.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from torchtitan_wlb.attention.varlen import document_attention
 
-if TYPE_CHECKING:  # cp.op imports this package; only the type is needed here
-    from torchtitan_wlb.cp.op import CPAttentionMetadata
+__all__ = [
+    "ContextParallelAttention",
+    "DocumentAttentionMetadata",
+    "attention_from_metadata",
+    "metadata_from_doc_lens",
+]
 
-__all__ = ["DocumentAttentionMetadata", "attention_from_metadata", "metadata_from_doc_lens"]
+
+class ContextParallelAttention(Protocol):
+    """One rank's context-parallel attention, carried by the metadata (implemented by the CP op's
+    ``CPAttentionMetadata``)."""
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str
+    ) -> torch.Tensor:
+        """Document-masked causal attention of this rank's local ``q, k, v`` over the CP group."""
+        ...
 
 
 @dataclass
@@ -29,14 +46,14 @@ class DocumentAttentionMetadata:
             ignored when ``cp`` is set), on the device of the activations for CUDA kernels.
         max_seqlen: longest document in tokens (CUDA kernels size their launch grid with it).
         backend: attention backend, ``"auto" | "cpu" | "flash" | "torch_varlen"``.
-        cp: context-parallel metadata of this rank (from ``CPPlan.attention_metadata``); ``None``
-            when context parallelism is off.
+        cp: this rank's context-parallel metadata (built by
+            ``torchtitan_wlb.cp.local.build_cp_attention_metadata``); ``None`` without CP.
     """
 
     cu_seqlens: torch.Tensor
     max_seqlen: int
     backend: str = "auto"
-    cp: CPAttentionMetadata | None = None
+    cp: ContextParallelAttention | None = None
 
 
 def metadata_from_doc_lens(
@@ -61,9 +78,7 @@ def attention_from_metadata(
     ``q: [local_tokens, n_heads, head_dim]``, ``k, v: [local_tokens, n_kv_heads, head_dim]``.
     """
     if meta.cp is not None:
-        from torchtitan_wlb.cp.op import cp_attention
-
-        return cp_attention(q, k, v, meta.cp, backend=meta.backend)
+        return meta.cp.attend(q, k, v, backend=meta.backend)
     return document_attention(
         q,
         k,

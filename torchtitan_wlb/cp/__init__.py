@@ -1,10 +1,11 @@
 """Context parallelism for packed documents: sharding plans, profile tables and the CP attention op.
 
-``plan`` and ``profile`` are pure NumPy (no torch import at module load); the op lives in ``cp.op``
-and is imported lazily by ``CPPlan.attention_metadata`` and ``attention_from_metadata``.
+``plan``, ``profile`` and ``adaptive`` import no torch at module load; the op (``cp.op``) and the
+tensors a rank feeds it (``cp.local``) are imported where a process group exists.
 """
 
-from torchtitan_wlb.cp.plan import STRATEGIES, CPPlan, LocalAttentionSpec, build_cp_plan
+from torchtitan_wlb.cp.adaptive import STRATEGIES, build_cp_plan
+from torchtitan_wlb.cp.plan import CPPlan, LocalAttentionSpec
 from torchtitan_wlb.cp.profile import CPProfile, default_profile, resolve_profile
 
 __all__ = [

@@ -1,6 +1,7 @@
 """All-gather-KV context-parallel document attention (Llama 3 style) as a ``torch.library`` op.
 
-Each CP rank holds the tokens a :class:`~torchtitan_wlb.cp.plan.CPPlan` assigned to it. Forward:
+Each CP rank holds the tokens a :class:`~torchtitan_wlb.cp.plan.CPPlan` assigned to it (cut out, with
+this op's metadata, by :mod:`torchtitan_wlb.cp.local`). Forward:
 all-gather K and V over the CP group (one collective for both), reorder them into the packed
 sequence's global order, and run two varlen attention calls, one for the rank's head half and one for
 its tail half: every query segment attends to the causal prefix of its own document (bottom-right
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -31,10 +31,7 @@ from torch.distributed.tensor.experimental import implicit_replication, register
 
 from torchtitan_wlb.attention.varlen import document_attention, resolve_backend
 
-if TYPE_CHECKING:
-    from torchtitan_wlb.cp.plan import CPPlan
-
-__all__ = ["CPAttentionMetadata", "build_cp_attention_metadata", "cp_attention", "resolve_cp_group"]
+__all__ = ["CPAttentionMetadata", "cp_attention"]
 
 
 @dataclass
@@ -72,58 +69,13 @@ class CPAttentionMetadata:
         """Tokens of the whole packed micro-batch."""
         return int(self.kv_order.shape[0])
 
-
-def resolve_cp_group(mesh_or_group: Any) -> dist.ProcessGroup:
-    """The CP process group from a ProcessGroup, a 1-D DeviceMesh, or a DeviceMesh with a ``"cp"``
-    dimension (TorchTitan names its context-parallel mesh dimension ``"cp"``)."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if isinstance(mesh_or_group, dist.ProcessGroup):
-        return mesh_or_group
-    if isinstance(mesh_or_group, DeviceMesh):
-        if mesh_or_group.ndim == 1:
-            return mesh_or_group.get_group()
-        names = mesh_or_group.mesh_dim_names or ()
-        if "cp" in names:
-            return mesh_or_group.get_group("cp")
-        raise ValueError(
-            f"a {mesh_or_group.ndim}-D DeviceMesh needs a 'cp' dimension; got names {names}"
-        )
-    raise ValueError(
-        f"expected a ProcessGroup or DeviceMesh for the CP group; got {type(mesh_or_group)}"
-    )
-
-
-def build_cp_attention_metadata(
-    plan: CPPlan, rank: int, mesh_or_group: Any, device: torch.device | str | None = None
-) -> CPAttentionMetadata:
-    """Metadata of ``rank`` (its index in the CP group) for ``plan``; see ``CPPlan.attention_metadata``."""
-    group = resolve_cp_group(mesh_or_group)
-    size = dist.get_world_size(group)
-    if size != plan.cp_degree:
-        raise ValueError(f"CP group has {size} ranks, the plan was built for {plan.cp_degree}")
-    own = dist.get_rank(group)
-    if own != rank:
-        raise ValueError(f"rank {rank} was asked for, but this process is rank {own} of the group")
-    spec = plan.local_attention_spec(rank)
-    device = torch.device("cpu") if device is None else torch.device(device)
-
-    def to_dev(array) -> torch.Tensor:
-        return torch.from_numpy(array).to(device, non_blocking=True)
-
-    return CPAttentionMetadata(
-        group_name=group.group_name,
-        cp_rank=rank,
-        cp_degree=plan.cp_degree,
-        local_len=int(plan.local_lens[rank]),
-        max_local_len=plan.max_local_len,
-        kv_order=to_dev(plan.kv_order()),
-        n_head_tokens=spec.n_head_tokens,
-        cu_seqlens_q=(to_dev(spec.cu_seqlens_q[0]), to_dev(spec.cu_seqlens_q[1])),
-        cu_seqlens_k=(to_dev(spec.cu_seqlens_k[0]), to_dev(spec.cu_seqlens_k[1])),
-        max_seqlen_q=spec.max_seqlen_q,
-        max_seqlen_k=spec.max_seqlen_k,
-    )
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str = "auto"
+    ) -> torch.Tensor:
+        """:func:`cp_attention` with this metadata: what ``attention_from_metadata`` calls when a
+        ``DocumentAttentionMetadata`` carries CP metadata (the attention package never imports
+        this one)."""
+        return cp_attention(q, k, v, self, backend=backend)
 
 
 # ----------------------------------------------------------------------------------- internals

@@ -13,9 +13,11 @@ expensive one.
   ``d // 2c`` tokens and the ``d % 2c`` remainder tokens are dealt one per slot, continuing from where
   the previous document's remainder stopped (a counter carried across documents). Per-document work is
   then balanced up to one token per slot.
-* ``adaptive``: builds both and keeps the one with the lower estimated latency (profile-table lookup,
-  :mod:`torchtitan_wlb.cp.profile`): per-document chunks are small and run at a lower achieved
-  throughput, which can outweigh their better balance.
+
+Choosing between the two per micro-batch (``adaptive``) is :mod:`torchtitan_wlb.cp.adaptive`, which
+estimates both from a :class:`ShardingDraft` (the segments before the local layout is built); the
+tensors a rank feeds the CP op come from :mod:`torchtitan_wlb.cp.local`. This module imports no
+torch and nothing else of the package.
 
 **Padding policy.** Plans never add tokens. When ``T`` is not a multiple of ``2c``, slot sizes differ by
 at most one token (the first ``T % 2c`` slots, in dealing order ``0, 1, ..., 2c - 1``, get one more), so
@@ -36,19 +38,21 @@ index arrays of the ranks that are asked for; no Python loop runs over documents
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:
-    import torch
+__all__ = [
+    "FIXED_STRATEGIES",
+    "CPPlan",
+    "LocalAttentionSpec",
+    "ShardingDraft",
+    "causal_pairs",
+    "draft_sharding",
+    "validate_doc_lens",
+]
 
-    from torchtitan_wlb.cp.op import CPAttentionMetadata
-    from torchtitan_wlb.cp.profile import CPProfile
-
-__all__ = ["STRATEGIES", "CPPlan", "LocalAttentionSpec", "build_cp_plan", "causal_pairs"]
-
-STRATEGIES = ("per_sequence", "per_document", "adaptive")
+FIXED_STRATEGIES = ("per_sequence", "per_document")
 
 
 def causal_pairs(q_len: np.ndarray, kv_len: np.ndarray) -> np.ndarray:
@@ -229,28 +233,6 @@ class CPPlan:
         mean = pairs.mean()
         return float(pairs.max() / mean) if mean > 0 else 1.0
 
-    # ------------------------------------------------------------------------- torch helpers
-    def shard(self, rank: int, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        """Keep ``rank``'s tokens of ``tensor`` along ``dim`` (default: last dim, e.g. ``[1, T]``)."""
-        import torch
-
-        if tensor.shape[dim] != self.seq_len:
-            raise ValueError(
-                f"tensor has {tensor.shape[dim]} tokens along dim {dim}, the plan covers "
-                f"{self.seq_len}; shape {tuple(tensor.shape)}"
-            )
-        index = torch.from_numpy(self.token_indices(rank)).to(tensor.device)
-        return tensor.index_select(dim, index)
-
-    def attention_metadata(
-        self, rank: int, mesh_or_group: Any, device: torch.device | str | None = None
-    ) -> CPAttentionMetadata:
-        """The CP op's metadata for ``rank`` on a 1-D DeviceMesh (or a mesh with a ``"cp"`` dim)
-        or a ProcessGroup; index tensors go to ``device`` (CPU by default)."""
-        from torchtitan_wlb.cp.op import build_cp_attention_metadata
-
-        return build_cp_attention_metadata(self, rank, mesh_or_group, device)
-
 
 _ARANGE = np.arange(0, dtype=np.int64)
 
@@ -276,62 +258,81 @@ def _cumsum0(lengths: np.ndarray) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------------- building
-def build_cp_plan(
-    doc_lens: np.ndarray,
-    cp_degree: int,
-    strategy: str = "per_document",
-    profile: CPProfile | str | None = None,
-    *,
-    seq_len: int | None = None,
-) -> CPPlan:
-    """Plan the CP split of one packed micro-batch.
+@dataclass(frozen=True)
+class ShardingDraft:
+    """One fixed strategy's segments of a micro-batch, before the local layout is built.
 
-    Args:
-        doc_lens: 1-D document lengths (each >= 1), in packed order.
-        cp_degree: CP ranks ``c`` (``1 <= c <= sum(doc_lens)``).
-        strategy: ``"per_sequence" | "per_document" | "adaptive"``.
-        profile: throughput table for ``"adaptive"`` (a :class:`CPProfile` or a JSON path);
-            ``None`` loads the packaged CPU default.
-        seq_len: if given, the packed length the lengths must sum to.
+    What a cost estimate needs (each segment's query length and the keys it sees), and what
+    :meth:`plan` finishes without recomputing: adaptive selection drafts both strategies and
+    builds the layout of the winner only.
+
+    Attributes:
+        strategy: ``"per_sequence"`` or ``"per_document"``.
+        doc_lens: validated int64 document lengths.
+        doc_cu: ``[n_docs + 1]`` document start offsets.
+        cp_degree: CP ranks ``c``.
+        table: the strategy's raw segment table (per-document: the ``[n_docs, 2c]`` chunk sizes
+            and starts; per-sequence: the segment arrays, slot-major).
     """
-    lens = _validate(doc_lens, cp_degree, strategy, seq_len)
+
+    strategy: str
+    doc_lens: np.ndarray
+    doc_cu: np.ndarray
+    cp_degree: int
+    table: tuple[np.ndarray, ...] = field(repr=False)
+
+    @property
+    def q_len(self) -> np.ndarray:
+        """Queries of every segment: ``[n_docs, 2c]`` (column = slot) per-document, else ``[S]``."""
+        return self.table[0] if self.strategy == "per_document" else self.table[2]
+
+    @property
+    def kv_len(self) -> np.ndarray:
+        """Keys every segment sees (its document's prefix up to its end); shaped as ``q_len``."""
+        if self.strategy == "per_document":
+            sizes, starts = self.table
+            return starts + sizes
+        return self.table[1] + self.table[2]
+
+    def rank_totals(self, per_segment: np.ndarray) -> np.ndarray:
+        """``[c]`` sums of a per-segment quantity (shaped as ``q_len``) over each rank's head and
+        tail slot."""
+        c = self.cp_degree
+        if self.strategy == "per_document":
+            slot = per_segment.sum(axis=0)  # [n_docs, 2c] -> per slot, no per-segment slot array
+        else:
+            slot = np.bincount(self.table[3], weights=per_segment, minlength=2 * c)
+        return slot[:c] + slot[::-1][:c]
+
+    def plan(self, requested: str | None = None) -> CPPlan:
+        """The full plan; ``requested`` (default: the strategy itself) is recorded in it."""
+        raw = _per_document_table(*self.table) if self.strategy == "per_document" else self.table
+        requested = self.strategy if requested is None else requested
+        lens, cu, c = self.doc_lens, self.doc_cu, self.cp_degree
+        return _finish(lens, cu, c, self.strategy, requested, *raw)
+
+
+def draft_sharding(lens: np.ndarray, cp_degree: int, strategy: str) -> ShardingDraft:
+    """The segments of ``strategy`` (``"per_sequence" | "per_document"``) for lengths checked by
+    :func:`validate_doc_lens`; ``draft_sharding(...).plan()`` is the plan. Choosing between the
+    two is ``torchtitan_wlb.cp.adaptive.build_cp_plan``."""
+    if strategy not in FIXED_STRATEGIES:
+        raise ValueError(
+            f"fixed CP strategy {strategy!r} is not one of {FIXED_STRATEGIES} (adaptive selection "
+            "is torchtitan_wlb.cp.adaptive.build_cp_plan)"
+        )
     doc_cu = np.zeros(len(lens) + 1, dtype=np.int64)
     np.cumsum(lens, out=doc_cu[1:])
-    if strategy != "adaptive":
-        build = _per_sequence if strategy == "per_sequence" else _per_document
-        return _finish(lens, doc_cu, cp_degree, strategy, strategy, *build(lens, doc_cu, cp_degree))
-
-    from torchtitan_wlb.cp.profile import resolve_profile
-
-    table = resolve_profile(profile)
-    # Estimate both from the segment shapes alone; only the winner gets its layout built.
-    # Per-document shapes stay an [n_docs, 2c] matrix here: summing over documents gives per-slot
-    # times without materialising per-segment slot/owner arrays.
-    doc_sizes, doc_starts = _per_document_chunks(lens, cp_degree)
-    doc_slot_s = table.segment_seconds(doc_sizes, doc_starts + doc_sizes).sum(axis=0)
-    seq_raw = _per_sequence(lens, doc_cu, cp_degree)
-    _, seg_start, seg_len, seg_slot, _, _ = seq_raw
-    seq_slot_s = np.bincount(
-        seg_slot,
-        weights=table.segment_seconds(seg_len, seg_start + seg_len),
-        minlength=2 * cp_degree,
-    )
-    estimates = {
-        "per_sequence": float((seq_slot_s[:cp_degree] + seq_slot_s[::-1][:cp_degree]).max()),
-        "per_document": float((doc_slot_s[:cp_degree] + doc_slot_s[::-1][:cp_degree]).max()),
-    }
-    if estimates["per_document"] < estimates["per_sequence"]:
-        raw = _per_document_table(doc_sizes, doc_starts)
-        chosen = _finish(lens, doc_cu, cp_degree, "per_document", strategy, *raw)
+    if strategy == "per_document":
+        table = _per_document_chunks(lens, cp_degree)
     else:
-        chosen = _finish(lens, doc_cu, cp_degree, "per_sequence", strategy, *seq_raw)
-    chosen.estimated_seconds.update(estimates)
-    return chosen
+        table = _per_sequence(lens, doc_cu, cp_degree)
+    return ShardingDraft(strategy, lens, doc_cu, cp_degree, table)
 
 
-def _validate(doc_lens: Any, cp_degree: Any, strategy: str, seq_len: int | None) -> np.ndarray:
-    if strategy not in STRATEGIES:
-        raise ValueError(f"CP strategy {strategy!r} is not one of {STRATEGIES}")
+def validate_doc_lens(doc_lens: Any, cp_degree: Any, seq_len: int | None = None) -> np.ndarray:
+    """``doc_lens`` as int64 after checking it against ``cp_degree`` (and ``seq_len`` if given);
+    a ``ValueError`` names the offending value."""
     lens = np.asarray(doc_lens)
     if lens.ndim != 1 or lens.size == 0 or not np.issubdtype(lens.dtype, np.integer):
         raise ValueError(
@@ -392,11 +393,6 @@ def _per_document_table(sizes: np.ndarray, starts: np.ndarray) -> tuple[np.ndarr
     local_offset[:, c:] += slot_tokens[:c][::-1]
     layout = (slot_tokens, local_offset.ravel())
     return seg_doc, starts.ravel(), sizes.ravel(), seg_slot, slot_order, slot_offsets, layout
-
-
-def _per_document(lens: np.ndarray, doc_cu: np.ndarray, c: int) -> tuple[np.ndarray, ...]:
-    """Segment table (and layout) of per-document sharding."""
-    return _per_document_table(*_per_document_chunks(lens, c))
 
 
 def _per_sequence(lens: np.ndarray, doc_cu: np.ndarray, c: int) -> tuple[np.ndarray, ...]:

@@ -3,20 +3,18 @@
 Pure Python/NumPy (no torch.distributed). Every packer is deterministic, so every data-parallel
 rank computes the same global plan from the same stream. See docs/packing.md.
 
-:data:`PACKERS` is the one registry of packer names: the ``[wlb] packing`` choices, the tools'
+:data:`~torchtitan_wlb.packing.registry.PACKERS` is the one registry of packer names: the ``[wlb] packing`` choices, the tools'
 ``--packer`` choices and the simulator's modes all come from it.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
-from typing import Any
 
 from torchtitan_wlb.cost_model import CostModel
 from torchtitan_wlb.packing.base import DocPool, PackedStep, Packer, PackingConfig
 from torchtitan_wlb.packing.driver import LengthStream, drain, drive, next_plan
 from torchtitan_wlb.packing.fixed_greedy import FixedGreedyPacker
 from torchtitan_wlb.packing.original import OriginalPacker
+from torchtitan_wlb.packing.registry import PACKERS, build_packer, packer_class, packing_config
 from torchtitan_wlb.packing.solver import SolverPacker
 from torchtitan_wlb.packing.tuning import TuneResult, tune_queues
 from torchtitan_wlb.packing.wlb import WLBPacker, WLBPaperPacker, default_smax, default_thresholds
@@ -45,48 +43,3 @@ __all__ = [
     "packing_config",
     "tune_queues",
 ]
-
-PACKERS: dict[str, type[Packer]] = {
-    cls.name: cls
-    for cls in (OriginalPacker, FixedGreedyPacker, SolverPacker, WLBPacker, WLBPaperPacker)
-}
-"""Packer name -> class, in the order the documentation lists them."""
-
-
-def packer_class(name: str) -> type[Packer]:
-    """The class of the packer called ``name`` (one of :data:`PACKERS`)."""
-    if name not in PACKERS:
-        raise ValueError(f"unknown packer {name!r}; choose one of {', '.join(PACKERS)}")
-    return PACKERS[name]
-
-
-def build_packer(name: str, config: PackingConfig, cost_model: CostModel) -> Packer:
-    """The packer called ``name`` (one of :data:`PACKERS`)."""
-    return packer_class(name)(config, cost_model)
-
-
-def packing_config(
-    packer: str,
-    micro_batches: int,
-    context_len: int,
-    *,
-    smax: int | None = None,
-    queue_thresholds: Sequence[int] | None = None,
-    **knobs: Any,
-) -> PackingConfig:
-    """The configuration of packer ``packer``: the one place the loader, the tools and the
-    simulator build a :class:`PackingConfig`.
-
-    ``smax`` applies to the variable-length packers only; the fixed-length ones cap micro-batches
-    at ``context_len`` whatever is given, so theirs is left unset. ``queue_thresholds``: any
-    sequence (empty: no outlier queues) or None (derived from the cost model). ``knobs``: the
-    other :class:`PackingConfig` fields; those not given keep the dataclass defaults, which are
-    the ``[wlb]`` section's defaults.
-    """
-    return PackingConfig(
-        micro_batches=micro_batches,
-        context_len=context_len,
-        smax=smax if packer_class(packer).variable_length else None,
-        queue_thresholds=None if queue_thresholds is None else tuple(queue_thresholds),
-        **knobs,
-    )

@@ -17,6 +17,7 @@ import numpy as np
 from torchtitan_wlb.cost_model import CostModel
 from torchtitan_wlb.packing.base import PackingConfig
 from torchtitan_wlb.packing.driver import LengthStream, drive
+from torchtitan_wlb.packing.registry import build_packer
 from torchtitan_wlb.packing.wlb import default_thresholds
 
 __all__ = ["TuneResult", "simulate", "tune_queues"]
@@ -45,8 +46,6 @@ def simulate(
     The statistics cover the first ``steps`` steps (or all, if the sample ends earlier); what is
     still pending afterwards is not counted, as in a long training run.
     """
-    from torchtitan_wlb.packing import build_packer
-
     packer = build_packer(name, config, cost_model)
     # A sample of a longer stream: its end is not the end of the data, so nothing is flushed,
     # and the steps stop once it is used up.

@@ -82,12 +82,11 @@ def global_valid_tokens(
 def token_mean_loss(
     loss_sum_fn: Callable[..., torch.Tensor], global_count: torch.Tensor | int
 ) -> Callable[..., torch.Tensor]:
-    """``loss_sum_fn(pred, target) / global_count`` for the non-pipelined path.
+    """``loss_sum_fn(pred, target) / global_count``: a sum-reduced loss made a global token mean.
 
     ``loss_sum_fn`` must reduce with ``sum`` (torchtitan's ``cross_entropy_loss`` does). A
     global batch with no valid token gives loss 0 (the count is clamped to 1) instead of NaN.
-    The pipelined path gets the same division from ``VarlenPipelineRunner.step(...,
-    global_valid_tokens=...)``.
+    ``VarlenPipelineRunner.step(..., global_valid_tokens=...)`` wraps the schedule's loss with it.
     """
     denominator = torch.as_tensor(global_count).clamp(min=1)
 

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from torchtitan_wlb.pipeline.loss import token_mean_loss
+
 __all__ = [
     "SUPPORTED_TORCH_RANGE",
     "PipelineActionTimes",
@@ -221,17 +223,6 @@ class _ActionTimer:
         )
 
 
-class _TokenMeanLoss:
-    """``loss_fn(pred, target) / global_valid_tokens``: makes a sum-reduced loss a global mean."""
-
-    def __init__(self, loss_sum_fn: Callable[..., torch.Tensor], denominator: torch.Tensor):
-        self.loss_sum_fn = loss_sum_fn
-        self.denominator = denominator
-
-    def __call__(self, pred: Any, target: Any, **kwargs: Any) -> torch.Tensor:
-        return self.loss_sum_fn(pred, target, **kwargs) / self.denominator
-
-
 def _empty_like_layout(shape: Sequence[int], ref: torch.Tensor) -> torch.Tensor:
     """An empty tensor of ``shape`` with ``ref``'s dtype, device and dimension order.
 
@@ -407,8 +398,7 @@ class VarlenPipelineRunner:
             raise RuntimeError("VarlenPipelineRunner.step() needs gradients enabled")
         original_loss_fn = schedule._loss_fn
         if global_valid_tokens is not None and original_loss_fn is not None:
-            denominator = torch.as_tensor(global_valid_tokens).clamp(min=1)
-            schedule._loss_fn = _TokenMeanLoss(original_loss_fn, denominator)
+            schedule._loss_fn = token_mean_loss(original_loss_fn, global_valid_tokens)
         saved_validate = [getattr(s, "_runtime_validate", None) for s in self.stages]
         shadowed: list[tuple[Any, str]] = []
         timer = _ActionTimer(schedule, self.stages, n) if self.time_actions else None
@@ -448,38 +438,6 @@ class VarlenPipelineRunner:
                 if flag is not None:
                     stage._runtime_validate = flag
         return stats
-
-    def eval_step(
-        self,
-        microbatch_inputs: Sequence[torch.Tensor] | None,
-        microbatch_kwargs: Sequence[Mapping[str, Any]] | None,
-        targets: Sequence[torch.Tensor] | None,
-        seq_lens: Sequence[int],
-        *,
-        global_valid_tokens: torch.Tensor | int | None = None,
-        losses: list | None = None,
-        loss_kwargs: Mapping[str, Any] | None = None,
-    ) -> VarlenStepStats:
-        """Forward only (validation), same arguments as :meth:`step`; run under ``no_grad``.
-
-        Like torch's ``schedule.eval``: the schedule re-sets its stages up when switching between
-        training and evaluation (one shape-inference pass each way), then the buffers are
-        re-sized as in :meth:`step`.
-        """
-        original = self.schedule._has_backward
-        self.schedule._has_backward = False
-        try:
-            return self.step(
-                microbatch_inputs,
-                microbatch_kwargs,
-                targets,
-                seq_lens,
-                global_valid_tokens=global_valid_tokens,
-                losses=losses,
-                loss_kwargs=loss_kwargs,
-            )
-        finally:
-            self.schedule._has_backward = original
 
     # ------------------------------------------------------------------ helpers
     @staticmethod

@@ -88,7 +88,7 @@ def pack_steps(mode, lengths: np.ndarray, cfg, n_steps: int) -> tuple[list[list[
 
 def cp_shards(micro_batches: list[np.ndarray], cfg, strategy: str):
     """Attention segments of every micro-batch under ``strategy``, from the CP planner."""
-    from torchtitan_wlb.cp.plan import build_cp_plan
+    from torchtitan_wlb.cp.adaptive import build_cp_plan
     from torchtitan_wlb.sim.engine import CPShards
 
     c = cfg.layout.cp

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from torchtitan_wlb.cp.plan import causal_pairs
 from torchtitan_wlb.models.catalogue import ModelSpec
 from torchtitan_wlb.sim.hardware import HardwareProfile
 from torchtitan_wlb.sim.presets import Layout
@@ -35,13 +36,6 @@ TILE = 128
 
 # fwd attention seconds for (q_len, kv_len, flops) arrays -> seconds array.
 AttentionTimeFn = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
-
-
-def causal_pairs(q_len: np.ndarray, kv_len: np.ndarray) -> np.ndarray:
-    """(query, key) pairs a bottom-right-aligned causal chunk computes: q k - q (q - 1) / 2."""
-    q = np.asarray(q_len, dtype=np.float64)
-    k = np.asarray(kv_len, dtype=np.float64)
-    return q * k - q * (q - 1.0) / 2.0
 
 
 def tile_padded_time_fn(hw: HardwareProfile, tile: int = TILE) -> AttentionTimeFn:

@@ -28,7 +28,8 @@ import time
 import numpy as np
 
 from torchtitan_wlb.cost_model import CostModel
-from torchtitan_wlb.cp.plan import CPPlan, build_cp_plan
+from torchtitan_wlb.cp.adaptive import build_cp_plan
+from torchtitan_wlb.cp.plan import CPPlan
 from torchtitan_wlb.cp.profile import resolve_profile
 from torchtitan_wlb.packing import OriginalPacker, PackingConfig
 from torchtitan_wlb.workloads import GENERATORS, generate, load_lengths, split_long

@@ -1,0 +1,90 @@
+"""This rank's share of a CP plan as tensors: its tokens of any tensor, and the CP op's metadata.
+
+The plan (:mod:`torchtitan_wlb.cp.plan`) is index arithmetic in NumPy; these adapters turn its index
+arrays into tensors on the compute device and check them against the process group, next to the op
+(:mod:`torchtitan_wlb.cp.op`) that consumes them. The trainer calls them once per micro-batch::
+
+    plan = build_cp_plan(doc_lens, cp_degree, strategy, profile)
+    local_inputs = shard_tensor(plan, cp_rank, inputs, dim=1)
+    meta = build_cp_attention_metadata(plan, cp_rank, cp_mesh, device=inputs.device)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torchtitan_wlb.cp.op import CPAttentionMetadata
+from torchtitan_wlb.cp.plan import CPPlan
+
+__all__ = ["build_cp_attention_metadata", "resolve_cp_group", "shard_tensor"]
+
+
+def shard_tensor(plan: CPPlan, rank: int, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Keep ``rank``'s tokens of ``tensor`` along ``dim`` (default: last dim, e.g. ``[1, T]``), in
+    the plan's local layout."""
+    if tensor.shape[dim] != plan.seq_len:
+        raise ValueError(
+            f"tensor has {tensor.shape[dim]} tokens along dim {dim}, the plan covers "
+            f"{plan.seq_len}; shape {tuple(tensor.shape)}"
+        )
+    index = torch.from_numpy(plan.token_indices(rank)).to(tensor.device)
+    return tensor.index_select(dim, index)
+
+
+def resolve_cp_group(mesh_or_group: Any) -> dist.ProcessGroup:
+    """The CP process group from a ProcessGroup, a 1-D DeviceMesh, or a DeviceMesh with a ``"cp"``
+    dimension (TorchTitan names its context-parallel mesh dimension ``"cp"``)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(mesh_or_group, dist.ProcessGroup):
+        return mesh_or_group
+    if isinstance(mesh_or_group, DeviceMesh):
+        if mesh_or_group.ndim == 1:
+            return mesh_or_group.get_group()
+        names = mesh_or_group.mesh_dim_names or ()
+        if "cp" in names:
+            return mesh_or_group.get_group("cp")
+        raise ValueError(
+            f"a {mesh_or_group.ndim}-D DeviceMesh needs a 'cp' dimension; got names {names}"
+        )
+    raise ValueError(
+        f"expected a ProcessGroup or DeviceMesh for the CP group; got {type(mesh_or_group)}"
+    )
+
+
+def build_cp_attention_metadata(
+    plan: CPPlan, rank: int, mesh_or_group: Any, device: torch.device | str | None = None
+) -> CPAttentionMetadata:
+    """The CP op's metadata for ``rank`` (its index in the CP group) under ``plan``.
+
+    ``mesh_or_group``: a 1-D DeviceMesh, a mesh with a ``"cp"`` dimension, or the ProcessGroup;
+    index tensors go to ``device`` (CPU by default)."""
+    group = resolve_cp_group(mesh_or_group)
+    size = dist.get_world_size(group)
+    if size != plan.cp_degree:
+        raise ValueError(f"CP group has {size} ranks, the plan was built for {plan.cp_degree}")
+    own = dist.get_rank(group)
+    if own != rank:
+        raise ValueError(f"rank {rank} was asked for, but this process is rank {own} of the group")
+    spec = plan.local_attention_spec(rank)
+    device = torch.device("cpu") if device is None else torch.device(device)
+
+    def to_dev(array) -> torch.Tensor:
+        return torch.from_numpy(array).to(device, non_blocking=True)
+
+    return CPAttentionMetadata(
+        group_name=group.group_name,
+        cp_rank=rank,
+        cp_degree=plan.cp_degree,
+        local_len=int(plan.local_lens[rank]),
+        max_local_len=plan.max_local_len,
+        kv_order=to_dev(plan.kv_order()),
+        n_head_tokens=spec.n_head_tokens,
+        cu_seqlens_q=(to_dev(spec.cu_seqlens_q[0]), to_dev(spec.cu_seqlens_q[1])),
+        cu_seqlens_k=(to_dev(spec.cu_seqlens_k[0]), to_dev(spec.cu_seqlens_k[1])),
+        max_seqlen_q=spec.max_seqlen_q,
+        max_seqlen_k=spec.max_seqlen_k,
+    )
