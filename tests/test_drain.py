@@ -142,3 +142,78 @@ def test_filler_micro_batch_trains_nothing():
 def test_malformed_micro_batch_still_rejected():
     with pytest.raises(ValueError, match="do not describe"):
         collate_micro_batch(np.zeros(3, np.int64), np.zeros(0, np.int64))
+
+
+def test_node_ends_every_packer_with_few_documents():
+    """Through the data node: the data ends part-way through the first step."""
+    from torchdata.nodes import IterableWrapper
+
+    from torchtitan_wlb.data.wlb_node import WLBPackingNode
+
+    for name in ("original", "fixed_greedy", "solver", "wlb", "wlb_paper"):
+        for lens in ([5], [3, 7, 2], [64, 64]):
+            smax = 64 if name in ("original", "fixed_greedy", "solver") else None
+            cfg = PackingConfig(micro_batches=4, context_len=64, smax=smax, solver_time_limit=2.0)
+            items = [{"doc_id": i, "tokens": np.full(n, i)} for i, n in enumerate(lens)]
+            node = WLBPackingNode(IterableWrapper(items), build_packer(name, cfg, COST))
+            steps = list(node)
+            ids = [int(i) for s in steps for mb in s["micro_batches"] for i in mb["doc_ids"]]
+            assert sorted(ids) == list(range(len(lens))), (name, lens)
+            for s in steps:
+                assert len(s["micro_batches"]) == 4
+                for mb in s["micro_batches"]:  # an empty micro-batch collates to a filler
+                    collate_micro_batch(mb["tokens"], mb["doc_lens"])
+
+
+@pytest.mark.slow
+def test_dp2_run_with_one_epoch_ends_by_itself_with_every_document_once(tmp_path):
+    """Two ranks, [wlb] epochs = 1, far more steps asked than the data holds: the run trains
+    every document exactly once (drain included) and stops cleanly."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    rng = np.random.default_rng(0)
+    lens = np.where(rng.random(90) < 0.15, rng.integers(150, 250, 90), rng.integers(5, 60, 90))
+    data = tmp_path / "docs.jsonl"
+    with open(data, "w") as f:
+        for i, n in enumerate(lens.tolist()):
+            f.write(json.dumps({"text": (chr(97 + i % 26) * n)}) + "\n")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+        "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", "--role", "rank",
+        "-m", "torchtitan_wlb.train",
+        "--job.config_file", os.path.join(root, "train_configs", "debug_cpu.toml"),
+        "--job.dump_folder", str(tmp_path / "run"), "--model.flavor", "tiny",
+        "--training.seq_len", "256", "--wlb.micro_batch_max_len", "320",
+        "--training.global_batch_size", "4", "--training.steps", "1000",
+        "--training.dataset", "jsonl", "--training.dataset_path", str(data),
+        "--wlb.epochs", "1", "--wlb.metrics_jsonl", "--checkpoint.no-enable",
+        "--metrics.disable_color_printing",
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    trained: list[int] = []
+    steps = set()
+    for rank in (0, 1):
+        with open(tmp_path / "run" / "wlb_metrics" / f"rank_{rank}.jsonl") as f:
+            for rec in map(json.loads, f):
+                trained += rec["doc_ids"]
+                steps.add(rec["step"])
+    assert sorted(trained) == list(range(lens.size))  # every document once, across both ranks
+    assert 3 <= max(steps) < 1000  # it stopped by itself when the data ended
+
+
+def test_stream_sees_the_end_one_step_early():
+    from torchtitan_wlb.packing.driver import LengthStream
+
+    stream = LengthStream(np.full(10, 10))
+    ids, _ = stream.pull(30, horizon=50)
+    assert ids.tolist() == [0, 1, 2] and not stream.exhausted  # 70 tokens left >= horizon
+    ids, _ = stream.pull(30, horizon=50)
+    assert ids.tolist() == list(range(3, 10)) and stream.exhausted  # 40 left: taken now
+    sample = LengthStream(np.full(10, 10), end_of_data=False)  # a sample's end is not the end
+    assert sample.pull(30, horizon=50)[0].size == 3 and sample.pull(30, horizon=50)[0].size == 3

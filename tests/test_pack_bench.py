@@ -145,3 +145,39 @@ def test_model_names_map_to_the_catalogue(name, model):
     assert pack_bench.build_cost_model(args) == expected
     with pytest.raises(SystemExit):
         pack_bench.parser().parse_args(["--generator", "longtail", "--model", "13b"])
+
+
+@pytest.mark.parametrize("packer", ["original", "fixed_greedy", "wlb", "wlb_paper"])
+def test_whole_pass_scores_every_step_and_the_drain(packer, capsys):
+    args = ["--generator", "longtail", "--num-docs", "800", "--context-len", "8192"]
+    args += ["--micro-batches", "4", "--packer", packer, "--window", "2", "--json"]
+    assert pack_bench.main(args + ["--steps", "epoch", "--dp", "2"]) == 0
+    out = last_json(capsys.readouterr().out)
+    assert out["whole_pass"] is True and out["flush_steps"] == 0 and out["dp"] == 2
+    assert out["docs_in"] == out["docs_out"] == 800  # every document, the drain included
+    assert out["tokens_in"] == out["tokens_out"]
+    assert out["drain_steps"] >= 1
+    assert out["imbalance_time_weighted"] >= out["lower_bound_time_weighted"] >= 1.0
+    assert out["imbalance_worst_step"] >= out["imbalance_p95"] >= 1.0
+    assert out["overhead_ms_max"] >= out["overhead_ms_p95"] > 0
+    assert out["plan_ms_p95"] >= 0 and out["plan_ms"] >= 0
+    # A partial window is labelled as such and never reaches the end of the data.
+    assert pack_bench.main(args + ["--steps", "3"]) == 0
+    part = last_json(capsys.readouterr().out)
+    assert part["whole_pass"] is False and part["steps"] == 3 and part["drain_steps"] == 0
+    assert part["docs_in"] < 800 and part["tokens_in"] == part["tokens_out"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--steps", "many"], "a positive integer or 'epoch'"),
+        (["--steps", "0"], "a positive integer or 'epoch'"),
+        (["--micro-batches", "4", "--dp", "3"], "not divisible by --dp 3"),
+    ],
+)
+def test_bad_steps_and_dp(args, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        pack_bench.main(["--generator", "longtail", "--num-docs", "10", *args])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err

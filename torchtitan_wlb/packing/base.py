@@ -307,6 +307,7 @@ class Packer(ABC):
             "pack_ms": pack_ms,
             "max_workload": float(loads.max()),
             "mean_workload": float(mean),
+            "max_doc_workload": float(cost.max()) if cost.size else 0.0,
         }
 
     # ------------------------------------------------------------------ state

@@ -6,6 +6,13 @@ documents are taken in stream order until their tokens reach it, the crossing do
 none when it is 0 (:func:`take_until` over cumulative lengths, vectorised; :func:`pull_until` over
 an iterator). A pull that runs out of documents marks the end of the data: that step and every
 later one are planned with ``flush=True`` until the packer holds nothing (:func:`next_plan`).
+
+The end of the data is seen one global batch early. A stream looks ahead by the packer's
+*horizon* (``N * context_len`` tokens, what one step consumes): when fewer tokens than that
+remain after a pull, the pull takes them too and the data ends there. Without it the last pull is
+a fraction of a step, often one long document beside a few short ones, and no placement can
+balance it; with it the packer plans its final steps (the balanced drain of
+:mod:`~torchtitan_wlb.packing.end_of_data`) over at least a full step of documents.
 The data node and :class:`LengthStream` (lengths in memory) are the two :class:`DocumentStream`
 implementations; fed the same documents they produce the same plans.
 """
@@ -24,6 +31,7 @@ __all__ = [
     "LengthStream",
     "drain",
     "drive",
+    "horizon",
     "next_plan",
     "pull_until",
     "take_until",
@@ -68,14 +76,20 @@ class DocumentStream(Protocol):
     def exhausted(self) -> bool:
         """Whether the end of the data was reached (the packer is flushed from then on)."""
 
-    def pull(self, budget: int) -> tuple[np.ndarray, np.ndarray]:
-        """Ids and lengths (int64) of the next documents, taken by the budget rule."""
+    def pull(self, budget: int, horizon: int) -> tuple[np.ndarray, np.ndarray]:
+        """Ids and lengths (int64) of the next documents, taken by the budget rule; when fewer
+        than ``horizon`` tokens would remain after them, everything left (the data ends)."""
+
+
+def horizon(packer: Packer) -> int:
+    """Tokens a stream looks ahead for ``packer``: one global batch, ``N * context_len``."""
+    return packer.n * packer.config.context_len
 
 
 def next_plan(packer: Packer, stream: DocumentStream) -> PackedStep | None:
     """One step of the protocol: pull the packer's budget, plan the step (flushing once the data
     has ended). None when the stream gave nothing and the packer holds nothing: the data is done."""
-    ids, lens = stream.pull(packer.tokens_wanted())
+    ids, lens = stream.pull(packer.tokens_wanted(), horizon(packer))
     if ids.size == 0 and not packer.has_pending():
         return None
     return packer.step(ids, lens, flush=stream.exhausted)
@@ -118,9 +132,13 @@ class LengthStream:
         """Documents not pulled yet."""
         return int(self.lengths.size - self.pos)
 
-    def pull(self, budget: int) -> tuple[np.ndarray, np.ndarray]:
+    def pull(self, budget: int, horizon: int = 0) -> tuple[np.ndarray, np.ndarray]:
         start = self.pos
         self.pos, ran_out = take_until(budget, self._cum, start)
+        if self.end_of_data and self.pos > start:
+            left = int(self._cum[-1] - self._cum[self.pos - 1])
+            if left < horizon:
+                self.pos, ran_out = self._cum.size, True  # less than a step left: take it now
         self._ran_out = self._ran_out or ran_out
         return self.ids[start : self.pos], self.lengths[start : self.pos]
 

@@ -1,31 +1,52 @@
 """Packing benchmark: balance, delay and overhead of a packer on a document-length workload.
 
     python -m torchtitan_wlb.tools.pack_bench --lengths FILE --context-len 131072 \\
-        --micro-batches 4 --packer wlb --steps 200 --json
+        --micro-batches 4 --packer wlb --steps epoch --json
     python -m torchtitan_wlb.tools.pack_bench --generator longtail --context-len 131072 \\
         --micro-batches 8 --packer fixed_greedy --window 4 --steps 200 --json
     python -m torchtitan_wlb.tools.pack_bench --lengths FILE --table2
 
 FILE is a JSON list of token counts, a ``.npy`` array, or one integer per line. Documents longer
 than ``--max-doc-len`` (default: the packer's micro-batch cap) are split into pieces first, as the
-loader does, and counted. The last line printed is one JSON object (with ``--json``) holding
-``packer, micro_batches, steps, imbalance`` (mean over steps), ``overhead_ms`` (median per global
-batch), ``avg_delay_iters`` (token-weighted), ``max_tokens_per_microbatch``, ``tokens_in`` and
-``tokens_out`` (after the final flush; equal unless documents were lost).
+loader does, and counted.
+
+``--steps epoch`` is one whole pass over the documents: every step to the end of the data, the
+balanced drain of the outlier queues included (``whole_pass: true``). ``--steps S`` packs the first
+S steps only and then flushes what the packer still holds without scoring it: a partial window
+(``whole_pass: false``), which never sees the end of the data.
+
+The last line printed is one JSON object (with ``--json``) holding:
+
+* balance: ``imbalance`` (mean over steps of max/mean micro-batch workload), ``imbalance_p95``,
+  ``imbalance_time_weighted`` (sum over steps of the heaviest micro-batch over the sum of the
+  mean: what the slowest micro-batch costs the run), ``imbalance_worst_step``, and
+  ``lower_bound_time_weighted``, the same measure for the best placement of each step's
+  documents (per step max(largest document, total / N)): the distance to optimal;
+* delay: ``avg_delay_iters`` (token-weighted), ``max_delay_iters``; ``drain_steps``, the steps
+  from the one the data ended in (the read-ahead sees the end one step early) to the last;
+* cost: ``overhead_ms``, ``overhead_ms_p95`` and ``overhead_ms_max``: wall time of one whole step
+  of the data node on one DP rank (``--dp``): reading the documents from an in-memory token source,
+  the plan, gathering this rank's tokens, dealing micro-batches to DP ranks; ``plan_ms`` and
+  ``plan_ms_p95``: CPU time of the plan alone. Tokenization is not included (the source holds
+  tokens); it is the same for every packer;
+* exactly-once: ``tokens_in`` and ``tokens_out`` (equal unless documents were lost),
+  ``max_tokens_per_microbatch``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
+import time
 from dataclasses import fields, replace
 from typing import Any
 
 import numpy as np
+from torchdata.nodes import BaseNode
 
 from torchtitan_wlb.cost_model import CostModel
+from torchtitan_wlb.data.wlb_node import WLBPackingNode
 from torchtitan_wlb.models.catalogue import MODELS, get_model
 from torchtitan_wlb.packing import (
     PACKERS,
@@ -72,50 +93,119 @@ def build_cost_model(args: argparse.Namespace) -> CostModel:
     return CostModel.from_model_dims(**get_model(args.model).dims(), tp=args.tp, cp=args.cp)
 
 
+class _TokenSource(BaseNode[dict]):
+    """Documents of the given lengths as the document node yields them (ids and tokens).
+
+    The tokens are views of one buffer: the benchmark times the packing node, not a tokenizer.
+    """
+
+    def __init__(self, lengths: np.ndarray) -> None:
+        super().__init__()
+        self.lengths = lengths
+        self._buffer = np.arange(int(lengths.max()) if lengths.size else 1, dtype=np.int64)
+        self._pos = 0
+
+    def reset(self, initial_state: dict | None = None) -> None:
+        super().reset(initial_state)
+        self._pos = int(initial_state["pos"]) if initial_state else 0
+
+    def next(self) -> dict:
+        if self._pos >= self.lengths.size:
+            raise StopIteration
+        i = self._pos
+        self._pos += 1
+        return {"doc_id": i, "tokens": self._buffer[: self.lengths[i]]}
+
+    def get_state(self) -> dict:
+        return {"pos": self._pos}
+
+
+def node_step_ms(
+    packer_name: str,
+    lengths: np.ndarray,
+    config: PackingConfig,
+    cost_model: CostModel,
+    steps: int | None,
+    dp: int,
+) -> list[float]:
+    """Wall milliseconds of every step of the data node (DP rank 0 of ``dp``) over ``lengths``."""
+    packer = build_packer(packer_name, config, cost_model)
+    node = WLBPackingNode(_TokenSource(lengths), packer, dp_rank=0, dp_degree=dp)
+    node.reset()
+    out: list[float] = []
+    while steps is None or len(out) < steps:
+        start = time.perf_counter()
+        try:
+            next(node)
+        except StopIteration:
+            break
+        out.append((time.perf_counter() - start) * 1e3)
+    return out
+
+
 def run(
     packer_name: str,
     lengths: np.ndarray,
     config: PackingConfig,
     cost_model: CostModel,
-    steps: int,
+    steps: int | None,
+    dp: int = 1,
 ) -> dict[str, Any]:
-    """Drive one packer over ``steps`` global batches plus the final flush; return the summary."""
+    """Pack ``lengths`` with one packer and summarise balance, delay and cost.
+
+    ``steps=None`` is one whole pass (to the end of the data, drain included); an integer packs
+    that many steps, then flushes what is held, unscored (a partial window).
+    """
     packer = build_packer(packer_name, config, cost_model)
     stream = LengthStream(lengths)
-    main = list(drive(packer, stream, steps))
-    # Flush: what is still queued or carried after the S steps is emitted and counted.
-    flushed = list(drain(packer))
-    plans = main + flushed
-    per_step = [plan.stats for plan in main]
+    scored, ended = [], []
+    for plan in drive(packer, stream, steps):
+        scored.append(plan)
+        ended.append(stream.exhausted)
+    whole = stream.exhausted and not packer.has_pending()
+    plans = scored + list(drain(packer))  # a partial window's flush: counted, not scored
+    per_step = [plan.stats for plan in scored]
     tokens_out = sum(int(x.sum()) for plan in plans for x in plan.doc_lens)
     emitted = sum(x.size for plan in plans for x in plan.doc_ids)
     max_mb_tokens = max((plan.stats["max_tokens"] for plan in plans), default=0)
-    flush_steps = len(flushed)
-    tokens_in = int(lengths[: stream.pos].sum())
     n_tok = sum(s["tokens"] for s in per_step)
-    ms = [s["pack_ms"] for s in per_step]
+    plan_ms = [s["pack_ms"] for s in per_step]
     if config.window > 1 and packer_name in ("fixed_greedy", "solver"):
         g = config.window  # one plan per window of G steps: amortise it over the window
-        ms = [sum(ms[i : i + g]) / g for i in range(0, len(ms), g)]
+        plan_ms = [sum(plan_ms[i : i + g]) / g for i in range(0, len(plan_ms), g)]
+    node_ms = node_step_ms(packer_name, lengths, config, cost_model, len(scored), dp)
+    ratio = np.array([s["imbalance"] for s in per_step]) if per_step else np.ones(1)
+    top = np.array([s["max_workload"] for s in per_step])
+    mean = np.array([s["mean_workload"] for s in per_step])
+    best = np.maximum([s["max_doc_workload"] for s in per_step], mean) if per_step else mean
+    total = float(mean.sum())
     return {
         "packer": packer_name,
         "micro_batches": config.micro_batches,
         "steps": len(per_step),
-        "imbalance": float(np.mean([s["imbalance"] for s in per_step])) if per_step else 1.0,
-        "imbalance_p95": float(np.percentile([s["imbalance"] for s in per_step], 95))
-        if per_step
-        else 1.0,
-        "overhead_ms": float(statistics.median(ms)) if ms else 0.0,
+        "whole_pass": bool(whole),
+        "imbalance": float(ratio.mean()),
+        "imbalance_p95": float(np.percentile(ratio, 95)),
+        "imbalance_time_weighted": float(top.sum() / total) if total else 1.0,
+        "imbalance_worst_step": float(ratio.max()),
+        "lower_bound_time_weighted": float(best.sum() / total) if total else 1.0,
+        "drain_steps": int(sum(ended)) if whole else 0,
+        "overhead_ms": float(np.mean(node_ms)) if node_ms else 0.0,
+        "overhead_ms_p95": float(np.percentile(node_ms, 95)) if node_ms else 0.0,
+        "overhead_ms_max": float(np.max(node_ms)) if node_ms else 0.0,
+        "plan_ms": float(np.mean(plan_ms)) if plan_ms else 0.0,
+        "plan_ms_p95": float(np.percentile(plan_ms, 95)) if plan_ms else 0.0,
+        "dp": dp,
         "avg_delay_iters": float(sum(s["mean_delay"] * s["tokens"] for s in per_step) / n_tok)
         if n_tok
         else 0.0,
         "max_delay_iters": max((s["max_delay"] for s in per_step), default=0),
         "max_tokens_per_microbatch": int(max_mb_tokens),
-        "tokens_in": tokens_in,
+        "tokens_in": int(lengths[: stream.pos].sum()),
         "tokens_out": int(tokens_out),
         "docs_in": stream.pos,
         "docs_out": int(emitted),
-        "flush_steps": flush_steps,
+        "flush_steps": len(plans) - len(scored),
         "context_len": config.context_len,
         "smax": packer.cap,
         "window": config.window,
@@ -146,6 +236,18 @@ def _positive_int(text: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
     return v
+
+
+def _steps(text: str) -> int | None:
+    """A positive step count, or None for 'epoch' (one whole pass)."""
+    if text.strip().lower() == "epoch":
+        return None
+    try:
+        return _positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive integer or 'epoch', got {text!r}"
+        ) from None
 
 
 def _nonneg_int(text: str) -> int:
@@ -203,7 +305,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--context-len", type=_positive_int, default=131072)
     p.add_argument("--micro-batches", type=_positive_int, default=4, help="N per step")
     p.add_argument("--packer", choices=PACKERS, default="wlb")
-    p.add_argument("--steps", type=_positive_int, default=100)
+    p.add_argument(
+        "--steps",
+        type=_steps,
+        default=100,
+        help="steps to pack, or 'epoch' for one whole pass (end of the data included)",
+    )
+    p.add_argument(
+        "--dp", type=_positive_int, default=1, help="DP ranks the node deals micro-batches to"
+    )
     p.add_argument("--queues", type=_queues, default=None, help="thresholds, e.g. 32768,65536")
     p.add_argument("--smax", type=_positive_int, default=None, help="micro-batch token cap")
     p.add_argument(
@@ -323,7 +433,8 @@ def table2(args: argparse.Namespace, cost_model: CostModel) -> list[dict[str, An
         print(
             f"{method:13s} {cfg:9s} imbalance {res['imbalance']:.3f} "
             f"(paper {paper_imb if paper_imb is not None else '-'})  "
-            f"overhead {res['overhead_ms']:8.2f} ms (paper {paper_ms})  "
+            f"plan {res['plan_ms']:8.2f} ms (paper {paper_ms}), node step "
+            f"{res['overhead_ms']:6.2f} ms  "
             f"delay {res['avg_delay_iters']:.2f}",
             flush=True,
         )
@@ -396,7 +507,11 @@ def main(argv: list[str] | None = None) -> int:
                 config, queue_thresholds=tuned.queue_thresholds, max_wait=tuned.max_wait
             )
             lengths = lengths[:cut]
-        res = run(args.packer, lengths, config, cost_model, args.steps)
+        if args.micro_batches % args.dp:
+            raise ValueError(
+                f"--micro-batches {args.micro_batches} is not divisible by --dp {args.dp}"
+            )
+        res = run(args.packer, lengths, config, cost_model, args.steps, args.dp)
         res["docs_split"] = n_split
         res["break_even_length"] = cost_model.break_even_length
         if tuned is not None:
