@@ -1,30 +1,38 @@
-"""End-to-end step time of the paper's three systems on this machine, through the real trainer.
+"""End-to-end: the time the paper's three systems take to train the same documents, through
+the real trainer, on this machine.
 
     python -m torchtitan_wlb.tools.e2e_bench --json                  # 2 ranks, PP = 2
     python -m torchtitan_wlb.tools.e2e_bench --parallel cp2 --json   # 2 ranks, CP = 2
 
 Runs ``plain_4d`` (original packing + per-sequence CP), ``fixed_4d`` (fixed-length greedy packing
 + per-document CP) and ``wlb`` (variable-length packing with outlier queues + adaptive CP) one
-after the other, each as a real ``torchtitan_wlb.train`` job on 2 CPU ranks (gloo), on the same
-documents, and reads the per-rank metrics log (``[wlb] metrics_jsonl``).
+after the other, each as a real ``torchtitan_wlb.train`` job on 2 CPU ranks (gloo), and reads the
+per-rank metrics log (``[wlb] metrics_jsonl``).
+
+What users pay is measured: every mode trains one fixed set of documents exactly once
+(``[wlb] epochs = 1``; ``--steps epoch``, the default), the end of the data and the drain of the
+outlier queues included, and the documents each rank trained are checked against the set. The
+headline ``speedup_wlb_vs_plain`` / ``speedup_wlb_vs_fixed`` is the ratio of the time to train
+the set (the sum over every step of the slowest rank's step time); the median-step ratios, which
+hide deferred work, are kept as ``median_step_speedup_*``. ``--runs R`` repeats everything and
+reports each run and the spread.
+
+Per mode: ``time_to_train_s``, ``tokens_per_s`` (the set's tokens over that time), ``steps``,
+``step_time_s`` (median), ``peak_mem_mb`` (largest per-rank peak), ``predicted_imbalance`` (the
+packer's max/mean micro-batch workload, time-weighted: Σ max / Σ mean over steps; ``imbalance`` is
+the mean of the per-step ratios), ``measured_imbalance`` (the same measure over measured
+forward+backward times: per micro-batch without PP, taking the slowest CP rank; per stage and
+micro-batch with PP), ``docs_trained`` and ``docs_repeated``.
 
 Documents: a long-tailed length mix shaped like WLB-LLM's 128K workload, scaled to the benchmark's
-context (``--generator longtail``; or ``--lengths FILE`` with a JSON / .npy / text list of token
-counts, scaled by ``context_len / --scale-from``), with random token ids (time does not depend on
-the values). The model and context are sized so that attention is a real share of the work: the
-default ``tiny`` model's attention/linear break-even length is ~2K tokens and the context is 8K.
+context (``--generator longtail``; or ``--lengths FILE``, scaled by ``context_len / --scale-from``),
+with random characters (time does not depend on the values). The default set is sized for about
+50 steps per mode. Both ranks share this machine's cores, so absolute times depend on what else
+runs; compare modes within one invocation, and read the spread over runs.
 
-How it is measured: each mode runs ``--steps`` optimizer steps; the first ``--warmup`` are
-dropped; a step's time is the slowest rank's wall time between two metric logs; the figure is the
-median; ``tokens_per_s`` (all timed steps' tokens over their total time) and the
-``throughput_speedup_*`` keys guard against a packer that defers work to later steps. Peak memory is the largest per-rank peak resident set. ``imbalance`` is the packer's
-predicted max/mean micro-batch workload (mean over steps); ``measured_imbalance`` is max/mean of
-the measured per-micro-batch forward+backward times (without PP; with PP the schedule runs the
-step's micro-batches together). Both ranks share this machine's cores, so absolute times depend
-on what else runs; compare modes within one invocation.
-
-The last line printed is one JSON object: ``modes -> {plain_4d, fixed_4d, wlb} -> {step_time_s,
-peak_mem_mb, imbalance, ...}``, ``speedup_wlb_vs_plain``, ``speedup_wlb_vs_fixed``.
+The last line printed is one JSON object: ``modes -> {plain_4d, fixed_4d, wlb} -> {...}`` (the
+last run's), ``runs`` (every run's per-mode figures and speedups), ``speedup_wlb_vs_plain``,
+``speedup_wlb_vs_fixed`` (mean over runs) with ``*_min`` / ``*_max``, ``median_step_speedup_*``.
 """
 
 from __future__ import annotations
@@ -75,6 +83,9 @@ def write_jsonl(lengths: np.ndarray, path: Path, seed: int) -> None:
 
 def run_mode(mode: str, args: argparse.Namespace, data: Path, workdir: Path) -> dict[str, Any]:
     dump = workdir / mode
+    steps = ["--training.steps", "100000", "--wlb.epochs", "1"] if args.steps is None else [
+        "--training.steps", str(args.steps)
+    ]  # fmt: skip
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
         "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", "--role", "rank",
@@ -84,7 +95,7 @@ def run_mode(mode: str, args: argparse.Namespace, data: Path, workdir: Path) -> 
         "--training.dataset", "jsonl", "--training.dataset_path", str(data),
         "--training.seq_len", str(args.context_len),
         "--training.global_batch_size", str(args.micro_batches),
-        "--training.steps", str(args.steps), "--wlb.mode", mode,
+        *steps, "--wlb.mode", mode,
         "--wlb.micro_batch_max_len", str(int(args.context_len * args.smax_factor)),
         "--wlb.metrics_jsonl", "--checkpoint.no-enable", "--metrics.log_freq", "1",
         "--metrics.disable_color_printing", "--debug.seed", str(args.seed),
@@ -100,31 +111,64 @@ def run_mode(mode: str, args: argparse.Namespace, data: Path, workdir: Path) -> 
     per_rank = []
     for log in sorted((dump / "wlb_metrics").glob("rank_*.jsonl")):
         per_rank.append({rec["step"]: rec for rec in map(json.loads, log.open())})
-    steps = sorted(set.intersection(*(set(r) for r in per_rank)))
-    timed = [s for s in steps if s > args.warmup]
-    step_times = [max(r[s]["wlb/step_time_s"] for r in per_rank) for s in timed]
-    tokens = [per_rank[0][s].get("wlb/tokens", 0.0) for s in timed]
-    mb_ratio = []
-    if args.parallel != "pp2":
-        for s in timed:
-            times = [t for r in per_rank for t in r[s]["micro_batch_times_s"]]
-            mb_ratio.append(max(times) / (sum(times) / len(times)))
+    steps_done = sorted(set.intersection(*(set(r) for r in per_rank)))
+    timed = [s for s in steps_done if s > args.warmup] or steps_done
+    step_times = [max(r[s]["wlb/step_time_s"] for r in per_rank) for s in steps_done]
+    median = statistics.median([max(r[s]["wlb/step_time_s"] for r in per_rank) for s in timed])
+    tokens = sum(per_rank[0][s].get("wlb/tokens", 0.0) for s in steps_done)
+    # Pipeline stages and CP ranks share their micro-batches: only DP ranks train different ones.
+    dp_ranks = per_rank if args.parallel == "dp2" else per_rank[:1]
+    trained = [i for r in dp_ranks for s in steps_done for i in r[s].get("doc_ids", [])]
+    first = per_rank[0]
+    top = sum(first[s].get("wlb/max_workload", 0.0) for s in steps_done)
+    mean = sum(first[s].get("wlb/mean_workload", 0.0) for s in steps_done)
     out = {
-        "step_time_s": statistics.median(step_times),
+        "time_to_train_s": sum(step_times),
+        "tokens_per_s": tokens / sum(step_times),
+        "steps": len(steps_done),
+        "step_time_s": median,
         "step_times_s": step_times,
-        "tokens_per_s": sum(tokens) / sum(step_times),
-        "peak_mem_mb": max(r[s]["peak_mem_gib"] for r in per_rank for s in steps) * 1024,
-        "imbalance": float(np.mean([per_rank[0][s]["wlb/imbalance"] for s in timed])),
-        "max_tokens_per_microbatch": max(per_rank[0][s]["wlb/max_tokens"] for s in timed),
+        "peak_mem_mb": max(r[s]["peak_mem_gib"] for r in per_rank for s in steps_done) * 1024,
+        "imbalance": float(np.mean([first[s]["wlb/imbalance"] for s in steps_done])),
+        "predicted_imbalance": top / mean if mean else 1.0,
+        "measured_imbalance": measured_imbalance(per_rank, steps_done, args.parallel),
+        "max_tokens_per_microbatch": max(first[s]["wlb/max_tokens"] for s in steps_done),
+        "docs_trained": len(set(trained)),
+        "docs_repeated": len(trained) - len(set(trained)),
         "wall_s": wall,
     }
-    if mb_ratio:
-        out["measured_imbalance"] = float(np.mean(mb_ratio))
     out["records"] = calibration_records(per_rank, timed)
-    cp_share = [per_rank[0][s].get("wlb/cp_per_document_share") for s in timed]
+    cp_share = [first[s].get("wlb/cp_per_document_share") for s in steps_done]
     if any(v is not None for v in cp_share):
         out["cp_per_document_share"] = float(np.mean([v for v in cp_share if v is not None]))
     return out
+
+
+def measured_imbalance(per_rank: list[dict[int, dict]], steps: list[int], parallel: str) -> float:
+    """Measured micro-batch imbalance, time-weighted: Σ over steps of the slowest micro-batch's
+    forward+backward over Σ of the mean.
+
+    With PP each stage's micro-batches are compared (a stage waits for its slowest); with CP the
+    ranks run the same micro-batches, so a micro-batch's time is its slowest rank's; otherwise
+    every rank's micro-batches are pooled.
+    """
+    top = total = 0.0
+    for s in steps:
+        groups: list[np.ndarray] = []
+        if parallel == "pp2":
+            for r in per_rank:
+                for act in r[s].get("pp_actions", []):
+                    for fwd, bwd in zip(act["fwd_s"], act["bwd_s"], strict=True):
+                        groups.append(np.add(fwd, bwd))
+        elif parallel == "cp2":
+            groups.append(np.max([r[s]["micro_batch_times_s"] for r in per_rank], axis=0))
+        else:
+            groups.append(np.concatenate([r[s]["micro_batch_times_s"] for r in per_rank]))
+        for times in groups:
+            if times.size:
+                top += float(times.max())
+                total += float(times.mean())
+    return top / total if total else 1.0
 
 
 def calibration_records(per_rank: list[dict[int, dict]], steps: list[int]) -> dict[str, Any]:
@@ -161,21 +205,44 @@ def calibration_records(per_rank: list[dict[int, dict]], steps: list[int]) -> di
     return {"microbatches": micro_batches, "steps": step_times}
 
 
+def _steps(text: str) -> int | None:
+    """A positive step count, or None for 'epoch' (train the document set exactly once)."""
+    if text.strip().lower() == "epoch":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'epoch', got {text!r}")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m torchtitan_wlb.tools.e2e_bench",
-        description="Step time of plain_4d, fixed_4d and wlb through the real trainer, 2 CPU ranks.",
+        description="Time to train the same documents with plain_4d, fixed_4d and wlb through "
+        "the real trainer, 2 CPU ranks.",
     )
     p.add_argument("--parallel", choices=sorted(PARALLEL), default="pp2", help="2-rank layout")
     p.add_argument("--model", default="tiny", help="llama3_wlb flavor (default: tiny)")
     p.add_argument("--context-len", type=int, default=8192, help="context length L")
     p.add_argument("--micro-batches", type=int, default=8, help="N per optimizer step")
-    p.add_argument("--steps", type=int, default=14, help="optimizer steps per mode")
-    p.add_argument("--warmup", type=int, default=2, help="steps dropped from the statistics")
+    p.add_argument(
+        "--steps",
+        type=_steps,
+        default=None,
+        help="'epoch' (default): train the document set exactly once; or a fixed step count "
+        "(a partial window of the set)",
+    )
+    p.add_argument("--warmup", type=int, default=2, help="steps left out of the median step")
+    p.add_argument("--runs", type=int, default=1, help="repeat every mode this many times")
     p.add_argument("--smax-factor", type=float, default=1.25, help="S_max / context (wlb)")
     p.add_argument("--lengths", default="", help="JSON / .npy / text file of document lengths")
     p.add_argument("--generator", choices=GENERATORS, default="longtail")
-    p.add_argument("--num-docs", type=int, default=20000, help="documents to generate")
+    p.add_argument(
+        "--num-docs", type=int, default=9000, help="documents to generate (~50 steps by default)"
+    )
     p.add_argument("--scale-from", type=int, default=131072, help="context the lengths are for")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of modes")
     p.add_argument("--threads-per-rank", type=int, default=1, help="OMP threads per rank")
@@ -191,6 +258,22 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def speedups(results: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """WLB against each baseline: time to train the set, median step, peak memory."""
+    out: dict[str, float] = {}
+    if "wlb" not in results:
+        return out
+    wlb = results["wlb"]
+    for base in ("plain", "fixed"):
+        other = results.get(f"{base}_4d")
+        if other is None:
+            continue
+        out[f"speedup_wlb_vs_{base}"] = other["time_to_train_s"] / wlb["time_to_train_s"]
+        out[f"median_step_speedup_wlb_vs_{base}"] = other["step_time_s"] / wlb["step_time_s"]
+        out[f"mem_wlb_vs_{base}"] = wlb["peak_mem_mb"] / other["peak_mem_mb"]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
@@ -199,30 +282,41 @@ def main(argv: list[str] | None = None) -> int:
         parser().error(
             f"--modes {args.modes!r}: use a comma-separated subset of {', '.join(MODES)}"
         )
-    for name in ("context_len", "micro_batches", "steps", "num_docs", "scale_from"):
+    for name in ("context_len", "micro_batches", "num_docs", "scale_from", "runs"):
         if getattr(args, name) < 1:
             parser().error(f"--{name.replace('_', '-')} = {getattr(args, name)} must be >= 1")
-    if args.steps <= args.warmup:
+    if args.steps is not None and args.steps <= args.warmup:
         parser().error(f"--steps {args.steps} must exceed --warmup {args.warmup}")
     try:
         lengths = make_documents(args)
     except ValueError as e:
         parser().error(str(e))
+    runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(args.workdir or tmp)
         workdir.mkdir(parents=True, exist_ok=True)
         data = workdir / "docs.jsonl"
         write_jsonl(lengths, data, args.seed)
-        results = {}
-        for mode in modes:
-            results[mode] = run_mode(mode, args, data, workdir)
-            print(
-                f"{mode:9s} step {results[mode]['step_time_s']:.3f}s  "
-                f"imbalance {results[mode]['imbalance']:.3f}  "
-                f"peak {results[mode]['peak_mem_mb']:.0f} MB",
-                file=sys.stderr,
-            )
-    records = {mode: results[mode].pop("records") for mode in results}
+        for run in range(args.runs):
+            results = {}
+            for mode in modes:
+                results[mode] = run_mode(mode, args, data, workdir / f"run{run}")
+                res = results[mode]
+                print(
+                    f"run {run + 1}/{args.runs} {mode:9s} {res['steps']} steps, "
+                    f"{res['time_to_train_s']:.1f}s to train  median step "
+                    f"{res['step_time_s']:.3f}s  imbalance predicted "
+                    f"{res['predicted_imbalance']:.3f} measured {res['measured_imbalance']:.3f}  "
+                    f"peak {res['peak_mem_mb']:.0f} MB",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            runs.append({"modes": results, **speedups(results)})
+    last = runs[-1]["modes"]
+    records = {mode: last[mode].pop("records") for mode in last}
+    for run in runs[:-1]:
+        for res in run["modes"].values():
+            res.pop("records")
     if args.records_out:
         out_dir = Path(args.records_out)
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -237,30 +331,27 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model,
         "context_len": args.context_len,
         "micro_batches": args.micro_batches,
-        "steps": args.steps,
+        "steps": "epoch" if args.steps is None else args.steps,
         "warmup": args.warmup,
         "documents": {"count": int(lengths.size), "tokens": int(lengths.sum())},
-        "modes": results,
+        "modes": last,
+        "runs": [{k: v for k, v in run.items() if k != "modes"} for run in runs],
     }
-    if "wlb" in results and "plain_4d" in results:
-        summary["speedup_wlb_vs_plain"] = (
-            results["plain_4d"]["step_time_s"] / results["wlb"]["step_time_s"]
-        )
-        summary["mem_wlb_vs_plain"] = (
-            results["wlb"]["peak_mem_mb"] / results["plain_4d"]["peak_mem_mb"]
-        )
-    if "wlb" in results and "fixed_4d" in results:
-        summary["speedup_wlb_vs_fixed"] = (
-            results["fixed_4d"]["step_time_s"] / results["wlb"]["step_time_s"]
-        )
-    # Median step time can flatter a packer that defers work (delayed outliers land in a later,
-    # longer step); throughput over all timed steps cannot. Both are reported.
-    for base in ("plain", "fixed"):
-        key = f"{base}_4d"
-        if "wlb" in results and key in results:
-            summary[f"throughput_speedup_wlb_vs_{base}"] = (
-                results["wlb"]["tokens_per_s"] / results[key]["tokens_per_s"]
+    for key in runs[0]:
+        if key == "modes":
+            continue
+        values = [run[key] for run in runs]
+        summary[key] = float(np.mean(values))
+        if len(values) > 1:
+            summary[f"{key}_min"] = float(np.min(values))
+            summary[f"{key}_max"] = float(np.max(values))
+    for mode, res in last.items():
+        if args.steps is None and res["docs_trained"] != lengths.size:
+            print(
+                f"error: {mode} trained {res['docs_trained']} of {lengths.size} documents",
+                file=sys.stderr,
             )
+            return 1
     if args.json:
         print(json.dumps(summary))
     else:

@@ -1,0 +1,57 @@
+"""e2e_bench: its measures on synthetic logs, and one real (small) whole-pass run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from torchtitan_wlb.tools import e2e_bench
+
+
+def test_measured_imbalance_is_time_weighted_per_layout():
+    # Two steps, two ranks. Without PP or CP the ranks' micro-batches are pooled per step.
+    logs = [
+        {1: {"micro_batch_times_s": [1.0, 3.0]}, 2: {"micro_batch_times_s": [1.0, 1.0]}},
+        {1: {"micro_batch_times_s": [2.0, 2.0]}, 2: {"micro_batch_times_s": [1.0, 1.0]}},
+    ]
+    # step 1: max 3, mean 2; step 2: max 1, mean 1 -> (3 + 1) / (2 + 1)
+    assert e2e_bench.measured_imbalance(logs, [1, 2], "dp2") == pytest.approx(4 / 3)
+    # CP: a micro-batch takes its slowest rank's time: step 1 [2, 3] -> 3 / 2.5
+    assert e2e_bench.measured_imbalance(logs, [1], "cp2") == pytest.approx(3 / 2.5)
+    pp = [{1: {"pp_actions": [{"fwd_s": [[1.0, 2.0]], "bwd_s": [[1.0, 4.0]]}]}}]
+    assert e2e_bench.measured_imbalance(pp, [1], "pp2") == pytest.approx(6 / 4)
+
+
+def test_speedups_are_time_to_train_ratios():
+    res = {
+        "plain_4d": {"time_to_train_s": 30.0, "step_time_s": 1.0, "peak_mem_mb": 100.0},
+        "wlb": {"time_to_train_s": 20.0, "step_time_s": 0.5, "peak_mem_mb": 110.0},
+    }
+    out = e2e_bench.speedups(res)
+    assert out["speedup_wlb_vs_plain"] == pytest.approx(1.5)
+    assert out["median_step_speedup_wlb_vs_plain"] == pytest.approx(2.0)
+    assert out["mem_wlb_vs_plain"] == pytest.approx(1.1)
+    assert "speedup_wlb_vs_fixed" not in out
+
+
+@pytest.mark.parametrize("value", ["0", "many", "-3"])
+def test_bad_steps(value, capsys):
+    with pytest.raises(SystemExit) as exc:
+        e2e_bench.main(["--steps", value])
+    assert exc.value.code == 2
+    assert "a positive integer or 'epoch'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_whole_pass_trains_every_document_once(capsys):
+    args = ["--parallel", "cp2", "--modes", "wlb", "--context-len", "512"]
+    args += ["--micro-batches", "4", "--num-docs", "120", "--scale-from", "8192", "--json"]
+    assert e2e_bench.main(args) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    wlb = out["modes"]["wlb"]
+    assert out["steps"] == "epoch" and out["documents"]["count"] == 120
+    assert wlb["docs_trained"] == 120 and wlb["docs_repeated"] == 0
+    assert wlb["steps"] >= 3 and wlb["time_to_train_s"] == pytest.approx(sum(wlb["step_times_s"]))
+    assert wlb["measured_imbalance"] >= 1.0 and wlb["predicted_imbalance"] >= 1.0
+    assert wlb["tokens_per_s"] > 0 and wlb["peak_mem_mb"] > 0
