@@ -6,7 +6,8 @@ torchtitan_wlb.sim.reproduce``. The simulator reuses the project's packers, CP p
 see docs/simulator.md.
 """
 
-from torchtitan_wlb.sim.engine import ModeResult, SimConfig, simulate_mode, speedup
+from torchtitan_wlb.sim.config import SimConfig
+from torchtitan_wlb.sim.engine import ModeResult, simulate_mode, speedup
 from torchtitan_wlb.sim.hardware import HardwareProfile, get_hardware
 from torchtitan_wlb.sim.modes import MODES, ModeSpec, get_mode
 from torchtitan_wlb.sim.presets import MODEL_PRESETS, PAPER_TABLE1, Layout, ModelSpec, get_model

@@ -27,7 +27,7 @@ import numpy as np
 
 def micro_batches(seq_len: int, n: int, seed: int) -> list[np.ndarray]:
     """n micro-batches of at most ``seq_len`` tokens: packer outputs and equal-length packs."""
-    from torchtitan_wlb.sim.engine import SimConfig
+    from torchtitan_wlb.sim.config import SimConfig
     from torchtitan_wlb.sim.integration import generator_lengths, pack_steps
     from torchtitan_wlb.sim.modes import MODES
     from torchtitan_wlb.sim.presets import Layout, ModelSpec
