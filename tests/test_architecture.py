@@ -78,19 +78,6 @@ ALLOWED = {
 TORCH_FREE_PREFIXES = (f"{PACKAGE}.cp.plan", f"{PACKAGE}.packing", f"{PACKAGE}.cost_model")
 TORCH_NAMES = {"torch", "torchtitan", "torchdata"}
 
-# Known violations, being removed on other branches. Each edge here is left out of the checks
-# below, and test_known_edges_still_exist fails once it is gone from the source, so that its entry
-# is deleted with it: this set must end empty.
-KNOWN_EDGES: set[tuple[str, str]] = {
-    # sim.engine and sim.integration import each other.
-    (f"{PACKAGE}.sim.engine", f"{PACKAGE}.sim.integration"),
-    (f"{PACKAGE}.sim.integration", f"{PACKAGE}.sim.engine"),
-    # The simulator reaches up into a tool, and into its own command-line module.
-    (f"{PACKAGE}.sim.reproduce", f"{PACKAGE}.tools.pack_bench"),
-    (f"{PACKAGE}.sim.reproduce", f"{PACKAGE}.sim.__main__"),
-    (f"{PACKAGE}.sim.analyze", f"{PACKAGE}.sim.__main__"),
-}
-
 
 @cache
 def modules() -> dict[str, Path]:
@@ -157,8 +144,8 @@ def room(module: str) -> str:
 
 
 def graph() -> dict[str, set[str]]:
-    """Import edges between package modules, the known violations left out."""
-    return {m: {t for t in imports(m)[0] if (m, t) not in KNOWN_EDGES} for m in modules()}
+    """Import edges between package modules."""
+    return {m: set(imports(m)[0]) for m in modules()}
 
 
 def find_cycle(edges: dict[str, set[str]], within: set[str] | None = None) -> list[str] | None:
@@ -247,12 +234,6 @@ def test_pure_modules_import_no_torch(prefix):
             for target in edges[current] - seen:
                 seen.add(target)
                 todo.append(target)
-
-
-def test_known_edges_still_exist():
-    """A fixed violation leaves KNOWN_EDGES, so that it cannot come back unnoticed."""
-    gone = sorted(edge for edge in KNOWN_EDGES if edge[1] not in imports(edge[0])[0])
-    assert not gone, f"these imports are gone; delete them from KNOWN_EDGES: {gone}"
 
 
 def test_graph_helpers_see_the_import_forms():

@@ -11,8 +11,9 @@ import pytest
 
 import torchtitan_wlb.cp
 from torchtitan_wlb.models.catalogue import ModelSpec, get_model
-from torchtitan_wlb.sim.__main__ import main as sim_main
-from torchtitan_wlb.sim.engine import SimConfig, epoch_steps, simulate_mode, speedup
+from torchtitan_wlb.sim.cli import main as sim_main
+from torchtitan_wlb.sim.config import SimConfig, epoch_steps
+from torchtitan_wlb.sim.engine import simulate_mode, speedup
 from torchtitan_wlb.sim.hardware import HardwareProfile
 from torchtitan_wlb.sim.modes import MODES
 from torchtitan_wlb.sim.presets import Layout, resolve_layout

@@ -52,7 +52,7 @@ def test_generator_registry():
 
 
 def test_every_tool_accepts_every_generator():
-    from torchtitan_wlb.sim.__main__ import build_parser as sim_parser
+    from torchtitan_wlb.sim.cli import build_parser as sim_parser
     from torchtitan_wlb.tools import cp_bench, e2e_bench, pack_bench
 
     for name in GENERATORS:

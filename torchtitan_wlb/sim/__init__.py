@@ -1,26 +1,10 @@
 """A 4D step simulator for WLB-LLM: packed micro-batches -> CP shards -> per-layer times -> pipeline.
 
-Entry points: ``python -m torchtitan_wlb.sim`` (``wlb-sim``), ``python -m torchtitan_wlb.sim.analyze``
-(``wlb-analyze``), ``python -m torchtitan_wlb.sim.calibrate`` and ``python -m
-torchtitan_wlb.sim.reproduce``. The simulator reuses the project's packers, CP planner and cost model;
-see docs/simulator.md.
+It reuses the project's packers, CP planner and cost model (docs/simulator.md). Modules, bottom up:
+``presets``, ``lengths``, ``hardware`` and ``modes`` (what is simulated and compared); ``timeline``
+(1F1B pipelines) and ``timing`` (one layer's compute and communication); ``config`` (SimConfig);
+``records`` and ``fit`` (measured times and their least-squares fit); ``integration`` (packers, CP
+plans, cost model); ``engine`` (``simulate_mode``); ``plots``. Command lines: ``cli`` (``wlb-sim``,
+``python -m torchtitan_wlb.sim``), ``analyze`` (``wlb-analyze``), ``calibrate``, ``measure_cpu`` and
+``reproduce`` (``python -m torchtitan_wlb.sim.<name>``).
 """
-
-from torchtitan_wlb.sim.engine import ModeResult, SimConfig, simulate_mode, speedup
-from torchtitan_wlb.sim.hardware import HardwareProfile, get_hardware
-from torchtitan_wlb.sim.modes import MODES, ModeSpec, get_mode
-from torchtitan_wlb.sim.presets import PAPER_TABLE1, Layout
-
-__all__ = [
-    "MODES",
-    "PAPER_TABLE1",
-    "HardwareProfile",
-    "Layout",
-    "ModeResult",
-    "ModeSpec",
-    "SimConfig",
-    "get_hardware",
-    "get_mode",
-    "simulate_mode",
-    "speedup",
-]

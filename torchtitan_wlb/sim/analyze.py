@@ -14,12 +14,19 @@ layout, found by trying the candidates on a sample of the data. ``--json`` print
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
+from torchtitan_wlb.packing import LengthStream, build_packer, drive, packing_config
+from torchtitan_wlb.sim import cli
+from torchtitan_wlb.sim.engine import simulate_mode
+from torchtitan_wlb.sim.integration import cost_model_for
+from torchtitan_wlb.sim.modes import MODES, REQUIRED_MODES
 from torchtitan_wlb.workloads import load_lengths, split_long
 
 PACKERS_COMPARED = ("original", "fixed_greedy", "wlb_paper", "wlb")
@@ -37,56 +44,32 @@ def length_histogram(lengths: np.ndarray, context_len: int) -> list[dict]:
     docs = np.bincount(idx, minlength=edges.size - 1)[: edges.size - 1]
     toks = np.bincount(idx, weights=lengths, minlength=edges.size - 1)[: edges.size - 1]
     total = float(lengths.sum())
-    rows = []
-    for i in np.flatnonzero(docs):
-        rows.append(
-            {
-                "min_len": int(edges[i]),
-                "max_len": int(edges[i + 1] - 1),
-                "docs": int(docs[i]),
-                "doc_share": float(docs[i] / lengths.size),
-                "token_share": float(toks[i] / total),
-                "over_half_context": bool(edges[i] >= context_len // 2),
-            }
-        )
-    return rows
+    return [{"min_len": int(edges[i]), "max_len": int(edges[i + 1] - 1), "docs": int(docs[i]),
+             "doc_share": float(docs[i] / lengths.size), "token_share": float(toks[i] / total),
+             "over_half_context": bool(edges[i] >= context_len // 2)}
+            for i in np.flatnonzero(docs)]  # fmt: skip
 
 
 def predicted_imbalance(lengths, cfg, packer: str, **overrides) -> dict:
     """Drive one packer over the sample and report its predicted imbalance and delay."""
-    from torchtitan_wlb.packing.base import PackingConfig
-    from torchtitan_wlb.sim.integration import cost_model_for, make_packer
-
     docs = split_long(lengths, cfg.context_len)
-    kw = dict(micro_batches=cfg.n_global, context_len=cfg.context_len, max_wait=cfg.max_delay_steps)
-    kw.update(overrides)
-    if packer in ("original", "fixed_greedy", "solver"):
-        kw["smax"] = None
-    p = make_packer(packer, PackingConfig(**kw), cost_model_for(cfg))
-    cum = np.cumsum(docs)
-    pos, imb, delay, tok = 0, [], [], []
-    for _ in range(cfg.steps):
-        budget = p.tokens_wanted()
-        end = pos
-        if budget > 0 and pos < docs.size:
-            base = cum[pos - 1] if pos else 0
-            end = min(int(np.searchsorted(cum, base + budget, side="left")) + 1, docs.size)
-        if end == pos and budget > 0:
-            break  # sample exhausted
-        plan = p.step(np.arange(pos, end, dtype=np.int64), docs[pos:end])
-        pos = end
+    knobs = {"max_wait": cfg.max_delay_steps, **overrides}
+    config = packing_config(packer, cfg.n_global, cfg.context_len, **knobs)
+    p = build_packer(packer, config, cost_model_for(cfg))
+    # A sample of the data, not all of it: nothing is flushed, and the steps stop when it is used.
+    stream = LengthStream(docs, end_of_data=False)
+    imb, delay, tok = [], [], []
+    for plan in drive(p, stream, cfg.steps):
         imb.append(plan.stats["imbalance"])
         delay.append(plan.stats["mean_delay"] * plan.stats["tokens"])
         tok.append(plan.stats["tokens"])
+        if stream.remaining == 0:
+            break
     if not imb:
         raise ValueError("the lengths sample is too small for one step; give more documents")
-    return {
-        "imbalance": float(np.mean(imb)),
-        "avg_delay_steps": float(np.sum(delay) / max(1, np.sum(tok))),
-        "steps": len(imb),
-        "smax": int(getattr(p, "cap", cfg.context_len)),
-        "queues": [int(x) for x in getattr(p, "thresholds", [])],
-    }
+    return {"imbalance": float(np.mean(imb)), "avg_delay_steps": float(np.sum(delay) / max(1, np.sum(tok))),
+            "steps": len(imb), "smax": int(p.cap),
+            "queues": [int(x) for x in getattr(p, "thresholds", [])]}  # fmt: skip
 
 
 def recommend(lengths, cfg) -> dict:
@@ -94,7 +77,6 @@ def recommend(lengths, cfg) -> dict:
     stays within DELAY_BUDGET_STEPS; ties (within 0.5 %) go to the smaller S_max (less activation
     memory) and fewer queues (less delay)."""
     from torchtitan_wlb.packing import default_thresholds
-    from torchtitan_wlb.sim.integration import cost_model_for
 
     cm = cost_model_for(cfg)
     unit = 2 * cfg.layout.cp
@@ -109,26 +91,17 @@ def recommend(lengths, cfg) -> dict:
     best = min(t["imbalance"] for t in ok)
     near = [t for t in ok if t["imbalance"] <= best * 1.005]
     pick = min(near, key=lambda t: (t["smax"], t["levels"]))
-    return {
-        "queue_thresholds": pick["queues"],
-        "micro_batch_max_len": pick["smax"],
-        "max_delay_steps": cfg.max_delay_steps,
-        "predicted_imbalance": pick["imbalance"],
-        "avg_delay_steps": pick["avg_delay_steps"],
-        "break_even_length": float(cm.break_even_length),
-        "trials": trials,
-    }
+    return {"queue_thresholds": pick["queues"], "micro_batch_max_len": pick["smax"],
+            "max_delay_steps": cfg.max_delay_steps, "predicted_imbalance": pick["imbalance"],
+            "avg_delay_steps": pick["avg_delay_steps"],
+            "break_even_length": float(cm.break_even_length), "trials": trials}  # fmt: skip
 
 
 def toml_snippet(rec: dict) -> str:
     th = ", ".join(str(t) for t in rec["queue_thresholds"])
-    return (
-        "[wlb]\n"
-        'mode = "wlb"\n'
-        f"queue_thresholds = [{th}]\n"
-        f"micro_batch_max_len = {rec['micro_batch_max_len']}  # S_max: check it fits activation memory\n"
-        f"max_delay_steps = {rec['max_delay_steps']}\n"
-    )
+    return (f'[wlb]\nmode = "wlb"\nqueue_thresholds = [{th}]\nmicro_batch_max_len = '
+            f"{rec['micro_batch_max_len']}  # S_max: check it fits activation memory\n"
+            f"max_delay_steps = {rec['max_delay_steps']}\n")  # fmt: skip
 
 
 def lengths_from_dataset(path: str, limit: int) -> np.ndarray:
@@ -136,60 +109,26 @@ def lengths_from_dataset(path: str, limit: int) -> np.ndarray:
     from torchtitan_wlb.data.sources import TextSource
     from torchtitan_wlb.data.tokenizer import ByteTokenizer
 
-    p = Path(path)
-    kind = {".jsonl": "jsonl", ".parquet": "parquet"}.get(p.suffix, "text")
-    source = TextSource(kind=kind, path=str(path))
+    kind = {".jsonl": "jsonl", ".parquet": "parquet"}.get(Path(path).suffix, "text")
     tok = ByteTokenizer()
-    out = []
-    for _, text in source.open_texts():
-        out.append(len(tok.encode(text)))
-        if len(out) >= limit:
-            break
+    texts = TextSource(kind=kind, path=str(path)).open_texts()
+    out = [len(tok.encode(text)) for _, text in itertools.islice(texts, limit)]
     if not out:
         raise ValueError(f"dataset {path!r} holds no documents")
     return np.asarray(out, dtype=np.int64)
 
 
-def plot(lengths: np.ndarray, hist: list[dict], context_len: int, out_dir: Path) -> list[Path]:
-    from torchtitan_wlb.sim.plots import _plt
-
-    plt = _plt()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.4))
-    labels = [f"{r['min_len']}" for r in hist]
-    x = np.arange(len(hist))
-    a1.bar(x, [r["docs"] for r in hist], color="tab:blue")
-    a1.set_yscale("log")
-    a1.set_ylim(bottom=0.8)  # bars start at one document, so small buckets stay visible
-    a1.set_title("documents per length bucket")
-    a2.bar(x, [100 * r["token_share"] for r in hist],
-           color=["tab:red" if r["over_half_context"] else "tab:green" for r in hist])  # fmt: skip
-    a2.set_title(f"share of tokens (%); red: >= context/2 ({context_len // 2})")
-    for ax in (a1, a2):
-        ax.set_xticks(x)
-        ax.set_xticklabels(labels, rotation=60, fontsize=7)
-        ax.set_xlabel("document length (tokens, bucket start)")
-    fig.tight_layout()
-    path = out_dir / "length_histogram.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
-
-
 def build_parser() -> argparse.ArgumentParser:
-    from torchtitan_wlb.sim.__main__ import build_parser as sim_parser
-
     p = argparse.ArgumentParser(
         prog="wlb-analyze",
         description="Document-length analysis and WLB recommendations for a dataset.",
-        parents=[],
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--lengths", help="JSON list, .npy, or one integer per line")
     src.add_argument("--dataset", help="local jsonl / parquet / text file, tokenized here")
     p.add_argument("--max-docs", type=int, default=200_000, help="documents read from --dataset")
     # Model, layout and simulation options are the simulator's.
-    sim = sim_parser()
+    sim = cli.build_parser()
     keep = {"--model", "--context-len", "--tp", "--cp", "--pp", "--dp", "--gpus", "--schedule",
             "--v", "--micro-batches", "--hardware", "--max-delay", "--cost-model", "--seed",
             "--dim", "--n-layers", "--n-heads", "--n-kv-heads", "--ffn-hidden-dim",
@@ -205,55 +144,36 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from torchtitan_wlb.sim.__main__ import config_from_args
-
     args = build_parser().parse_args(argv)
     try:
-        lengths = (
-            load_lengths(args.lengths)
-            if args.lengths
-            else lengths_from_dataset(args.dataset, args.max_docs)
-        )
+        lengths = (load_lengths(args.lengths) if args.lengths
+                   else lengths_from_dataset(args.dataset, args.max_docs))  # fmt: skip
         # The simulator's option defaults, for the fields analyze does not expose.
-        for name, default in (
-            ("warmup_steps", 0),
-            ("smax_factor", 1.25),
-            ("queue_thresholds", None),
-        ):
-            setattr(args, name, default)
-        cfg = config_from_args(args)
+        args.warmup_steps, args.smax_factor, args.queue_thresholds = 0, 1.25, None
+        cfg = cli.config_from_args(args)
         hist = length_histogram(lengths, cfg.context_len)
         packers = {p: predicted_imbalance(lengths, cfg, p) for p in PACKERS_COMPARED}
         rec = recommend(lengths, cfg)
         out: dict = {
-            "documents": int(lengths.size),
-            "tokens": int(lengths.sum()),
-            "mean_len": float(lengths.mean()),
-            "median_len": float(np.median(lengths)),
+            "documents": int(lengths.size), "tokens": int(lengths.sum()),
+            "mean_len": float(lengths.mean()), "median_len": float(np.median(lengths)),
             "max_len": int(lengths.max()),
-            "token_share_over_half_context": float(
-                lengths[lengths >= cfg.context_len // 2].sum() / lengths.sum()
-            ),
-            "histogram": hist,
-            "packers": packers,
+            "token_share_over_half_context": float(lengths[lengths >= cfg.context_len // 2].sum()
+                                                   / lengths.sum()),
+            "histogram": hist, "packers": packers,
             "recommended": {k: v for k, v in rec.items() if k != "trials"},
             "recommend_trials": rec["trials"],
-        }
+        }  # fmt: skip
         if not args.no_simulate:
-            from torchtitan_wlb.sim.__main__ import summarize
-            from torchtitan_wlb.sim.engine import simulate_mode
-            from torchtitan_wlb.sim.modes import MODES
-
-            sim_cfg = cfg.__class__(**{**cfg.__dict__, "steps": min(cfg.steps, 20),
-                                       "warmup_steps": 4})  # fmt: skip
-            res = {
-                m: simulate_mode(MODES[m], lengths, sim_cfg)
-                for m in ("plain_4d", "fixed_4d", "wlb")
-            }
-            s = summarize(res)
+            sim_cfg = replace(cfg, steps=min(cfg.steps, 20), warmup_steps=4)
+            s = cli.summarize({m: simulate_mode(MODES[m], lengths, sim_cfg) for m in REQUIRED_MODES})  # fmt: skip
             out["simulated"] = {k: s[k] for k in ("speedup_wlb_vs_plain", "speedup_wlb_vs_fixed")}
         if args.plot:
-            out["plots"] = [str(p) for p in plot(lengths, hist, cfg.context_len, Path(args.plot))]
+            from torchtitan_wlb.sim.plots import length_histogram as plot_histogram
+
+            Path(args.plot).mkdir(parents=True, exist_ok=True)
+            path = plot_histogram(hist, cfg.context_len, Path(args.plot) / "length_histogram.png")
+            out["plots"] = [str(path)]
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

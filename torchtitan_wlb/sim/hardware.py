@@ -9,7 +9,7 @@ measured per-micro-batch times.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 
@@ -61,14 +61,11 @@ class HardwareProfile:
     dp_overlap: float = 0.9
 
     def __post_init__(self) -> None:
-        for f in fields(self):
+        for f in fields(self)[1:]:  # every field but the name
             value = getattr(self, f.name)
-            if f.name == "name":
-                continue
-            if f.name.endswith("overlap"):
-                if not 0.0 <= value <= 1.0:
-                    raise ValueError(f"hardware {f.name}={value!r} must lie in [0, 1]")
-            elif not value > 0:
+            if f.name.endswith("overlap") and not 0.0 <= value <= 1.0:
+                raise ValueError(f"hardware {f.name}={value!r} must lie in [0, 1]")
+            if not f.name.endswith("overlap") and not value > 0:
                 raise ValueError(f"hardware {f.name}={value!r} must be positive")
 
     def link_gbps(self, group_span: int) -> float:
@@ -93,10 +90,6 @@ class HardwareProfile:
                 f"hardware profile {path}: unknown keys {unknown}; accepted: {sorted(known)}"
             )
         return cls(**data)
-
-    def with_overrides(self, **kwargs: float) -> HardwareProfile:
-        """A copy with some fields replaced (used by calibration)."""
-        return replace(self, **kwargs)
 
 
 HARDWARE_PROFILES: dict[str, HardwareProfile] = {

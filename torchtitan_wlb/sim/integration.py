@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -21,15 +22,18 @@ import numpy as np
 from torchtitan_wlb.cost_model import CostModel
 from torchtitan_wlb.packing import LengthStream, build_packer, drive
 from torchtitan_wlb.packing import packing_config as _packing_config
+from torchtitan_wlb.sim.config import SimConfig
+from torchtitan_wlb.sim.fit import fit
+from torchtitan_wlb.sim.records import MicroBatchRecord
 from torchtitan_wlb.sim.timing import (
     TILE,
     AttentionTimeFn,
+    LayerCosts,
     causal_pairs,
     layer_costs,
+    stage_times,
     tile_padded_time_fn,
 )
-
-make_packer = build_packer  # the name sim.analyze imports
 
 
 def packing_config(mode, cfg, n_global: int):
@@ -86,10 +90,30 @@ def pack_steps(mode, lengths: np.ndarray, cfg, n_steps: int) -> tuple[list[list[
     return steps, stats
 
 
+@dataclass
+class CPShards:
+    """Attention segments of a batch of micro-batches under one CP strategy (flat arrays).
+
+    Attributes:
+        seg_mb: [n_seg] micro-batch index of each segment.
+        seg_rank: [n_seg] CP rank.
+        seg_q: [n_seg] query tokens of the segment.
+        seg_kv: [n_seg] keys it attends (its document's prefix up to the chunk's end).
+        local_tokens: [n_mb, cp] tokens held by each CP rank.
+        chose_per_document: [n_mb] for adaptive plans, whether per-document sharding was chosen.
+    """
+
+    seg_mb: np.ndarray
+    seg_rank: np.ndarray
+    seg_q: np.ndarray
+    seg_kv: np.ndarray
+    local_tokens: np.ndarray
+    chose_per_document: np.ndarray
+
+
 def cp_shards(micro_batches: list[np.ndarray], cfg, strategy: str):
     """Attention segments of every micro-batch under ``strategy``, from the CP planner."""
     from torchtitan_wlb.cp.adaptive import build_cp_plan
-    from torchtitan_wlb.sim.engine import CPShards
 
     c = cfg.layout.cp
     mbs, ranks, qs, kvs = [], [], [], []
@@ -109,14 +133,15 @@ def cp_shards(micro_batches: list[np.ndarray], cfg, strategy: str):
         local[i] = plan.local_lens
         chose_doc[i] = plan.strategy == "per_document"
     empty = np.zeros(0, dtype=np.int64)
-    return CPShards(
-        seg_mb=np.concatenate([empty, *mbs]),
-        seg_rank=np.concatenate([empty, *ranks]),
-        seg_q=np.concatenate([empty, *qs]),
-        seg_kv=np.concatenate([empty, *kvs]),
-        local_tokens=local,
-        chose_per_document=chose_doc,
-    )
+    segs = (np.concatenate([empty, *x]) for x in (mbs, ranks, qs, kvs))
+    return CPShards(*segs, local_tokens=local, chose_per_document=chose_doc)
+
+
+def shard_costs(shards: CPShards, cfg: SimConfig) -> LayerCosts:
+    """One layer's per-GPU costs of the planner's segments (``timing.layer_costs``)."""
+    return layer_costs(cfg.model, cfg.layout, cfg.hardware, shards.seg_mb, shards.seg_rank,
+                       shards.seg_q, shards.seg_kv, shards.local_tokens,
+                       attention_time=attention_time_fn(cfg))  # fmt: skip
 
 
 @lru_cache(maxsize=8)
@@ -142,17 +167,10 @@ def simulated_cp_profile(hw):
     pq = -(-q // tile) * tile
     pk = np.maximum(-(-kv_v // tile) * tile, pq)
     tflops = np.where(valid, attention_flops(pq, pk, 1, head_dim) / seconds / 1e12, np.nan)
-    return CPProfile(
-        lengths=tuple(int(x) for x in grid),
-        tflops=tuple(tuple(float(x) for x in row) for row in tflops),
-        tile=tile,
-        device=f"simulated-{hw.name}",
-        backend="simulated",
-        n_heads=1,
-        n_kv_heads=1,
-        head_dim=head_dim,
-        dtype="bfloat16",
-    )
+    return CPProfile(lengths=tuple(int(x) for x in grid), tile=tile, device=f"simulated-{hw.name}",
+                     tflops=tuple(tuple(float(x) for x in row) for row in tflops),
+                     backend="simulated", n_heads=1, n_kv_heads=1, head_dim=head_dim,
+                     dtype="bfloat16")  # fmt: skip
 
 
 @lru_cache(maxsize=8)
@@ -164,9 +182,7 @@ def _measured_profile(path: str):
 
 def planner_profile(cfg):
     """The throughput table adaptive CP selection uses: a measured one if given, else the model's."""
-    return (
-        _measured_profile(cfg.cp_profile) if cfg.cp_profile else simulated_cp_profile(cfg.hardware)
-    )
+    return _measured_profile(cfg.cp_profile) if cfg.cp_profile else simulated_cp_profile(cfg.hardware)  # fmt: skip
 
 
 def attention_time_fn(cfg) -> AttentionTimeFn:
@@ -228,16 +244,12 @@ def cost_model_for(cfg) -> CostModel:
 def _profiled_cost_model(model, layout, hw, context_len: int, cp_profile: str | None) -> CostModel:
     """Fit W(d) = a d^2 + b d to the simulated time (all layers, forward + backward, slowest CP rank,
     per-document sharding) of profiling micro-batches: an offline profile of the simulated GPUs."""
-    from torchtitan_wlb.sim.calibrate import MicroBatchRecord, fit
-    from torchtitan_wlb.sim.engine import SimConfig, stage_times
-
     cfg = SimConfig(model=model, layout=layout, context_len=context_len, hardware=hw,
                     schedule="1f1b", v=1, cost_model="analytic", cp_profile=cp_profile)  # fmt: skip
     mbs = profiling_micro_batches(context_len, layout.cp)
     shards = cp_shards(mbs, cfg, "per_document")
-    costs = layer_costs(model, layout, hw, shards.seg_mb, shards.seg_rank, shards.seg_q,
-                        shards.seg_kv, shards.local_tokens, attention_time=attention_time_fn(cfg))  # fmt: skip
-    fwd, bwd, _ = stage_times(cfg, costs, shards.local_tokens)
+    costs = shard_costs(shards, cfg)
+    fwd, bwd, _ = stage_times(model, layout, hw, 1, costs)
     seconds = (fwd + bwd).sum(axis=1)
     records = [MicroBatchRecord(mb, float(s)) for mb, s in zip(mbs, seconds, strict=True)]
     return fit(records, overhead=False).cost_model()

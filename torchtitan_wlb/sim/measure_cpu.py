@@ -28,7 +28,7 @@ import numpy as np
 def micro_batches(seq_len: int, n: int, seed: int) -> list[np.ndarray]:
     """n micro-batches of at most ``seq_len`` tokens: packer outputs and equal-length packs."""
     from torchtitan_wlb.models.catalogue import get_model
-    from torchtitan_wlb.sim.engine import SimConfig
+    from torchtitan_wlb.sim.config import SimConfig
     from torchtitan_wlb.sim.integration import pack_steps
     from torchtitan_wlb.sim.modes import MODES
     from torchtitan_wlb.sim.presets import Layout

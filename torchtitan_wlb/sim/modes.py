@@ -37,47 +37,36 @@ class ModeSpec:
     stream_cut: bool = False
 
 
-def _preset(name: str) -> tuple[str, str]:
-    return MODE_PRESETS[name]
-
-
-MODES: dict[str, ModeSpec] = {
-    "plain_4d": ModeSpec("plain_4d", *_preset("plain_4d"),
-                         description="Plain-4D: original packing + per-sequence CP"),
-    "fixed_4d": ModeSpec("fixed_4d", *_preset("fixed_4d"),
-                         description="Fixed-4D: fixed-length greedy packing + fixed CP sharding"),
-    "wlb": ModeSpec("wlb", *_preset("wlb"), variable_length=True,
-                    description="WLB-LLM: variable-length packing with outlier delay + adaptive CP"),
-    "per_doc_cp": ModeSpec("per_doc_cp", "original", "per_document",
-                           description="per-document CP only (original packing)"),
-    "adaptive_cp": ModeSpec("adaptive_cp", "original", "adaptive",
-                            description="adaptive CP only (original packing)"),
-    "varlen_packing": ModeSpec("varlen_packing", "wlb", "per_sequence", variable_length=True,
-                               description="variable-length packing with outlier delay only"),
-    "varlen_no_delay": ModeSpec("varlen_no_delay", "wlb", "per_sequence", outlier_delay=False,
-                                variable_length=True,
-                                description="variable-length packing without outlier delay"),
-    "wlb_no_delay": ModeSpec("wlb_no_delay", "wlb", "adaptive", outlier_delay=False,
-                             variable_length=True,
-                             description="WLB-LLM without outlier delay"),
-    "wlb_paper": ModeSpec("wlb_paper", "wlb_paper", "adaptive", variable_length=True,
-                          description="WLB-LLM with the paper's Algorithm 1 as published"),
-    # Plain-4D with TorchTitan's own loader (torchtitan.hf_datasets.text_datasets): the token
-    # stream is cut every context length, so documents straddling a boundary are cut and every
-    # sequence is full. The paper's baseline keeps documents whole (its Table 2 imbalance of the
-    # original packing, 1.44, is what whole-document next-fit gives on this workload, 1.42; the cut
-    # stream gives 1.25), so these are labelled alternatives, not the Plain-4D of the figures.
-    "plain_4d_torchtitan": ModeSpec("plain_4d_torchtitan", "original", "per_sequence",
-                                    stream_cut=True,
-                                    description="Plain-4D with TorchTitan's loader (stream cut "
-                                                "at the context length)"),
-    "per_doc_cp_torchtitan": ModeSpec("per_doc_cp_torchtitan", "original", "per_document",
-                                      stream_cut=True,
-                                      description="per-document CP only, TorchTitan's loader"),
-    "adaptive_cp_torchtitan": ModeSpec("adaptive_cp_torchtitan", "original", "adaptive",
-                                       stream_cut=True,
-                                       description="adaptive CP only, TorchTitan's loader"),
-}  # fmt: skip
+_P = MODE_PRESETS  # the paper's three systems, as the trainer's [wlb] mode presets define them
+# TorchTitan's own loader (torchtitan.hf_datasets.text_datasets) cuts the token stream every context
+# length, so documents straddling a boundary are cut and every sequence is full. The paper's baseline
+# keeps documents whole (its Table 2 imbalance of the original packing is what whole-document
+# next-fit gives on a paper-like workload; the cut stream gives less), so the *_torchtitan modes are
+# labelled alternatives, not the Plain-4D of the paper's figures.
+MODES: dict[str, ModeSpec] = {m.name: m for m in (
+    ModeSpec("plain_4d", *_P["plain_4d"], description="Plain-4D: original packing + per-sequence CP"),
+    ModeSpec("fixed_4d", *_P["fixed_4d"],
+             description="Fixed-4D: fixed-length greedy packing + fixed CP sharding"),
+    ModeSpec("wlb", *_P["wlb"], variable_length=True,
+             description="WLB-LLM: variable-length packing with outlier delay + adaptive CP"),
+    ModeSpec("per_doc_cp", "original", "per_document",
+             description="per-document CP only (original packing)"),
+    ModeSpec("adaptive_cp", "original", "adaptive", description="adaptive CP only (original packing)"),
+    ModeSpec("varlen_packing", "wlb", "per_sequence", variable_length=True,
+             description="variable-length packing with outlier delay only"),
+    ModeSpec("varlen_no_delay", "wlb", "per_sequence", outlier_delay=False, variable_length=True,
+             description="variable-length packing without outlier delay"),
+    ModeSpec("wlb_no_delay", "wlb", "adaptive", outlier_delay=False, variable_length=True,
+             description="WLB-LLM without outlier delay"),
+    ModeSpec("wlb_paper", "wlb_paper", "adaptive", variable_length=True,
+             description="WLB-LLM with the paper's Algorithm 1 as published"),
+    ModeSpec("plain_4d_torchtitan", "original", "per_sequence", stream_cut=True,
+             description="Plain-4D with TorchTitan's loader (stream cut at the context length)"),
+    ModeSpec("per_doc_cp_torchtitan", "original", "per_document", stream_cut=True,
+             description="per-document CP only, TorchTitan's loader"),
+    ModeSpec("adaptive_cp_torchtitan", "original", "adaptive", stream_cut=True,
+             description="adaptive CP only, TorchTitan's loader"),
+)}  # fmt: skip
 
 REQUIRED_MODES = ("plain_4d", "fixed_4d", "wlb")
 

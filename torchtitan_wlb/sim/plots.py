@@ -27,6 +27,14 @@ def _plt():
     return plt
 
 
+def _save(fig, path: str | Path, **kw) -> Path:
+    """Write ``fig`` as a PNG and release it."""
+    out = Path(path)
+    fig.savefig(out, dpi=110, **kw)
+    _plt().close(fig)
+    return out
+
+
 def latency_heatmap(results: Sequence[ModeResult], path: str | Path, max_rows: int = 48) -> Path:
     """Per-micro-batch, per-CP-rank compute latency over its step's mean (paper Figure 4 style).
 
@@ -70,10 +78,7 @@ def latency_heatmap(results: Sequence[ModeResult], path: str | Path, max_rows: i
         else:
             ax.set_yticks([])
     fig.colorbar(im, ax=axes[0].tolist(), label="latency / step mean", shrink=0.9)
-    out = Path(path)
-    fig.savefig(out, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return out
+    return _save(fig, path, bbox_inches="tight")
 
 
 def gantt(results: Sequence[ModeResult], path: str | Path) -> Path:
@@ -103,11 +108,8 @@ def gantt(results: Sequence[ModeResult], path: str | Path) -> Path:
             fontsize=10, loc="left",
         )  # fmt: skip
     axes[-1, 0].set_xlabel("time (s); light = forward, dark = backward, colour = micro-batch")
-    out = Path(path)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, path)
 
 
 def speedup_bars(
@@ -147,8 +149,26 @@ def speedup_bars(
     ax.set_ylim(0.8, max(1.5, np.nanmax([v for c in speedups.values() for v in c.values()]) + 0.12))
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7, ncol=min(4, len(modes) + 1))
-    out = Path(path)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, path)
+
+
+def length_histogram(hist: Sequence[Mapping], context_len: int, path: str | Path) -> Path:
+    """Documents per power-of-two length bucket, and each bucket's share of the tokens (buckets of
+    documents at least half the context long in red): ``wlb-analyze --plot``."""
+    plt = _plt()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.4))
+    x = np.arange(len(hist))
+    a1.bar(x, [r["docs"] for r in hist], color="tab:blue")
+    a1.set_yscale("log")
+    a1.set_ylim(bottom=0.8)  # bars start at one document, so small buckets stay visible
+    a1.set_title("documents per length bucket")
+    a2.bar(x, [100 * r["token_share"] for r in hist],
+           color=["tab:red" if r["over_half_context"] else "tab:green" for r in hist])  # fmt: skip
+    a2.set_title(f"share of tokens (%); red: >= context/2 ({context_len // 2})")
+    for ax in (a1, a2):
+        ax.set_xticks(x)
+        ax.set_xticklabels([f"{r['min_len']}" for r in hist], rotation=60, fontsize=7)
+        ax.set_xlabel("document length (tokens, bucket start)")
+    fig.tight_layout()
+    return _save(fig, path)

@@ -16,22 +16,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 
 SCHEDULES = ("1f1b", "interleaved_1f1b")
 
 
-@dataclass(frozen=True)
-class Op:
-    """One pipeline operation.
-
-    Attributes:
-        rank: Physical pipeline stage that runs it.
-        vstage: Virtual stage (model chunk index ``chunk * pp + rank``).
-        mb: Micro-batch index.
-        is_fwd: Forward (True) or backward (False).
-    """
+class Op(NamedTuple):
+    """One operation: physical stage, virtual stage (``chunk * pp + rank``), micro-batch, fwd/bwd."""
 
     rank: int
     vstage: int
@@ -41,30 +34,18 @@ class Op:
 
 def _rank_order(pp: int, v: int, m: int, rank: int) -> list[Op]:
     """The order in which physical stage ``rank`` runs its operations (Megatron's 1F1B schedules)."""
+
+    def op(i: int, fwd: bool) -> Op:
+        group, within = divmod(i, pp * v)
+        chunk = within // pp if fwd else v - 1 - within // pp
+        return Op(rank, chunk * pp + rank, group * pp + within % pp, fwd)
+
     total = m * v
-
-    def fwd_op(i: int) -> Op:
-        group, within = divmod(i, pp * v)
-        chunk = within // pp
-        mb = group * pp + within % pp
-        return Op(rank, chunk * pp + rank, mb, True)
-
-    def bwd_op(i: int) -> Op:
-        group, within = divmod(i, pp * v)
-        chunk = v - 1 - within // pp
-        mb = group * pp + within % pp
-        return Op(rank, chunk * pp + rank, mb, False)
-
-    if v == 1:
-        warmup = min(pp - rank - 1, m)
-    else:
-        warmup = min((pp - rank - 1) * 2 + (v - 1) * pp, total)
-    order = [fwd_op(i) for i in range(warmup)]
+    warmup = min(pp - rank - 1, m) if v == 1 else min((pp - rank - 1) * 2 + (v - 1) * pp, total)
+    order = [op(i, True) for i in range(warmup)]
     for j in range(total - warmup):
-        order.append(fwd_op(warmup + j))
-        order.append(bwd_op(j))
-    order.extend(bwd_op(j) for j in range(total - warmup, total))
-    return order
+        order += [op(warmup + j, True), op(j, False)]
+    return order + [op(j, False) for j in range(total - warmup, total)]
 
 
 @dataclass(frozen=True)
@@ -72,15 +53,10 @@ class Schedule:
     """A pipeline schedule unrolled into arrays, in an order that respects every dependency.
 
     Attributes:
-        pp: Physical stages.
-        v: Model chunks per stage (1 for plain 1F1B).
-        m: Micro-batches per step (per pipeline).
-        rank: [n_ops] physical stage of each op, in topological order.
-        vstage: [n_ops] virtual stage.
-        mb: [n_ops] micro-batch.
-        is_fwd: [n_ops] bool.
-        dep: [n_ops] index (in this order) of the op whose output this op consumes from another stage,
-            or -1.
+        pp, v, m: Physical stages, model chunks per stage (1 for plain 1F1B), micro-batches per step.
+        rank, vstage, mb, is_fwd: [n_ops] each op's physical stage, virtual stage, micro-batch and
+            direction, in topological order.
+        dep: [n_ops] index (in this order) of the op whose output this op consumes, or -1.
         prev_same_rank: [n_ops] index of the previous op on the same stage, or -1.
     """
 
@@ -94,10 +70,6 @@ class Schedule:
     dep: np.ndarray
     prev_same_rank: np.ndarray
 
-    @property
-    def n_ops(self) -> int:
-        return int(self.rank.size)
-
 
 @lru_cache(maxsize=64)
 def build_schedule(pp: int, m: int, v: int = 1) -> Schedule:
@@ -109,68 +81,49 @@ def build_schedule(pp: int, m: int, v: int = 1) -> Schedule:
             f"interleaved 1F1B needs micro-batches per pipeline ({m}) divisible by PP ({pp})"
         )
     n_v = pp * v
-    orders = [_rank_order(pp, v, m, r) for r in range(pp)]
-    done: dict[tuple[int, int, bool], int] = {}
-    pos = [0] * pp
-    topo: list[Op] = []
 
     def input_key(op: Op) -> tuple[int, int, bool] | None:
         if op.is_fwd:
             return None if op.vstage == 0 else (op.vstage - 1, op.mb, True)
-        if op.vstage == n_v - 1:
-            return (op.vstage, op.mb, True)
-        return (op.vstage + 1, op.mb, False)
+        return (op.vstage, op.mb, True) if op.vstage == n_v - 1 else (op.vstage + 1, op.mb, False)
 
-    remaining = sum(len(o) for o in orders)
-    while remaining:
-        progressed = False
-        for r in range(pp):
-            while pos[r] < len(orders[r]):
-                op = orders[r][pos[r]]
-                key = input_key(op)
-                if key is not None and key not in done:
-                    break
+    def ready(op: Op) -> bool:
+        return (key := input_key(op)) is None or key in done
+
+    # Take every stage's next op as soon as its input is done, until all are placed.
+    orders = [_rank_order(pp, v, m, r) for r in range(pp)]
+    pos, done, topo = [0] * pp, {}, []
+    while len(topo) < sum(len(o) for o in orders):
+        placed = len(topo)
+        for r, order in enumerate(orders):
+            while pos[r] < len(order) and ready(order[pos[r]]):
+                op = order[pos[r]]
                 done[(op.vstage, op.mb, op.is_fwd)] = len(topo)
                 topo.append(op)
                 pos[r] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:  # pragma: no cover - the schedules above are deadlock-free
+        if len(topo) == placed:  # pragma: no cover - the schedules above are deadlock-free
             raise RuntimeError(f"pipeline schedule deadlocks (pp={pp}, m={m}, v={v})")
-
-    rank = np.array([op.rank for op in topo], dtype=np.int64)
-    dep = np.full(len(topo), -1, dtype=np.int64)
-    prev = np.full(len(topo), -1, dtype=np.int64)
-    last_on_rank = [-1] * pp
+    dep = [-1 if (k := input_key(op)) is None else done[k] for op in topo]
+    prev, last = [], [-1] * pp
     for i, op in enumerate(topo):
-        key = input_key(op)
-        if key is not None:
-            dep[i] = done[key]
-        prev[i] = last_on_rank[op.rank]
-        last_on_rank[op.rank] = i
+        prev.append(last[op.rank])
+        last[op.rank] = i
+    rank, vstage, mb = (np.array([op[j] for op in topo], dtype=np.int64) for j in range(3))
+    is_fwd = np.array([op.is_fwd for op in topo], dtype=bool)
     return Schedule(
-        pp=pp,
-        v=v,
-        m=m,
-        rank=rank,
-        vstage=np.array([op.vstage for op in topo], dtype=np.int64),
-        mb=np.array([op.mb for op in topo], dtype=np.int64),
-        is_fwd=np.array([op.is_fwd for op in topo], dtype=bool),
-        dep=dep,
-        prev_same_rank=prev,
+        pp, v, m, rank, vstage, mb, is_fwd, *(np.array(x, dtype=np.int64) for x in (dep, prev))
     )
 
 
 @dataclass
 class TimelineResult:
-    """Result of timing a batch of pipelines.
+    """Result of timing a batch of B pipelines.
 
     Attributes:
         makespan: [B] time from the first operation's start to the last one's end.
         busy: [B, pp] compute time of each physical stage.
         bubble_fraction: [B] 1 - sum(busy) / (pp * makespan): the share of stage-time spent idle.
-        start: [B, n_ops] start time of each op (schedule's topological order).
-        end: [B, n_ops] end time of each op.
+        start, end: [B, n_ops] start and end time of each op (schedule's topological order).
     """
 
     makespan: np.ndarray
@@ -181,59 +134,43 @@ class TimelineResult:
 
 
 def simulate_pipeline(
-    schedule: Schedule,
-    fwd: np.ndarray,
-    bwd: np.ndarray,
-    p2p: np.ndarray | float = 0.0,
+    schedule: Schedule, fwd: np.ndarray, bwd: np.ndarray, p2p: np.ndarray | float = 0.0
 ) -> TimelineResult:
     """Time a batch of pipelines.
 
     Args:
         schedule: From ``build_schedule``.
-        fwd: [B, pp * v, m] forward time of micro-batch j on virtual stage k (B = independent pipelines,
-            e.g. steps x DP replicas).
-        bwd: [B, pp * v, m] backward times.
+        fwd, bwd: [B, pp * v, m] forward / backward time of micro-batch j on virtual stage k (B
+            independent pipelines, e.g. steps x DP replicas).
         p2p: transfer time added when an op's input comes from another stage: a scalar or [B, m]
             (activations and their gradients have the same size).
     """
     fwd = np.asarray(fwd, dtype=np.float64)
     bwd = np.asarray(bwd, dtype=np.float64)
-    n_v = schedule.pp * schedule.v
-    if fwd.ndim != 3 or fwd.shape[1:] != (n_v, schedule.m) or bwd.shape != fwd.shape:
+    s, n_v = schedule, schedule.pp * schedule.v
+    if fwd.ndim != 3 or fwd.shape[1:] != (n_v, s.m) or bwd.shape != fwd.shape:
         raise ValueError(
-            f"fwd/bwd must have shape [B, {n_v}, {schedule.m}], got {fwd.shape} and {bwd.shape}"
+            f"fwd/bwd must have shape [B, {n_v}, {s.m}], got {fwd.shape} and {bwd.shape}"
         )
     batch = fwd.shape[0]
-    p2p_arr = np.broadcast_to(np.asarray(p2p, dtype=np.float64), (batch, schedule.m))
+    p2p_arr = np.broadcast_to(np.asarray(p2p, dtype=np.float64), (batch, s.m))
     # Durations in topological order: [B, n_ops].
-    dur = np.where(
-        schedule.is_fwd[None, :],
-        fwd[:, schedule.vstage, schedule.mb],
-        bwd[:, schedule.vstage, schedule.mb],
-    )
-    n_v_last = n_v - 1
+    dur = np.where(s.is_fwd[None, :], fwd[:, s.vstage, s.mb], bwd[:, s.vstage, s.mb])
     # Backward of the last virtual stage consumes its own forward on the same rank: no transfer.
-    needs_transfer = (schedule.dep >= 0) & ~(~schedule.is_fwd & (schedule.vstage == n_v_last))
-    transfer = np.where(needs_transfer[None, :], p2p_arr[:, schedule.mb], 0.0)
-    start = np.empty_like(dur)
-    end = np.empty_like(dur)
+    needs_transfer = (s.dep >= 0) & ~(~s.is_fwd & (s.vstage == n_v - 1))
+    transfer = np.where(needs_transfer[None, :], p2p_arr[:, s.mb], 0.0)
+    start, end = np.empty_like(dur), np.empty_like(dur)
     zeros = np.zeros(batch)
-    dep = schedule.dep.tolist()
-    prev = schedule.prev_same_rank.tolist()
-    for i in range(schedule.n_ops):
-        ready = zeros if prev[i] < 0 else end[:, prev[i]]
-        if dep[i] >= 0:
-            ready = np.maximum(ready, end[:, dep[i]] + transfer[:, i])
+    for i, (d, p) in enumerate(zip(s.dep.tolist(), s.prev_same_rank.tolist(), strict=True)):
+        ready = zeros if p < 0 else end[:, p]
+        if d >= 0:
+            ready = np.maximum(ready, end[:, d] + transfer[:, i])
         start[:, i] = ready
         end[:, i] = ready + dur[:, i]
     makespan = end.max(axis=1)
-    busy = np.zeros((batch, schedule.pp))
-    for r in range(schedule.pp):
-        busy[:, r] = dur[:, schedule.rank == r].sum(axis=1)
-    bubble = 1.0 - busy.sum(axis=1) / (schedule.pp * makespan)
-    return TimelineResult(
-        makespan=makespan, busy=busy, bubble_fraction=bubble, start=start, end=end
-    )
+    busy = np.stack([dur[:, s.rank == r].sum(axis=1) for r in range(s.pp)], axis=1)
+    bubble = 1.0 - busy.sum(axis=1) / (s.pp * makespan)
+    return TimelineResult(makespan, busy, bubble, start, end)
 
 
 def ideal_makespan(pp: int, m: int, v: int, f: float, b: float) -> float:

@@ -63,16 +63,13 @@ def tile_padded_time_fn(hw: HardwareProfile, tile: int = TILE) -> AttentionTimeF
 
 @dataclass
 class LayerCosts:
-    """Forward and backward time of ONE transformer layer per micro-batch, on one GPU.
+    """Forward and backward time (s) of ONE transformer layer per micro-batch, on one GPU.
 
     Attributes:
-        compute_fwd: [n_mb, cp] per CP rank: attention + GEMM + element-wise, forward (s).
-        compute_bwd: [n_mb, cp] the same, backward (s).
-        attn_fwd: [n_mb, cp] the attention part of compute_fwd (s).
-        comm_fwd: [n_mb] exposed TP + CP communication of the forward (s).
-        comm_bwd: [n_mb] exposed TP + CP communication of the backward (s).
+        compute_fwd, compute_bwd: [n_mb, cp] per CP rank: attention + GEMM + element-wise.
+        attn_fwd: [n_mb, cp] the attention part of compute_fwd.
+        comm_fwd, comm_bwd: [n_mb] exposed TP + CP communication.
         local_tokens: [n_mb, cp] tokens each CP rank holds.
-        total_tokens: [n_mb] tokens in the micro-batch.
     """
 
     compute_fwd: np.ndarray
@@ -81,17 +78,6 @@ class LayerCosts:
     comm_fwd: np.ndarray
     comm_bwd: np.ndarray
     local_tokens: np.ndarray
-    total_tokens: np.ndarray
-
-    @property
-    def layer_fwd(self) -> np.ndarray:
-        """[n_mb] one layer's forward: slowest CP rank's compute + exposed communication."""
-        return self.compute_fwd.max(axis=1) + self.comm_fwd
-
-    @property
-    def layer_bwd(self) -> np.ndarray:
-        """[n_mb] one layer's backward."""
-        return self.compute_bwd.max(axis=1) + self.comm_bwd
 
 
 def _collective_seconds(bytes_per_gpu: np.ndarray, group: int, span: int, hw: HardwareProfile):
@@ -139,51 +125,43 @@ def layer_costs(
 
     gemm = 2.0 * local_tokens * model.params_per_layer / tp / (hw.gemm_tflops * 1e12)
     elem = local_tokens * model.dim * hw.elementwise_bytes_per_token_dim / tp / (hw.hbm_gbps * 1e9)
-    compute_fwd = attn + gemm + elem
     compute_bwd = hw.bwd_attn_factor * attn + hw.bwd_gemm_factor * gemm + 2.0 * elem
 
     # TP (sequence parallel): 2 all-gathers + 2 reduce-scatters of the full-sequence activation of
     # this CP rank; every rank of the TP group moves (t-1)/t of [n, dim].
-    n_max = local_tokens.max(axis=1)
-    act_bytes = n_max * model.dim * BF16_BYTES
+    act_bytes = local_tokens.max(axis=1) * model.dim * BF16_BYTES
     tp_comm = 4.0 * _collective_seconds(act_bytes, tp, tp, hw) * (1.0 - hw.tp_overlap)
     # CP: all-gather K and V of the whole micro-batch (local KV heads), reduce-scatter in backward.
-    total = local_tokens.sum(axis=1)
-    kv_bytes = total * 2.0 * kv_heads_per_gpu * model.head_dim * BF16_BYTES
+    kv_bytes = local_tokens.sum(axis=1) * 2.0 * kv_heads_per_gpu * model.head_dim * BF16_BYTES
     cp_comm = _collective_seconds(kv_bytes, layout.cp, layout.cp * tp, hw) * (1.0 - hw.cp_overlap)
-    return LayerCosts(
-        compute_fwd=compute_fwd,
-        compute_bwd=compute_bwd,
-        attn_fwd=attn,
-        comm_fwd=tp_comm + cp_comm,
-        comm_bwd=tp_comm + cp_comm,
-        local_tokens=local_tokens,
-        total_tokens=total,
-    )
+    comm = tp_comm + cp_comm
+    return LayerCosts(attn + gemm + elem, compute_bwd, attn, comm, comm, local_tokens)
 
 
-def output_layer_seconds(
-    model: ModelSpec, layout: Layout, hw: HardwareProfile, local_tokens: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """Forward and backward time of the output projection + loss on the last stage, [n_mb] each."""
-    n = np.asarray(local_tokens, dtype=np.float64).max(axis=1)
-    fwd = 2.0 * n * model.dim * model.vocab_size / layout.tp / (hw.gemm_tflops * 1e12)
-    return fwd, hw.bwd_gemm_factor * fwd
+def stage_times(
+    model: ModelSpec, layout: Layout, hw: HardwareProfile, chunks: int, costs: LayerCosts
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """[n_mb, PP x chunks] forward / backward time per virtual stage and [n_mb] point-to-point time.
 
-
-def p2p_seconds(
-    model: ModelSpec, layout: Layout, hw: HardwareProfile, local_tokens: np.ndarray
-) -> np.ndarray:
-    """[n_mb] time to send one micro-batch's activations to the next pipeline stage.
-
-    Each GPU sends its own (sequence-parallel) shard, n / t tokens x dim; stages are tp*cp GPUs apart.
+    A virtual stage costs its layers, each the slowest CP rank's compute plus the exposed
+    communication; the last one adds the output projection and loss. A send to the next stage moves
+    each GPU's own (sequence-parallel) shard, n / t tokens x dim, between stages tp*cp GPUs apart.
     """
+    layers = layers_per_vstage(model.n_layers, layout.pp * chunks)
+    fwd = (costs.compute_fwd.max(axis=1) + costs.comm_fwd)[:, None] * layers[None, :]
+    bwd = (costs.compute_bwd.max(axis=1) + costs.comm_bwd)[:, None] * layers[None, :]
+    n = costs.local_tokens.max(axis=1)
+    out_fwd = 2.0 * n * model.dim * model.vocab_size / layout.tp / (hw.gemm_tflops * 1e12)
+    fwd[:, -1] += out_fwd
+    bwd[:, -1] += hw.bwd_gemm_factor * out_fwd
     if layout.pp == 1:
-        return np.zeros(np.asarray(local_tokens).shape[0])
-    n = np.asarray(local_tokens, dtype=np.float64).max(axis=1)
-    nbytes = n * model.dim * BF16_BYTES / layout.tp
-    bw = hw.link_gbps(2 * layout.tp * layout.cp) * 1e9
-    return nbytes / bw + hw.collective_latency_us * 1e-6
+        return fwd, bwd, np.zeros(n.shape[0])
+    p2p_bw = hw.link_gbps(2 * layout.tp * layout.cp) * 1e9
+    return (
+        fwd,
+        bwd,
+        n * model.dim * BF16_BYTES / layout.tp / p2p_bw + hw.collective_latency_us * 1e-6,
+    )
 
 
 def layers_per_vstage(n_layers: int, n_vstages: int) -> np.ndarray:
@@ -196,7 +174,7 @@ def layers_per_vstage(n_layers: int, n_vstages: int) -> np.ndarray:
     return np.array([base + (1 if i < extra else 0) for i in range(n_vstages)], dtype=np.float64)
 
 
-def dp_exposed_seconds(model: ModelSpec, layout: Layout, hw: HardwareProfile, v: int = 1) -> float:
+def dp_exposed_seconds(model: ModelSpec, layout: Layout, hw: HardwareProfile) -> float:
     """Per-step exposed FSDP time: parameter all-gather + gradient reduce-scatter over DP x CP.
 
     FSDP shards a stage's weights over the DP x CP ranks that hold the same TP shard; most of the

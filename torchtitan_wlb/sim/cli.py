@@ -1,0 +1,213 @@
+"""``wlb-sim`` (``python -m torchtitan_wlb.sim``): simulate 4D training steps under each mode.
+
+Example (the paper's 7B / 128K configuration)::
+
+    wlb-sim --lengths lengths.json --model 7B --context-len 131072 --tp 8 --cp 2 --pp 4 --dp 1 \\
+        --steps 20 --json --plot outputs/sim
+
+The last line printed with ``--json`` is one JSON object: for each simulated mode
+``{step_time_s, imbalance, bubble_fraction, ...}`` plus ``speedup_wlb_vs_plain`` and
+``speedup_wlb_vs_fixed`` (and ``speedup_<mode>_vs_plain`` for every other mode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from torchtitan_wlb.models.catalogue import DIM_FIELDS, MODELS, ModelSpec, get_model
+from torchtitan_wlb.sim.config import SimConfig, epoch_steps, layout_label
+from torchtitan_wlb.sim.engine import ModeResult, simulate_mode, speedup
+from torchtitan_wlb.sim.hardware import get_hardware
+from torchtitan_wlb.sim.modes import MODES, REQUIRED_MODES, ModeSpec, get_mode
+from torchtitan_wlb.sim.presets import resolve_layout
+from torchtitan_wlb.workloads import DEFAULT_NUM_DOCS, GENERATORS, generate, load_lengths
+
+
+# fmt: off
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="wlb-sim",
+        description="Simulate WLB-LLM vs Plain-4D / Fixed-4D step times on a 4D-parallel layout.")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--lengths", help="document lengths: JSON list, .npy, or one integer per line")
+    src.add_argument("--generator", default=None, help="built-in synthetic workload "
+                     f"({', '.join(GENERATORS)}; torchtitan_wlb.workloads)")
+    p.add_argument("--model", default="7B", help=f"preset: {', '.join(MODELS)} or 'custom'")
+    for dim in DIM_FIELDS:
+        p.add_argument(f"--{dim.replace('_', '-')}", type=int, default=None,
+                       help=f"custom model {dim} (overrides the preset's)")
+    p.add_argument("--context-len", type=int, default=131072)
+    for name, default in (("tp", 8), ("cp", 2), ("pp", 4)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--dp", type=int, default=None, help="default: --gpus / (TP*CP*PP), else 1")
+    p.add_argument("--gpus", type=int, default=None, help="GPU count the layout must divide")
+    p.add_argument("--schedule", default="interleaved_1f1b", choices=["1f1b", "interleaved_1f1b"])
+    p.add_argument("--v", type=int, default=2, help="model chunks per stage (interleaved 1F1B)")
+    p.add_argument("--micro-batches", type=int, default=None,
+                   help="micro-batches per pipeline per step (default: PP)")
+    p.add_argument("--hardware", default="h100", help="profile name (h100, h200) or JSON file")
+    p.add_argument("--modes", default=",".join(REQUIRED_MODES),
+                   help=f"comma-separated modes, or 'all' (accepted: {', '.join(MODES)})")
+    p.add_argument("--outlier-delay", choices=["on", "off"], default="on",
+                   help="outlier delay of the 'wlb' mode (off = variable-length packing within a "
+                   "step only)")
+    p.add_argument("--steps", type=steps_arg, default=20,
+                   help="timed steps, or 'epoch': one pass over the document source after the "
+                   "warm-up (total tokens / (PP x DP x context))")
+    p.add_argument("--warmup-steps", type=int, default=4)
+    p.add_argument("--smax-factor", type=float, default=1.25, help="S_max / context length")
+    p.add_argument("--queue-thresholds", default=None,
+                   help="comma-separated outlier thresholds in tokens (default: packer's auto)")
+    p.add_argument("--max-delay", type=int, default=4, help="longest outlier wait (steps)")
+    p.add_argument("--cost-model", choices=["profiled", "analytic"], default="profiled",
+                   help="packer's W(d): fitted to the simulated hardware (as the paper profiles "
+                   "its GPUs) or analytic FLOPs")
+    p.add_argument("--cp-profile", default=None, metavar="FILE",
+                   help="measured CP attention-throughput profile (torchtitan_wlb.tools.cp_profile) "
+                   "to time attention and drive adaptive CP; default: the hardware's kernel model")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", default=None, metavar="DIR", help="write PNG figures into DIR")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    return p
+# fmt: on
+
+
+def steps_arg(text: str) -> int | str:
+    """argparse type of ``--steps``: a positive integer or 'epoch'."""
+    if text.strip().lower() == "epoch":
+        return "epoch"
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer or 'epoch'")
+    return value
+
+
+def model_from_args(args: argparse.Namespace) -> ModelSpec:
+    """A preset, or a preset with some dims replaced, or fully custom dims."""
+    overrides = {d: getattr(args, d) for d in DIM_FIELDS if getattr(args, d) is not None}
+    if args.model.lower() == "custom":
+        missing = [d for d in DIM_FIELDS if d not in overrides]
+        if missing:
+            raise ValueError(
+                "--model custom needs " + ", ".join("--" + m.replace("_", "-") for m in missing)
+            )
+        return ModelSpec("custom", **overrides)
+    try:
+        base = get_model(args.model)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (or 'custom' with --dim/--n-layers/--n-heads/...)") from None
+    if not overrides:
+        return base
+    dims = base.dims() | overrides
+    return ModelSpec(f"{base.name}-custom", **dims)
+
+
+def config_from_args(args: argparse.Namespace, total_tokens: int | None = None) -> SimConfig:
+    """The SimConfig of the command line; ``total_tokens`` of the source resolves ``--steps epoch``."""
+    layout = resolve_layout(args.tp, args.cp, args.pp, args.dp, args.gpus)
+    thresholds = None
+    if args.queue_thresholds:
+        try:
+            thresholds = tuple(int(t) for t in args.queue_thresholds.split(","))
+        except ValueError:
+            raise ValueError(
+                f"--queue-thresholds {args.queue_thresholds!r} must be comma-separated integers"
+            ) from None
+    steps = args.steps
+    if steps == "epoch":
+        if total_tokens is None:
+            raise ValueError("--steps epoch needs the document source's token count")
+        m = args.micro_batches if args.micro_batches is not None else layout.pp
+        steps = epoch_steps(total_tokens, m * layout.dp, args.context_len, args.warmup_steps)
+    return SimConfig(
+        model=model_from_args(args), layout=layout, context_len=args.context_len,
+        hardware=get_hardware(args.hardware), schedule=args.schedule, v=args.v, steps=steps,
+        warmup_steps=args.warmup_steps, micro_batches=args.micro_batches,
+        smax_factor=args.smax_factor, queue_thresholds=thresholds, max_delay_steps=args.max_delay,
+        seed=args.seed, cost_model=args.cost_model, cp_profile=getattr(args, "cp_profile", None),
+    )  # fmt: skip
+
+
+def modes_from_args(args: argparse.Namespace) -> list[ModeSpec]:
+    asked = list(MODES) if args.modes == "all" else [m.strip() for m in args.modes.split(",") if m]
+    # The JSON object always carries the paper's three systems, first.
+    names = list(REQUIRED_MODES) + [n for n in asked if n not in REQUIRED_MODES]
+    modes = [get_mode(n) for n in names]
+    if args.outlier_delay == "off":
+        modes = [
+            replace(m, outlier_delay=False, description=m.description + " (no delay)")
+            if m.name == "wlb" else m
+            for m in modes
+        ]  # fmt: skip
+    return modes
+
+
+def load_source(args: argparse.Namespace) -> np.ndarray:
+    if args.lengths:
+        return load_lengths(args.lengths)
+    if args.generator is None:
+        raise ValueError("give --lengths FILE or --generator NAME")
+    return generate(args.generator, DEFAULT_NUM_DOCS, args.context_len, seed=args.seed)
+
+
+def summarize(results: dict[str, ModeResult]) -> dict:
+    """The JSON object: every mode's summary, then the speedups (time per token)."""
+    plain, fixed, wlb = results["plain_4d"], results["fixed_4d"], results["wlb"]
+    out: dict = {name: r.summary() for name, r in results.items()}
+    out |= {
+        "speedup_wlb_vs_plain": speedup(plain, wlb),
+        "speedup_wlb_vs_fixed": speedup(fixed, wlb),
+    }
+    return out | {f"speedup_{n}_vs_plain": speedup(plain, r) for n, r in results.items() if n != "plain_4d"}  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> tuple[dict, dict[str, ModeResult], SimConfig]:
+    lengths = load_source(args)
+    cfg = config_from_args(args, int(np.asarray(lengths).sum()))
+    modes = modes_from_args(args)
+    results = {m.name: simulate_mode(m, lengths, cfg) for m in modes}
+    return summarize(results), results, cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    t0 = time.perf_counter()
+    try:
+        out, results, cfg = run(args)
+        if args.plot:
+            from torchtitan_wlb.sim import plots
+
+            d = Path(args.plot)
+            d.mkdir(parents=True, exist_ok=True)
+            plots.latency_heatmap(list(results.values()), d / "latency_heatmap.png")
+            plots.gantt(list(results.values()), d / "pipeline_gantt.png")
+            label = f"{cfg.model.name} {cfg.context_len // 1024}K {layout_label(cfg.layout)}"
+            plots.speedup_bars({label: {n: out[f"speedup_{n}_vs_plain"] for n in results
+                                        if n != "plain_4d"}}, d / "speedup.png")  # fmt: skip
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    out["sim_seconds"] = time.perf_counter() - t0
+    print(f"{cfg.model.name}  context {cfg.context_len}  {layout_label(cfg.layout)}  {cfg.schedule} "
+          f"(v={cfg.chunks})  {cfg.steps} steps  hardware {cfg.hardware.name}")  # fmt: skip
+    w = max(16, *(len(n) + 2 for n in results))
+    print(f"{'mode':<{w}}{'step_s':>9}{'imbal':>8}{'bubble':>8}{'speedup':>9}")
+    for name, s in ((n, out[n]) for n in results):
+        sp = out.get(f"speedup_{name}_vs_plain", 1.0)
+        print(f"{name:<{w}}{s['step_time_s']:>9.3f}{s['imbalance']:>8.3f}"
+              f"{s['bubble_fraction']:>8.3f}{sp:>8.3f}x")  # fmt: skip
+    print(f"WLB vs Plain-4D {out['speedup_wlb_vs_plain']:.3f}x, vs Fixed-4D "
+          f"{out['speedup_wlb_vs_fixed']:.3f}x  ({out['sim_seconds']:.1f} s)")  # fmt: skip
+    if args.json:
+        print(json.dumps(out))
+    return 0
