@@ -12,6 +12,7 @@ benchmark fed silently-rounded lengths would report the wrong imbalance.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from collections.abc import Callable
@@ -220,3 +221,17 @@ def cycle_to(
     out = np.concatenate(parts)
     cut = int(np.searchsorted(np.cumsum(out), n_tokens)) + 1
     return out[: min(cut, out.size)]
+
+
+def steps_arg(text: str) -> int | str:
+    """argparse type of a ``--steps`` flag: a positive integer, or ``"epoch"`` for one whole pass
+    over the documents (every tool that packs a workload reads its step count this way)."""
+    if text.strip().lower() == "epoch":
+        return "epoch"
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer or 'epoch'")
+    return value

@@ -27,7 +27,13 @@ from torchtitan_wlb.sim.engine import ModeResult, simulate_mode, speedup
 from torchtitan_wlb.sim.hardware import get_hardware
 from torchtitan_wlb.sim.modes import MODES, REQUIRED_MODES, ModeSpec, get_mode
 from torchtitan_wlb.sim.presets import resolve_layout
-from torchtitan_wlb.workloads import DEFAULT_NUM_DOCS, GENERATORS, generate, load_lengths
+from torchtitan_wlb.workloads import (
+    DEFAULT_NUM_DOCS,
+    GENERATORS,
+    generate,
+    load_lengths,
+    steps_arg,
+)
 
 
 # fmt: off
@@ -77,19 +83,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     return p
 # fmt: on
-
-
-def steps_arg(text: str) -> int | str:
-    """argparse type of ``--steps``: a positive integer or 'epoch'."""
-    if text.strip().lower() == "epoch":
-        return "epoch"
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer or 'epoch'")
-    return value
 
 
 def model_from_args(args: argparse.Namespace) -> ModelSpec:

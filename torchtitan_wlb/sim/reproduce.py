@@ -25,7 +25,6 @@ from pathlib import Path
 import numpy as np
 
 from torchtitan_wlb.models.catalogue import get_model
-from torchtitan_wlb.sim.cli import steps_arg
 from torchtitan_wlb.sim.config import SimConfig, epoch_steps, layout_label
 from torchtitan_wlb.sim.engine import ModeResult, simulate_mode, speedup
 from torchtitan_wlb.sim.hardware import HardwareProfile
@@ -39,7 +38,7 @@ from torchtitan_wlb.sim.integration import (
 from torchtitan_wlb.sim.modes import MODES
 from torchtitan_wlb.sim.presets import PAPER_TABLE1, Layout
 from torchtitan_wlb.sim.timing import TILE
-from torchtitan_wlb.workloads import cut_stream, load_lengths, split_long
+from torchtitan_wlb.workloads import cut_stream, load_lengths, split_long, steps_arg
 
 K = 1024
 TOL = 0.05  # a figure meets the paper's when within +-TOL

@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from torchtitan_wlb.workloads import GENERATORS, generate, load_lengths
+from torchtitan_wlb.workloads import GENERATORS, generate, load_lengths, steps_arg
 
 ROOT = Path(__file__).resolve().parents[2]
 MODES = ("plain_4d", "fixed_4d", "wlb")
@@ -83,7 +83,7 @@ def write_jsonl(lengths: np.ndarray, path: Path, seed: int) -> None:
 
 def run_mode(mode: str, args: argparse.Namespace, data: Path, workdir: Path) -> dict[str, Any]:
     dump = workdir / mode
-    steps = ["--training.steps", "100000", "--wlb.epochs", "1"] if args.steps is None else [
+    steps = ["--training.steps", "100000", "--wlb.epochs", "1"] if args.steps == "epoch" else [
         "--training.steps", str(args.steps)
     ]  # fmt: skip
     cmd = [
@@ -205,19 +205,6 @@ def calibration_records(per_rank: list[dict[int, dict]], steps: list[int]) -> di
     return {"microbatches": micro_batches, "steps": step_times}
 
 
-def _steps(text: str) -> int | None:
-    """A positive step count, or None for 'epoch' (train the document set exactly once)."""
-    if text.strip().lower() == "epoch":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or 'epoch', got {text!r}")
-    return value
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m torchtitan_wlb.tools.e2e_bench",
@@ -230,8 +217,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batches", type=int, default=8, help="N per optimizer step")
     p.add_argument(
         "--steps",
-        type=_steps,
-        default=None,
+        type=steps_arg,
+        default="epoch",
         help="'epoch' (default): train the document set exactly once; or a fixed step count "
         "(a partial window of the set)",
     )
@@ -285,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("context_len", "micro_batches", "num_docs", "scale_from", "runs"):
         if getattr(args, name) < 1:
             parser().error(f"--{name.replace('_', '-')} = {getattr(args, name)} must be >= 1")
-    if args.steps is not None and args.steps <= args.warmup:
+    if args.steps != "epoch" and args.steps <= args.warmup:
         parser().error(f"--steps {args.steps} must exceed --warmup {args.warmup}")
     try:
         lengths = make_documents(args)
@@ -331,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model,
         "context_len": args.context_len,
         "micro_batches": args.micro_batches,
-        "steps": "epoch" if args.steps is None else args.steps,
+        "steps": args.steps,
         "warmup": args.warmup,
         "documents": {"count": int(lengths.size), "tokens": int(lengths.sum())},
         "modes": last,
@@ -346,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
             summary[f"{key}_min"] = float(np.min(values))
             summary[f"{key}_max"] = float(np.max(values))
     for mode, res in last.items():
-        if args.steps is None and res["docs_trained"] != lengths.size:
+        if args.steps == "epoch" and res["docs_trained"] != lengths.size:
             print(
                 f"error: {mode} trained {res['docs_trained']} of {lengths.size} documents",
                 file=sys.stderr,

@@ -39,6 +39,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import fields, replace
 from typing import Any
 
@@ -64,6 +65,7 @@ from torchtitan_wlb.workloads import (
     generate,
     load_lengths,
     split_long,
+    steps_arg,
 )
 
 # The paper's Table 2 (7B, 128K context): (method, config, imbalance, overhead).
@@ -217,47 +219,25 @@ def run(
 
 # The flags named after PackingConfig fields (argparse dest = field name), defaults from it.
 DEFAULTS = {f.name: f.default for f in fields(PackingConfig)}
-KNOBS = (
-    "max_wait",
-    "window",
-    "solver_time_limit",
-    "balance_target",
-    "release_slack",
-    "adaptive_max_wait",
-    "delay_target",
-)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
-    return v
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    """argparse type: an integer >= ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {v}")
+        return v
+
+    return parse
 
 
-def _steps(text: str) -> int | None:
-    """A positive step count, or None for 'epoch' (one whole pass)."""
-    if text.strip().lower() == "epoch":
-        return None
-    try:
-        return _positive_int(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(
-            f"expected a positive integer or 'epoch', got {text!r}"
-        ) from None
-
-
-def _nonneg_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
-    return v
+_positive_int = _int_at_least(1)
+_nonneg_int = _int_at_least(0)
 
 
 def _fraction(text: str) -> float:
@@ -291,6 +271,21 @@ def _queues(text: str) -> tuple[int, ...]:
     return out
 
 
+# PackingConfig knobs with a flag of the same name: (argparse type, help).
+KNOBS = {
+    "max_wait": (_nonneg_int, "K: max steps in a queue"),
+    "window": (_positive_int, "G for fixed_greedy/solver"),
+    "solver_time_limit": (float, "seconds per window"),
+    "balance_target": (float, "wlb release target"),
+    "release_slack": (float, "wlb: target growth with age / K"),
+    "adaptive_max_wait": (
+        _nonneg_int,
+        "wlb: K may grow up to this while the delay is under --delay-target (<= K: fixed K)",
+    ),
+    "delay_target": (float, "wlb: adaptive K's target"),
+}
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m torchtitan_wlb.tools.pack_bench", description=__doc__.split("\n")[0]
@@ -307,7 +302,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--packer", choices=PACKERS, default="wlb")
     p.add_argument(
         "--steps",
-        type=_steps,
+        type=steps_arg,
         default=100,
         help="steps to pack, or 'epoch' for one whole pass (end of the data included)",
     )
@@ -316,42 +311,8 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--queues", type=_queues, default=None, help="thresholds, e.g. 32768,65536")
     p.add_argument("--smax", type=_positive_int, default=None, help="micro-batch token cap")
-    p.add_argument(
-        "--max-wait", type=_nonneg_int, default=DEFAULTS["max_wait"], help="K: max steps in a queue"
-    )
-    p.add_argument(
-        "--window", type=_positive_int, default=DEFAULTS["window"], help="G for fixed_greedy/solver"
-    )
-    p.add_argument(
-        "--solver-time-limit",
-        type=float,
-        default=DEFAULTS["solver_time_limit"],
-        help="seconds per window",
-    )
-    p.add_argument(
-        "--balance-target",
-        type=float,
-        default=DEFAULTS["balance_target"],
-        help="wlb release target",
-    )
-    p.add_argument(
-        "--release-slack",
-        type=float,
-        default=DEFAULTS["release_slack"],
-        help="wlb: target growth with age / K",
-    )
-    p.add_argument(
-        "--adaptive-max-wait",
-        type=_nonneg_int,
-        default=DEFAULTS["adaptive_max_wait"],
-        help="wlb: K may grow up to this while the delay is under --delay-target (<= K: fixed K)",
-    )
-    p.add_argument(
-        "--delay-target",
-        type=float,
-        default=DEFAULTS["delay_target"],
-        help="wlb: adaptive K's target",
-    )
+    for knob, (kind, text) in KNOBS.items():
+        p.add_argument(f"--{knob.replace('_', '-')}", type=kind, default=DEFAULTS[knob], help=text)
     p.add_argument(
         "--max-doc-len",
         type=_positive_int,
@@ -419,7 +380,7 @@ def table2(args: argparse.Namespace, cost_model: CostModel) -> list[dict[str, An
     paper_q = {1: (ctx // 2,), 2: (ctx // 4, ctx // 2), 3: (ctx // 8, ctx // 4, ctx // 2)}
     for method, cfg, paper_imb, paper_ms in PAPER_TABLE2:
         over: dict[str, Any] = {}
-        steps = args.steps
+        steps = None if args.steps == "epoch" else args.steps
         if cfg.startswith("G="):
             over["window"] = int(cfg[2:])
         if method == "solver":
@@ -511,7 +472,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(
                 f"--micro-batches {args.micro_batches} is not divisible by --dp {args.dp}"
             )
-        res = run(args.packer, lengths, config, cost_model, args.steps, args.dp)
+        steps = None if args.steps == "epoch" else args.steps
+        res = run(args.packer, lengths, config, cost_model, steps, args.dp)
         res["docs_split"] = n_split
         res["break_even_length"] = cost_model.break_even_length
         if tuned is not None:
