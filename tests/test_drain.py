@@ -217,3 +217,31 @@ def test_stream_sees_the_end_one_step_early():
     assert ids.tolist() == list(range(3, 10)) and stream.exhausted  # 40 left: taken now
     sample = LengthStream(np.full(10, 10), end_of_data=False)  # a sample's end is not the end
     assert sample.pull(30, horizon=50)[0].size == 3 and sample.pull(30, horizon=50)[0].size == 3
+
+
+@pytest.mark.parametrize("name", ["original", "fixed_greedy", "wlb", "wlb_paper"])
+def test_documents_all_longer_than_smax_are_split_and_trained_once(tmp_path, name):
+    """Every document longer than S_max: the loader splits them (the default policy) and every
+    piece reaches a micro-batch exactly once, to the end of the data; under "error" the loader
+    stops naming the document."""
+    import json
+
+    from torchtitan_wlb.data.documents import DocumentNode
+    from torchtitan_wlb.data.sources import DataError, TextSource
+    from torchtitan_wlb.data.tokenizer import ByteTokenizer
+    from torchtitan_wlb.data.wlb_node import WLBPackingNode
+
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"text": "x" * n}) + "\n" for n in (150, 200, 97)))
+    smax = 64 if name in ("original", "fixed_greedy") else 80
+    cfg = PackingConfig(micro_batches=4, context_len=64, smax=None if smax == 80 else smax)
+    source = TextSource("jsonl", str(path))
+    docs = DocumentNode(source, ByteTokenizer(), 64, "split", epochs=1)
+    steps = list(WLBPackingNode(docs, build_packer(name, cfg, COST)))
+    lens = [int(n) for s in steps for mb in s["micro_batches"] for n in mb["doc_lens"]]
+    ids = [int(i) for s in steps for mb in s["micro_batches"] for i in mb["doc_ids"]]
+    assert sum(lens) == 152 + 202 + 99 and max(lens) <= 64  # BOS + text + EOS, split at 64
+    assert sorted(ids) == list(range(len(ids)))
+    with pytest.raises(DataError, match="document 0 .* has 152 tokens > max_doc_len = 64"):
+        strict = DocumentNode(source, ByteTokenizer(), 64, "error", epochs=1)
+        list(WLBPackingNode(strict, build_packer(name, cfg, COST)))
