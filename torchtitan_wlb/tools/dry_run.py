@@ -2,7 +2,7 @@
 
     python -m torchtitan_wlb.tools.dry_run train_configs/paper/*.toml
     python -m torchtitan_wlb.tools.dry_run train_configs/llama3_70b_128k.toml --verbose
-    python -m torchtitan_wlb.tools.dry_run train_configs/debug_cpu.toml --ngpu 2 -- --training.seq_len 4096
+    python -m torchtitan_wlb.tools.dry_run train_configs/debug_cpu.toml --ngpu 4 -- --parallelism.tensor_parallel_degree 2
 
 For every config this creates TorchTitan's fake process group with as many ranks as the layout
 needs, then constructs the WLBTrainer as rank 0 would: device mesh, the model, pipeline split and
@@ -108,10 +108,13 @@ def _describe(job_config: Any, world: int) -> str:
         "tp": p.tensor_parallel_degree,
         "pp": p.pipeline_parallel_degree,
     }
-    shown = " x ".join(f"{k} {v}" for k, v in degrees.items() if v > 1) or "one rank"
+    if degrees["dp_shard"] == -1:  # TorchTitan: whatever the other degrees leave
+        others = layout_world_size(job_config)
+        degrees["dp_shard"] = world // others if others and world % others == 0 else 1
+    shown = " x ".join(f"{k} {v}" for k, v in degrees.items() if v > 1) or "no parallelism"
     return (
-        f"{world} ranks ({shown}), {job_config.model.name} {job_config.model.flavor}, "
-        f"context {job_config.training.seq_len:,}"
+        f"{world} rank{'' if world == 1 else 's'} ({shown}), {job_config.model.name} "
+        f"{job_config.model.flavor}, context {job_config.training.seq_len:,}"
     )
 
 
@@ -145,11 +148,7 @@ def dry_run(config_file: str, ngpu: int | None, overrides: list[str]) -> tuple[s
 
 
 def parser() -> ToolParser:
-    p = ToolParser(
-        prog="python -m torchtitan_wlb.tools.dry_run",
-        description=__doc__.split("\n\n")[0],
-        epilog="examples:\n" + __doc__.split("\n\n")[1],
-    )
+    p = ToolParser.from_doc("torchtitan_wlb.tools.dry_run", __doc__)
     p.add_argument("configs", nargs="+", help="TOML config files")
     p.add_argument("--ngpu", type=int, default=None, help="world size (default: from degrees)")
     p.add_argument("--verbose", action="store_true", help="show TorchTitan's log and warnings")
