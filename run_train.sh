@@ -66,7 +66,7 @@ if [ "$GPUS" -gt 0 ] && [ "$NGPU" -gt "$GPUS" ]; then
     exit 2
 fi
 if [ "$GPUS" -eq 0 ]; then
-    CORES=$(nproc)
+    CORES=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # nproc alone obeys OMP_NUM_THREADS
     if [ "$NGPU" -gt "$CORES" ] && [ -z "${WLB_ALLOW_OVERSUBSCRIBE:-}" ]; then
         echo "run_train.sh: NGPU=$NGPU CPU ranks but this machine has $CORES core(s); lower NGPU, or set WLB_ALLOW_OVERSUBSCRIBE=1" >&2
         exit 2
