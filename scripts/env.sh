@@ -27,12 +27,14 @@ _wlb_pip() {
 }
 
 _wlb_pip_progress() {
-    local line what="" tty=0 done total
+    local line what="" tty=0 done total file size
     [ -t 2 ] && tty=1
     while IFS= read -r line; do
         case "$line" in
             "Collecting "*) what="collecting ${line#Collecting }" ;;
-            *"Downloading "*) what="downloading ${line##*Downloading }" ;;
+            *"Downloading "*)  # "Downloading torch-2.13.0+cpu-cp311-...whl (187.3 MB)"
+                file="${line##*Downloading }"; size="${file#"${file%% *}"}"; file="${file%% *}"
+                what="downloading $(echo "$file" | cut -d- -f1,2)$size" ;;
             "Progress "*" of "*)
                 read -r _ done _ total <<< "$line"
                 if [ "${total:-0}" -gt 0 ] && [ "$tty" = 1 ]; then
@@ -63,11 +65,11 @@ else
         _host_python="$(command -v python3.11 || command -v python3)"
         if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
             "$_host_python" -m venv --system-site-packages "$_venv"
-            "$_venv/bin/python" -m pip install -q --progress-bar off --upgrade pip >/dev/null
+            "$_venv/bin/python" -m pip install -q --progress-bar off --upgrade pip >>"$_venv/pip.log" 2>&1
             _extras="dev,sim"  # flash-attn: pip install -e ".[cuda]" (builds against your CUDA)
         else
             "$_host_python" -m venv "$_venv"
-            "$_venv/bin/python" -m pip install -q --progress-bar off --upgrade pip >/dev/null
+            "$_venv/bin/python" -m pip install -q --progress-bar off --upgrade pip >>"$_venv/pip.log" 2>&1
             _wlb_pip "torch==2.13.0" || {
                 echo "[torchtitan-wlb] could not install torch==2.13.0 (log: $_venv/pip.log)" >&2; return 1 2>/dev/null || exit 1; }
             _extras="dev,sim"
