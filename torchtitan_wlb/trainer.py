@@ -170,7 +170,7 @@ class WLBTrainer(Trainer):
             # TorchTitan purges after interval saves only; the last step's save is one more.
             ck._purge_stale_checkpoints()
         trained = self.step - max(start_step, 0)
-        latest = resume_step(jc) if ck.enable else -1
+        latest = latest_checkpoint_step(checkpoint_folder(jc)) if ck.enable else -1
         logger.info(
             f"done: trained {_count(trained, 'step')} in {time.perf_counter() - begin:.0f}s, now at step "
             f"{self.step}/{jc.training.steps}"
@@ -184,9 +184,11 @@ class WLBTrainer(Trainer):
     def _run_summary(self, start_step: int) -> list[str]:
         """The start-up lines: layout, model, data, checkpoints, where training starts."""
         jc, wlb = self.job_config, self.job_config.wlb
+        pd = self.parallel_dims
         n = jc.training.global_batch_size
+        n = n if n > 0 else pd.dp_replicate * pd.dp_shard  # TorchTitan: one per DP rank
         lines = [
-            f"run: {_layout(self.parallel_dims, self.device, jc.comm.mode)}; {jc.model.name} "
+            f"run: {_layout(pd, self.device, jc.comm.mode)}; {jc.model.name} "
             f"{jc.model.flavor}; {_count(jc.training.steps, 'step')}",
         ]
         if wlb.loader == "documents":
@@ -197,7 +199,7 @@ class WLBTrainer(Trainer):
                 + f"; packing {wlb.packing!r}, {n} micro-batches per step of up to "
                 f"{wlb.micro_batch_max_len or jc.training.seq_len:,} tokens (context "
                 f"{jc.training.seq_len:,})"
-                + (f"; CP sharding {wlb.cp_sharding!r}" if self.parallel_dims.cp_enabled else "")
+                + (f"; CP sharding {wlb.cp_sharding!r}" if pd.cp_enabled else "")
             )
         else:
             lines.append(
@@ -214,7 +216,9 @@ class WLBTrainer(Trainer):
                 + " and at the last"
                 + (f", keeping the latest {ck.keep_latest_k}" if ck.keep_latest_k > 0 else "")
             )
-        if start_step >= 0:
+        if start_step == 0:  # a seed checkpoint: weights only, training starts at step 1
+            lines.append(f"starting at step 1 from the model-only checkpoint {folder}/step-0")
+        elif start_step > 0:
             lines.append(f"resuming from step {start_step} ({folder}/step-{start_step})")
         else:
             lines.append(
