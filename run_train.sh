@@ -4,13 +4,17 @@
 #   ./run_train.sh                                   # default config, all local GPUs or 2 CPU ranks
 #   ./run_train.sh --training.steps 10               # any TorchTitan / [wlb] override passes through
 #   CONFIG_FILE=train_configs/llama3_8b_128k.toml NGPU=8 ./run_train.sh
-#   COMM_MODE=fake_backend NGPU=64 CONFIG_FILE=... ./run_train.sh   # one-process dry run of a layout
+#   COMM_MODE=fake_backend NGPU=4 ./run_train.sh     # one step of NGPU ranks in one process
+#   ./run_train.sh --help                            # this text, then every config field
+# A large layout (70B on 128 GPUs) is checked without computing a step by
+#   python -m torchtitan_wlb.tools.dry_run CONFIG...
 #
 # Environment:
 #   CONFIG_FILE  TOML config (default: train_configs/debug_gpu.toml with GPUs, debug_cpu.toml without)
 #   NGPU         processes on this node (default: number of GPUs, or 2 CPU ranks)
 #   LOG_RANK     ranks whose output is shown, comma-separated (default 0)
-#   COMM_MODE    "fake_backend" or "local_tensor": single-process dry run of NGPU ranks, 1 step
+#   COMM_MODE    "fake_backend" or "local_tensor": one process computes 1 step of NGPU ranks with
+#                fake collectives (no checkpoint is loaded or saved)
 #   TRAIN_FILE   module to run (default torchtitan_wlb.train)
 # With no GPU the ranks are CPU processes talking over gloo; with GPUs, one process per GPU on NCCL.
 set -euo pipefail
@@ -38,6 +42,10 @@ if [ ! -f "$CONFIG_FILE" ]; then
     echo "run_train.sh: CONFIG_FILE=$CONFIG_FILE does not exist (configs: $(ls train_configs/*.toml | tr '\n' ' '))" >&2
     exit 2
 fi
+if [[ " $* " == *" --help "* || " $* " == *" -h "* ]]; then
+    sed -n '2,/^set -euo/p' "$0" | sed -n 's/^# \{0,1\}//p'
+    exec "$PYTHON" -m "$TRAIN_FILE" --job.config_file "$CONFIG_FILE" --help
+fi
 if ! [[ "$NGPU" =~ ^[1-9][0-9]*$ ]]; then
     echo "run_train.sh: NGPU=$NGPU must be a positive integer" >&2
     exit 2
@@ -58,7 +66,7 @@ if [ "$GPUS" -gt 0 ] && [ "$NGPU" -gt "$GPUS" ]; then
     exit 2
 fi
 if [ "$GPUS" -eq 0 ]; then
-    CORES=$(nproc)
+    CORES=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # nproc alone obeys OMP_NUM_THREADS
     if [ "$NGPU" -gt "$CORES" ] && [ -z "${WLB_ALLOW_OVERSUBSCRIBE:-}" ]; then
         echo "run_train.sh: NGPU=$NGPU CPU ranks but this machine has $CORES core(s); lower NGPU, or set WLB_ALLOW_OVERSUBSCRIBE=1" >&2
         exit 2

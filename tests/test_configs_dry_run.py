@@ -29,6 +29,10 @@ def test_table1_and_llama3_configs_build_with_fake_backend():
     assert r.returncode == 0 and len(ok) == len(LARGE), r.stdout + r.stderr[-4000:]
     sizes = {os.path.basename(line.split(":")[0]): line for line in ok}
     assert "256 ranks" in sizes["70b_128k.toml"]  # TP16 x CP4 x PP4
+    # The model stays on the meta device: every layout, 70B included, is checked within 2 GiB.
+    peaks = [float(line.split("peak memory ")[1].split()[0]) for line in ok]
+    assert max(peaks) < 2.0, r.stdout
+    assert r.stderr.strip() == "", r.stderr[-3000:]  # quiet: one line per config, nothing else
 
 
 def test_debug_configs_build_with_fake_backend():

@@ -57,7 +57,7 @@ def test_every_tool_accepts_every_generator():
 
     for name in GENERATORS:
         assert pack_bench.parser().parse_args(["--generator", name]).generator == name
-        assert cp_bench.build_parser().parse_args(["--generator", name]).generator == name
+        assert cp_bench.parser().parse_args(["--generator", name]).generator == name
         assert e2e_bench.parser().parse_args(["--generator", name]).generator == name
         assert sim_parser().parse_args(["--generator", name]).generator == name
 

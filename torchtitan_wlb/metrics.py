@@ -1,7 +1,15 @@
 """TorchTitan's metrics processor plus the per-step figures WLB is judged by.
 
-TorchTitan logs loss, throughput, MFU and memory. On top, every logged step carries (to stdout and
-to TensorBoard / W&B under ``wlb/``):
+TorchTitan computes loss, throughput, MFU and memory; its console line is replaced by one that also
+says where the run is and how long it has left::
+
+    step:  3/20  loss:  4.82597  grad_norm:  1.5564  memory:  1.06GiB(4.51%)  tps: 844  ...  mfu: n/a  eta: 1m12s
+
+``step N/M`` counts against ``[training] steps``; ``eta`` is the steps left times the mean step time
+of this run so far (its first step, which includes warm-up, is left out once there are others).
+MFU needs the device's peak FLOPS: on a CPU there is none, so it shows ``n/a`` and is not sent to
+TensorBoard (TorchTitan would divide by an A100's peak). On top, every logged step carries (to
+stdout and to TensorBoard / W&B under ``wlb/``):
 
   - the packer's statistics for the step: imbalance degree (max / mean predicted micro-batch
     workload in the global batch), tokens per micro-batch (min / max), token-weighted mean and max
@@ -23,15 +31,76 @@ The trainer records figures with :meth:`WLBMetricsProcessor.record`; they are fl
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.components.metrics import BaseLogger, MetricsProcessor
 from torchtitan.config import JobConfig
 from torchtitan.tools.logging import logger
+
+from torchtitan_wlb import cpu_support
+
+MFU_KEY = "mfu(%)"
+
+
+class _MetricsTap(BaseLogger):
+    """Passes TorchTitan's per-step metrics on to its loggers (TensorBoard, W&B) and keeps the last
+    dict for the console line; drops MFU where the device's peak is unknown."""
+
+    def __init__(self, inner: BaseLogger, drop_mfu: bool):
+        self.inner = inner
+        self.drop_mfu = drop_mfu
+        self.last: dict[str, Any] = {}
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        if self.drop_mfu:
+            metrics = {k: v for k, v in metrics.items() if k != MFU_KEY}
+        self.last = metrics
+        self.inner.log(metrics, step)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@contextlib.contextmanager
+def _warnings_only() -> Iterator[None]:
+    """Mute INFO lines (TorchTitan's own step line) while letting warnings through."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        return record.levelno > logging.INFO
+
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
+
+
+def format_duration(seconds: float) -> str:
+    """``45s``, ``3m05s``, ``2h04m``, ``3d04h``: short enough for a step line."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def eta_seconds(step: int, total: int, step_times: list[float]) -> float:
+    """Time left after ``step`` of ``total``: the steps left times the mean of ``step_times``
+    (this run's step times, the first left out when there are others: it includes warm-up)."""
+    times = step_times[1:] if len(step_times) > 1 else step_times
+    if not times or step >= total:
+        return 0.0
+    return (total - step) * sum(times) / len(times)
 
 
 class WLBMetricsProcessor(MetricsProcessor):
@@ -45,6 +114,10 @@ class WLBMetricsProcessor(MetricsProcessor):
         self.micro_batch_doc_lens: list[list[int]] = []
         self.pp_actions: list[dict[str, Any]] = []
         self.jsonl_path: str | None = None
+        self.peak_flops_known = not cpu_support.is_active()
+        self._tap = _MetricsTap(self.logger, drop_mfu=not self.peak_flops_known)
+        self.logger = self._tap
+        self.run_step_times: list[float] = []
         wlb = getattr(job_config, "wlb", None)
         if wlb is not None and wlb.metrics_jsonl:
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
@@ -121,7 +194,10 @@ class WLBMetricsProcessor(MetricsProcessor):
             }
             with open(self.jsonl_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
-        super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
+        with _warnings_only():  # TorchTitan's console line; ours follows, with step N/M and eta
+            super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
+        self.run_step_times.append(step_time)
+        self._log_step_line(step, self._tap.last)
         parts = [f"step_time: {step_time:.3f}s"]
         if "wlb/imbalance" in extra:
             parts.append(f"imbalance: {extra['wlb/imbalance']:.3f}")
@@ -142,6 +218,24 @@ class WLBMetricsProcessor(MetricsProcessor):
         self.doc_ids.clear()
         self.micro_batch_doc_lens.clear()
         self.pp_actions.clear()
+
+    def _log_step_line(self, step: int, metrics: dict[str, Any]) -> None:
+        """TorchTitan's step line with ``step N/M``, ``mfu: n/a`` where unknown, and ``eta``."""
+        c = self.color
+        total = self.job_config.training.steps
+        mfu = f"{metrics[MFU_KEY]:.2f}%" if MFU_KEY in metrics else "n/a"
+        eta = format_duration(eta_seconds(step, total, self.run_step_times))
+        logger.info(
+            f"{c.red}step: {step:2}/{total}  "
+            f"{c.green}loss: {metrics['loss_metrics/global_avg_loss']:8.5f}  "
+            f"{c.orange}grad_norm: {metrics['grad_norm']:7.4f}  "
+            f"{c.turquoise}memory: {metrics['memory/max_reserved(GiB)']:5.2f}GiB"
+            f"({metrics['memory/max_reserved(%)']:.2f}%)  "
+            f"{c.blue}tps: {round(metrics['throughput(tps)']):,}  "
+            f"{c.cyan}tflops: {metrics['tflops']:,.2f}  "
+            f"{c.magenta}mfu: {mfu}  "
+            f"{c.yellow}eta: {eta}{c.reset}"
+        )
 
 
 def build_wlb_metrics_processor(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from torchtitan_wlb import cpu_support
+from torchtitan_wlb import cpu_support, log_filter
 
 cpu_support.activate()
 
@@ -35,10 +35,11 @@ def _config_error_types() -> tuple[type[BaseException], ...]:
 
 def main(argv: list[str] | None = None) -> int:
     init_logger()
+    log_filter.install()
     from torchtitan.config import ConfigManager
     from torchtitan.train import main as torchtitan_main
 
-    from torchtitan_wlb.trainer import WLBTrainer
+    from torchtitan_wlb.trainer import WLBTrainer, nothing_to_do
     from torchtitan_wlb.validate import check_job_config
 
     args = sys.argv[1:] if argv is None else argv
@@ -46,10 +47,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # Parse and check once up front: a bad field or layout fails here, before TorchTitan
         # creates process groups or builds the model.
-        check_job_config(ConfigManager().parse_args(args))
+        job_config = ConfigManager().parse_args(args)
+        check_job_config(job_config)
     except errors as e:
         logger.error(f"configuration error: {e}")
         return 2
+    if done := nothing_to_do(job_config):  # the checkpoint already holds training.steps
+        logger.info(done)
+        return 0
     saved_argv = sys.argv
     sys.argv = [saved_argv[0], *args]
     try:

@@ -17,6 +17,7 @@ import sys
 import textwrap
 
 from torchtitan_wlb import config
+from torchtitan_wlb.tools.cli import ToolParser
 
 HEADER = """# The `[wlb]` configuration section
 
@@ -80,7 +81,13 @@ def render() -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def parser() -> ToolParser:
+    """No options: ``--help`` and the one-line error for a stray argument."""
+    return ToolParser.from_doc("torchtitan_wlb.tools.config_doc", __doc__)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser().parse_args(argv)
     sys.stdout.write(render())
     return 0
 

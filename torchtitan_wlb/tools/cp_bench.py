@@ -1,7 +1,9 @@
 """Compare CP sharding strategies on packed micro-batches.
 
-    python -m torchtitan_wlb.tools.cp_bench --lengths FILE --context-len L --cp C \\
-        --micro-batches M [--measure] --json
+    python -m torchtitan_wlb.tools.cp_bench --generator longtail_scaled --context-len 131072 \\
+        --cp 8 --micro-batches 16 --json
+    python -m torchtitan_wlb.tools.cp_bench --generator short --context-len 8192 --cp 2 \\
+        --micro-batches 4 --measure --json
 
 Packs ``M`` micro-batches of at most ``L`` tokens from the document lengths (TorchTitan's sequential
 "original" fill, documents longer than ``L`` split into ``L``-token pieces first), plans each one with
@@ -13,7 +15,9 @@ Each strategy reports ``flops_imbalance`` (mean over micro-batches of max/mean p
 FLOPs), ``plan_ms`` (median time to build one micro-batch's plan plus one rank's index arrays and
 attention metadata arrays), and adaptive the share of micro-batches that chose per-document.
 ``--measure`` also runs every rank's local attention (forward + backward, CPU backend, one thread)
-and reports the measured max/mean per-rank CPU time. Without ``--lengths``, ``--generator NAME``
+and reports the measured max/mean per-rank CPU time. ``--lengths FILE`` reads your own document
+lengths (the same files as every tool: :func:`torchtitan_wlb.workloads.load_lengths`). Without
+``--lengths``, ``--generator NAME``
 synthesises the lengths with one of :data:`torchtitan_wlb.workloads.GENERATORS` (default
 ``longtail_scaled``, a long-tailed stream; ``short``: about 1,000 documents per 128K micro-batch).
 """
@@ -32,6 +36,7 @@ from torchtitan_wlb.cp.adaptive import build_cp_plan
 from torchtitan_wlb.cp.plan import CPPlan
 from torchtitan_wlb.cp.profile import resolve_profile
 from torchtitan_wlb.packing import OriginalPacker, PackingConfig
+from torchtitan_wlb.tools.cli import ToolParser
 from torchtitan_wlb.workloads import GENERATORS, generate, load_lengths, split_long
 
 STRATEGY_NAMES = ("per_sequence", "per_document", "adaptive")
@@ -177,17 +182,15 @@ def run(args: argparse.Namespace) -> dict:
     return results
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        description="Compare CP sharding strategies on packed micro-batches"
-    )
+def parser() -> ToolParser:
+    p = ToolParser.from_doc("torchtitan_wlb.tools.cp_bench", __doc__)
     p.add_argument(
         "--lengths", default=None, help="JSON list / .npy / one integer per line of doc lengths"
     )
     p.add_argument(
         "--generator",
         default="longtail_scaled",
-        choices=sorted(GENERATORS),
+        choices=list(GENERATORS),
         help="synthetic lengths when --lengths is not given",
     )
     p.add_argument("--seed", type=int, default=0)
@@ -207,11 +210,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
     for name in ("context_len", "cp", "micro_batches", "plan_repeats"):
         if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+            p.error(f"--{name.replace('_', '-')} = {getattr(args, name)} must be >= 1")
     import torch
 
     threads = torch.get_num_threads()
@@ -219,8 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)  # CPU time of one thread = the kernel's work
     try:
         results = run(args)
-    except ValueError as exc:
-        parser.error(str(exc))
+    except (ValueError, OSError) as exc:  # a bad lengths or profile file: one line
+        p.error(str(exc))
     finally:
         torch.set_num_threads(threads)
     for strategy in STRATEGY_NAMES:

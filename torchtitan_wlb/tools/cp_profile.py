@@ -1,9 +1,11 @@
 """Measure the (q_len, kv_len) attention throughput table used by adaptive CP selection.
 
-    python -m torchtitan_wlb.tools.cp_profile --device cuda --out cuda_h100.json
-    python -m torchtitan_wlb.tools.cp_profile --device cpu \\
-        --out torchtitan_wlb/cp/profiles/cpu_default.json   # how the shipped default was made
+    python -m torchtitan_wlb.tools.cp_profile --device cuda --out cuda_h100.json   # gpu
+    python -m torchtitan_wlb.tools.cp_profile --device cpu --out cpu_profile.json
+    python -m torchtitan_wlb.tools.cp_profile --device cpu --lengths 16,32,64 --out small.json
 
+The shipped CPU table (``torchtitan_wlb/cp/profiles/cpu_default.json``) was made with the second
+command.
 Use the attention shape of your model (``--heads/--kv-heads/--head-dim``, ``--dtype bfloat16`` on GPU)
 and point ``[wlb] cp_profile`` at the output file.
 """
@@ -15,51 +17,61 @@ import sys
 from pathlib import Path
 
 from torchtitan_wlb.cp.profile import measure_profile
+from torchtitan_wlb.tools.cli import ToolParser
 
 DEFAULT_CPU_LENGTHS = "16,32,64,128,256,512,1024,2048,4096"
 DEFAULT_CUDA_LENGTHS = "64,128,256,512,1024,2048,4096,8192,16384,32768,65536,131072"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    parser.add_argument("--backend", default="auto", help="auto | cpu | flash | torch_varlen")
-    parser.add_argument(
+def parser() -> ToolParser:
+    p = ToolParser.from_doc("torchtitan_wlb.tools.cp_profile", __doc__)
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--backend", default="auto", help="auto | cpu | flash | torch_varlen")
+    p.add_argument(
         "--lengths", default=None, help="comma-separated grid (default depends on the device)"
     )
-    parser.add_argument("--heads", type=int, default=None, help="query heads (cpu 4, cuda 32)")
-    parser.add_argument("--kv-heads", type=int, default=None, help="KV heads (cpu 2, cuda 8)")
-    parser.add_argument("--head-dim", type=int, default=None, help="head dim (cpu 32, cuda 128)")
-    parser.add_argument("--dtype", default=None, help="float32 (cpu) / bfloat16 (cuda)")
-    parser.add_argument(
-        "--tile", type=int, default=None, help="FLOP padding tile (cpu 16, cuda 128)"
-    )
-    parser.add_argument(
+    p.add_argument("--heads", type=int, default=None, help="query heads (cpu 4, cuda 32)")
+    p.add_argument("--kv-heads", type=int, default=None, help="KV heads (cpu 2, cuda 8)")
+    p.add_argument("--head-dim", type=int, default=None, help="head dim (cpu 32, cuda 128)")
+    p.add_argument("--dtype", default=None, help="float32 (cpu) / bfloat16 (cuda)")
+    p.add_argument("--tile", type=int, default=None, help="FLOP padding tile (cpu 16, cuda 128)")
+    p.add_argument(
         "--pairs-per-cell", type=int, default=None, help="(q, k) pairs timed per grid cell"
     )
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", required=True, help="output JSON path")
-    args = parser.parse_args(argv)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", required=True, help="output JSON path")
+    return p
 
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
     cuda = args.device.startswith("cuda")
+    lengths = args.lengths or (DEFAULT_CUDA_LENGTHS if cuda else DEFAULT_CPU_LENGTHS)
+    try:
+        grid = [int(x) for x in lengths.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--lengths must be comma-separated integers; got {lengths!r}")
+    if not grid or min(grid) < 1:
+        p.error(f"--lengths must be positive integers; got {lengths!r}")
+
     import torch
 
+    if cuda and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA device")
     threads = torch.get_num_threads()
     if not cuda:
         # One thread: the CPU table is timed in process CPU time, like cp_bench --measure.
         torch.set_num_threads(1)
     try:
-        return _measure_and_write(args, cuda)
+        return _measure_and_write(args, grid, cuda)
+    except (ValueError, RuntimeError, OSError) as exc:  # e.g. no such device or backend
+        p.error(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     finally:
         torch.set_num_threads(threads)
 
 
-def _measure_and_write(args: argparse.Namespace, cuda: bool) -> int:
-    lengths = args.lengths or (DEFAULT_CUDA_LENGTHS if cuda else DEFAULT_CPU_LENGTHS)
-    try:
-        grid = [int(x) for x in lengths.split(",") if x.strip()]
-    except ValueError:
-        raise SystemExit(f"--lengths must be comma-separated integers; got {lengths!r}") from None
+def _measure_and_write(args: argparse.Namespace, grid: list[int], cuda: bool) -> int:
     profile = measure_profile(
         grid,
         device=args.device,

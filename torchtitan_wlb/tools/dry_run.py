@@ -1,32 +1,45 @@
 """Build a config's whole 4D layout on one CPU process with fake collectives, without training.
 
-    python -m torchtitan_wlb.tools.dry_run train_configs/paper/*.toml [--ngpu N] [-- overrides]
+    python -m torchtitan_wlb.tools.dry_run train_configs/paper/*.toml
+    python -m torchtitan_wlb.tools.dry_run train_configs/llama3_70b_128k.toml --verbose
+    python -m torchtitan_wlb.tools.dry_run train_configs/debug_cpu.toml --ngpu 4 -- --parallelism.tensor_parallel_degree 2
 
 For every config this creates TorchTitan's fake process group with as many ranks as the layout
-needs, then constructs the full WLBTrainer as rank 0 would: device mesh, the model on the meta
-device, pipeline split and schedule (with the variable-length runner), TP/FSDP plans, rank 0's
-weights, optimizer and the data pipeline. What fails on a cluster because of the layout (degrees
-that do not divide heads or layers, too few micro-batches for the schedule, an unknown flavor)
-fails here in seconds. No training step runs (use ``COMM_MODE=fake_backend ./run_train.sh`` for a
-one-step dry run of a layout small enough to compute on a CPU).
+needs, then constructs the WLBTrainer as rank 0 would: device mesh, the model, pipeline split and
+schedule (with the variable-length runner), TP/FSDP plans, optimizer and the data pipeline. What
+fails on a cluster because of the layout (degrees that do not divide heads or layers, too few
+micro-batches for the schedule, an unknown flavor) fails here in seconds.
 
-Tokenizer and data are swapped for the built-in ones so that no cluster assets are needed.
+The model stays on the meta device: no weight is allocated or initialised and the optimizer holds
+no state, so a 70B layout is checked in well under 2 GB. Nothing is computed (for a one-step run of
+a layout small enough to compute on a CPU, use ``COMM_MODE=fake_backend ./run_train.sh``).
+
+Output: one line per config (``OK`` with the process's peak memory so far, or ``FAIL`` with the
+reason); ``--verbose`` adds TorchTitan's log. Tokenizer and data are swapped for the built-in ones so that no cluster assets are needed.
+Exit status: 0 when every config builds, 1 when one fails, 2 for a bad command line.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
+import logging
 import os
+import resource
 import sys
 import tempfile
 import time
+import warnings
+from typing import Any
 
 from torchtitan_wlb import cpu_support
 
 cpu_support.activate()
 
+from torchtitan_wlb import log_filter  # noqa: E402
+from torchtitan_wlb.tools.cli import ToolParser, progress  # noqa: E402
 
-def layout_world_size(job_config) -> int:
+
+def layout_world_size(job_config: Any) -> int:
     """Processes the config's parallel degrees need (dp_shard = -1 counts as 1)."""
     p = job_config.parallelism
     shard = max(p.data_parallel_shard_degree, 1)
@@ -39,13 +52,78 @@ def layout_world_size(job_config) -> int:
     )
 
 
-def dry_run(config_file: str, ngpu: int | None, overrides: list[str]) -> tuple[int, float]:
-    """Build the trainer of ``config_file``; returns (world size, seconds)."""
+def peak_rss_gib() -> float:
+    """This process's peak resident set so far (Linux reports ``ru_maxrss`` in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def _keep_on_meta(parallelize_fn: Any) -> Any:
+    """``parallelize_fn`` whose model parts ignore the trainer's ``to_empty`` and ``init_weights``.
+
+    TorchTitan's Trainer moves every parallelised model part from the meta device to the real one
+    and initialises its weights; for a 70B layout that is gigabytes on rank 0 alone, and none of it
+    is needed to check the layout. Parallelising (TP plans, FSDP wrapping, activation checkpointing)
+    happens on the meta model as usual; only the two materialising calls become no-ops.
+    """
+
+    def parallelize(model: Any, *args: Any, **kwargs: Any) -> Any:
+        model = parallelize_fn(model, *args, **kwargs)
+        model.to_empty = lambda *, device, recurse=True: model
+        model.init_weights = lambda *a, **k: None
+        return model
+
+    return parallelize
+
+
+def _layout_trainer_class() -> type:
+    from torchtitan_wlb.trainer import WLBTrainer
+
+    class LayoutTrainer(WLBTrainer):
+        """WLBTrainer whose model stays on the meta device (see :func:`_keep_on_meta`).
+
+        TorchTitan's Trainer looks its train spec up and assigns ``self.train_spec`` inside
+        ``__init__``; this property wraps the spec's ``parallelize_fn`` as it is assigned, which
+        covers the pipeline path too (the pipeline split parallelises each stage with it).
+        """
+
+        @property
+        def train_spec(self) -> Any:
+            return self._layout_train_spec
+
+        @train_spec.setter
+        def train_spec(self, spec: Any) -> None:
+            self._layout_train_spec = dataclasses.replace(
+                spec, parallelize_fn=_keep_on_meta(spec.parallelize_fn)
+            )
+
+    return LayoutTrainer
+
+
+def _describe(job_config: Any, world: int) -> str:
+    p = job_config.parallelism
+    degrees = {
+        "dp_replicate": p.data_parallel_replicate_degree,
+        "dp_shard": p.data_parallel_shard_degree,
+        "cp": p.context_parallel_degree,
+        "tp": p.tensor_parallel_degree,
+        "pp": p.pipeline_parallel_degree,
+    }
+    if degrees["dp_shard"] == -1:  # TorchTitan: whatever the other degrees leave
+        others = layout_world_size(job_config)
+        degrees["dp_shard"] = world // others if others and world % others == 0 else 1
+    shown = " x ".join(f"{k} {v}" for k, v in degrees.items() if v > 1) or "no parallelism"
+    return (
+        f"{world} rank{'' if world == 1 else 's'} ({shown}), {job_config.model.name} "
+        f"{job_config.model.flavor}, context {job_config.training.seq_len:,}"
+    )
+
+
+def dry_run(config_file: str, ngpu: int | None, overrides: list[str]) -> tuple[str, float]:
+    """Build the trainer of ``config_file`` on the meta device; returns (description, seconds)."""
     import torch
     from torchtitan.config import ConfigManager
 
-    from torchtitan_wlb.trainer import WLBTrainer
-
+    trainer_class = _layout_trainer_class()
     with tempfile.TemporaryDirectory() as dump:
         args = [
             "--job.config_file", config_file, "--model.hf_assets_path", "",
@@ -58,44 +136,60 @@ def dry_run(config_file: str, ngpu: int | None, overrides: list[str]) -> tuple[i
         world = ngpu or layout_world_size(probe)
         os.environ.update(NGPU=str(world), LOCAL_RANK="0", RANK="0", WORLD_SIZE=str(world))
         start = time.perf_counter()
-        trainer = WLBTrainer(ConfigManager().parse_args(args))
+        trainer = trainer_class(ConfigManager().parse_args(args))
         try:
             elapsed = time.perf_counter() - start
         finally:
             trainer.close()
+            del trainer
             if torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()
-    return world, elapsed
+    return _describe(probe, world), elapsed
+
+
+def parser() -> ToolParser:
+    p = ToolParser.from_doc("torchtitan_wlb.tools.dry_run", __doc__)
+    p.add_argument("configs", nargs="+", help="TOML config files")
+    p.add_argument("--ngpu", type=int, default=None, help="world size (default: from degrees)")
+    p.add_argument("--verbose", action="store_true", help="show TorchTitan's log and warnings")
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m torchtitan_wlb.tools.dry_run", description=__doc__.split("\n\n")[0]
-    )
-    parser.add_argument("configs", nargs="+", help="TOML config files")
-    parser.add_argument("--ngpu", type=int, default=None, help="world size (default: from degrees)")
     argv = sys.argv[1:] if argv is None else argv
     overrides: list[str] = []
     if "--" in argv:
         cut = argv.index("--")
         argv, overrides = argv[:cut], argv[cut + 1 :]
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
+    if args.ngpu is not None and args.ngpu < 1:
+        parser().error(f"--ngpu {args.ngpu} must be >= 1")
     from torchtitan.tools.logging import init_logger
 
     init_logger()
+    log_filter.install()
+    if not args.verbose:
+        logging.getLogger().setLevel(logging.ERROR)
+        warnings.simplefilter("ignore")
     failed = 0
-    for config in args.configs:
+    bar = progress(args.configs, desc="dry run", unit="config")
+    for config in bar:
+        bar.set_postfix_str(os.path.basename(config))
         if not os.path.isfile(config):
-            print(f"FAIL {config}: no such file", file=sys.stderr)
+            bar.write(f"FAIL {config}: no such file", file=sys.stdout)
             failed += 1
             continue
         try:
-            world, seconds = dry_run(config, args.ngpu, overrides)
+            description, seconds = dry_run(config, args.ngpu, overrides)
         except Exception as e:  # report every config, then exit non-zero
-            print(f"FAIL {config}: {type(e).__name__}: {e}", file=sys.stderr)
+            bar.write(f"FAIL {config}: {type(e).__name__}: {e}", file=sys.stdout)
             failed += 1
         else:
-            print(f"OK   {config}: {world} ranks built in {seconds:.1f}s")
+            bar.write(
+                f"OK   {config}: {description}, built in {seconds:.1f}s, "
+                f"peak memory {peak_rss_gib():.2f} GiB",
+                file=sys.stdout,
+            )
     return 1 if failed else 0
 
 

@@ -38,8 +38,10 @@ last run's), ``runs`` (every run's per-mode figures and speedups), ``speedup_wlb
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -50,10 +52,12 @@ from typing import Any
 
 import numpy as np
 
+from torchtitan_wlb.tools.cli import ToolParser, progress
 from torchtitan_wlb.workloads import GENERATORS, generate, load_lengths, steps_arg
 
 ROOT = Path(__file__).resolve().parents[2]
 MODES = ("plain_4d", "fixed_4d", "wlb")
+STEP_LINE = re.compile(r"step:\s*(\d+)/")  # the trainer's step line, "step:  3/14  loss: ..."
 PARALLEL = {
     "pp2": ["--parallelism.pipeline_parallel_degree", "2"],
     "cp2": ["--parallelism.context_parallel_degree", "2"],
@@ -81,7 +85,27 @@ def write_jsonl(lengths: np.ndarray, path: Path, seed: int) -> None:
             f.write(json.dumps({"text": "x" + text[1:] if n > 2 else "x"}) + "\n")
 
 
-def run_mode(mode: str, args: argparse.Namespace, data: Path, workdir: Path) -> dict[str, Any]:
+def _run_with_progress(cmd: list[str], env: dict[str, str], bar: Any, mode: str) -> tuple[int, str]:
+    """Run one training job, advancing ``bar`` on each new step it logs; returns (status, output
+    tail). Both ranks' output is merged; a step counts once."""
+    tail: collections.deque[str] = collections.deque(maxlen=200)
+    seen: set[int] = set()
+    bar.set_postfix_str(mode)
+    with subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            tail.append(line)
+            if (m := STEP_LINE.search(line)) and int(m.group(1)) not in seen:
+                seen.add(int(m.group(1)))
+                bar.update(1)
+    return proc.returncode, "".join(tail)
+
+
+def run_mode(
+    mode: str, args: argparse.Namespace, data: Path, workdir: Path, bar: Any
+) -> dict[str, Any]:
     dump = workdir / mode
     steps = ["--training.steps", "100000", "--wlb.epochs", "1"] if args.steps == "epoch" else [
         "--training.steps", str(args.steps)
@@ -104,10 +128,10 @@ def run_mode(mode: str, args: argparse.Namespace, data: Path, workdir: Path) -> 
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads_per_rank))
     start = time.perf_counter()
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    status, output = _run_with_progress(cmd, env, bar, mode)
     wall = time.perf_counter() - start
-    if r.returncode != 0:
-        raise RuntimeError(f"mode {mode} failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
+    if status != 0:
+        raise RuntimeError(f"mode {mode} failed:\n{output[-6000:]}")
     per_rank = []
     for log in sorted((dump / "wlb_metrics").glob("rank_*.jsonl")):
         per_rank.append({rec["step"]: rec for rec in map(json.loads, log.open())})
@@ -205,12 +229,8 @@ def calibration_records(per_rank: list[dict[int, dict]], steps: list[int]) -> di
     return {"microbatches": micro_batches, "steps": step_times}
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m torchtitan_wlb.tools.e2e_bench",
-        description="Time to train the same documents with plain_4d, fixed_4d and wlb through "
-        "the real trainer, 2 CPU ranks.",
-    )
+def parser() -> ToolParser:
+    p = ToolParser.from_doc("torchtitan_wlb.tools.e2e_bench", __doc__)
     p.add_argument("--parallel", choices=sorted(PARALLEL), default="pp2", help="2-rank layout")
     p.add_argument("--model", default="tiny", help="llama3_wlb flavor (default: tiny)")
     p.add_argument("--context-len", type=int, default=8192, help="context length L")
@@ -226,7 +246,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--runs", type=int, default=1, help="repeat every mode this many times")
     p.add_argument("--smax-factor", type=float, default=1.25, help="S_max / context (wlb)")
     p.add_argument("--lengths", default="", help="JSON / .npy / text file of document lengths")
-    p.add_argument("--generator", choices=GENERATORS, default="longtail")
+    p.add_argument("--generator", choices=list(GENERATORS), default="longtail")
     p.add_argument(
         "--num-docs", type=int, default=9000, help="documents to generate (~50 steps by default)"
     )
@@ -284,21 +304,22 @@ def main(argv: list[str] | None = None) -> int:
         workdir.mkdir(parents=True, exist_ok=True)
         data = workdir / "docs.jsonl"
         write_jsonl(lengths, data, args.seed)
+        bar = progress(desc="e2e_bench", unit="step")
         for run in range(args.runs):
             results = {}
             for mode in modes:
-                results[mode] = run_mode(mode, args, data, workdir / f"run{run}")
+                results[mode] = run_mode(mode, args, data, workdir / f"run{run}", bar)
                 res = results[mode]
-                print(
+                bar.write(
                     f"run {run + 1}/{args.runs} {mode:9s} {res['steps']} steps, "
                     f"{res['time_to_train_s']:.1f}s to train  median step "
                     f"{res['step_time_s']:.3f}s  imbalance predicted "
                     f"{res['predicted_imbalance']:.3f} measured {res['measured_imbalance']:.3f}  "
                     f"peak {res['peak_mem_mb']:.0f} MB",
                     file=sys.stderr,
-                    flush=True,
                 )
             runs.append({"modes": results, **speedups(results)})
+        bar.close()
     last = runs[-1]["modes"]
     records = {mode: last[mode].pop("records") for mode in last}
     for run in runs[:-1]:

@@ -1,12 +1,12 @@
 """Packing benchmark: balance, delay and overhead of a packer on a document-length workload.
 
-    python -m torchtitan_wlb.tools.pack_bench --lengths FILE --context-len 131072 \\
-        --micro-batches 4 --packer wlb --steps epoch --json
+    python -m torchtitan_wlb.tools.pack_bench --generator longtail --context-len 131072 \\
+        --micro-batches 8 --packer wlb --steps epoch --json
     python -m torchtitan_wlb.tools.pack_bench --generator longtail --context-len 131072 \\
         --micro-batches 8 --packer fixed_greedy --window 4 --steps 200 --json
-    python -m torchtitan_wlb.tools.pack_bench --lengths FILE --table2
+    python -m torchtitan_wlb.tools.pack_bench --generator longtail --table2
 
-FILE is a JSON list of token counts, a ``.npy`` array, or one integer per line. Documents longer
+``--lengths FILE`` takes your own documents instead of a generator: FILE is a JSON list of token counts, a ``.npy`` array, or one integer per line. Documents longer
 than ``--max-doc-len`` (default: the packer's micro-batch cap) are split into pieces first, as the
 loader does, and counted.
 
@@ -59,6 +59,7 @@ from torchtitan_wlb.packing import (
     packing_config,
 )
 from torchtitan_wlb.packing.tuning import tune_queues
+from torchtitan_wlb.tools.cli import ToolParser, progress
 from torchtitan_wlb.workloads import (
     DEFAULT_NUM_DOCS,
     GENERATORS,
@@ -286,13 +287,11 @@ KNOBS = {
 }
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m torchtitan_wlb.tools.pack_bench", description=__doc__.split("\n")[0]
-    )
+def parser() -> ToolParser:
+    p = ToolParser.from_doc("torchtitan_wlb.tools.pack_bench", __doc__)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--lengths", help="JSON list / .npy / one integer per line of doc lengths")
-    src.add_argument("--generator", choices=GENERATORS, help="built-in synthetic workload")
+    src.add_argument("--generator", choices=list(GENERATORS), help="built-in synthetic workload")
     p.add_argument(
         "--num-docs", type=_positive_int, default=DEFAULT_NUM_DOCS, help="docs to generate"
     )
@@ -378,7 +377,9 @@ def table2(args: argparse.Namespace, cost_model: CostModel) -> list[dict[str, An
     ctx = args.context_len
     rows = []
     paper_q = {1: (ctx // 2,), 2: (ctx // 4, ctx // 2), 3: (ctx // 8, ctx // 4, ctx // 2)}
-    for method, cfg, paper_imb, paper_ms in PAPER_TABLE2:
+    bar = progress(PAPER_TABLE2, desc="table 2", unit="row")
+    for method, cfg, paper_imb, paper_ms in bar:
+        bar.set_postfix_str(f"{method} {cfg}")
         over: dict[str, Any] = {}
         steps = None if args.steps == "epoch" else args.steps
         if cfg.startswith("G="):
@@ -391,13 +392,13 @@ def table2(args: argparse.Namespace, cost_model: CostModel) -> list[dict[str, An
         res.update(config=cfg, paper_imbalance=paper_imb, paper_overhead=paper_ms)
         res["docs_split"] = n_split
         rows.append(res)
-        print(
+        bar.write(
             f"{method:13s} {cfg:9s} imbalance {res['imbalance']:.3f} "
             f"(paper {paper_imb if paper_imb is not None else '-'})  "
             f"plan {res['plan_ms']:8.2f} ms (paper {paper_ms}), node step "
             f"{res['overhead_ms']:6.2f} ms  "
             f"delay {res['avg_delay_iters']:.2f}",
-            flush=True,
+            file=sys.stdout,
         )
     return rows
 

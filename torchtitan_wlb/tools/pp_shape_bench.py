@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from torchtitan_wlb.tools.cli import ToolParser
+
 
 def _build_pipeline(args: argparse.Namespace, mesh: Any) -> tuple[Any, list, Any]:
     from torchtitan.components.loss import cross_entropy_loss
@@ -193,22 +195,30 @@ def _worker(rank: int, args: argparse.Namespace, init_file: str, out_file: str) 
         dist.destroy_process_group()
 
 
+def parser() -> ToolParser:
+    p = ToolParser.from_doc("torchtitan_wlb.tools.pp_shape_bench", __doc__)
+    p.add_argument("--n-mb", type=int, default=4, help="micro-batches per step")
+    p.add_argument("--min-len", type=int, default=64, help="shortest micro-batch (tokens)")
+    p.add_argument("--max-len", type=int, default=1024, help="longest micro-batch (tokens)")
+    p.add_argument("--dim", type=int, default=128, help="model width")
+    p.add_argument("--layers", type=int, default=2, help="transformer layers")
+    p.add_argument("--vocab", type=int, default=512, help="vocabulary size")
+    p.add_argument("--reps", type=int, default=10, help="timed steps per measurement")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--json", action="store_true", help="print one JSON object last")
+    return p
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--n-mb", type=int, default=4, help="micro-batches per step")
-    parser.add_argument("--min-len", type=int, default=64, help="shortest micro-batch (tokens)")
-    parser.add_argument("--max-len", type=int, default=1024, help="longest micro-batch (tokens)")
-    parser.add_argument("--dim", type=int, default=128, help="model width")
-    parser.add_argument("--layers", type=int, default=2, help="transformer layers")
-    parser.add_argument("--vocab", type=int, default=512, help="vocabulary size")
-    parser.add_argument("--reps", type=int, default=10, help="timed steps per measurement")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    parser.add_argument("--json", action="store_true", help="print one JSON object last")
-    args = parser.parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
     if args.n_mb < 2:
-        raise ValueError(f"--n-mb must be >= 2 (1F1B on 2 stages), got {args.n_mb}")
+        p.error(f"--n-mb must be >= 2 (1F1B on 2 stages), got {args.n_mb}")
     if not 1 <= args.min_len <= args.max_len:
-        raise ValueError(f"need 1 <= --min-len <= --max-len, got {args.min_len} and {args.max_len}")
+        p.error(f"need 1 <= --min-len <= --max-len, got {args.min_len} and {args.max_len}")
+    for name in ("dim", "layers", "vocab", "reps", "threads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} = {getattr(args, name)} must be >= 1")
     with tempfile.TemporaryDirectory() as tmp:
         init_file, out_file = os.path.join(tmp, "init"), os.path.join(tmp, "out.json")
         mp.spawn(_worker, args=(args, init_file, out_file), nprocs=2, join=True)

@@ -1,0 +1,155 @@
+"""Every shell command in README.md and docs/*.md works as written.
+
+A command is a line of a ```bash (or ```sh / ```shell) fenced block; a line ending in ``\\``
+continues on the next. Its trailing comment says how it is checked:
+
+- no marker: it runs as written, from the repository root, and must exit 0;
+- a comment starting with ``slow``, ``gpu`` or ``data`` (it takes minutes, needs a GPU, or reads
+  files that are not in the repository): it runs with ``--help`` appended, which checks that the
+  program, its subcommand and the flags before it exist;
+- a comment starting with ``cluster`` (SLURM): not run; the files it names must exist.
+
+Usage examples that are not meant to be run as written (templates with placeholders, Python, JSON)
+go in other fenced blocks. The commands run with ``WLB_PYTHON`` set to this interpreter, so
+``run_train.sh`` and ``run_tests.sh`` never install anything, and with this checkout first on
+``PYTHONPATH``; where the checkout has no ``.venv/`` (an environment brought with ``WLB_PYTHON``),
+``.venv/bin/`` means this interpreter's directory.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+SHELL_BLOCKS = {"bash", "sh", "shell"}
+HELP_MARKERS = ("slow", "gpu", "data")
+SKIP_MARKERS = ("cluster",)
+TIMEOUT_S = 600
+
+
+@dataclass(frozen=True)
+class DocCommand:
+    """One documented command: where it is, its text, and the first word of its comment."""
+
+    doc: str
+    line: int
+    command: str
+    marker: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.doc}:{self.line}"
+
+
+def _split_comment(line: str) -> tuple[str, str]:
+    """(command, comment) of one logical line: the comment starts at the first unquoted ``#``
+    that follows whitespace."""
+    quote = None
+    for i, ch in enumerate(line):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i].rstrip(), line[i + 1 :].strip()
+    return line.rstrip(), ""
+
+
+def doc_commands(path: Path) -> list[DocCommand]:
+    """The commands of one Markdown file, in order."""
+    out: list[DocCommand] = []
+    in_shell = in_block = False
+    pending, start = "", 0
+    for n, raw in enumerate(path.read_text().splitlines(), start=1):
+        fence = re.match(r"^\s*```(\w*)", raw)
+        if fence:
+            in_block = not in_block
+            in_shell = in_block and fence.group(1) in SHELL_BLOCKS
+            continue
+        if not in_shell:
+            continue
+        line = raw.strip()
+        if not pending:
+            if not line or line.startswith("#"):
+                continue
+            start = n
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        command, comment = _split_comment(pending + line)
+        pending = ""
+        marker = re.match(r"([a-z]+)(?=$|[\s:,;.])", comment)
+        marker = marker.group(1) if marker else ""
+        out.append(DocCommand(str(path.relative_to(ROOT)), start, command, marker))
+    return out
+
+
+COMMANDS = [c for doc in DOCS for c in doc_commands(doc)]
+
+
+def _environment() -> dict[str, str]:
+    env = dict(os.environ, WLB_PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+_HELP_PASSED: set[str] = set()
+
+
+def _help_key(text: str) -> str:
+    """Commands whose ``--help`` output cannot differ share one check: ``run_train.sh --help``
+    prints its usage and the config's fields whatever the other arguments (~10 s each)."""
+    words = shlex.split(text)
+    if "./run_train.sh" in words:
+        config = next((w for w in words if w.startswith("CONFIG_FILE=")), "")
+        return f"./run_train.sh {config}"
+    return text
+
+
+def _as_run(cmd: DocCommand) -> str:
+    text = cmd.command
+    if not (ROOT / ".venv" / "bin").is_dir():
+        text = re.sub(r"(^|\s)\.venv/bin/", rf"\g<1>{Path(sys.executable).parent}/", text)
+    if cmd.marker in HELP_MARKERS:
+        text += " --help"
+    return text
+
+
+def test_the_docs_have_commands():
+    assert len(COMMANDS) >= 10
+    kinds = {
+        "run" if c.marker not in (*HELP_MARKERS, *SKIP_MARKERS) else c.marker for c in COMMANDS
+    }
+    assert {"run", "slow", "gpu", "cluster"} <= kinds, kinds
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cmd", COMMANDS, ids=[c.id for c in COMMANDS])
+def test_documented_command_works_as_written(cmd: DocCommand, tmp_path):
+    if cmd.marker in SKIP_MARKERS:
+        words = shlex.split(cmd.command)
+        files = [w for w in words if "/" in w or w.endswith((".slurm", ".toml", ".sh"))]
+        missing = [f for f in files if "=" not in f and not (ROOT / f).exists()]
+        assert not missing, f"{cmd.id}: {cmd.command!r} names missing files {missing}"
+        return
+    text = _as_run(cmd)
+    if cmd.marker in HELP_MARKERS and _help_key(text) in _HELP_PASSED:
+        return
+    r = subprocess.run(
+        ["bash", "-c", text], cwd=ROOT, env=_environment(), capture_output=True, text=True,
+        timeout=TIMEOUT_S,
+    )  # fmt: skip
+    assert r.returncode == 0, (
+        f"{cmd.id}: `{text}` exited {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+    )
+    if cmd.marker in HELP_MARKERS:
+        _HELP_PASSED.add(_help_key(text))

@@ -1,0 +1,93 @@
+"""What a run says: nothing-to-do, resume step, the step line's N/M and eta, quiet warnings."""
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+from torchtitan.config import ConfigManager
+
+from torchtitan_wlb import log_filter
+from torchtitan_wlb.metrics import eta_seconds, format_duration
+from torchtitan_wlb.trainer import latest_checkpoint_step, nothing_to_do, resume_step
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEBUG_CPU = os.path.join(ROOT, "train_configs", "debug_cpu.toml")
+
+
+def _config(dump, *overrides):
+    return ConfigManager().parse_args(
+        ["--job.config_file", DEBUG_CPU, "--job.dump_folder", str(dump), *overrides]
+    )
+
+
+def _checkpoint(dump, step, complete=True):
+    folder = dump / "checkpoint" / f"step-{step}"
+    folder.mkdir(parents=True)
+    if complete:
+        (folder / ".metadata").write_bytes(b"")
+
+
+def test_latest_checkpoint_ignores_incomplete_folders(tmp_path):
+    assert latest_checkpoint_step(str(tmp_path / "nowhere")) == -1
+    _checkpoint(tmp_path, 10)
+    _checkpoint(tmp_path, 30, complete=False)  # an interrupted save: TorchTitan skips it too
+    (tmp_path / "checkpoint" / "step-x").mkdir()
+    assert latest_checkpoint_step(str(tmp_path / "checkpoint")) == 10
+
+
+def test_nothing_to_do_once_the_checkpoint_reaches_training_steps(tmp_path):
+    assert nothing_to_do(_config(tmp_path)) is None  # no checkpoint: train
+    _checkpoint(tmp_path, 20)
+    assert resume_step(_config(tmp_path)) == 20
+    line = nothing_to_do(_config(tmp_path))  # debug_cpu: 20 steps
+    assert line.startswith("nothing to do:") and "step 20 >= training.steps = 20" in line
+    assert "\n" not in line
+    assert nothing_to_do(_config(tmp_path, "--training.steps", "40")) is None
+    assert nothing_to_do(_config(tmp_path, "--checkpoint.no-enable")) is None
+    assert nothing_to_do(_config(tmp_path, "--comm.mode", "fake_backend")) is None
+
+
+def test_second_run_says_nothing_to_do_in_one_line_before_building(tmp_path):
+    _checkpoint(tmp_path, 20)
+    r = subprocess.run(
+        [sys.executable, "-m", "torchtitan_wlb.train", "--job.config_file", DEBUG_CPU,
+         "--job.dump_folder", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = (r.stdout + r.stderr).strip().splitlines()
+    assert len(lines) == 1 and "nothing to do: the checkpoint" in lines[0], lines
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(0, "0s"), (45.4, "45s"), (185, "3m05s"), (7440, "2h04m"), (273600, "3d04h")],
+)
+def test_format_duration(seconds, text):
+    assert format_duration(seconds) == text
+
+
+def test_eta_leaves_out_the_warm_up_step():
+    assert eta_seconds(1, 20, [9.0]) == 19 * 9.0
+    assert eta_seconds(3, 20, [9.0, 2.0, 4.0]) == 17 * 3.0
+    assert eta_seconds(20, 20, [1.0, 1.0]) == 0.0
+
+
+def test_log_filter_drops_only_inapplicable_lines():
+    flt = log_filter.InapplicableWarnings()
+
+    def passes(msg, level=logging.WARNING):
+        record = logging.LogRecord("root", level, __file__, 1, msg, None, None)
+        return flt.filter(record), record.getMessage()
+
+    assert passes("HF assets path  does not exist!")[0] is False
+    assert passes("HF assets path /data/llama does not exist!")[0] is True  # a real path: warn
+    assert passes("something else went wrong")[0] is True
+    # The suite runs on CPU (conftest activates CPU support).
+    assert passes("Error running lspci: [Errno 2] No such file")[0] is False
+    assert passes("Peak flops undefined for: AMD EPYC x2, fallback to A100")[0] is False
+    assert passes("ENV[TORCH_NCCL_ASYNC_ERROR_HANDLING] = 1 will be overridden to 3")[0] is False
+    kept, text = passes("Peak FLOPS used for computing MFU: 3.120e+14", logging.INFO)
+    assert kept and text == "Peak FLOPS: unknown for CPU, MFU not reported"
