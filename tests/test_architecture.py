@@ -36,6 +36,7 @@ ROOMS = {
     f"{PACKAGE}.pipeline": "pipeline",
     f"{PACKAGE}.cpu_support": "platform",
     f"{PACKAGE}.metrics": "trainer",
+    f"{PACKAGE}.audit_log": "trainer",
     f"{PACKAGE}.validate": "trainer",
     f"{PACKAGE}.trainer": "trainer",
     f"{PACKAGE}.train_spec": "trainer",

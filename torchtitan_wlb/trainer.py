@@ -10,6 +10,10 @@ this subclass adds:
     tokens and never reset positions). Under context parallelism it builds the micro-batch's CP plan
     (``[wlb] cp_sharding``: per-sequence, per-document or adaptive) and shards inputs, labels and
     positions with it -- TorchTitan 0.2.2 shards neither positions nor document metadata;
+  - every rank writes the exactly-once audit log (:mod:`torchtitan_wlb.audit_log`): the documents
+    of each step's micro-batches, where each launch resumed, each complete checkpoint's pending
+    documents and how the run ended (``python -m torchtitan_wlb.tools.audit`` proves from it that
+    every document was trained exactly once);
   - ``forward_backward_step`` times every micro-batch and, under pipeline parallelism, collects the
     step's micro-batches and runs them through the schedule together with
     :class:`~torchtitan_wlb.pipeline.varlen.VarlenPipelineRunner`, each with its own length; with
@@ -23,6 +27,7 @@ lengths do not reweight tokens.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -33,6 +38,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
 from torchtitan_wlb.attention.metadata import DocumentAttentionMetadata, metadata_from_doc_lens
+from torchtitan_wlb.audit_log import AuditLog
 from torchtitan_wlb.models.llama3_wlb import cost_model_for_job
 from torchtitan_wlb.validate import check_job_config
 
@@ -68,6 +74,8 @@ class WLBTrainer(Trainer):
         self._cost_model = (
             cost_model_for_job(job_config) if job_config.wlb.loader == "documents" else None
         )
+        self._audit = self._build_audit_log()
+        self._last_completed_step = 0
 
     # ----------------------------------------------------------------------------- data
     def post_dataloading_process(
@@ -79,6 +87,8 @@ class WLBTrainer(Trainer):
         doc_ids = input_dict.pop("doc_ids", None)
         if doc_ids is not None:
             self.metrics_processor.record_doc_ids(doc_ids)
+            if self._audit is not None:
+                self._audit.add_micro_batch(doc_ids.tolist())
         if "doc_lens" not in input_dict:
             # [wlb] loader = "torchtitan": no boundaries, plain causal attention per row.
             return super().post_dataloading_process(input_dict, labels)
@@ -250,3 +260,60 @@ class WLBTrainer(Trainer):
             }
         )
         self._cp_stats.clear()
+
+    # ------------------------------------------------------------------ exactly-once audit
+    def _build_audit_log(self) -> AuditLog | None:
+        """Every rank's audit log, for the document loader on real process groups; and a hook
+        on the checkpointer that records each checkpoint once it is complete on disk."""
+        loader = self.dataloader
+        if self.job_config.comm.mode != "default" or not hasattr(loader, "accounting"):
+            return None
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        audit = AuditLog(
+            self.job_config.job.dump_folder, rank, loader.dp_rank, loader.dp_world_size
+        )
+        save = self.checkpointer.save
+
+        def save_and_record(curr_step: int, last_step: bool = False) -> None:
+            save(curr_step, last_step=last_step)
+            folder = os.path.join(self.checkpointer.folder, f"step-{curr_step}")
+            if audit.started and os.path.isfile(os.path.join(folder, ".metadata")):
+                audit.checkpoint(curr_step, pending=loader.accounting()[0])
+
+        self.checkpointer.save = save_and_record
+        return audit
+
+    def _start_audit(self) -> None:
+        """The launch's start record: one id for all ranks (rank 0's, broadcast) and the step it
+        resumed from; written before the first step, so a launch killed during it still
+        supersedes the steps it would re-train."""
+        launch = [f"{time.time_ns()}-{os.getpid()}"]
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.broadcast_object_list(launch, src=0)
+        launch_time = int(launch[0].split("-")[0]) / 1e9
+        self._audit.start(launch[0], launch_time, resumed_from=self.step - 1)
+
+    def train_step(self, data_iterator: Any) -> None:
+        if self._audit is not None:
+            if not self._audit.started:
+                self._start_audit()
+            self._audit.begin_step()
+        self._last_completed_step = self.step - 1
+        super().train_step(data_iterator)
+        self._last_completed_step = self.step
+        if self._audit is not None:
+            self._audit.step_done(self.step)
+
+    def train(self) -> None:
+        super().train()
+        if self._audit is not None and self._audit.started:
+            # TorchTitan advances the step before running it: a step that found no data left
+            # was canceled, and the data has ended.
+            ended = self._last_completed_step < self.step
+            pending, documents = self.dataloader.accounting()
+            self._audit.end(
+                self._last_completed_step,
+                "end of data" if ended else "steps",
+                pending=pending,
+                documents=documents if ended else None,
+            )
