@@ -146,8 +146,15 @@ class WLB:
     packing_window: int = 1
     """Global batches packed together by "fixed_greedy" and "solver" (Table 2's G)."""
 
-    solver_time_limit_s: float = 10.0
-    """Time limit of the exact solver per packing window (packing = "solver")."""
+    solver_node_limit: int = 200
+    """Work limit of the exact solver per packing window (packing = "solver"), in HiGHS
+    branch-and-bound nodes. Deterministic: every rank computes the same plan whatever its load,
+    and a resumed run re-plans the same windows."""
+
+    solver_time_limit_s: float = 60.0
+    """Safety net of the exact solver per packing window (packing = "solver"), in seconds. Where a
+    time limit stops a solve depends on the machine's load, so reaching it before
+    `solver_node_limit` stops the run with an error naming both (lower the node limit)."""
 
     cost_model: CostModelKind = "analytic"
     """Workload model W(d) = W_a(d) + W_l(d): "analytic" (FLOPs from the model config),
@@ -200,6 +207,7 @@ class WLB:
         if self.balance_target < 1.0:
             raise ConfigError(f"[wlb] balance_target = {self.balance_target} must be >= 1.0")
         _check_positive("packing_window", self.packing_window)
+        _check_positive("solver_node_limit", self.solver_node_limit)
         _check_positive("solver_time_limit_s", self.solver_time_limit_s)
         thresholds = list(self.queue_thresholds)
         if any(t <= 0 for t in thresholds) or any(

@@ -181,6 +181,7 @@ def data_fingerprint(
             "[wlb] balance_target": wlb.balance_target,
             "[wlb] release_slack": wlb.release_slack,
             "[wlb] packing_window": wlb.packing_window,
+            "[wlb] solver_node_limit": wlb.solver_node_limit,
         }
     )
     if cost_model is not None:
