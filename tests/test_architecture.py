@@ -37,6 +37,7 @@ ROOMS = {
     f"{PACKAGE}.cpu_support": "platform",
     f"{PACKAGE}.metrics": "trainer",
     f"{PACKAGE}.audit_log": "trainer",
+    f"{PACKAGE}.resume": "trainer",
     f"{PACKAGE}.validate": "trainer",
     f"{PACKAGE}.trainer": "trainer",
     f"{PACKAGE}.train_spec": "trainer",

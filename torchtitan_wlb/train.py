@@ -18,11 +18,12 @@ cpu_support.activate()
 from torchtitan.tools.logging import init_logger, logger  # noqa: E402
 
 from torchtitan_wlb.data.sources import DataError  # noqa: E402
+from torchtitan_wlb.resume import CheckpointError  # noqa: E402
 from torchtitan_wlb.validate import ConfigError  # noqa: E402
 
 # Errors that mean "the user's input is wrong" once training has started; while the config is
 # parsed, any ValueError is (TorchTitan reports unknown fields with one).
-USER_ERRORS = (ConfigError, DataError, FileNotFoundError)
+USER_ERRORS = (ConfigError, DataError, CheckpointError, FileNotFoundError)
 
 
 def _config_error_types() -> tuple[type[BaseException], ...]:
@@ -35,18 +36,17 @@ def _config_error_types() -> tuple[type[BaseException], ...]:
 
 def main(argv: list[str] | None = None) -> int:
     init_logger()
-    from torchtitan.config import ConfigManager
     from torchtitan.train import main as torchtitan_main
 
     from torchtitan_wlb.trainer import WLBTrainer
-    from torchtitan_wlb.validate import check_job_config
+    from torchtitan_wlb.validate import check_job_config, parse_job_config
 
     args = sys.argv[1:] if argv is None else argv
     errors = _config_error_types()
     try:
         # Parse and check once up front: a bad field or layout fails here, before TorchTitan
         # creates process groups or builds the model.
-        check_job_config(ConfigManager().parse_args(args))
+        check_job_config(parse_job_config(args))
     except errors as e:
         logger.error(f"configuration error: {e}")
         return 2

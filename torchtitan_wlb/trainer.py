@@ -40,6 +40,7 @@ from torchtitan.train import Trainer
 from torchtitan_wlb.attention.metadata import DocumentAttentionMetadata, metadata_from_doc_lens
 from torchtitan_wlb.audit_log import AuditLog
 from torchtitan_wlb.models.llama3_wlb import cost_model_for_job
+from torchtitan_wlb.resume import CheckpointError, check_resume
 from torchtitan_wlb.validate import check_job_config
 
 
@@ -76,6 +77,7 @@ class WLBTrainer(Trainer):
         )
         self._audit = self._build_audit_log()
         self._last_completed_step = 0
+        self._guard_checkpoint_load()
 
     # ----------------------------------------------------------------------------- data
     def post_dataloading_process(
@@ -304,7 +306,28 @@ class WLBTrainer(Trainer):
         if self._audit is not None:
             self._audit.step_done(self.step)
 
+    # ------------------------------------------------------------------ resume
+    def _guard_checkpoint_load(self) -> None:
+        """Whatever still goes wrong inside TorchTitan's load (a damaged tensor shard, a model
+        of another shape) ends as one line naming the checkpoint, not a traceback per rank."""
+        load = self.checkpointer.dcp_load
+
+        def checked_load(state_dict: Any, checkpoint_id: str, *args: Any, **kwargs: Any) -> None:
+            try:
+                load(state_dict, checkpoint_id, *args, **kwargs)
+            except Exception as e:  # noqa: BLE001 -- reported with the checkpoint's name
+                first = (str(e).strip().splitlines() or [""])[0][:300]
+                raise CheckpointError(
+                    f"loading checkpoint {checkpoint_id} failed ({type(e).__name__}: {first}); "
+                    "the process stops before training on a partly loaded state"
+                ) from e
+
+        self.checkpointer.dcp_load = checked_load
+
     def train(self) -> None:
+        # Before TorchTitan loads anything: a truncated or damaged checkpoint, or one written
+        # under other data settings, is refused with one line naming the file or the setting.
+        check_resume(self.job_config, getattr(self.dataloader, "fingerprint", None))
         super().train()
         if self._audit is not None and self._audit.started:
             # TorchTitan advances the step before running it: a step that found no data left
