@@ -296,6 +296,8 @@ class WLBTrainer(Trainer):
         self._audit.start(launch[0], launch_time, resumed_from=self.step - 1)
 
     def train_step(self, data_iterator: Any) -> None:
+        if self.metrics_processor.last_logged_step is None:
+            self.metrics_processor.start_at(self.step)  # after a resume: the checkpoint's step + 1
         if self._audit is not None:
             if not self._audit.started:
                 self._start_audit()
