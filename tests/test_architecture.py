@@ -35,6 +35,7 @@ ROOMS = {
     f"{PACKAGE}.models": "models",
     f"{PACKAGE}.pipeline": "pipeline",
     f"{PACKAGE}.cpu_support": "platform",
+    f"{PACKAGE}.parent_watch": "platform",
     f"{PACKAGE}.metrics": "trainer",
     f"{PACKAGE}.audit_log": "trainer",
     f"{PACKAGE}.resume": "trainer",

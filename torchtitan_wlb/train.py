@@ -1,7 +1,8 @@
 """Entry point: ``python -m torchtitan_wlb.train --job.config_file train_configs/debug_cpu.toml``.
 
 Launched by ``run_train.sh`` through torchrun, one process per GPU (NCCL) or per CPU rank (gloo).
-It activates CPU support before torchtitan is imported, then runs TorchTitan's own ``main`` with
+It activates CPU support before torchtitan is imported, starts the watch that stops this rank if
+its launcher dies (:mod:`~torchtitan_wlb.parent_watch`), then runs TorchTitan's own ``main`` with
 :class:`~torchtitan_wlb.trainer.WLBTrainer`. Bad input (config, data, layout) ends the process with
 one line naming the problem and exit status 2, not a traceback.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from torchtitan_wlb import cpu_support
+from torchtitan_wlb import cpu_support, parent_watch
 
 cpu_support.activate()
 
@@ -35,6 +36,7 @@ def _config_error_types() -> tuple[type[BaseException], ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    parent_watch.watch_parent()  # a rank whose launcher died stops at once (no orphan training)
     init_logger()
     from torchtitan.train import main as torchtitan_main
 
