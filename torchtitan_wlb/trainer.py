@@ -99,8 +99,8 @@ class WLBTrainer(Trainer):
         doc_lens = input_dict.pop("doc_lens").cpu()
         self._last_doc_lens = doc_lens.tolist()
         backend = self.job_config.wlb.attention_backend
-        if self.parallel_dims.tp_enabled:
-            inputs, labels, positions, doc_lens = self._pad_for_tp(
+        if self.parallel_dims.tp_enabled or self.parallel_dims.cp_enabled:
+            inputs, labels, positions, doc_lens = self._pad_for_sharding(
                 inputs, labels, positions, doc_lens
             )
         if self.parallel_dims.cp_enabled:
@@ -112,24 +112,30 @@ class WLBTrainer(Trainer):
         extra_kwargs: dict[str, Any] = {"attention_masks": meta, "positions": positions}
         return inputs, labels, dict(input_dict), extra_kwargs
 
-    def _pad_for_tp(
+    def _pad_for_sharding(
         self,
         inputs: torch.Tensor,
         labels: torch.Tensor,
         positions: torch.Tensor,
         doc_lens: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Pad so that every TP rank's sequence-parallel shard has the same length.
+        """Pad so that every TP rank's sequence-parallel shard has the same length, and every CP
+        rank holds tokens.
 
         TorchTitan's TP shards activations along the sequence (sequence parallelism), which needs
         each rank's local length divisible by the TP degree -- under CP, each CP rank's share, so
-        the micro-batch must be a multiple of ``tp * 2 * cp``. The padding is one extra document
+        the micro-batch must be a multiple of ``tp * 2 * cp``. A CP plan cuts the sequence into
+        ``2 * cp`` chunks, so under CP alone a micro-batch shorter than that (the one-token filler
+        of a final step of the data) is padded up to it. The padding is one extra document
         (token 0, positions from 0, labels ignored): it attends only to itself, adds nothing to
         the loss or the gradients, and costs fewer than ``tp * 2 * cp`` tokens.
         """
         pd = self.parallel_dims
         multiple = pd.tp * (2 * pd.cp if pd.cp_enabled else 1)
-        pad = -inputs.shape[1] % multiple
+        if pd.tp_enabled:
+            pad = -inputs.shape[1] % multiple
+        else:
+            pad = max(0, multiple - inputs.shape[1])
         if pad == 0:
             return inputs, labels, positions, doc_lens
         fill = torch.zeros((1, pad), dtype=inputs.dtype, device=inputs.device)
