@@ -12,7 +12,8 @@ one JSON object per line (``python -m torchtitan_wlb.tools.audit`` reads them ba
     written once the step's optimizer update is done: the documents of each of this rank's
     micro-batches, in order (a filler micro-batch at the end of the data is ``[]``).
 ``{"event": "checkpoint", "launch", "rank", "step", "pending": [doc ids]}``
-    written after a checkpoint of ``step`` is complete on disk: the documents the packer still
+    written after a checkpoint of ``step`` is complete on disk (its ``.metadata`` written; an
+    asynchronous save that is still in flight is not recorded): the documents the packer still
     holds (queued or carried) in that checkpoint's data state.
 ``{"event": "end", "launch", "rank", "step", "reason", "pending", "documents"}``
     written when the training loop ends normally: ``reason`` is ``"end of data"`` (the pass is
