@@ -164,7 +164,7 @@ def test_steps_limit_leaves_waiting_documents(tmp_path):
     Run(tmp_path).launch(0, 3, end="steps")
     report = audit(str(tmp_path))
     assert report.ok and not report.complete, report.message
-    assert "stopped by training.steps at step 3, the pass is not over" in report.message
+    assert "the pass is not over; stopped by training.steps at step 3" in report.message
 
 
 @pytest.mark.parametrize(

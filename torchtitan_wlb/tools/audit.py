@@ -62,8 +62,8 @@ class _Violation(Exception):
     pass
 
 
-def _where(loc: tuple[int, int, int]) -> str:
-    step, dp_rank, mb = loc
+def _where(loc: np.ndarray) -> str:
+    step, dp_rank, mb = (int(x) for x in loc)
     return f"step {step} (DP rank {dp_rank}, micro-batch {mb})"
 
 
@@ -186,101 +186,124 @@ def _neighbours(doc: int, trained: np.ndarray, where: np.ndarray) -> str:
     return f" ({'; '.join(parts)})" if parts else ""
 
 
+@dataclass
+class _Span:
+    """The steps that count and what the packer still held after the last of them."""
+
+    last_step: int
+    pending: list[int] | None
+    """None: unknown (no end and no checkpoint logged), so lost documents cannot be ruled out."""
+    documents: int | None
+    """Documents the data produced, known once it has ended."""
+    complete: bool
+    note: str
+
+
+def _span(timeline: _Timeline) -> _Span:
+    ends, ckpts = timeline.ends, timeline.checkpoints
+    if ends:
+        last_step = int(_same(ends, "step", "the last step"))
+        complete = _same(ends, "reason", "why the run ended") == "end of data"
+        note = "" if complete else f"; stopped by training.steps at step {last_step}"
+        return _Span(
+            last_step,
+            _same(ends, "pending", "the documents still waiting"),
+            _same(ends, "documents", "how many documents the data held"),
+            complete,
+            note,
+        )
+    logged = max(timeline.steps, default=0)
+    if not ckpts:
+        note = (
+            "; the last launch did not end and no checkpoint is logged: lost documents cannot "
+            "be ruled out"
+        )
+        return _Span(logged, None, None, False, note)
+    last_step = max(ckpts)
+    pending = _same(ckpts[last_step], "pending", f"the checkpoint of step {last_step}")
+    note = (
+        f"; the last launch did not end (killed?): counted up to its checkpoint of step {last_step}"
+    )
+    if logged > last_step:
+        note += f", steps {last_step + 1}-{logged} will be re-trained on resume"
+    return _Span(last_step, pending, None, False, note)
+
+
+def _first_problem(trained: np.ndarray, where: np.ndarray, span: _Span) -> str | None:
+    """The lowest document trained twice, trained yet still waiting, or lost; None if none."""
+    uniq, first, counts = np.unique(trained, return_index=True, return_counts=True)
+    problems: list[tuple[int, str]] = []
+    repeated = uniq[counts > 1]
+    if repeated.size:
+        doc = int(repeated[0])
+        a, b = np.flatnonzero(trained == doc)[:2]
+        problems.append(
+            (doc, f"document {doc} was trained twice: {_where(where[a])} and {_where(where[b])}")
+        )
+    pend = np.asarray(span.pending or [], np.int64)
+    both = np.intersect1d(uniq, pend)
+    if both.size:
+        doc = int(both[0])
+        loc = _where(where[first[np.searchsorted(uniq, doc)]])
+        problems.append(
+            (doc, f"document {doc} was trained at {loc} and is still waiting in the packer")
+        )
+    if span.complete:
+        top = span.documents if span.documents is not None else int(uniq.max(initial=-1)) + 1
+        lost = np.setdiff1d(np.arange(top, dtype=np.int64), uniq)
+        if pend.size:
+            problems.append((int(pend[0]), f"the data ended with document {pend[0]} still waiting"))
+    elif span.pending is not None:
+        below = np.arange(int(uniq.max(initial=-1)) + 1, dtype=np.int64)
+        lost = np.setdiff1d(np.setdiff1d(below, uniq), pend)
+    else:
+        lost = np.zeros(0, np.int64)
+    if lost.size:
+        doc = int(lost[0])
+        problems.append(
+            (
+                doc,
+                f"document {doc} was never trained{_neighbours(doc, trained, where)} and is not "
+                "waiting in the packer",
+            )
+        )
+    return min(problems)[1] if problems else None
+
+
 def audit(output_dir: str) -> AuditReport:
     """The verdict on the run whose dump folder is ``output_dir``; raises ``AuditLogError`` on
     unreadable logs."""
     records = read_audit_logs(output_dir)
     try:
         timeline = _replay(records)
-        steps, ckpts, ends = timeline.steps, timeline.checkpoints, timeline.ends
-        dp_degree = timeline.dp_degree
-        note = ""
-        if ends:
-            last_step = int(_same(ends, "step", "the last step"))
-            reason = _same(ends, "reason", "why the run ended")
-            pending = _same(ends, "pending", "the documents still waiting")
-            documents = _same(ends, "documents", "how many documents the data held")
-            complete = reason == "end of data"
-            if not complete:
-                note = f"; stopped by training.steps at step {last_step}, the pass is not over"
-        else:
-            complete, documents = False, None
-            logged = max(steps, default=0)
-            if ckpts:
-                last_step = max(ckpts)
-                pending = _same(ckpts[last_step], "pending", f"the checkpoint of step {last_step}")
-                note = f"; the last launch did not end (killed?): counted up to its checkpoint of step {last_step}"
-                if logged > last_step:
-                    note += f", steps {last_step + 1}-{logged} will be re-trained on resume"
-            else:
-                last_step, pending = logged, None
-                note = "; the last launch did not end and no checkpoint is logged: lost documents cannot be ruled out"
-        trained, where = _collect(steps, last_step, dp_degree)
-        uniq, first, counts = np.unique(trained, return_index=True, return_counts=True)
-        problems: list[tuple[int, str]] = []
-        for doc in uniq[counts > 1][:1].tolist():
-            hits = np.flatnonzero(trained == doc)[:2]
-            problems.append(
-                (
-                    doc,
-                    f"document {doc} was trained twice: {_where(tuple(where[hits[0]]))} and "
-                    f"{_where(tuple(where[hits[1]]))}",
-                )
-            )
-        pend = np.asarray(pending if pending is not None else [], np.int64)
-        both = np.intersect1d(uniq, pend)
-        if both.size:
-            doc = int(both[0])
-            loc = _where(tuple(where[first[np.searchsorted(uniq, doc)]]))
-            problems.append(
-                (doc, f"document {doc} was trained at {loc} and is still waiting in the packer")
-            )
-        if complete:
-            top = int(documents) if documents is not None else int(uniq.max(initial=-1)) + 1
-            expected = np.arange(top, dtype=np.int64)
-            lost = np.setdiff1d(expected, uniq)
-            if pend.size:
-                problems.append(
-                    (int(pend[0]), f"the data ended with document {int(pend[0])} still waiting")
-                )
-        elif pending is not None:
-            expected = np.arange(int(uniq.max(initial=-1)) + 1, dtype=np.int64)
-            lost = np.setdiff1d(np.setdiff1d(expected, uniq), pend)
-        else:
-            lost = np.zeros(0, np.int64)
-        if lost.size:
-            doc = int(lost[0])
-            problems.append(
-                (
-                    doc,
-                    f"document {doc} was never trained{_neighbours(doc, trained, where)} and is "
-                    "not waiting in the packer",
-                )
-            )
-        if problems:
-            doc, text = min(problems)
-            raise _Violation(f"{text}; steps 1-{last_step} audited")
+        span = _span(timeline)
+        trained, where = _collect(timeline.steps, span.last_step, timeline.dp_degree)
+        problem = _first_problem(trained, where, span)
+        if problem:
+            raise _Violation(f"{problem}; steps 1-{span.last_step} audited")
     except _Violation as e:
         return AuditReport(ok=False, complete=False, message=f"NOT exactly once: {e}")
+    uniq = np.unique(trained)
     n = int(uniq.size)
     history = f"{timeline.launches} launch{'es' if timeline.launches > 1 else ''}"
     if timeline.superseded:
         history += ", re-trained after resume: " + ", ".join(
             f"steps {a}-{b}" if a != b else f"step {a}" for a, b in timeline.superseded
         )
-    waiting = f", {pend.size} still waiting in the packer" if pend.size else ""
-    span = f"ids 0-{n - 1}" if n and int(uniq[-1]) == n - 1 else f"{n} distinct ids"
+    waiting = len(span.pending or [])
+    span_text = f"ids 0-{n - 1}" if n and int(uniq[-1]) == n - 1 else f"{n} distinct ids"
     message = (
-        f"exactly once: {n} documents ({span}) over steps 1-{last_step} on {dp_degree} DP "
-        f"rank{'s' if dp_degree > 1 else ''}{waiting}; "
-        f"{'the pass is complete (end of data)' if complete else 'the pass is not over'}"
-        f"{note}; {history}"
+        f"exactly once: {n} documents ({span_text}) over steps 1-{span.last_step} on "
+        f"{timeline.dp_degree} DP rank{'s' if timeline.dp_degree > 1 else ''}"
+        f"{f', {waiting} still waiting in the packer' if waiting else ''}; "
+        f"{'the pass is complete (end of data)' if span.complete else 'the pass is not over'}"
+        f"{span.note}; {history}"
     )
     return AuditReport(
         ok=True,
-        complete=complete,
+        complete=span.complete,
         message=message,
-        steps=last_step,
+        steps=span.last_step,
         documents=n,
         superseded=timeline.superseded,
     )
