@@ -16,6 +16,7 @@
 #   COMM_MODE    "fake_backend" or "local_tensor": one process computes 1 step of NGPU ranks with
 #                fake collectives (no checkpoint is loaded or saved)
 #   TRAIN_FILE   module to run (default torchtitan_wlb.train)
+#   WLB_SKIP_PREFLIGHT  set to skip the one-process check of config, data and checkpoint
 # With no GPU the ranks are CPU processes talking over gloo; with GPUs, one process per GPU on NCCL.
 set -euo pipefail
 
@@ -74,6 +75,15 @@ if [ "$GPUS" -eq 0 ]; then
     # Share the cores between the ranks instead of letting each spawn a thread per core.
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CORES / NGPU > 0 ? CORES / NGPU : 1 ))}
 fi
+
+# --- pre-flight -------------------------------------------------------------------------------
+# Check the config, the data source and the checkpoint a rerun would resume from once, with the
+# arguments every rank will get, before torchrun starts any rank: a mistake is one line and exit
+# status 2 here instead of a traceback from every rank. WLB_SKIP_PREFLIGHT=1 skips it.
+if [ -z "${WLB_SKIP_PREFLIGHT:-}" ]; then
+    NGPU="$NGPU" "$PYTHON" -m torchtitan_wlb.validate --job.config_file "$CONFIG_FILE" "$@" || exit $?
+fi
+# ----------------------------------------------------------------------------------------------
 
 PYTORCH_ALLOC_CONF="expandable_segments:True" \
 exec "$PYTHON" -m torch.distributed.run --nproc_per_node="$NGPU" --rdzv_backend c10d \

@@ -185,6 +185,8 @@ def test_packing_config_from_job_maps_every_knob():
     )
     for src, dst in WLB_KNOBS.items():
         assert getattr(cfg, dst) == getattr(wlb, src)
+    # The solver's limits: training's deterministic node limit and its time safety net.
+    assert (cfg.solver_time_limit, cfg.solver_node_limit) == (2.0, wlb.solver_node_limit)
     # The fixed-length packers cap at the context length: S_max is not theirs to set.
     wlb_fixed = WLB(packing="fixed_greedy", micro_batch_max_len=100)
     fixed = packing_config_from_job(SimpleNamespace(wlb=wlb_fixed, training=job.training), 4)

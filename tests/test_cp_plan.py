@@ -150,8 +150,13 @@ def test_adaptive_picks_lower_estimate():
     # so per-sequence (fewer, larger chunks) wins under the CPU profile.
     many_short = build_cp_plan(np.full(64, 32), 8, "adaptive")
     assert many_short.strategy == "per_sequence"
-    # One long document plus small ones: per-document keeps ranks balanced.
-    assert build_cp_plan(np.array([4096, 4096, 64, 64, 64]), 2, "adaptive").estimated_seconds
+    # Two long documents plus small ones: per-document keeps ranks balanced, so it is chosen.
+    long_docs = build_cp_plan(np.array([4096, 4096, 64, 64, 64]), 2, "adaptive")
+    est = long_docs.estimated_seconds
+    assert long_docs.strategy == "per_document" and est["per_document"] < est["per_sequence"]
+    assert long_docs.flops_imbalance() == pytest.approx(1.0)
+    per_seq = build_cp_plan(np.array([4096, 4096, 64, 64, 64]), 2, "per_sequence")
+    assert per_seq.flops_imbalance() > 1.02
 
 
 def test_shard_selects_tokens():

@@ -3,6 +3,7 @@
 import dataclasses
 
 import numpy as np
+import pytest
 import torch
 
 from torchtitan_wlb.attention.metadata import metadata_from_doc_lens
@@ -67,15 +68,64 @@ def test_gradients_match_documents_run_separately():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_positions_reset_changes_results():
-    """Without per-document positions a later document would see shifted RoPE phases."""
-    model = _model()
-    lens = np.array([6, 6])
-    tokens = np.tile(np.arange(6), 2)
+def _rotated_qk(model, monkeypatch, tokens, doc_lens, positions):
+    """The RoPE-rotated queries and keys every layer hands to attention, for one sequence."""
+    import torchtitan_wlb.models.llama3_wlb as llama3_wlb
+
+    seen = []
+    attend = llama3_wlb.attention_from_metadata
+
+    def spy(q, k, v, meta):
+        seen.append((q.detach().clone(), k.detach().clone()))
+        return attend(q, k, v, meta)
+
+    monkeypatch.setattr(llama3_wlb, "attention_from_metadata", spy)
+    meta = metadata_from_doc_lens(doc_lens)
+    model(torch.as_tensor(tokens)[None], attention_masks=meta, positions=positions)
+    monkeypatch.setattr(llama3_wlb, "attention_from_metadata", attend)
+    return seen
+
+
+def _check_positions_reset(model, monkeypatch, positions_of):
+    """Every document's rotated queries and keys in the packed sequence equal those of the
+    document run on its own with positions from 0.
+
+    The attention *outputs* cannot tell: RoPE is relative, so a document whose positions run on
+    from the previous one attends exactly as if they started at 0. The rotated q and k are
+    absolute: a document not reset to 0 is rotated by other angles.
+    """
+    lens = np.array([6, 9, 4])
+    tokens = np.random.default_rng(0).integers(0, 256, lens.sum())
     inp, _ = collate_micro_batch(tokens, lens)
-    meta = metadata_from_doc_lens(inp["doc_lens"])
-    out = model(inp["input"], attention_masks=meta, positions=inp["positions"])
-    torch.testing.assert_close(out[:, :6], out[:, 6:])  # same document twice: same logits
+    packed = _rotated_qk(model, monkeypatch, tokens, inp["doc_lens"], positions_of(inp))
+    start = 0
+    for d in lens:
+        alone = _rotated_qk(
+            model, monkeypatch, tokens[start : start + d], [d], torch.arange(d)[None]
+        )
+        for (pq, pk), (aq, ak) in zip(packed, alone, strict=True):
+            torch.testing.assert_close(pq[start : start + d], aq, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(pk[start : start + d], ak, rtol=1e-5, atol=1e-5)
+        start += d
+
+
+def test_positions_reset_at_every_document(monkeypatch):
+    """The pipeline's positions restart RoPE at 0 for every document of a packed sequence."""
+    _check_positions_reset(_model(), monkeypatch, lambda inp: inp["positions"])
+
+
+@pytest.mark.parametrize(
+    "positions_of",
+    [
+        lambda inp: None,  # no positions: TorchTitan numbers the packed sequence from 0
+        lambda inp: torch.arange(inp["input"].shape[1])[None],  # reset_positions = False
+    ],
+    ids=["positions_none", "positions_not_reset"],
+)
+def test_position_check_fails_when_positions_are_not_reset(monkeypatch, positions_of):
+    """The check above can fail: positions that run over the packed sequence are caught."""
+    with pytest.raises(AssertionError):
+        _check_positions_reset(_model(), monkeypatch, positions_of)
 
 
 def test_cost_model_follows_flavor_dims():

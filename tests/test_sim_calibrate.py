@@ -50,6 +50,8 @@ def test_nnls_never_returns_negative_coefficients():
     y = np.array([-1.0, 2.0, 1.0])
     coef = sim_fit.nnls(x, y)
     assert np.all(coef >= 0)
+    # Unconstrained least squares gives (-1, 2); with c0 pinned at 0 the optimum is c1 = 1.5.
+    np.testing.assert_allclose(coef, [0.0, 1.5], atol=1e-9)
 
 
 def test_hardware_from_fit_reproduces_the_throughput():

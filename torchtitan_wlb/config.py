@@ -75,6 +75,35 @@ def _check_choice(name: str, value: str, accepted: tuple[str, ...]) -> None:
         raise ConfigError(f"[wlb] {name} = {value!r} is not accepted; use one of {shown}")
 
 
+_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _check_type(name: str, value: Any, annotation: Any) -> Any:
+    """``value`` as the field's type, or a ConfigError naming the field and the type expected.
+
+    TorchTitan builds the section from TOML values as they are (``delay_target = [1]`` or
+    ``metrics_jsonl = "yes"`` would otherwise arrive unchecked); integers are accepted for float
+    fields, booleans for nothing but booleans.
+    """
+    if choice_values(annotation):
+        annotation = str
+    if get_origin(annotation) is list:
+        if isinstance(value, (list, tuple)) and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value
+        ):
+            return list(value)
+        raise ConfigError(f"[wlb] {name} = {value!r} must be a list of integers, e.g. [1024, 4096]")
+    ok = isinstance(value, annotation) and (annotation is bool or not isinstance(value, bool))
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not ok:
+        raise ConfigError(
+            f"[wlb] {name} = {value!r} is {type(value).__name__}; it must be "
+            f"{_TYPE_NAMES.get(annotation, annotation)}"
+        )
+    return value
+
+
 def _check_positive(name: str, value: float, *, allow_zero: bool = False) -> None:
     if value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
@@ -146,8 +175,15 @@ class WLB:
     packing_window: int = 1
     """Global batches packed together by "fixed_greedy" and "solver" (Table 2's G)."""
 
-    solver_time_limit_s: float = 10.0
-    """Time limit of the exact solver per packing window (packing = "solver")."""
+    solver_node_limit: int = 200
+    """Work limit of the exact solver per packing window (packing = "solver"), in HiGHS
+    branch-and-bound nodes. Deterministic: every rank computes the same plan whatever its load,
+    and a resumed run re-plans the same windows."""
+
+    solver_time_limit_s: float = 60.0
+    """Safety net of the exact solver per packing window (packing = "solver"), in seconds. Where a
+    time limit stops a solve depends on the machine's load, so reaching it before
+    `solver_node_limit` stops the run with an error naming both (lower the node limit)."""
 
     cost_model: CostModelKind = "analytic"
     """Workload model W(d) = W_a(d) + W_l(d): "analytic" (FLOPs from the model config),
@@ -181,6 +217,8 @@ class WLB:
     <dump_folder>/wlb_metrics/rank_<rank>.jsonl."""
 
     def __post_init__(self) -> None:
+        for f in fields(self):
+            setattr(self, f.name, _check_type(f.name, getattr(self, f.name), f.type))
         for f in fields(self):  # mode, packing, cp_sharding, ... in declaration order
             if choice_values(f.type):
                 _check_choice(f.name, getattr(self, f.name), choice_values(f.type))
@@ -200,6 +238,7 @@ class WLB:
         if self.balance_target < 1.0:
             raise ConfigError(f"[wlb] balance_target = {self.balance_target} must be >= 1.0")
         _check_positive("packing_window", self.packing_window)
+        _check_positive("solver_node_limit", self.solver_node_limit)
         _check_positive("solver_time_limit_s", self.solver_time_limit_s)
         thresholds = list(self.queue_thresholds)
         if any(t <= 0 for t in thresholds) or any(
@@ -208,6 +247,10 @@ class WLB:
             raise ConfigError(
                 f"[wlb] queue_thresholds = {thresholds!r} must be positive and strictly increasing"
             )
+        _check_positive("attn_coef", self.attn_coef, allow_zero=True)
+        _check_positive("linear_coef", self.linear_coef, allow_zero=True)
+        if not self.text_field:
+            raise ConfigError('[wlb] text_field = "" must name the field holding the text')
         if self.cost_model == "coefficients" and (self.attn_coef <= 0 or self.linear_coef <= 0):
             raise ConfigError(
                 f'[wlb] cost_model = "coefficients" needs attn_coef > 0 and linear_coef > 0 '

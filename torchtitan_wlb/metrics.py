@@ -103,6 +103,19 @@ def eta_seconds(step: int, total: int, step_times: list[float]) -> float:
     return (total - step) * sum(times) / len(times)
 
 
+def steps_since_last_log(step: int, last_logged: int | None, log_freq: int) -> int:
+    """How many steps the interval ending at ``step`` covers (the step time divides by it).
+
+    ``last_logged``: the last step logged by this process, or the step it started after (a resumed
+    run's checkpoint step); None falls back to TorchTitan's schedule (step 1, then every
+    ``log_freq`` steps). After a resume from step 4 with ``log_freq = 5`` the first log, at step
+    5, covers one step, not five.
+    """
+    if last_logged is None:
+        last_logged = 0 if step == 1 else step - log_freq
+    return max(1, step - last_logged)
+
+
 class WLBMetricsProcessor(MetricsProcessor):
     """MetricsProcessor that also logs WLB packing and per-micro-batch timing figures."""
 
@@ -113,6 +126,7 @@ class WLBMetricsProcessor(MetricsProcessor):
         self.doc_ids: list[int] = []
         self.micro_batch_doc_lens: list[list[int]] = []
         self.pp_actions: list[dict[str, Any]] = []
+        self.last_logged_step: int | None = None
         self.jsonl_path: str | None = None
         self.peak_flops_known = not cpu_support.is_active()
         self._tap = _MetricsTap(self.logger, drop_mfu=not self.peak_flops_known)
@@ -124,6 +138,13 @@ class WLBMetricsProcessor(MetricsProcessor):
             folder = os.path.join(job_config.job.dump_folder, "wlb_metrics")
             os.makedirs(folder, exist_ok=True)
             self.jsonl_path = os.path.join(folder, f"rank_{rank}.jsonl")
+
+    def start_at(self, step: int) -> None:
+        """The first step this process trains (after a resume: the checkpoint's step + 1). The
+        first logged interval starts here, not at start-up: it covers the steps since, and no
+        model building or checkpoint loading."""
+        self.last_logged_step = step - 1
+        self.time_last_log = time.perf_counter()
 
     def record(self, metrics: dict[str, Any]) -> None:
         """Record scalar figures (non-numeric values and lists are summarised or skipped)."""
@@ -168,9 +189,11 @@ class WLBMetricsProcessor(MetricsProcessor):
         extra_metrics: dict[str, Any] | None = None,
     ) -> None:
         now = time.perf_counter()
-        step_time = (now - self.time_last_log) / (
-            1 if step == 1 else self.job_config.metrics.log_freq
+        interval = steps_since_last_log(
+            step, self.last_logged_step, self.job_config.metrics.log_freq
         )
+        step_time = (now - self.time_last_log) / interval
+        self.last_logged_step = step
         extra = dict(extra_metrics or {})
         extra.update(self.wlb_metrics)
         extra["wlb/step_time_s"] = step_time

@@ -1,7 +1,8 @@
 """Entry point: ``python -m torchtitan_wlb.train --job.config_file train_configs/debug_cpu.toml``.
 
 Launched by ``run_train.sh`` through torchrun, one process per GPU (NCCL) or per CPU rank (gloo).
-It activates CPU support before torchtitan is imported, then runs TorchTitan's own ``main`` with
+It activates CPU support before torchtitan is imported, starts the watch that stops this rank if
+its launcher dies (:mod:`~torchtitan_wlb.parent_watch`), then runs TorchTitan's own ``main`` with
 :class:`~torchtitan_wlb.trainer.WLBTrainer`. Bad input (config, data, layout) ends the process with
 one line naming the problem and exit status 2, not a traceback.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from torchtitan_wlb import cpu_support, log_filter
+from torchtitan_wlb import cpu_support, log_filter, parent_watch
 
 cpu_support.activate()
 
@@ -18,11 +19,12 @@ cpu_support.activate()
 from torchtitan.tools.logging import init_logger, logger  # noqa: E402
 
 from torchtitan_wlb.data.sources import DataError  # noqa: E402
+from torchtitan_wlb.resume import CheckpointError  # noqa: E402
 from torchtitan_wlb.validate import ConfigError  # noqa: E402
 
 # Errors that mean "the user's input is wrong" once training has started; while the config is
 # parsed, any ValueError is (TorchTitan reports unknown fields with one).
-USER_ERRORS = (ConfigError, DataError, FileNotFoundError)
+USER_ERRORS = (ConfigError, DataError, CheckpointError, FileNotFoundError)
 
 
 def _config_error_types() -> tuple[type[BaseException], ...]:
@@ -34,20 +36,20 @@ def _config_error_types() -> tuple[type[BaseException], ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    parent_watch.watch_parent()  # a rank whose launcher died stops at once (no orphan training)
     init_logger()
     log_filter.install()
-    from torchtitan.config import ConfigManager
     from torchtitan.train import main as torchtitan_main
 
     from torchtitan_wlb.trainer import WLBTrainer, nothing_to_do
-    from torchtitan_wlb.validate import check_job_config
+    from torchtitan_wlb.validate import check_job_config, parse_job_config
 
     args = sys.argv[1:] if argv is None else argv
     errors = _config_error_types()
     try:
         # Parse and check once up front: a bad field or layout fails here, before TorchTitan
         # creates process groups or builds the model.
-        job_config = ConfigManager().parse_args(args)
+        job_config = parse_job_config(args)
         check_job_config(job_config)
     except errors as e:
         logger.error(f"configuration error: {e}")

@@ -10,6 +10,10 @@ this subclass adds:
     tokens and never reset positions). Under context parallelism it builds the micro-batch's CP plan
     (``[wlb] cp_sharding``: per-sequence, per-document or adaptive) and shards inputs, labels and
     positions with it -- TorchTitan 0.2.2 shards neither positions nor document metadata;
+  - every rank writes the exactly-once audit log (:mod:`torchtitan_wlb.audit_log`): the documents
+    of each step's micro-batches, where each launch resumed, each complete checkpoint's pending
+    documents and how the run ended (``python -m torchtitan_wlb.tools.audit`` proves from it that
+    every document was trained exactly once);
   - ``forward_backward_step`` times every micro-batch and, under pipeline parallelism, collects the
     step's micro-batches and runs them through the schedule together with
     :class:`~torchtitan_wlb.pipeline.varlen.VarlenPipelineRunner`, each with its own length; with
@@ -43,8 +47,10 @@ from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
 from torchtitan_wlb.attention.metadata import DocumentAttentionMetadata, metadata_from_doc_lens
+from torchtitan_wlb.audit_log import AuditLog
 from torchtitan_wlb.data.sources import BUILTIN_NAME
 from torchtitan_wlb.models.llama3_wlb import cost_model_for_job
+from torchtitan_wlb.resume import CheckpointError, check_resume
 from torchtitan_wlb.validate import check_job_config
 
 FAKE_COMM_MODES = ("fake_backend", "local_tensor")
@@ -155,16 +161,23 @@ class WLBTrainer(Trainer):
         self._cost_model = (
             cost_model_for_job(job_config) if job_config.wlb.loader == "documents" else None
         )
+        self._audit = self._build_audit_log()
+        self._last_completed_step = 0
+        self._guard_checkpoint_load()
 
     # ------------------------------------------------------------------------------ run
     def train(self) -> None:
         """TorchTitan's training loop, opened and closed by what the run does and did."""
         jc = self.job_config
+        # Before TorchTitan loads anything: a truncated or damaged checkpoint, or one written
+        # under other data settings, is refused with one line naming the file or the setting.
+        check_resume(jc, getattr(self.dataloader, "fingerprint", None))
         start_step = resume_step(jc)
         for line in self._run_summary(start_step):
             logger.info(line)
         begin = time.perf_counter()
         super().train()
+        self._audit_end()
         ck = self.checkpointer
         if ck.enable and not ck.load_only and self.step == jc.training.steps:
             # TorchTitan purges after interval saves only; the last step's save is one more.
@@ -180,6 +193,20 @@ class WLBTrainer(Trainer):
                 else "; no checkpoint written"
             )
         )
+
+    def _audit_end(self) -> None:
+        """The audit log's closing record: why the run stopped, and what the loader still held."""
+        if self._audit is not None and self._audit.started:
+            # TorchTitan advances the step before running it: a step that found no data left
+            # was canceled, and the data has ended.
+            ended = self._last_completed_step < self.step
+            pending, documents = self.dataloader.accounting()
+            self._audit.end(
+                self._last_completed_step,
+                "end of data" if ended else "steps",
+                pending=pending,
+                documents=documents if ended else None,
+            )
 
     def _run_summary(self, start_step: int) -> list[str]:
         """The start-up lines: layout, model, data, checkpoints, where training starts."""
@@ -236,6 +263,8 @@ class WLBTrainer(Trainer):
         doc_ids = input_dict.pop("doc_ids", None)
         if doc_ids is not None:
             self.metrics_processor.record_doc_ids(doc_ids)
+            if self._audit is not None:
+                self._audit.add_micro_batch(doc_ids.tolist())
         if "doc_lens" not in input_dict:
             # [wlb] loader = "torchtitan": no boundaries, plain causal attention per row.
             return super().post_dataloading_process(input_dict, labels)
@@ -244,8 +273,8 @@ class WLBTrainer(Trainer):
         doc_lens = input_dict.pop("doc_lens").cpu()
         self._last_doc_lens = doc_lens.tolist()
         backend = self.job_config.wlb.attention_backend
-        if self.parallel_dims.tp_enabled:
-            inputs, labels, positions, doc_lens = self._pad_for_tp(
+        if self.parallel_dims.tp_enabled or self.parallel_dims.cp_enabled:
+            inputs, labels, positions, doc_lens = self._pad_for_sharding(
                 inputs, labels, positions, doc_lens
             )
         if self.parallel_dims.cp_enabled:
@@ -257,24 +286,30 @@ class WLBTrainer(Trainer):
         extra_kwargs: dict[str, Any] = {"attention_masks": meta, "positions": positions}
         return inputs, labels, dict(input_dict), extra_kwargs
 
-    def _pad_for_tp(
+    def _pad_for_sharding(
         self,
         inputs: torch.Tensor,
         labels: torch.Tensor,
         positions: torch.Tensor,
         doc_lens: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Pad so that every TP rank's sequence-parallel shard has the same length.
+        """Pad so that every TP rank's sequence-parallel shard has the same length, and every CP
+        rank holds tokens.
 
         TorchTitan's TP shards activations along the sequence (sequence parallelism), which needs
         each rank's local length divisible by the TP degree -- under CP, each CP rank's share, so
-        the micro-batch must be a multiple of ``tp * 2 * cp``. The padding is one extra document
+        the micro-batch must be a multiple of ``tp * 2 * cp``. A CP plan cuts the sequence into
+        ``2 * cp`` chunks, so under CP alone a micro-batch shorter than that (the one-token filler
+        of a final step of the data) is padded up to it. The padding is one extra document
         (token 0, positions from 0, labels ignored): it attends only to itself, adds nothing to
         the loss or the gradients, and costs fewer than ``tp * 2 * cp`` tokens.
         """
         pd = self.parallel_dims
         multiple = pd.tp * (2 * pd.cp if pd.cp_enabled else 1)
-        pad = -inputs.shape[1] % multiple
+        if pd.tp_enabled:
+            pad = -inputs.shape[1] % multiple
+        else:
+            pad = max(0, multiple - inputs.shape[1])
         if pad == 0:
             return inputs, labels, positions, doc_lens
         fill = torch.zeros((1, pad), dtype=inputs.dtype, device=inputs.device)
@@ -407,3 +442,66 @@ class WLBTrainer(Trainer):
             }
         )
         self._cp_stats.clear()
+
+    # ------------------------------------------------------------------ exactly-once audit
+    def _build_audit_log(self) -> AuditLog | None:
+        """Every rank's audit log, for the document loader on real process groups; and a hook
+        on the checkpointer that records each checkpoint once it is complete on disk."""
+        loader = self.dataloader
+        if self.job_config.comm.mode != "default" or not hasattr(loader, "accounting"):
+            return None
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        audit = AuditLog(
+            self.job_config.job.dump_folder, rank, loader.dp_rank, loader.dp_world_size
+        )
+        save = self.checkpointer.save
+
+        def save_and_record(curr_step: int, last_step: bool = False) -> None:
+            save(curr_step, last_step=last_step)
+            folder = os.path.join(self.checkpointer.folder, f"step-{curr_step}")
+            if audit.started and os.path.isfile(os.path.join(folder, ".metadata")):
+                audit.checkpoint(curr_step, pending=loader.accounting()[0])
+
+        self.checkpointer.save = save_and_record
+        return audit
+
+    def _start_audit(self) -> None:
+        """The launch's start record: one id for all ranks (rank 0's, broadcast) and the step it
+        resumed from; written before the first step, so a launch killed during it still
+        supersedes the steps it would re-train."""
+        launch = [f"{time.time_ns()}-{os.getpid()}"]
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.broadcast_object_list(launch, src=0)
+        launch_time = int(launch[0].split("-")[0]) / 1e9
+        self._audit.start(launch[0], launch_time, resumed_from=self.step - 1)
+
+    def train_step(self, data_iterator: Any) -> None:
+        if self.metrics_processor.last_logged_step is None:
+            self.metrics_processor.start_at(self.step)  # after a resume: the checkpoint's step + 1
+        if self._audit is not None:
+            if not self._audit.started:
+                self._start_audit()
+            self._audit.begin_step()
+        self._last_completed_step = self.step - 1
+        super().train_step(data_iterator)
+        self._last_completed_step = self.step
+        if self._audit is not None:
+            self._audit.step_done(self.step)
+
+    # ------------------------------------------------------------------ resume
+    def _guard_checkpoint_load(self) -> None:
+        """Whatever still goes wrong inside TorchTitan's load (a damaged tensor shard, a model
+        of another shape) ends as one line naming the checkpoint, not a traceback per rank."""
+        load = self.checkpointer.dcp_load
+
+        def checked_load(state_dict: Any, checkpoint_id: str, *args: Any, **kwargs: Any) -> None:
+            try:
+                load(state_dict, checkpoint_id, *args, **kwargs)
+            except Exception as e:  # noqa: BLE001 -- reported with the checkpoint's name
+                first = (str(e).strip().splitlines() or [""])[0][:300]
+                raise CheckpointError(
+                    f"loading checkpoint {checkpoint_id} failed ({type(e).__name__}: {first}); "
+                    "the process stops before training on a partly loaded state"
+                ) from e
+
+        self.checkpointer.dcp_load = checked_load

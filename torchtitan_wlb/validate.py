@@ -3,6 +3,13 @@
 TorchTitan's own checks are assertions deep inside the trainer. A user who asks for a layout that
 cannot work should instead get one line naming the fields and the accepted values, and a non-zero
 exit, before a single collective is issued. :func:`check_job_config` is that line.
+
+``python -m torchtitan_wlb.validate [TorchTitan / [wlb] arguments]`` is the pre-flight check that
+``run_train.sh`` runs once, with the arguments it will hand to every rank, before torchrun starts
+any: the config (every field, the layout against ``NGPU``), the data source (:func:`check_data`:
+the path, and the first documents read, tokenized and held to the long-document policy exactly as
+training will) and the checkpoint a rerun would resume from (whole files, same data settings:
+:mod:`torchtitan_wlb.resume`). A problem is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -14,7 +21,10 @@ from torchtitan_wlb.config import ConfigError
 from torchtitan_wlb.data.sources import TextSource
 from torchtitan_wlb.pipeline.schedule_check import check_pp_microbatches
 
-__all__ = ["ConfigError", "check_job_config"]
+__all__ = ["ConfigError", "check_data", "check_job_config", "main", "parse_job_config"]
+
+DATA_CHECK_DOCS = 10_000
+"""Documents :func:`check_data` reads before training starts (a prefix of big datasets)."""
 
 
 def _degrees(job_config: Any, world_size: int) -> dict[str, int]:
@@ -64,6 +74,7 @@ def check_job_config(job_config: Any, world_size: int | None = None) -> dict[str
         )
     training = job_config.training
     seq_len = training.seq_len
+    _check_training(job_config, degrees)
     if wlb.micro_batch_max_len and wlb.micro_batch_max_len < seq_len:
         raise ConfigError(
             f"[wlb] micro_batch_max_len = {wlb.micro_batch_max_len} is below [training] seq_len "
@@ -80,6 +91,15 @@ def check_job_config(job_config: Any, world_size: int | None = None) -> dict[str
             f"context_parallel_degree = {degrees['cp']}: the per-document CP attention op's "
             "backward cannot be traced by torch.compile; disable [compile] or compile only 'loss'"
         )
+    _check_queue_thresholds(wlb, seq_len)
+    for name in ("cost_profile", "cp_profile"):
+        path = getattr(wlb, name)
+        if (
+            path
+            and not os.path.isfile(path)
+            and (name == "cp_profile" or wlb.cost_model == "profile")
+        ):
+            raise ConfigError(f"[wlb] {name} = {path!r} does not exist (a JSON profile file)")
     dp = degrees["dp_replicate"] * degrees["dp_shard"]
     if wlb.loader == "documents":
         # Checks the dataset kind and that its path exists (DataError names it).
@@ -120,3 +140,209 @@ def check_job_config(job_config: Any, world_size: int | None = None) -> dict[str
             'provides none; use [wlb] loader = "documents"'
         )
     return degrees
+
+
+def _check_training(job_config: Any, degrees: dict[str, int]) -> None:
+    """The TorchTitan fields whose bad values TorchTitan reports late or with a bare assert."""
+    training = job_config.training
+    seq_len = training.seq_len
+    if seq_len < 2:
+        raise ConfigError(f"[training] seq_len = {seq_len} is out of range; it must be >= 2 tokens")
+    divisor = 2 * degrees["tp"] * degrees["cp"]
+    if seq_len % divisor:
+        raise ConfigError(
+            f"[training] seq_len = {seq_len} must be divisible by 2 x tensor_parallel_degree x "
+            f"context_parallel_degree = {divisor} (TorchTitan shards the sequence in 2 x CP "
+            f"chunks per TP rank); e.g. {seq_len - seq_len % divisor or divisor}"
+        )
+    if training.steps < 1:
+        raise ConfigError(f"[training] steps = {training.steps} is out of range; it must be >= 1")
+    if training.global_batch_size == 0 or training.global_batch_size < -1:
+        raise ConfigError(
+            f"[training] global_batch_size = {training.global_batch_size} is out of range; it "
+            "must be >= 1 (micro-batches per step, all DP ranks together) or -1 (one per DP rank)"
+        )
+    if training.local_batch_size < 1:
+        raise ConfigError(
+            f"[training] local_batch_size = {training.local_batch_size} is out of range; it must "
+            "be >= 1"
+        )
+    if job_config.metrics.log_freq < 1:
+        raise ConfigError(
+            f"[metrics] log_freq = {job_config.metrics.log_freq} is out of range; it must be >= 1"
+        )
+    ckpt = job_config.checkpoint
+    if ckpt.enable and ckpt.interval < 1:
+        raise ConfigError(
+            f"[checkpoint] interval = {ckpt.interval} is out of range; it must be >= 1 step "
+            "(or set [checkpoint] enable = false)"
+        )
+    if ckpt.enable and ckpt.keep_latest_k < 0:
+        raise ConfigError(
+            f"[checkpoint] keep_latest_k = {ckpt.keep_latest_k} is out of range; it must be >= 0 "
+            "(0 keeps every checkpoint)"
+        )
+
+
+def _check_queue_thresholds(wlb: Any, seq_len: int) -> None:
+    """Outlier queues above the longest document would never hold one: a typo, not a choice."""
+    longest = wlb.max_doc_len or seq_len
+    smax = wlb.micro_batch_max_len or int(1.25 * seq_len)
+    above = [t for t in wlb.queue_thresholds if t > longest]
+    if above:
+        raise ConfigError(
+            f"[wlb] queue_thresholds = {list(wlb.queue_thresholds)} has {above[0]} above the "
+            f"longest document piece, max_doc_len = {longest} (S_max = {smax}): a queue there "
+            f"would never hold a document; use thresholds <= {longest}"
+        )
+
+
+def check_data(job_config: Any, max_docs: int = DATA_CHECK_DOCS) -> int:
+    """Read the first ``max_docs`` documents as training will; return how many were read.
+
+    Catches before any rank starts what would otherwise stop the data thread mid-training: a
+    missing path, an empty file or dataset, a malformed line, a record without the text field,
+    an empty document, a document over ``max_doc_len`` under ``long_doc_policy = "error"``. Hugging
+    Face datasets are streamed from the network and are only checked by the ranks.
+    """
+    from torchtitan_wlb.data.dataloader import build_document_node, text_source_from_config
+    from torchtitan_wlb.data.tokenizer import build_wlb_tokenizer
+
+    source = text_source_from_config(job_config)  # DataError: kind, path
+    if source.kind == "hf":
+        return 0
+    node = build_document_node(job_config, build_wlb_tokenizer(job_config))
+    node.epochs = 1  # one pass is enough to see every document once
+    node.reset()
+    read = 0
+    for read in range(1, max_docs + 1):  # noqa: B007 -- the count is the result
+        try:
+            next(node)
+        except StopIteration:
+            return read - 1
+    return read
+
+
+def _world_size() -> int:
+    """Processes run_train.sh will launch (NGPU), else this process's WORLD_SIZE."""
+    value = os.environ.get("NGPU") or os.environ.get("WORLD_SIZE") or "1"
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"NGPU = {value!r} must be a positive integer")
+    return int(value)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Pre-flight check of a launch: ``python -m torchtitan_wlb.validate ARGS`` (see above)."""
+    import sys
+
+    from torchtitan_wlb import cpu_support
+
+    cpu_support.activate()  # before torchtitan is imported, as in the ranks
+    from torchtitan_wlb.data.dataloader import data_fingerprint
+    from torchtitan_wlb.data.sources import DataError
+    from torchtitan_wlb.resume import CheckpointError, check_resume
+
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+    errors = (ConfigError, DataError, CheckpointError, ValueError, OSError, tomllib.TOMLDecodeError)
+    try:
+        job_config = parse_job_config(args)
+        degrees = check_job_config(job_config, world_size=_world_size())
+        fingerprint = None
+        if job_config.wlb.loader == "documents":
+            check_data(job_config)
+            from torchtitan_wlb.models.llama3_wlb import cost_model_for_job
+
+            dp = degrees["dp_replicate"] * degrees["dp_shard"]
+            fingerprint = data_fingerprint(job_config, dp, cost_model_for_job(job_config))
+        check_resume(job_config, fingerprint)
+    except errors as e:
+        print(f"error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def parse_job_config(args: list[str]) -> Any:
+    """TorchTitan's parser, its usage box (tyro's exit) and unknown-field errors turned into one
+    :class:`ConfigError` line."""
+    import contextlib
+    import io
+
+    from torchtitan.config import ConfigManager
+
+    err = io.StringIO()
+    columns = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "1000"  # tyro wraps its box at the terminal width: one line per item
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            return ConfigManager().parse_args(args)
+    except SystemExit as e:
+        if e.code in (0, None):  # --help
+            raise
+        raise ConfigError(_parser_message(err.getvalue())) from None
+    except ValueError as e:
+        raise ConfigError(_unknown_fields(str(e))) from None
+    finally:
+        if columns is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = columns
+
+
+def _parser_message(text: str) -> str:
+    """The substance of tyro's error box: what failed, for which flag, and the type it takes."""
+    lines = [raw.strip().strip("│╭╮╰╯┃").strip() for raw in text.splitlines()]
+    lines = [line for line in lines if line and set(line) - set("-─━ ")]
+    message, expects = "", ""
+    for k, line in enumerate(lines):
+        if line.startswith("Error parsing "):
+            where, _, what = line[len("Error parsing ") :].partition(": ")
+            # A [wlb] value rejected by the section's own checks is already a complete sentence.
+            message = what if what.startswith("[") else f"{where}: {what}"
+        elif line.startswith("Unrecognized options:"):
+            message = (
+                f"unrecognized options:{line.partition(':')[2]} (every field: python -m "
+                "torchtitan_wlb.train --help; [wlb] fields: docs/configuration.md)"
+            )
+        elif line.startswith("Argument helptext:") and message and k + 1 < len(lines):
+            parts = lines[k + 1].split()
+            expects = f" (expects {parts[1]})" if len(parts) > 1 else ""
+    if not message:
+        message = " ".join(line for line in lines if not line.startswith("usage:"))[:300]
+    return (message + expects) or "the command line or TOML could not be parsed"
+
+
+def _unknown_fields(text: str) -> str:
+    """TorchTitan's "Invalid field names in <class ...>" for a TOML section, as one line that
+    names the section and suggests the closest field."""
+    import dataclasses
+    import difflib
+    import re
+
+    m = re.search(r"Invalid field names in <class '[\w.]*?(\w+)'> data: \{(.*?)\}", text)
+    if not m:
+        return text
+    section = m.group(1).lower()
+    keys = [k.strip().strip("'\"") for k in m.group(2).split(",")]
+    hint = ""
+    if section == "wlb":
+        from torchtitan_wlb.config import WLB
+
+        names = [f.name for f in dataclasses.fields(WLB)]
+        close = difflib.get_close_matches(keys[0], names, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+    return (
+        f"[{section}] has no field {', '.join(repr(k) for k in keys)}{hint} (fields: "
+        "docs/configuration.md for [wlb], python -m torchtitan_wlb.train --help for all)"
+    )
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

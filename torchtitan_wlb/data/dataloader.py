@@ -9,13 +9,17 @@
 unchanged (no document boundaries reach the model: full causal attention over each window).
 
 The loader is checkpointed per DP rank, as TorchTitan's ``ParallelAwareDataloader`` does, so
-TorchTitan's CheckpointManager saves and restores it with the rest of the training state.
+TorchTitan's CheckpointManager saves and restores it with the rest of the training state. The
+saved state carries the *data fingerprint* (:func:`data_fingerprint`): every setting that decides
+which documents each step trains. Resuming under a different one is refused, naming the setting,
+because the restored queues and source position would silently mean other documents.
 """
 
 from __future__ import annotations
 
+import json
 import pickle
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -24,11 +28,15 @@ from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.config import JobConfig
 from torchtitan.tools.logging import logger
 
+from torchtitan_wlb.config import ConfigError
 from torchtitan_wlb.cost_model import CostModel
 from torchtitan_wlb.data.collate import MicroBatchNode
 from torchtitan_wlb.data.documents import DocumentNode
-from torchtitan_wlb.data.packing_node import build_packing_node
+from torchtitan_wlb.data.packing_node import build_packing_node, packing_config_from_job
 from torchtitan_wlb.data.sources import BUILTIN_NAME, TextSource
+from torchtitan_wlb.packing import Packer, build_packer
+
+FINGERPRINT_KEY = "fingerprint"
 
 
 class WLBDataLoader(BaseDataLoader):
@@ -39,13 +47,26 @@ class WLBDataLoader(BaseDataLoader):
         dp_rank, dp_world_size: this rank's position in the data-parallel group; the saved state
             is keyed by DP rank, and restoring under another DP degree is refused (the global
             packing plan depends on it).
+        fingerprint: :func:`data_fingerprint` of this run; saved, and compared on restore.
+        packer: the graph's packer, to read the pending documents out of a saved state
+            (:meth:`accounting`, for the exactly-once audit log).
     """
 
-    def __init__(self, root: BaseNode, dp_rank: int, dp_world_size: int) -> None:
+    def __init__(
+        self,
+        root: BaseNode,
+        dp_rank: int,
+        dp_world_size: int,
+        *,
+        fingerprint: dict[str, Any] | None = None,
+        packer: Packer | None = None,
+    ) -> None:
         self.dp_rank = dp_rank
         self.dp_world_size = dp_world_size
+        self.fingerprint = dict(fingerprint or {"DP degree": dp_world_size})
         self._rank_id = f"dp_rank_{dp_rank}"
         self._root = root
+        self._packer = packer
         self._loader = Loader(root, restart_on_stop_iteration=False)
 
     def __iter__(self) -> Iterator[tuple[dict[str, Any], torch.Tensor]]:
@@ -55,21 +76,25 @@ class WLBDataLoader(BaseDataLoader):
         return {
             self._rank_id: pickle.dumps(self._loader.state_dict()),
             "world_size": self.dp_world_size,
+            FINGERPRINT_KEY: json.dumps(self.fingerprint, sort_keys=True),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
             return
+        if state_dict["world_size"] != self.dp_world_size:
+            raise ConfigError(
+                f"resume refused: the dataloader checkpoint was written with DP degree "
+                f"{state_dict['world_size']}, this run has {self.dp_world_size}: the packing plan "
+                "depends on it, so resuming under another DP degree is not supported"
+            )
+        saved = state_dict.get(FINGERPRINT_KEY)
+        if saved is not None:
+            check_fingerprint(json.loads(saved), self.fingerprint, "the checkpoint")
         if self._rank_id not in state_dict:
             raise ValueError(
                 f"dataloader checkpoint has no state for {self._rank_id} "
                 f"(keys: {sorted(k for k in state_dict if k.startswith('dp_rank_'))})"
-            )
-        if state_dict["world_size"] != self.dp_world_size:
-            raise ValueError(
-                f"dataloader checkpoint was written with DP degree {state_dict['world_size']}, "
-                f"this run has {self.dp_world_size}: the packing plan depends on it, so resuming "
-                "under another DP degree is not supported"
             )
         # A fresh Loader: torchdata's Loader (0.11) ignores a loaded state when state_dict() was
         # called before the first iter() -- which is exactly what TorchTitan's checkpointer does
@@ -77,6 +102,111 @@ class WLBDataLoader(BaseDataLoader):
         # iterator would then start from scratch.
         self._loader = Loader(self._root, restart_on_stop_iteration=False)
         self._loader.load_state_dict(pickle.loads(state_dict[self._rank_id]))
+
+    def accounting(self) -> tuple[list[int], int | None]:
+        """``(pending, documents)`` as of the last micro-batch handed out: the ids of the
+        documents the packer still holds, and how many documents the data has produced (None if
+        the graph has no document node). Read from the loader's state, i.e. exactly what a
+        checkpoint taken now would restore, not from the prefetching thread's live objects."""
+        state = self._loader.state_dict()
+        pending: list[int] = []
+        if self._packer is not None:
+            name = self._packer.name
+            saved = _find_state(state, lambda d: d.get("packer") == name and "step" in d)
+            if saved is not None:
+                scratch = build_packer(name, self._packer.config, self._packer.cost_model)
+                scratch.load_state_dict(saved)
+                pending = sorted(int(i) for i in scratch.pending_ids().tolist())
+        documents = _find_state(state, lambda d: "next_doc_id" in d)
+        return pending, None if documents is None else int(documents["next_doc_id"])
+
+
+def _find_state(state: Any, match: Callable[[dict], bool]) -> dict | None:
+    """The first dict in a nested torchdata state (depth first) that ``match`` accepts."""
+    if isinstance(state, dict):
+        if match(state):
+            return state
+        for value in state.values():
+            found = _find_state(value, match)
+            if found is not None:
+                return found
+    elif isinstance(state, (list, tuple)):
+        for value in state:
+            found = _find_state(value, match)
+            if found is not None:
+                return found
+    return None
+
+
+def data_fingerprint(
+    job_config: JobConfig, dp_world_size: int, cost_model: CostModel | None
+) -> dict[str, Any]:
+    """Every setting that decides which documents each step trains, by its config name.
+
+    Resolved values (``S_max`` when 0 means 1.25 x seq_len, ``max_doc_len`` when 0 means
+    seq_len), so that spelling a default out does not count as a change. The cost model enters
+    through its coefficients: the packers balance it, and it follows the model flavor and the
+    TP and CP degrees.
+    """
+    wlb = job_config.wlb
+    training = job_config.training
+    n = micro_batches_per_step(job_config, dp_world_size)
+    fp: dict[str, Any] = {
+        "[wlb] loader": wlb.loader,
+        "[training] dataset": training.dataset,
+        "[training] dataset_path": training.dataset_path or "",
+        "[model] hf_assets_path (tokenizer)": job_config.model.hf_assets_path or "",
+        "[training] seq_len": training.seq_len,
+        "DP degree": dp_world_size,
+        "[training] global_batch_size (micro-batches per step)": n,
+    }
+    if wlb.loader != "documents":
+        return fp
+    config = packing_config_from_job(job_config, n)
+    fp.update(
+        {
+            "[wlb] text_field": wlb.text_field,
+            "[wlb] max_doc_len": wlb.max_doc_len or training.seq_len,
+            "[wlb] long_doc_policy": wlb.long_doc_policy,
+            "[wlb] packing": wlb.packing,
+            "[wlb] micro_batch_max_len (S_max)": (
+                build_packer(wlb.packing, config, cost_model).cap
+                if cost_model is not None
+                else wlb.micro_batch_max_len
+            ),
+            "[wlb] queue_thresholds": list(wlb.queue_thresholds),
+            "[wlb] max_delay_steps": wlb.max_delay_steps,
+            "[wlb] adaptive_max_delay_steps": wlb.adaptive_max_delay_steps,
+            "[wlb] delay_target": wlb.delay_target,
+            "[wlb] balance_target": wlb.balance_target,
+            "[wlb] release_slack": wlb.release_slack,
+            "[wlb] packing_window": wlb.packing_window,
+            "[wlb] solver_node_limit": wlb.solver_node_limit,
+        }
+    )
+    if cost_model is not None:
+        fp["cost model W(d) = a*d^2 + b*d (model flavor, TP, CP, [wlb] cost_model)"] = (
+            f"a={cost_model.attn_coef:.9g}, b={cost_model.linear_coef:.9g}"
+        )
+    return fp
+
+
+def check_fingerprint(saved: dict[str, Any], current: dict[str, Any], where: str) -> None:
+    """Refuse a resume whose data settings differ from those ``saved`` in ``where``.
+
+    One line naming the first differing setting with its old and new value (and how many more
+    differ). Settings missing on either side (a checkpoint from an older version) are skipped.
+    """
+    changed = [k for k in current if k in saved and saved[k] != current[k]]
+    if not changed:
+        return
+    k = changed[0]
+    more = f" (and {len(changed) - 1} more: {', '.join(changed[1:])})" if changed[1:] else ""
+    raise ConfigError(
+        f"resume refused: {k} was {saved[k]!r} when {where} was written, now {current[k]!r}"
+        f"{more}; it changes which documents each step trains. Resume with the old value, or "
+        "start a new run in another [job] dump_folder"
+    )
 
 
 def text_source_from_config(job_config: JobConfig) -> TextSource:
@@ -147,4 +277,10 @@ def build_wlb_dataloader(
         f"{micro_batches_per_step(job_config, dp_world_size)} micro-batches per step"
         + (" (built-in corpus)" if job_config.training.dataset == BUILTIN_NAME else "")
     )
-    return WLBDataLoader(root, dp_rank=dp_rank, dp_world_size=dp_world_size)
+    return WLBDataLoader(
+        root,
+        dp_rank=dp_rank,
+        dp_world_size=dp_world_size,
+        fingerprint=data_fingerprint(job_config, dp_world_size, cost_model),
+        packer=packed.packer,
+    )

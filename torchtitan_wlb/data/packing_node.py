@@ -24,7 +24,6 @@ WLB_KNOBS = {
     "balance_target": "balance_target",
     "release_slack": "release_slack",
     "packing_window": "window",
-    "solver_time_limit_s": "solver_time_limit",
 }
 
 
@@ -37,6 +36,11 @@ def packing_config_from_job(job_config: Any, num_micro_batches: int) -> PackingC
         job_config.training.seq_len,
         smax=wlb.micro_batch_max_len or None,
         queue_thresholds=wlb.queue_thresholds or None,
+        # Training bounds the solver by work (every rank must compute the same plan) with a
+        # generous time limit as a safety net; PackingConfig's defaults (time only) are the
+        # one-process benchmarks'.
+        solver_node_limit=wlb.solver_node_limit,
+        solver_time_limit=wlb.solver_time_limit_s,
         **{dst: getattr(wlb, src) for src, dst in WLB_KNOBS.items()},
     )
 

@@ -57,7 +57,12 @@ class PackingConfig:
     window: int = 1
     """G: global batches packed together by ``fixed_greedy`` and ``solver`` (>= 1)."""
     solver_time_limit: float = 10.0
-    """Seconds HiGHS may spend per window (``solver``); the best solution found is used."""
+    """Seconds HiGHS may spend per window (``solver``); the best solution found is used. Where it
+    stops depends on the machine's load: with ``solver_node_limit`` set, reaching it is an error."""
+    solver_node_limit: int | None = None
+    """Branch-and-bound nodes HiGHS may explore per window (``solver``): a deterministic bound, so
+    every rank computes the same plan. None: the time limit alone bounds the solve (one-process
+    benchmarks; plans may then differ from run to run)."""
     balance_target: float = 1.01
     """``wlb``: a queued outlier group is released only if the predicted max/mean workload of the
     step stays within this factor (>= 1)..."""
@@ -87,6 +92,8 @@ class PackingConfig:
         _check_int("window", self.window, 1)
         if not self.solver_time_limit > 0:
             raise ValueError(f"solver_time_limit must be > 0 seconds, got {self.solver_time_limit}")
+        if self.solver_node_limit is not None:
+            _check_int("solver_node_limit", self.solver_node_limit, 1)
         if not self.balance_target >= 1.0:
             raise ValueError(f"balance_target must be >= 1.0, got {self.balance_target}")
         _check_int("adaptive_max_wait", self.adaptive_max_wait, 0)

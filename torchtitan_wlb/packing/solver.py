@@ -4,8 +4,17 @@ For a set of documents with workloads ``c_i`` and lengths ``l_i`` and ``B`` micr
 ``cap`` tokens, minimise ``z`` subject to ``sum_j x_ij = 1``, ``sum_i c_i x_ij <= z`` and
 ``sum_i l_i x_ij <= cap`` with binary ``x_ij``. Micro-batches are interchangeable, so the ``i``-th
 most expensive document is restricted to micro-batches ``0..i`` (a standard symmetry cut). HiGHS
-runs with a time limit, starting from the greedy solution; the best solution found and the proven
-lower bound are both reported, so a window the solver does not finish still gives a gap bound.
+starts from the greedy solution; the best solution found and the proven lower bound are both
+reported, so a window the solver does not finish still gives a gap bound.
+
+Two limits stop an unfinished solve. A *node limit* (branch-and-bound nodes, HiGHS's
+``mip_max_nodes``) is deterministic: with one thread and a fixed random seed HiGHS does the same
+work on any machine under any load, so every rank computes the same plan -- which training needs
+(each DP rank keeps its slice of one global plan, pipeline stages size their buffers from it, and a
+resumed run re-plans the same windows). A *time limit* is not: where it stops depends on the
+machine's load. The training packer therefore bounds its work with the node limit and keeps the
+time limit as a safety net that stops the run, naming both settings, if it is ever reached first
+(``SolverPacker``); the benchmarks, which plan in one process, may bound by time alone.
 
 The ``solver`` packer is ``fixed_greedy`` with this exact placement: the greedy decides which
 documents fit the window (the rest is carried), the integer program places them.
@@ -36,9 +45,11 @@ class SolveResult:
     lower_bound: float
     """Proven lower bound on the optimal max workload (equals ``max_load`` when optimal)."""
     optimal: bool
-    """Whether HiGHS proved the assignment optimal within the time limit."""
+    """Whether HiGHS proved the assignment optimal within its limits."""
     seconds: float
     """Wall time of the solve."""
+    time_limited: bool = False
+    """Whether the time limit stopped HiGHS (the result then depends on the machine's load)."""
 
 
 def solve_minmax(
@@ -48,12 +59,14 @@ def solve_minmax(
     cost_model: CostModel,
     time_limit: float,
     warm_start: np.ndarray | None = None,
+    node_limit: int | None = None,
 ) -> SolveResult:
     """Min-max assignment of all documents to ``n_bins`` micro-batches of at most ``cap`` tokens.
 
     ``warm_start`` (a feasible assignment) seeds HiGHS; if the solver finds nothing better (or
-    nothing at all) within ``time_limit`` seconds, it is returned. Raises ``ValueError`` if the
-    documents cannot fit and no warm start is given.
+    nothing at all) within its limits, it is returned. ``node_limit``: branch-and-bound nodes
+    HiGHS may explore (deterministic); ``time_limit``: seconds (not deterministic). Raises
+    ``ValueError`` if the documents cannot fit and no warm start is given.
     """
     import highspy  # only the solver needs it; the packer registry imports this module
 
@@ -95,8 +108,10 @@ def solve_minmax(
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", float(time_limit))
-    h.setOptionValue("threads", 1)
+    h.setOptionValue("threads", 1)  # one thread and a fixed seed: the same work on any machine
     h.setOptionValue("random_seed", 0)
+    if node_limit is not None:
+        h.setOptionValue("mip_max_nodes", int(node_limit))
     h.passModel(lp)
 
     def _max_load(assign: np.ndarray) -> float:
@@ -152,11 +167,17 @@ def solve_minmax(
         lower_bound=min(bound, best),
         optimal=bool(optimal),
         seconds=time.perf_counter() - t0,
+        time_limited=status == highspy.HighsModelStatus.kTimeLimit,
     )
 
 
 class SolverPacker(WindowedPacker):
-    """Fixed-length packing over ``G`` global batches, placed by the exact integer program."""
+    """Fixed-length packing over ``G`` global batches, placed by the exact integer program.
+
+    With ``config.solver_node_limit`` set (training always sets it), each window's plan is a pure
+    function of its documents and the config; should the time limit stop a solve first, the
+    packer raises rather than hand out a plan other ranks may not share.
+    """
 
     name = "solver"
 
@@ -167,6 +188,7 @@ class SolverPacker(WindowedPacker):
         placed = np.flatnonzero(greedy >= 0)
         out = np.full(len(pool), -1, np.int64)
         if placed.size:
+            node_limit = self.config.solver_node_limit
             res = solve_minmax(
                 pool.lens[placed],
                 nb,
@@ -174,6 +196,15 @@ class SolverPacker(WindowedPacker):
                 self.cost_model,
                 self.config.solver_time_limit,
                 warm_start=greedy[placed],
+                node_limit=node_limit,
             )
+            if res.time_limited and node_limit is not None:
+                raise RuntimeError(
+                    f"solver: packing window {self._step // self.g} ({placed.size} documents) hit "
+                    f"the time limit solver_time_limit_s = {self.config.solver_time_limit} before "
+                    f"the node limit solver_node_limit = {node_limit}; a plan cut by time depends "
+                    "on this machine's load and other ranks could train other documents. Lower "
+                    "[wlb] solver_node_limit or raise [wlb] solver_time_limit_s"
+                )
             out[placed] = res.assign
         return out

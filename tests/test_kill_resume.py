@@ -1,0 +1,140 @@
+"""Kills at the worst moments: every document still trained exactly once, losses unchanged.
+
+One pass over a small dataset (``[wlb] epochs = 1``, so the pass is finite) on two CPU ranks, for
+DP = 2, PP = 2 and CP = 2. Each layout runs once uninterrupted, and once as a chain of launches in
+one dump folder, each killed with SIGKILL of one rank (tests/kill_points.py) and rerun with the
+same command, which resumes from the latest complete checkpoint:
+
+  1. mid-step, in step 3, with outliers sitting in the packer's queues since step 2: resumes from
+     the checkpoint of step 2, the queued outliers restored from it;
+  2. while the checkpoint of step 6 is being written (one shard on disk, no ``.metadata``), with
+     outliers queued again: resumes from the checkpoint of step 4;
+  3. to the end of the data.
+
+Then ``python -m torchtitan_wlb.tools.audit --require-complete`` must prove, from every rank's
+audit log across the three launches, that each document of the pass was trained exactly once, and
+every step's loss must equal the uninterrupted run's (CPU, fp32: bitwise).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from torchtitan_wlb.audit_log import read_audit_logs
+from torchtitan_wlb.tools.audit import main as audit_main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEBUG_CPU = os.path.join(ROOT, "train_configs", "debug_cpu.toml")
+ENTRY = os.path.join(ROOT, "tests", "kill_points.py")
+
+pytestmark = pytest.mark.slow
+
+LAYOUTS = {
+    "dp2": [],
+    "pp2": ["--parallelism.pipeline_parallel_degree", "2"],
+    "cp2": ["--parallelism.context_parallel_degree", "2", "--wlb.cp_sharding", "per_document"],
+}
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    """80 documents with a long tail (some split into pieces): about 17 steps of 4 micro-batches."""
+    rng = np.random.default_rng(0)
+    words = np.array(["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog"])
+    path = tmp_path_factory.mktemp("data") / "docs.jsonl"
+    with open(path, "w") as f:
+        for _ in range(80):
+            n = int(min(rng.pareto(1.2) * 8 + 3, 60))
+            f.write(json.dumps({"text": " ".join(rng.choice(words, n))}) + "\n")
+    return path
+
+
+def _launch(dump, dataset, layout, kill=None):
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+        "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", "--role", "rank", ENTRY,
+        "--job.config_file", DEBUG_CPU, "--model.flavor", "tiny", "--training.seq_len", "128",
+        "--wlb.micro_batch_max_len", "160", "--training.global_batch_size", "4",
+        "--training.dataset", "jsonl", "--training.dataset_path", str(dataset),
+        "--wlb.epochs", "1", "--training.steps", "1000", "--checkpoint.interval", "2",
+        "--checkpoint.keep_latest_k", "0", "--wlb.metrics_jsonl",
+        "--metrics.disable_color_printing", "--debug.seed", "7", "--job.dump_folder", str(dump),
+        *LAYOUTS[layout],
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("WLB_TEST_KILL", None)
+    if kill:
+        env["WLB_TEST_KILL"] = kill
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    if kill:
+        assert proc.returncode != 0, f"{kill}: the run was not killed\n{out[-3000:]}"
+    else:
+        assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def _metrics(dump):
+    """Per step, the metrics record of the rank that holds the loss (a later launch's wins)."""
+    out = {}
+    folder = os.path.join(dump, "wlb_metrics")
+    for name in sorted(os.listdir(folder)):
+        with open(os.path.join(folder, name)) as f:
+            for rec in map(json.loads, f):
+                if rec["loss"] > 0:
+                    out[rec["step"]] = rec
+    return out
+
+
+def _queued(record):
+    """Outliers waiting in the packer's queues after this step."""
+    return sum(v for k, v in record.items() if k.startswith("wlb/queue_depths"))
+
+
+def _starts(dump):
+    """``resumed_from`` of every launch that started training, in order."""
+    starts = {}
+    for rec in read_audit_logs(str(dump)):
+        if rec["event"] == "start":
+            starts[rec["launch"]] = (rec["launch_time"], rec["resumed_from"])
+    return [resumed for _, resumed in sorted(starts.values())]
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_killed_at_the_worst_moments_trains_each_document_once(tmp_path, dataset, layout, capsys):
+    ref = tmp_path / "ref"
+    _launch(ref, dataset, layout)
+    assert audit_main([str(ref), "--require-complete"]) == 0
+    reference = _metrics(ref)
+    # The moments are the worst ones for this data: outliers queued at both kills.
+    assert _queued(reference[2]) > 0 and _queued(reference[6]) > 0 and max(reference) > 8
+
+    run = tmp_path / "run"
+    _launch(run, dataset, layout, kill="mid_step:3:1")
+    _launch(run, dataset, layout, kill="checkpoint:6:0")
+    partial = run / "checkpoint" / "step-6"
+    assert any(partial.glob("*.distcp")) and not (partial / ".metadata").exists()
+    out = _launch(run, dataset, layout)
+    assert "Training starts at step 5" in out
+
+    assert _starts(run) == [0, 2, 4]
+    capsys.readouterr()
+    assert audit_main([str(run), "--require-complete"]) == 0
+    verdict = capsys.readouterr().out
+    assert verdict.startswith("exactly once:") and "3 launches" in verdict, verdict
+    assert "re-trained after resume: steps 5-6" in verdict, verdict
+    losses = {step: rec["loss"] for step, rec in _metrics(run).items()}
+    assert losses == {step: rec["loss"] for step, rec in reference.items()}

@@ -1,0 +1,150 @@
+"""Checks of the checkpoint a run is about to resume from, before anything of it is loaded.
+
+TorchTitan resumes from the latest ``step-N`` folder that has a ``.metadata`` file and hands it to
+``torch.distributed.checkpoint``. A shard or metadata file truncated or damaged after it was
+written then fails deep inside the load (a 150-line traceback ending in ``UnpicklingError``, no file
+named), possibly after part of the state was overwritten; and a checkpoint written under other data
+settings loads without complaint and silently trains other documents. :func:`check_resume` runs
+first and raises one :class:`CheckpointError` or :class:`~torchtitan_wlb.config.ConfigError` line
+naming the file or the changed setting:
+
+  - the metadata is read and every file it points to must exist and hold the bytes it lists;
+  - the data fingerprint the loader saved (:func:`~torchtitan_wlb.data.dataloader.data_fingerprint`)
+    is read straight from its shard and compared with this run's.
+
+Used by the trainer on every rank and, before any rank starts, by ``python -m
+torchtitan_wlb.validate`` (``run_train.sh``).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import re
+from typing import Any
+
+__all__ = ["CheckpointError", "check_resume", "resume_folder", "saved_fingerprint", "verify"]
+
+_STEP = re.compile(r"step-(\d+)")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from; the message names the file."""
+
+
+def resume_folder(job_config: Any) -> tuple[str, int] | None:
+    """``(folder, step)`` of the checkpoint TorchTitan's checkpointer would load, or None.
+
+    Mirrors ``CheckpointManager.load``: ``[checkpoint] load_step`` if set, else the highest
+    ``step-N`` under ``<dump_folder>/<checkpoint.folder>`` that has a ``.metadata`` file.
+    """
+    ckpt = job_config.checkpoint
+    if not ckpt.enable:
+        return None
+    base = os.path.join(job_config.job.dump_folder, ckpt.folder)
+    if not os.path.isdir(base):
+        return None
+    if ckpt.load_step != -1:
+        return os.path.join(base, f"step-{ckpt.load_step}"), int(ckpt.load_step)
+    steps = [
+        int(m.group(1))
+        for name in os.listdir(base)
+        if (m := _STEP.search(name)) and os.path.isfile(os.path.join(base, name, ".metadata"))
+    ]
+    if not steps:
+        return None
+    step = max(steps)
+    return os.path.join(base, f"step-{step}"), step
+
+
+def verify(folder: str) -> Any:
+    """The checkpoint's DCP metadata, after checking that every file it lists is whole."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta_path = os.path.join(folder, ".metadata")
+    if not os.path.isfile(meta_path):
+        raise CheckpointError(f"{meta_path} does not exist: {folder} is not a complete checkpoint")
+    try:
+        metadata = FileSystemReader(folder).read_metadata()
+    except Exception as e:  # noqa: BLE001 -- any unpickling failure means a damaged file
+        raise CheckpointError(
+            f"{meta_path} is truncated or corrupted ({type(e).__name__}: {e}); "
+            f"{_fallback_hint(folder)}"
+        ) from None
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        end = int(info.offset) + int(info.length)
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, end in sorted(needed.items()):
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            raise CheckpointError(
+                f"{path} is missing: the checkpoint's metadata lists it; {_fallback_hint(folder)}"
+            )
+        size = os.path.getsize(path)
+        if size < end:
+            raise CheckpointError(
+                f"{path} is truncated: {size} bytes, the checkpoint's metadata needs {end}; "
+                f"{_fallback_hint(folder)}"
+            )
+    return metadata
+
+
+def _fallback_hint(folder: str) -> str:
+    base, name = os.path.split(os.path.normpath(folder))
+    here = _STEP.search(name)
+    older = [
+        int(m.group(1))
+        for other in (os.listdir(base) if os.path.isdir(base) else [])
+        if (m := _STEP.search(other))
+        and (not here or int(m.group(1)) < int(here.group(1)))
+        and os.path.isfile(os.path.join(base, other, ".metadata"))
+    ]
+    if older:
+        return f"move {folder} away to resume from {os.path.join(base, f'step-{max(older)}')}"
+    return f"move {folder} away to start from scratch"
+
+
+def saved_fingerprint(folder: str, metadata: Any) -> dict[str, Any] | None:
+    """The data fingerprint the loader saved in the checkpoint (None: none saved)."""
+    import torch
+
+    for index, info in metadata.storage_data.items():
+        if index.fqn != "dataloader.fingerprint":
+            continue
+        path = os.path.join(folder, info.relative_path)
+        with open(path, "rb") as f:
+            f.seek(info.offset)
+            data = f.read(info.length)
+        try:
+            return json.loads(torch.load(io.BytesIO(data), weights_only=False))
+        except (pickle.UnpicklingError, EOFError, RuntimeError, ValueError) as e:
+            raise CheckpointError(
+                f"{path} is corrupted: its data-loader record does not read back "
+                f"({type(e).__name__}); {_fallback_hint(folder)}"
+            ) from None
+    return None
+
+
+def check_resume(job_config: Any, fingerprint: dict[str, Any] | None) -> int | None:
+    """Check the checkpoint this run would resume from; return its step (None: no resume).
+
+    ``fingerprint``: this run's data fingerprint (None skips the comparison, e.g. a run without
+    the document loader). Step 0 (a seed checkpoint) holds only the model and is not compared.
+    """
+    found = resume_folder(job_config)
+    if found is None:
+        return None
+    folder, step = found
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"[checkpoint] load_step = {step}, but {folder} does not exist")
+    metadata = verify(folder)
+    if fingerprint is not None and step > 0:
+        saved = saved_fingerprint(folder, metadata)
+        if saved is not None:
+            from torchtitan_wlb.data.dataloader import check_fingerprint
+
+            check_fingerprint(saved, fingerprint, f"checkpoint {folder}")
+    return step

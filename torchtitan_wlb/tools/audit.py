@@ -1,0 +1,336 @@
+"""Prove from a run's audit logs that every document was trained exactly once.
+
+    python -m torchtitan_wlb.tools.audit OUTPUT_DIR [--require-complete]
+
+``OUTPUT_DIR`` is the run's ``[job] dump_folder``; every rank wrote ``wlb_audit/rank_<N>.jsonl``
+(:mod:`torchtitan_wlb.audit_log`). The run may have been killed and resumed any number of times:
+launches are replayed in order, and a launch that resumed from the checkpoint of step ``c``
+supersedes every record of earlier launches for steps after ``c`` (it re-trained them; the model
+those steps had produced was lost with the kill).
+
+What is proven, over the steps that count:
+  - every step has a record from every DP rank, and the ranks of one DP rank (its CP, TP and PP
+    peers) trained the same documents;
+  - no document was trained twice (across steps, DP ranks and micro-batches), and none is both
+    trained and still waiting in the packer;
+  - no document was lost: every document below the highest one trained was trained or is still
+    waiting in the packer; once the data has ended, every document of the pass was trained.
+
+Which steps count: all of them up to the last launch's end if it ended normally; if it did not (a
+kill, or still running), up to the last checkpoint that was complete -- what a resume continues
+from -- and the steps after it are reported as "to be re-trained".
+
+Prints one line. Exit status 0: proven (``--require-complete``: and the pass is complete); 1: a
+document lost or repeated (the first one is named with the steps involved), an incomplete log, or
+with ``--require-complete`` a pass that is not over; 2: logs that cannot be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from torchtitan_wlb.audit_log import AuditLogError, read_audit_logs
+
+__all__ = ["AuditReport", "audit", "main"]
+
+
+@dataclass
+class AuditReport:
+    """The verdict on a run's logs."""
+
+    ok: bool
+    """No document lost or repeated, and the logs cover every step that counts."""
+    complete: bool
+    """The pass is over (the data ended) and proven."""
+    message: str
+    """One line: the proof's summary, or the first problem with the documents and steps involved."""
+    steps: int = 0
+    """Last step that counts."""
+    documents: int = 0
+    """Documents trained in the steps that count."""
+    superseded: list[tuple[int, int]] = field(default_factory=list)
+    """``(first, last)`` step ranges of earlier launches re-trained by a resumed launch."""
+
+
+class _Violation(Exception):
+    pass
+
+
+def _where(loc: np.ndarray) -> str:
+    step, dp_rank, mb = (int(x) for x in loc)
+    return f"step {step} (DP rank {dp_rank}, micro-batch {mb})"
+
+
+def _launch_order(records: list[dict[str, Any]]) -> list[str]:
+    times: dict[str, float] = {}
+    for rec in records:
+        if rec["event"] == "start":
+            times.setdefault(rec["launch"], float(rec["launch_time"]))
+    for rec in records:
+        if rec["launch"] not in times:
+            raise AuditLogError(
+                f"launch {rec['launch']!r} (rank {rec['rank']}) has {rec['event']} records but no "
+                "start record"
+            )
+    return sorted(times, key=lambda launch: (times[launch], launch))
+
+
+@dataclass
+class _Timeline:
+    """The records that count after replaying every launch."""
+
+    steps: dict[int, list[dict]]
+    checkpoints: dict[int, list[dict]]
+    superseded: list[tuple[int, int]]
+    launches: int
+    dp_degree: int
+    ends: list[dict]
+    """End records of the last launch (empty if it did not end)."""
+
+
+def _replay(records: list[dict[str, Any]]) -> _Timeline:
+    """Replay launches in order: the step and checkpoint records that count, by step."""
+    by_launch: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for rec in records:
+        by_launch[rec["launch"]].append(rec)
+    steps: dict[int, list[dict]] = {}
+    ckpts: dict[int, list[dict]] = {}
+    superseded: list[tuple[int, int]] = []
+    dp_degree: int | None = None
+    order = _launch_order(records)
+    for launch in order:
+        recs = by_launch[launch]
+        starts = [r for r in recs if r["event"] == "start"]
+        resumed = {int(r["resumed_from"]) for r in starts}
+        degrees = {int(r["dp_degree"]) for r in starts}
+        if len(resumed) != 1 or len(degrees) != 1:
+            raise _Violation(
+                f"the ranks of launch {launch} disagree on where it resumed ({sorted(resumed)}) or "
+                f"on the DP degree ({sorted(degrees)})"
+            )
+        (c,) = resumed
+        (degree,) = degrees
+        if dp_degree is not None and degree != dp_degree:
+            raise _Violation(
+                f"launch {launch} ran with DP degree {degree}, an earlier one with {dp_degree}"
+            )
+        dp_degree = degree
+        later = sorted(s for s in steps if s > c)
+        if later:
+            superseded.append((later[0], later[-1]))
+        steps = {s: r for s, r in steps.items() if s <= c}
+        ckpts = {s: r for s, r in ckpts.items() if s <= c}
+        for rec in recs:
+            if rec["event"] == "step":
+                steps.setdefault(int(rec["step"]), []).append(rec)
+            elif rec["event"] == "checkpoint":
+                ckpts.setdefault(int(rec["step"]), []).append(rec)
+    ends = [r for r in by_launch[order[-1]] if r["event"] == "end"]
+    return _Timeline(steps, ckpts, superseded, len(order), int(dp_degree or 1), ends)
+
+
+def _same(records: list[dict], key: str, what: str) -> Any:
+    values = {repr(r[key]) for r in records}
+    if len(values) > 1:
+        ranks = sorted(int(r["rank"]) for r in records)
+        raise _Violation(f"ranks {ranks} disagree on {what}")
+    return records[0][key]
+
+
+def _collect(
+    steps: dict[int, list[dict]], last_step: int, dp_degree: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """All trained document ids of steps 1..last_step and their (step, dp_rank, micro-batch)."""
+    ids: list[list[int]] = []
+    locs: list[tuple[int, int, int, int]] = []
+    for step in range(1, last_step + 1):
+        recs = steps.get(step)
+        if not recs:
+            raise _Violation(
+                f"step {step} has no audit record (the logs of the launch that trained it are "
+                "missing, or the run resumed from a checkpoint written elsewhere)"
+            )
+        by_dp: dict[int, list[dict]] = defaultdict(list)
+        for r in recs:
+            by_dp[int(r["dp_rank"])].append(r)
+        missing = sorted(set(range(dp_degree)) - set(by_dp))
+        if missing:
+            raise _Violation(f"step {step} has no audit record from DP rank {missing[0]}")
+        for dp_rank in range(dp_degree):
+            mbs = _same(by_dp[dp_rank], "micro_batches", f"the documents of step {step}")
+            for mb, doc_ids in enumerate(mbs):
+                ids.append(doc_ids)
+                locs.append((step, dp_rank, mb, len(doc_ids)))
+    flat = np.fromiter((i for group in ids for i in group), np.int64)
+    where = np.repeat(
+        np.asarray([loc[:3] for loc in locs], np.int64).reshape(-1, 3),
+        np.asarray([loc[3] for loc in locs], np.int64),
+        axis=0,
+    )
+    return flat, where
+
+
+def _neighbours(doc: int, trained: np.ndarray, where: np.ndarray) -> str:
+    """Where the documents next to ``doc`` were trained: the steps around a lost one."""
+    parts = []
+    for other in (doc - 1, doc + 1):
+        hit = np.flatnonzero(trained == other)
+        if other >= 0 and hit.size:
+            parts.append(f"document {other} at step {int(where[hit[0], 0])}")
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
+@dataclass
+class _Span:
+    """The steps that count and what the packer still held after the last of them."""
+
+    last_step: int
+    pending: list[int] | None
+    """None: unknown (no end and no checkpoint logged), so lost documents cannot be ruled out."""
+    documents: int | None
+    """Documents the data produced, known once it has ended."""
+    complete: bool
+    note: str
+
+
+def _span(timeline: _Timeline) -> _Span:
+    ends, ckpts = timeline.ends, timeline.checkpoints
+    if ends:
+        last_step = int(_same(ends, "step", "the last step"))
+        complete = _same(ends, "reason", "why the run ended") == "end of data"
+        note = "" if complete else f"; stopped by training.steps at step {last_step}"
+        return _Span(
+            last_step,
+            _same(ends, "pending", "the documents still waiting"),
+            _same(ends, "documents", "how many documents the data held"),
+            complete,
+            note,
+        )
+    logged = max(timeline.steps, default=0)
+    if not ckpts:
+        note = (
+            "; the last launch did not end and no checkpoint is logged: lost documents cannot "
+            "be ruled out"
+        )
+        return _Span(logged, None, None, False, note)
+    last_step = max(ckpts)
+    pending = _same(ckpts[last_step], "pending", f"the checkpoint of step {last_step}")
+    note = (
+        f"; the last launch did not end (killed?): counted up to its checkpoint of step {last_step}"
+    )
+    if logged > last_step:
+        note += f", steps {last_step + 1}-{logged} will be re-trained on resume"
+    return _Span(last_step, pending, None, False, note)
+
+
+def _first_problem(trained: np.ndarray, where: np.ndarray, span: _Span) -> str | None:
+    """The lowest document trained twice, trained yet still waiting, or lost; None if none."""
+    uniq, first, counts = np.unique(trained, return_index=True, return_counts=True)
+    problems: list[tuple[int, str]] = []
+    repeated = uniq[counts > 1]
+    if repeated.size:
+        doc = int(repeated[0])
+        a, b = np.flatnonzero(trained == doc)[:2]
+        problems.append(
+            (doc, f"document {doc} was trained twice: {_where(where[a])} and {_where(where[b])}")
+        )
+    pend = np.asarray(span.pending or [], np.int64)
+    both = np.intersect1d(uniq, pend)
+    if both.size:
+        doc = int(both[0])
+        loc = _where(where[first[np.searchsorted(uniq, doc)]])
+        problems.append(
+            (doc, f"document {doc} was trained at {loc} and is still waiting in the packer")
+        )
+    if span.complete:
+        top = span.documents if span.documents is not None else int(uniq.max(initial=-1)) + 1
+        lost = np.setdiff1d(np.arange(top, dtype=np.int64), uniq)
+        if pend.size:
+            problems.append((int(pend[0]), f"the data ended with document {pend[0]} still waiting"))
+    elif span.pending is not None:
+        below = np.arange(int(uniq.max(initial=-1)) + 1, dtype=np.int64)
+        lost = np.setdiff1d(np.setdiff1d(below, uniq), pend)
+    else:
+        lost = np.zeros(0, np.int64)
+    if lost.size:
+        doc = int(lost[0])
+        problems.append(
+            (
+                doc,
+                f"document {doc} was never trained{_neighbours(doc, trained, where)} and is not "
+                "waiting in the packer",
+            )
+        )
+    return min(problems)[1] if problems else None
+
+
+def audit(output_dir: str) -> AuditReport:
+    """The verdict on the run whose dump folder is ``output_dir``; raises ``AuditLogError`` on
+    unreadable logs."""
+    records = read_audit_logs(output_dir)
+    try:
+        timeline = _replay(records)
+        span = _span(timeline)
+        trained, where = _collect(timeline.steps, span.last_step, timeline.dp_degree)
+        problem = _first_problem(trained, where, span)
+        if problem:
+            raise _Violation(f"{problem}; steps 1-{span.last_step} audited")
+    except _Violation as e:
+        return AuditReport(ok=False, complete=False, message=f"NOT exactly once: {e}")
+    uniq = np.unique(trained)
+    n = int(uniq.size)
+    history = f"{timeline.launches} launch{'es' if timeline.launches > 1 else ''}"
+    if timeline.superseded:
+        history += ", re-trained after resume: " + ", ".join(
+            f"steps {a}-{b}" if a != b else f"step {a}" for a, b in timeline.superseded
+        )
+    waiting = len(span.pending or [])
+    span_text = f"ids 0-{n - 1}" if n and int(uniq[-1]) == n - 1 else f"{n} distinct ids"
+    message = (
+        f"exactly once: {n} documents ({span_text}) over steps 1-{span.last_step} on "
+        f"{timeline.dp_degree} DP rank{'s' if timeline.dp_degree > 1 else ''}"
+        f"{f', {waiting} still waiting in the packer' if waiting else ''}; "
+        f"{'the pass is complete (end of data)' if span.complete else 'the pass is not over'}"
+        f"{span.note}; {history}"
+    )
+    return AuditReport(
+        ok=True,
+        complete=span.complete,
+        message=message,
+        steps=span.last_step,
+        documents=n,
+        superseded=timeline.superseded,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m torchtitan_wlb.tools.audit",
+        description="Prove from a run's audit logs that every document was trained exactly once.",
+    )
+    p.add_argument("output_dir", help="the run's dump folder ([job] dump_folder)")
+    p.add_argument(
+        "--require-complete",
+        action="store_true",
+        help="also fail (exit 1) unless the data ended and the whole pass is proven",
+    )
+    args = p.parse_args(argv)
+    try:
+        report = audit(args.output_dir)
+    except AuditLogError as e:
+        print(f"audit: {e}", file=sys.stderr)
+        return 2
+    print(report.message)
+    if not report.ok or (args.require_complete and not report.complete):
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
