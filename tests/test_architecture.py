@@ -37,7 +37,6 @@ ROOMS = {
     f"{PACKAGE}.cpu_support": "platform",
     f"{PACKAGE}.metrics": "trainer",
     f"{PACKAGE}.log_filter": "trainer",
-    f"{PACKAGE}.run_info": "trainer",
     f"{PACKAGE}.validate": "trainer",
     f"{PACKAGE}.trainer": "trainer",
     f"{PACKAGE}.train_spec": "trainer",

@@ -39,8 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     from torchtitan.config import ConfigManager
     from torchtitan.train import main as torchtitan_main
 
-    from torchtitan_wlb.run_info import nothing_to_do
-    from torchtitan_wlb.trainer import WLBTrainer
+    from torchtitan_wlb.trainer import WLBTrainer, nothing_to_do
     from torchtitan_wlb.validate import check_job_config
 
     args = sys.argv[1:] if argv is None else argv

@@ -17,12 +17,12 @@ this subclass adds:
     micro-batch on each of this rank's stages) for calibrating the simulator's timeline.
 
 It also says what a run does: :meth:`WLBTrainer.train` opens with the layout, the model, the packer,
-the dataset and where checkpoints go, then "resuming from step S" or "starting at step 1"
-(:mod:`torchtitan_wlb.run_info`); it closes with what it trained and the latest checkpoint. TorchTitan's last-step save does not purge old
+the dataset and where checkpoints go, then "resuming from step S" or "starting at step 1"; it closes
+with what it trained and the latest checkpoint. TorchTitan's last-step save does not purge old
 checkpoints, so ``keep_latest_k`` is applied once more after it. Under ``comm.mode = fake_backend``
 or ``local_tensor`` checkpointing is off (fake collectives cannot write one, and TorchTitan would
-leave an empty step folder). :func:`~torchtitan_wlb.run_info.nothing_to_do` is the entry point's one-line answer, before any
-process group or model exists, when the checkpoint already holds ``training.steps`` steps.
+leave an empty step folder). :func:`nothing_to_do` is the one-line answer, before any process group
+or model exists, when the checkpoint already holds ``training.steps`` steps.
 
 Loss normalisation is TorchTitan's: every micro-batch's summed token loss is divided by the valid
 tokens of the whole global batch (all micro-batches, all DP ranks), so micro-batches of different
@@ -31,6 +31,8 @@ lengths do not reweight tokens.
 
 from __future__ import annotations
 
+import os
+import re
 import time
 from typing import Any
 
@@ -41,16 +43,79 @@ from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
 from torchtitan_wlb.attention.metadata import DocumentAttentionMetadata, metadata_from_doc_lens
+from torchtitan_wlb.data.sources import BUILTIN_NAME
 from torchtitan_wlb.models.llama3_wlb import cost_model_for_job
-from torchtitan_wlb.run_info import (
-    FAKE_COMM_MODES,
-    checkpoint_folder,
-    count,
-    latest_checkpoint_step,
-    resume_step,
-    run_summary,
-)
 from torchtitan_wlb.validate import check_job_config
+
+FAKE_COMM_MODES = ("fake_backend", "local_tensor")
+
+
+def checkpoint_folder(job_config: Any) -> str:
+    """Where TorchTitan loads and saves this job's checkpoints."""
+    return os.path.join(job_config.job.dump_folder, job_config.checkpoint.folder)
+
+
+def latest_checkpoint_step(folder: str) -> int:
+    """The step TorchTitan resumes from in ``folder``: the largest ``step-N`` holding a complete
+    checkpoint (its DCP ``.metadata`` or a Hugging Face index), -1 when there is none."""
+    if not os.path.isdir(folder):
+        return -1
+    steps = [
+        int(m.group(1))
+        for name in os.listdir(folder)
+        if (m := re.fullmatch(r"step-(\d+)", name))
+        and any(
+            os.path.isfile(os.path.join(folder, name, probe))
+            for probe in (".metadata", "model.safetensors.index.json")
+        )
+    ]
+    return max(steps, default=-1)
+
+
+def resume_step(job_config: Any) -> int:
+    """The step this job will resume from (-1: it starts from scratch)."""
+    ck = job_config.checkpoint
+    if not ck.enable or ck.create_seed_checkpoint or job_config.comm.mode in FAKE_COMM_MODES:
+        return -1
+    folder = checkpoint_folder(job_config)
+    if ck.load_step >= 0:
+        return ck.load_step if os.path.isdir(os.path.join(folder, f"step-{ck.load_step}")) else -1
+    return latest_checkpoint_step(folder)
+
+
+def nothing_to_do(job_config: Any) -> str | None:
+    """One line when the job's checkpoint already reached ``training.steps``, else None.
+
+    TorchTitan would build the model, load the checkpoint, train zero steps and exit silently.
+    """
+    step, total = resume_step(job_config), job_config.training.steps
+    if step < 0 or step < total:
+        return None
+    return (
+        f"nothing to do: the checkpoint in {checkpoint_folder(job_config)} is at step {step} >= "
+        f"training.steps = {total}; train further with --training.steps {step + total}, or start "
+        "afresh in another --job.dump_folder"
+    )
+
+
+def _layout(parallel_dims: Any, device: torch.device, comm_mode: str) -> str:
+    pd = parallel_dims
+    degrees = {
+        "dp_replicate": pd.dp_replicate,
+        "dp_shard": pd.dp_shard,
+        "cp": pd.cp,
+        "tp": pd.tp,
+        "pp": pd.pp,
+    }
+    shown = " x ".join(f"{k} {v}" for k, v in degrees.items() if v > 1) or "no parallelism"
+    backend = (
+        comm_mode if comm_mode in FAKE_COMM_MODES else ("gloo" if device.type == "cpu" else "nccl")
+    )
+    return f"{_count(pd.world_size, device.type + ' rank')} over {backend}: {shown}"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 class WLBTrainer(Trainer):
@@ -96,7 +161,7 @@ class WLBTrainer(Trainer):
         """TorchTitan's training loop, opened and closed by what the run does and did."""
         jc = self.job_config
         start_step = resume_step(jc)
-        for line in run_summary(jc, self.parallel_dims, self.device.type, start_step):
+        for line in self._run_summary(start_step):
             logger.info(line)
         begin = time.perf_counter()
         super().train()
@@ -107,7 +172,7 @@ class WLBTrainer(Trainer):
         trained = self.step - max(start_step, 0)
         latest = latest_checkpoint_step(checkpoint_folder(jc)) if ck.enable else -1
         logger.info(
-            f"done: trained {count(trained, 'step')} in {time.perf_counter() - begin:.0f}s, now at step "
+            f"done: trained {_count(trained, 'step')} in {time.perf_counter() - begin:.0f}s, now at step "
             f"{self.step}/{jc.training.steps}"
             + (
                 f"; latest checkpoint {checkpoint_folder(jc)}/step-{latest}"
@@ -115,6 +180,51 @@ class WLBTrainer(Trainer):
                 else "; no checkpoint written"
             )
         )
+
+    def _run_summary(self, start_step: int) -> list[str]:
+        """The start-up lines: layout, model, data, checkpoints, where training starts."""
+        jc, wlb = self.job_config, self.job_config.wlb
+        pd = self.parallel_dims
+        n = jc.training.global_batch_size
+        n = n if n > 0 else pd.dp_replicate * pd.dp_shard  # TorchTitan: one per DP rank
+        lines = [
+            f"run: {_layout(pd, self.device, jc.comm.mode)}; {jc.model.name} "
+            f"{jc.model.flavor}; {_count(jc.training.steps, 'step')}",
+        ]
+        if wlb.loader == "documents":
+            lines.append(
+                f"data: dataset {jc.training.dataset!r}"
+                + (" (built-in corpus)" if jc.training.dataset == BUILTIN_NAME else "")
+                + (f" at {jc.training.dataset_path}" if jc.training.dataset_path else "")
+                + f"; packing {wlb.packing!r}, {n} micro-batches per step of up to "
+                f"{wlb.micro_batch_max_len or jc.training.seq_len:,} tokens (context "
+                f"{jc.training.seq_len:,})"
+                + (f"; CP sharding {wlb.cp_sharding!r}" if pd.cp_enabled else "")
+            )
+        else:
+            lines.append(
+                f"data: dataset {jc.training.dataset!r} through TorchTitan's loader (no packing)"
+            )
+        ck = jc.checkpoint
+        folder = checkpoint_folder(jc)
+        if not ck.enable:
+            lines.append("checkpoints: off")
+        else:
+            lines.append(
+                f"checkpoints: {folder}, "
+                + ("every step" if ck.interval == 1 else f"every {ck.interval} steps")
+                + " and at the last"
+                + (f", keeping the latest {ck.keep_latest_k}" if ck.keep_latest_k > 0 else "")
+            )
+        if start_step == 0:  # a seed checkpoint: weights only, training starts at step 1
+            lines.append(f"starting at step 1 from the model-only checkpoint {folder}/step-0")
+        elif start_step > 0:
+            lines.append(f"resuming from step {start_step} ({folder}/step-{start_step})")
+        else:
+            lines.append(
+                "starting at step 1" + (f" (no checkpoint in {folder})" if ck.enable else "")
+            )
+        return lines
 
     # ----------------------------------------------------------------------------- data
     def post_dataloading_process(
