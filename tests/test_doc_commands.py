@@ -13,7 +13,8 @@ Usage examples that are not meant to be run as written (templates with placehold
 go in other fenced blocks. The commands run with ``WLB_PYTHON`` set to this interpreter, so
 ``run_train.sh`` and ``run_tests.sh`` never install anything, and with this checkout first on
 ``PYTHONPATH``; where the checkout has no ``.venv/`` (an environment brought with ``WLB_PYTHON``),
-``.venv/bin/`` means this interpreter's directory.
+``.venv/bin/`` means this interpreter's directory, and its console scripts (``wlb-sim``) run this
+checkout's entry points.
 """
 
 from __future__ import annotations
@@ -115,9 +116,31 @@ def _help_key(text: str) -> str:
     return text
 
 
+def _console_scripts() -> dict[str, str]:
+    """This checkout's console scripts (``[project.scripts]``), as ``python -c`` commands: an
+    environment brought with ``WLB_PYTHON`` may hold scripts installed from another checkout."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    out = {}
+    for name, target in scripts.items():
+        module, func = target.split(":")
+        code = (
+            f"import sys; from {module} import {func}; sys.argv[0] = {name!r}; sys.exit({func}())"
+        )
+        out[name] = f"{shlex.quote(sys.executable)} -c {shlex.quote(code)}"
+    return out
+
+
 def _as_run(cmd: DocCommand) -> str:
     text = cmd.command
     if not (ROOT / ".venv" / "bin").is_dir():
+        for name, replacement in _console_scripts().items():
+            text = re.sub(
+                rf"(^|\s)\.venv/bin/{re.escape(name)}(?=\s|$)", rf"\g<1>{replacement}", text
+            )
         text = re.sub(r"(^|\s)\.venv/bin/", rf"\g<1>{Path(sys.executable).parent}/", text)
     if cmd.marker in HELP_MARKERS:
         text += " --help"

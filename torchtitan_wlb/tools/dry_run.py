@@ -15,8 +15,9 @@ no state, so a 70B layout is checked in well under 2 GB. Nothing is computed (fo
 a layout small enough to compute on a CPU, use ``COMM_MODE=fake_backend ./run_train.sh``).
 
 Output: one line per config (``OK`` with the process's peak memory so far, or ``FAIL`` with the
-reason); ``--verbose`` adds TorchTitan's log. Tokenizer and data are swapped for the built-in ones so that no cluster assets are needed.
-Exit status: 0 when every config builds, 1 when one fails, 2 for a bad command line.
+reason); ``--verbose`` adds TorchTitan's log; on a terminal a progress bar counts the configs.
+Tokenizer and data are swapped for the built-in ones so that no cluster assets are needed. Exit
+status: 0 when every config builds, 1 when one fails, 2 for a bad command line.
 """
 
 from __future__ import annotations
