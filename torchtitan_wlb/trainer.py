@@ -458,6 +458,8 @@ class WLBTrainer(Trainer):
 
         def save_and_record(curr_step: int, last_step: bool = False) -> None:
             save(curr_step, last_step=last_step)
+            if not self.checkpointer.enable:  # TorchTitan sets up no folder then
+                return
             folder = os.path.join(self.checkpointer.folder, f"step-{curr_step}")
             if audit.started and os.path.isfile(os.path.join(folder, ".metadata")):
                 audit.checkpoint(curr_step, pending=loader.accounting()[0])

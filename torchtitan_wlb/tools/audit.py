@@ -1,8 +1,8 @@
 """Prove from a run's audit logs that every document was trained exactly once.
 
-    python -m torchtitan_wlb.tools.audit OUTPUT_DIR [--require-complete]
+    python -m torchtitan_wlb.tools.audit outputs/debug_cpu --require-complete
 
-``OUTPUT_DIR`` is the run's ``[job] dump_folder``; every rank wrote ``wlb_audit/rank_<N>.jsonl``
+The directory is the run's ``[job] dump_folder``; every rank wrote ``wlb_audit/rank_<N>.jsonl``
 (:mod:`torchtitan_wlb.audit_log`). The run may have been killed and resumed any number of times:
 launches are replayed in order, and a launch that resumed from the checkpoint of step ``c``
 supersedes every record of earlier launches for steps after ``c`` (it re-trained them; the model
@@ -27,7 +27,6 @@ with ``--require-complete`` a pass that is not over; 2: logs that cannot be read
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from torchtitan_wlb.audit_log import AuditLogError, read_audit_logs
+from torchtitan_wlb.tools.cli import ToolParser
 
 __all__ = ["AuditReport", "audit", "main"]
 
@@ -309,18 +309,19 @@ def audit(output_dir: str) -> AuditReport:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m torchtitan_wlb.tools.audit",
-        description="Prove from a run's audit logs that every document was trained exactly once.",
-    )
+def parser() -> ToolParser:
+    p = ToolParser.from_doc("torchtitan_wlb.tools.audit", __doc__)
     p.add_argument("output_dir", help="the run's dump folder ([job] dump_folder)")
     p.add_argument(
         "--require-complete",
         action="store_true",
         help="also fail (exit 1) unless the data ended and the whole pass is proven",
     )
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     try:
         report = audit(args.output_dir)
     except AuditLogError as e:
