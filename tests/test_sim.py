@@ -361,3 +361,10 @@ def test_reproduce_rejects_bad_window_arguments(tmp_path, capsys):
                          "--windows", "-1"])  # fmt: skip
     assert rc == 2
     assert "--windows -1" in capsys.readouterr().err
+
+
+def test_wlb_sim_runs_on_the_builtin_workload_by_default(capsys):
+    argv = ["--model", "550M", "--context-len", "16384", "--tp", "1", "--cp", "2", "--pp", "2"]
+    assert sim_main([*argv, "--steps", "2", "--warmup-steps", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["speedup_wlb_vs_plain"] > 0

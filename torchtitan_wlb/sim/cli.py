@@ -43,8 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Simulate WLB-LLM vs Plain-4D / Fixed-4D step times on a 4D-parallel layout.")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--lengths", help="document lengths: JSON list, .npy, or one integer per line")
-    src.add_argument("--generator", default=None, help="built-in synthetic workload "
-                     f"({', '.join(GENERATORS)}; torchtitan_wlb.workloads)")
+    src.add_argument("--generator", default="longtail", help="built-in synthetic workload "
+                     f"({', '.join(GENERATORS)}; torchtitan_wlb.workloads), the default "
+                     "source: longtail")
     p.add_argument("--model", default="7B", help=f"preset: {', '.join(MODELS)} or 'custom'")
     for dim in DIM_FIELDS:
         p.add_argument(f"--{dim.replace('_', '-')}", type=int, default=None,
@@ -148,8 +149,6 @@ def modes_from_args(args: argparse.Namespace) -> list[ModeSpec]:
 def load_source(args: argparse.Namespace) -> np.ndarray:
     if args.lengths:
         return load_lengths(args.lengths)
-    if args.generator is None:
-        raise ValueError("give --lengths FILE or --generator NAME")
     return generate(args.generator, DEFAULT_NUM_DOCS, args.context_len, seed=args.seed)
 
 
