@@ -228,3 +228,20 @@ def test_hf_source_reads_a_local_dataset_offline(tmp_path, monkeypatch):
     _write_jsonl(tmp_path / "ds" / "train.jsonl", ["first doc", "second doc", "third"])
     texts = [t for _, t in TextSource("hf", str(tmp_path / "ds")).open_texts(1)]
     assert texts == ["second doc", "third"]
+
+
+def test_truncate_policy_logs_the_dropped_tokens(tmp_path, caplog):
+    _write_jsonl(tmp_path / "d.jsonl", ["x" * 50, "y" * 5, "z" * 30])
+    node = DocumentNode(
+        TextSource("jsonl", str(tmp_path / "d.jsonl")), ByteTokenizer(), 10, "truncate"
+    )
+    node.reset()
+    with caplog.at_level("WARNING"):
+        docs = _drain(node)
+    assert [d["tokens"].size for d in docs] == [10, 7, 10]
+    assert node.truncated_tokens == 42 + 22 and node.truncated_docs == 2
+    logged = [r.getMessage() for r in caplog.records if "long_doc_policy" in r.getMessage()]
+    assert logged == [
+        "long_doc_policy = 'truncate': document 0 cut to 10 tokens, 42 dropped; 1 documents and "
+        "42 tokens dropped so far"
+    ]

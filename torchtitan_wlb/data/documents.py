@@ -13,7 +13,8 @@ Long-document policy (``[wlb] long_doc_policy``), for a document longer than ``m
   - "split" (default): consecutive pieces of ``max_doc_len`` tokens, the last one shorter. No token
     is lost; each piece is a document of its own for attention (it cannot see the previous piece).
   - "truncate": keep the first ``max_doc_len`` tokens; the dropped tokens are counted in
-    ``truncated_tokens`` (logged), never silently.
+    ``truncated_tokens`` and logged (at the 1st, 10th, 100th, ... truncated document, with the
+    running totals), never silently.
   - "error": stop with an error naming the document.
 
 State (``state_dict``): the epoch, the number of texts fully consumed and how many pieces of the
@@ -28,6 +29,7 @@ from typing import Any
 
 import numpy as np
 from torchdata.nodes import BaseNode
+from torchtitan.tools.logging import logger
 
 from torchtitan_wlb.data.sources import DataError, TextSource
 
@@ -42,6 +44,10 @@ class DocumentNode(BaseNode[dict]):
         policy: "split", "truncate" or "error" (see module docstring).
         epochs: passes over the source; 0 repeats forever (TorchTitan's default for training).
     """
+
+    _LOG_AT = frozenset(
+        {1, 10, 100, 1_000}
+    )  # truncated documents that are logged, then every 10,000th
 
     def __init__(
         self,
@@ -71,6 +77,7 @@ class DocumentNode(BaseNode[dict]):
         self._pieces_done = 0
         self._next_doc_id = 0
         self.truncated_tokens = 0
+        self.truncated_docs = 0
 
     def reset(self, initial_state: dict | None = None) -> None:
         super().reset(initial_state)
@@ -80,9 +87,10 @@ class DocumentNode(BaseNode[dict]):
             self._pieces_done = int(initial_state["pieces_done"])
             self._next_doc_id = int(initial_state["next_doc_id"])
             self.truncated_tokens = int(initial_state["truncated_tokens"])
+            self.truncated_docs = int(initial_state.get("truncated_docs", 0))
         else:
             self._epoch = self._texts_done = self._pieces_done = self._next_doc_id = 0
-            self.truncated_tokens = 0
+            self.truncated_tokens = self.truncated_docs = 0
         self._it = self._generate()
 
     def _pieces(self, index: int, text: str) -> list[np.ndarray]:
@@ -96,7 +104,15 @@ class DocumentNode(BaseNode[dict]):
                 "(set [wlb] long_doc_policy = 'split' or 'truncate', or raise max_doc_len)"
             )
         if self.policy == "truncate":
-            self.truncated_tokens += int(tokens.size - self.max_doc_len)
+            dropped = int(tokens.size - self.max_doc_len)
+            self.truncated_tokens += dropped
+            self.truncated_docs += 1
+            if self.truncated_docs in self._LOG_AT or self.truncated_docs % 10_000 == 0:
+                logger.warning(
+                    f"long_doc_policy = 'truncate': document {index} cut to {self.max_doc_len} "
+                    f"tokens, {dropped:,} dropped; {self.truncated_docs:,} documents and "
+                    f"{self.truncated_tokens:,} tokens dropped so far"
+                )
             return [tokens[: self.max_doc_len]]
         return np.array_split(tokens, np.arange(self.max_doc_len, tokens.size, self.max_doc_len))
 
@@ -135,4 +151,5 @@ class DocumentNode(BaseNode[dict]):
             "pieces_done": self._pieces_done,
             "next_doc_id": self._next_doc_id,
             "truncated_tokens": self.truncated_tokens,
+            "truncated_docs": self.truncated_docs,
         }
