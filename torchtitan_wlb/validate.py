@@ -27,7 +27,9 @@ DATA_CHECK_DOCS = 10_000
 """Documents :func:`check_data` reads before training starts (a prefix of big datasets)."""
 
 
-def _degrees(job_config: Any, world_size: int) -> dict[str, int]:
+def layout_degrees(job_config: Any, world_size: int) -> dict[str, int]:
+    """The parallel degrees of ``job_config`` on ``world_size`` processes (``dp_shard = -1``
+    resolved as TorchTitan does); ``ConfigError`` when they do not multiply to it."""
     p = job_config.parallelism
     fixed = {
         "dp_replicate": p.data_parallel_replicate_degree,
@@ -66,7 +68,7 @@ def check_job_config(job_config: Any, world_size: int | None = None) -> dict[str
         fake = job_config.comm.mode in ("fake_backend", "local_tensor")
         # Fake-backend dry runs are one process that simulates NGPU ranks.
         world_size = int(os.environ.get("NGPU", "1") if fake else os.environ.get("WORLD_SIZE", "1"))
-    degrees = _degrees(job_config, world_size)
+    degrees = layout_degrees(job_config, world_size)
     wlb = getattr(job_config, "wlb", None)
     if wlb is None:
         raise ConfigError(

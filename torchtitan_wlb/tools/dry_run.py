@@ -101,17 +101,10 @@ def _layout_trainer_class() -> type:
 
 
 def _describe(job_config: Any, world: int) -> str:
-    p = job_config.parallelism
-    degrees = {
-        "dp_replicate": p.data_parallel_replicate_degree,
-        "dp_shard": p.data_parallel_shard_degree,
-        "cp": p.context_parallel_degree,
-        "tp": p.tensor_parallel_degree,
-        "pp": p.pipeline_parallel_degree,
-    }
-    if degrees["dp_shard"] == -1:  # TorchTitan: whatever the other degrees leave
-        others = layout_world_size(job_config)
-        degrees["dp_shard"] = world // others if others and world % others == 0 else 1
+    from torchtitan_wlb.validate import layout_degrees
+
+    got = layout_degrees(job_config, world)  # the build passed the same check
+    degrees = {k: got[k] for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp")}
     shown = " x ".join(f"{k} {v}" for k, v in degrees.items() if v > 1) or "no parallelism"
     return (
         f"{world} rank{'' if world == 1 else 's'} ({shown}), {job_config.model.name} "
