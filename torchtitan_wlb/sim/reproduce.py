@@ -501,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
                     for n, p in PAPER_FIG13.items() if (abs(v[n] - p) <= TOL) == ok] for ok in (1, 0)}
     v["verdict"] = ("met: " + "; ".join(verdict[1]) + "." if verdict[1] else "none met.") + (
         " **Missed: " + "; ".join(verdict[0]) + ".**" if verdict[0] else "")
-    v["cmd"] = (f"python -m torchtitan_wlb.sim.reproduce --workload {args.workload} --out {args.out} "
+    v["cmd"] = (f".venv/bin/python -m torchtitan_wlb.sim.reproduce --workload {args.workload} --out {args.out} "
                 f"--figures {args.figures}" + (" --quick" if args.quick else "")
                 + (f" --steps {args.steps}" if args.steps != "epoch" else "")
                 + (f" --windows {args.windows}" if args.windows != 5 else "")
