@@ -424,6 +424,16 @@ def test_hybrid_keeps_short_documents_whole_and_gathers_less():
         assert hybrid.kv_gather_bytes(8, 128, 2) < per_doc.kv_gather_bytes(8, 128, 2)
 
 
+@pytest.mark.parametrize("strategy", ["per_sequence", "per_document", "hybrid"])
+def test_draft_kv_gather_bytes_matches_plan(strategy):
+    from torchtitan_wlb.cp.plan import draft_sharding
+
+    lens = np.array([300, 2000, 40, 7000, 5, 1200, 900])
+    draft = draft_sharding(lens, 4, strategy, max_len=1000)
+    plan = draft.plan()
+    assert draft.kv_gather_bytes(8, 128, 2) == plan.kv_gather_bytes(8, 128, 2) > 0
+
+
 def test_kv_gather_bytes_and_small_chunks():
     plan = build_cp_plan(np.array([6, 5]), 2, "per_document")  # local lengths 5 and 6
     assert (

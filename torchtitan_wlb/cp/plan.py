@@ -435,6 +435,15 @@ class ShardingDraft:
             slot = np.bincount(self.table[3], weights=per_segment, minlength=2 * c)
         return slot[:c] + slot[::-1][:c]
 
+    def kv_gather_bytes(self, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+        """:meth:`CPPlan.kv_gather_bytes` of the plan this draft becomes, without building it
+        (what a cost estimate of the gather needs)."""
+        q_len = self.q_len
+        if self.strategy == "hybrid":
+            q_len = np.where(self.table[6][self.table[0]], q_len, 0)
+        rows = int(self.rank_totals(q_len).max())
+        return (self.cp_degree - 1) * rows * 2 * int(kv_heads) * int(head_dim) * int(dtype_bytes)
+
     def plan(self, requested: str | None = None) -> CPPlan:
         """The full plan; ``requested`` (default: the strategy itself) is recorded in it."""
         requested = self.strategy if requested is None else requested
