@@ -1,13 +1,11 @@
 """``wlb-sim`` (``python -m torchtitan_wlb.sim``): simulate 4D training steps under each mode.
 
-Example (the paper's 7B / 128K configuration)::
-
     wlb-sim --lengths lengths.json --model 7B --context-len 131072 --tp 8 --cp 2 --pp 4 --dp 1 \\
         --steps 20 --json --plot outputs/sim
 
-The last line printed with ``--json`` is one JSON object: for each simulated mode
-``{step_time_s, imbalance, bubble_fraction, ...}`` plus ``speedup_wlb_vs_plain`` and
-``speedup_wlb_vs_fixed`` (and ``speedup_<mode>_vs_plain`` for every other mode).
+With ``--json`` the last line is one JSON object: every simulated mode's ``{step_time_s,
+imbalance, bubble_fraction, ...}``, ``speedup_wlb_vs_plain``, ``speedup_wlb_vs_fixed`` and
+``speedup_<mode>_vs_plain`` for every other mode.
 """
 
 from __future__ import annotations

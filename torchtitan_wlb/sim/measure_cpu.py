@@ -1,17 +1,13 @@
 """Measure per-micro-batch and per-step training times of the ``llama3_wlb`` model on this CPU.
 
-The records feed ``torchtitan_wlb.sim.calibrate``: it fits the cost model to the standalone
-micro-batches, then predicts the measured steps (gradient accumulation over several micro-batches
-plus the optimizer) that it did not fit on.
-
     python -m torchtitan_wlb.sim.measure_cpu --out outputs/cpu_calib.json
     python -m torchtitan_wlb.sim.calibrate --records outputs/cpu_calib.json --json
 
-Micro-batches are packed from the packing benchmark's ``longtail`` generator by the project's
-``original`` and ``wlb`` packers (realistic compositions), plus micro-batches of equal documents of
-one length each (so that the attention and linear terms can be told apart). Each is run forward and
-backward on the real model (document-masked attention, per-document RoPE positions) with
-``torch.set_num_threads(--threads)``.
+Standalone micro-batches (the project's packers' outputs on the ``longtail`` workload, plus
+micro-batches of equal documents, so the attention and linear terms can be told apart) are what
+``calibrate`` fits; the measured steps (gradient accumulation plus the optimizer) are what it
+predicts without having fitted them. Each runs forward and backward on the real model
+(document-masked attention, per-document RoPE positions) with ``--threads`` threads.
 """
 
 from __future__ import annotations
