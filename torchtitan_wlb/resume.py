@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 _STEP = re.compile(r"step-(\d+)")
-_COMPLETE = (".metadata", "model.safetensors.index.json")  # what makes a step folder loadable
+_COMPLETE = (".metadata", "model.safetensors.index.json")  # a step folder TorchTitan loads
 FAKE_COMM_MODES = ("fake_backend", "local_tensor")
 
 
@@ -174,10 +174,6 @@ def check_resume(job_config: Any, fingerprint: dict[str, Any] | None) -> int | N
     folder, step = found
     if not os.path.isdir(folder):
         raise CheckpointError(f"[checkpoint] load_step = {step}, but {folder} does not exist")
-    if not os.path.isfile(os.path.join(folder, ".metadata")) and os.path.isfile(
-        os.path.join(folder, _COMPLETE[1])
-    ):
-        return step  # a Hugging Face checkpoint: no DCP metadata to verify
     metadata = verify(folder)
     if fingerprint is not None and step > 0:
         saved = saved_fingerprint(folder, metadata)
