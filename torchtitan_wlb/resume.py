@@ -25,38 +25,72 @@ import pickle
 import re
 from typing import Any
 
-__all__ = ["CheckpointError", "check_resume", "resume_folder", "saved_fingerprint", "verify"]
+__all__ = [
+    "FAKE_COMM_MODES",
+    "CheckpointError",
+    "check_resume",
+    "checkpoint_folder",
+    "latest_checkpoint_step",
+    "resume_folder",
+    "resume_step",
+    "saved_fingerprint",
+    "verify",
+]
 
 _STEP = re.compile(r"step-(\d+)")
+_COMPLETE = (".metadata", "model.safetensors.index.json")  # a step folder TorchTitan loads
+FAKE_COMM_MODES = ("fake_backend", "local_tensor")
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed from; the message names the file."""
 
 
+def checkpoint_folder(job_config: Any) -> str:
+    """Where TorchTitan loads and saves this job's checkpoints."""
+    return os.path.join(job_config.job.dump_folder, job_config.checkpoint.folder)
+
+
+def latest_checkpoint_step(folder: str) -> int:
+    """The step TorchTitan resumes from in ``folder`` (``CheckpointManager._find_load_step``): the
+    largest ``step-N`` holding a complete checkpoint (its DCP ``.metadata`` or a Hugging Face
+    index), -1 when there is none."""
+    if not os.path.isdir(folder):
+        return -1
+    steps = [
+        int(m.group(1))
+        for name in os.listdir(folder)
+        if (m := _STEP.search(name))
+        and any(os.path.isfile(os.path.join(folder, name, probe)) for probe in _COMPLETE)
+    ]
+    return max(steps, default=-1)
+
+
 def resume_folder(job_config: Any) -> tuple[str, int] | None:
     """``(folder, step)`` of the checkpoint TorchTitan's checkpointer would load, or None.
 
-    Mirrors ``CheckpointManager.load``: ``[checkpoint] load_step`` if set, else the highest
-    ``step-N`` under ``<dump_folder>/<checkpoint.folder>`` that has a ``.metadata`` file.
+    Mirrors ``CheckpointManager.load``: ``[checkpoint] load_step`` if set, else
+    :func:`latest_checkpoint_step` under ``<dump_folder>/<checkpoint.folder>``.
     """
     ckpt = job_config.checkpoint
-    if not ckpt.enable:
+    base = checkpoint_folder(job_config)
+    if not ckpt.enable or not os.path.isdir(base):
         return None
-    base = os.path.join(job_config.job.dump_folder, ckpt.folder)
-    if not os.path.isdir(base):
-        return None
-    if ckpt.load_step != -1:
-        return os.path.join(base, f"step-{ckpt.load_step}"), int(ckpt.load_step)
-    steps = [
-        int(m.group(1))
-        for name in os.listdir(base)
-        if (m := _STEP.search(name)) and os.path.isfile(os.path.join(base, name, ".metadata"))
-    ]
-    if not steps:
-        return None
-    step = max(steps)
-    return os.path.join(base, f"step-{step}"), step
+    step = int(ckpt.load_step) if ckpt.load_step >= 0 else latest_checkpoint_step(base)
+    return None if step < 0 else (os.path.join(base, f"step-{step}"), step)
+
+
+def resume_step(job_config: Any) -> int:
+    """The step this job will resume from (-1: it starts from scratch): none when it writes a
+    seed checkpoint or runs on fake collectives (which cannot load one)."""
+    found = resume_folder(job_config)
+    if (
+        found is None
+        or job_config.checkpoint.create_seed_checkpoint
+        or job_config.comm.mode in FAKE_COMM_MODES
+    ):
+        return -1
+    return found[1] if os.path.isdir(found[0]) else -1
 
 
 def verify(folder: str) -> Any:

@@ -37,7 +37,6 @@ lengths do not reweight tokens.
 from __future__ import annotations
 
 import os
-import re
 import time
 from typing import Any
 
@@ -51,43 +50,15 @@ from torchtitan_wlb.attention.metadata import DocumentAttentionMetadata, metadat
 from torchtitan_wlb.audit_log import AuditLog
 from torchtitan_wlb.data.sources import BUILTIN_NAME
 from torchtitan_wlb.models.llama3_wlb import cost_model_for_job
-from torchtitan_wlb.resume import CheckpointError, check_resume
+from torchtitan_wlb.resume import (
+    FAKE_COMM_MODES,
+    CheckpointError,
+    check_resume,
+    checkpoint_folder,
+    latest_checkpoint_step,
+    resume_step,
+)
 from torchtitan_wlb.validate import check_job_config
-
-FAKE_COMM_MODES = ("fake_backend", "local_tensor")
-
-
-def checkpoint_folder(job_config: Any) -> str:
-    """Where TorchTitan loads and saves this job's checkpoints."""
-    return os.path.join(job_config.job.dump_folder, job_config.checkpoint.folder)
-
-
-def latest_checkpoint_step(folder: str) -> int:
-    """The step TorchTitan resumes from in ``folder``: the largest ``step-N`` holding a complete
-    checkpoint (its DCP ``.metadata`` or a Hugging Face index), -1 when there is none."""
-    if not os.path.isdir(folder):
-        return -1
-    steps = [
-        int(m.group(1))
-        for name in os.listdir(folder)
-        if (m := re.fullmatch(r"step-(\d+)", name))
-        and any(
-            os.path.isfile(os.path.join(folder, name, probe))
-            for probe in (".metadata", "model.safetensors.index.json")
-        )
-    ]
-    return max(steps, default=-1)
-
-
-def resume_step(job_config: Any) -> int:
-    """The step this job will resume from (-1: it starts from scratch)."""
-    ck = job_config.checkpoint
-    if not ck.enable or ck.create_seed_checkpoint or job_config.comm.mode in FAKE_COMM_MODES:
-        return -1
-    folder = checkpoint_folder(job_config)
-    if ck.load_step >= 0:
-        return ck.load_step if os.path.isdir(os.path.join(folder, f"step-{ck.load_step}")) else -1
-    return latest_checkpoint_step(folder)
 
 
 def nothing_to_do(job_config: Any) -> str | None:

@@ -79,12 +79,11 @@ def recommend(lengths, cfg) -> dict:
     from torchtitan_wlb.packing import default_thresholds
 
     cm = cost_model_for(cfg)
-    unit = 2 * cfg.layout.cp
     trials = []
     for levels in QUEUE_LEVEL_CANDIDATES:
         th = default_thresholds(cm, cfg.context_len, levels=levels)
         for f in SMAX_CANDIDATES:
-            smax = max(cfg.context_len, int(cfg.context_len * f) // unit * unit)
+            smax = replace(cfg, smax_factor=f).smax
             r = predicted_imbalance(lengths, cfg, "wlb", smax=smax, queue_thresholds=th)
             trials.append({"levels": levels, "smax_factor": f, **r})
     ok = [t for t in trials if t["avg_delay_steps"] <= DELAY_BUDGET_STEPS] or trials

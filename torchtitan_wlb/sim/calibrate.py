@@ -1,20 +1,14 @@
 """``python -m torchtitan_wlb.sim.calibrate``: fit measured micro-batch times, predict step times.
 
-Reads a calibration file (format: :mod:`torchtitan_wlb.sim.records`) and fits
-``seconds ~= a sum(d^2) + b sum(d) + c`` (:mod:`torchtitan_wlb.sim.fit`). When measured step times
-are given, the step times are predicted from the micro-batches (pipeline timeline of the fitted times)
-and compared: the prediction error is reported on the second half of the steps, with any per-step
-overhead fitted on the first half only. Records with ``step`` < 0 (standalone micro-batches), when
-present next to measured steps, are the only ones fitted, so the steps' own micro-batches are held out.
+    python -m torchtitan_wlb.sim.calibrate --records runs/e2e_mb_times.json --json
 
-Pipeline-parallel records (with ``stage``): forward and backward are fitted separately per stage on
-the actions of the first half of the steps; every step is then predicted by playing the simulator's
-own pipeline timeline (:mod:`torchtitan_wlb.sim.timeline`, the 1F1B schedule the run used) with the
-fitted action times, plus a constant per-step overhead fitted on the first half, and compared with
-the measured step time on the second half. ``--predict-records`` predicts other runs (other modes)
-from this file's fit.
-
-Run: ``python -m torchtitan_wlb.sim.calibrate --records runs/e2e_mb_times.json [--json]``.
+:mod:`~torchtitan_wlb.sim.records` reads the file, :mod:`~torchtitan_wlb.sim.fit` fits it; this
+module predicts the measured steps from the fit (docs/simulator.md#calibration). Every step error is
+a prediction, not a fit: the constant per-step overhead (optimizer, data loading, transfers) is
+fitted on the first half of the steps and the error reported on the second half, and standalone
+micro-batches (``step`` < 0), when present beside measured steps, are the only ones fitted, so the
+steps' own micro-batches are held out. Pipeline records are fitted per stage and their steps
+played through the simulator's own timeline (:mod:`~torchtitan_wlb.sim.timeline`).
 """
 
 from __future__ import annotations
@@ -73,11 +67,18 @@ def _errors(pred: np.ndarray, meas: np.ndarray) -> dict:
     return {"mean_abs_rel_error": float(rel.mean()), "max_abs_rel_error": float(rel.max())}
 
 
+def _holdout(pred: np.ndarray, meas: np.ndarray) -> dict:
+    """The per-step overhead fitted on the first half (median residual), errors on the second."""
+    half = len(meas) // 2
+    overhead = float(np.median(meas[:half] - pred[:half]))
+    return {"step_overhead_s": overhead, **_errors(pred[half:] + overhead, meas[half:])}
+
+
 def _predicted_steps(
     calib: Calibration, records: list[MicroBatchRecord], measured: dict[int, float], pp: int
-) -> tuple[list[int], np.ndarray]:
-    """Steps with micro-batch records and a measured time, and their predicted times (the slowest
-    DP rank's: ranks run their micro-batches concurrently)."""
+) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """Steps with micro-batch records and a measured time, their predicted times (the slowest
+    DP rank's: ranks run their micro-batches concurrently) and measured ones."""
     by_rank_step: dict[tuple[int, int], list[np.ndarray]] = {}
     for r in records:
         if r.step >= 0:
@@ -89,51 +90,46 @@ def _predicted_steps(
         )
         for k in sorted({k for k, _ in by_rank_step})
     ]
-    return common, np.array([max(pr.get(s, 0.0) for pr in per_rank) for s in common])
+    pred = np.array([max(pr.get(s, 0.0) for pr in per_rank) for s in common])
+    return common, pred, np.array([measured[s] for s in common])
 
 
-def step_prediction_error(
-    calib: Calibration, records: list[MicroBatchRecord], measured: dict[int, float], pp: int = 1
+def _cross(predict, own: tuple, others: list[tuple]) -> list[dict]:
+    """Other runs' steps predicted with this run's fit and its step overhead (on all its steps).
+
+    ``predict(records, measured)`` -> (steps, predicted, measured seconds)."""
+    _, pred, meas = predict(*own)
+    overhead = float(np.median(meas - pred))
+    out = []
+    for other in others:
+        steps, pred, meas = predict(*other)
+        if not steps:
+            raise ValueError(
+                "a --predict-records file has no complete steps with micro-batch records"
+            )
+        out.append({"steps_compared": len(steps), **_errors(pred + overhead, meas)})
+    return out
+
+
+def step_prediction(
+    calib: Calibration,
+    records: list[MicroBatchRecord],
+    measured: dict[int, float],
+    pp: int = 1,
+    others: list[tuple] = (),
 ) -> dict:
-    """Compare predicted with measured step times.
-
-    A constant per-step overhead (optimizer, data loading) is fitted as the median residual of the
-    first half of the steps and the error reported on the second half, so the number is a prediction,
-    not a fit.
-    """
-    common, p = _predicted_steps(calib, records, measured, pp)
+    """Compare the steps' predicted times (from their micro-batches) with the measured ones."""
+    common, p, m = _predicted_steps(calib, records, measured, pp)
     if len(common) < 2:
         raise ValueError(
             f"step-time check needs >= 2 steps with both micro-batch records and a measured time, "
             f"got {len(common)}"
         )
-    m = np.array([measured[s] for s in common])
-    half = len(common) // 2
-    overhead = float(np.median(m[:half] - p[:half]))
-    return {
-        "steps_compared": len(common) - half,
-        "step_overhead_s": overhead,
-        **_errors(p[half:] + overhead, m[half:]),
-        "mean_abs_rel_error_no_overhead": float(np.mean(np.abs(p - m) / m)),
-    }
-
-
-def cross_step_prediction(
-    calib: Calibration,
-    records: list[MicroBatchRecord],
-    measured: dict[int, float],
-    other_records: list[MicroBatchRecord],
-    other_measured: dict[int, float],
-    pp: int = 1,
-) -> dict:
-    """Predict another run's steps (no pipeline records) from this run's fit and step overhead."""
-    own_steps, own_pred = _predicted_steps(calib, records, measured, pp)
-    overhead = float(np.median(np.array([measured[s] for s in own_steps]) - own_pred))
-    steps, pred = _predicted_steps(calib, other_records, other_measured, pp)
-    if not steps:
-        raise ValueError("a --predict-records file has no steps with micro-batch records")
-    meas = np.array([other_measured[s] for s in steps])
-    return {"steps_compared": len(steps), **_errors(pred + overhead, meas)}
+    out = {"steps_compared": len(common) - len(common) // 2, **_holdout(p, m),
+           "mean_abs_rel_error_no_overhead": _errors(p, m)["mean_abs_rel_error"]}  # fmt: skip
+    if others:
+        out["cross"] = _cross(lambda r, s: _predicted_steps(calib, r, s, pp), (records, measured), others)  # fmt: skip
+    return out
 
 
 def pipeline_step_prediction(
@@ -148,10 +144,8 @@ def pipeline_step_prediction(
 
     Each step is played through the pipeline timeline twice: with the *fitted* action times (the
     prediction) and with the *measured* ones (``replay_*``: how much of the error is the timeline
-    and the per-step constant rather than the cost fit). A constant per-step overhead (optimizer,
-    data loading, point-to-point transfers) is the median residual on the fitting half. With
-    ``predict``, the fit (coefficients and overhead, on all of this run's steps) also predicts
-    every step of other runs (``cross``).
+    and the per-step constant rather than the cost fit). With ``predict``, the fit (coefficients
+    and overhead, on all of this run's steps) also predicts every step of other runs (``cross``).
     """
     steps = pipeline_steps(records)
     common = sorted(set(steps) & set(measured))
@@ -163,15 +157,15 @@ def pipeline_step_prediction(
     half = len(common) // 2
     first, second = set(common[:half]), set(common[half:])
 
-    def predict_steps(pcal: PipelineCalibration, stp: dict, which: list[int]) -> np.ndarray:
-        return np.array([play_pipeline(*pcal.predict(stp[s]["lens"]), pp) for s in which])
+    def play(pcal: PipelineCalibration, recs: list[MicroBatchRecord], meas: dict[int, float]):
+        stp = pipeline_steps(recs)
+        which = sorted(set(stp) & set(meas))
+        pred = [play_pipeline(*pcal.predict(stp[s]["lens"]), pp) for s in which]
+        return which, np.array(pred), np.array([meas[s] for s in which])
 
     pcal = fit_pipeline([r for r in records if r.step in first], overhead=overhead)
-    m_all = np.array([measured[s] for s in common])
-    p_all = predict_steps(pcal, steps, common)
-    step_overhead = float(np.median(m_all[:half] - p_all[:half]))
+    _, p_all, m_all = play(pcal, records, measured)
     replay = np.array([play_pipeline(steps[s]["fwd"], steps[s]["bwd"], pp) for s in common])
-    replay_overhead = float(np.median(m_all[:half] - replay[:half]))
     test = {k: [r for r in records if r.step in second and r.stage == k] for k in sorted(pcal.fwd)}
     act_pred = np.concatenate([part[k].predict([r.doc_lens for r in rs])
                                for part in (pcal.fwd, pcal.bwd) for k, rs in test.items()])  # fmt: skip
@@ -180,26 +174,15 @@ def pipeline_step_prediction(
         "fit": "per-stage forward/backward costs and the step overhead on the first half of "
         "the steps; errors on the second half",
         "schedule": "1f1b" if pcal.n_stages <= pp else f"interleaved_1f1b (v={pcal.n_stages // pp})",
-        "steps_fitted": half, "steps_compared": len(second), "step_overhead_s": step_overhead,
-        **_errors(p_all[half:] + step_overhead, m_all[half:]),
-        "mean_abs_rel_error_no_overhead": float(np.mean(np.abs(p_all - m_all) / m_all)),
+        "steps_fitted": half, "steps_compared": len(second), **_holdout(p_all, m_all),
+        "mean_abs_rel_error_no_overhead": _errors(p_all, m_all)["mean_abs_rel_error"],
         "heldout_action_mean_abs_rel_error": float(np.mean(np.abs(act_pred - act_meas) / act_meas)),
-        "replay_measured_actions": {"step_overhead_s": replay_overhead,
-                                    **_errors(replay[half:] + replay_overhead, m_all[half:])},
+        "replay_measured_actions": _holdout(replay, m_all),
         "stages": pcal.summary(),
     }  # fmt: skip
     if predict:
         full = fit_pipeline([r for r in records if r.step in set(common)], overhead=overhead)
-        full_overhead = float(np.median(m_all - predict_steps(full, steps, common)))
-        out["cross"] = []
-        for other_records, other_measured in predict:
-            o_steps = pipeline_steps(other_records)
-            o_common = sorted(set(o_steps) & set(other_measured))
-            if not o_common:
-                raise ValueError("a --predict-records file has no complete pipeline steps")
-            pred = predict_steps(full, o_steps, o_common) + full_overhead
-            meas = np.array([other_measured[s] for s in o_common])
-            out["cross"].append({"steps_compared": len(o_common), **_errors(pred, meas)})
+        out["cross"] = _cross(lambda r, s: play(full, r, s), (records, measured), predict)
     return out
 
 
@@ -262,11 +245,7 @@ def run(args: argparse.Namespace) -> dict:
             overhead=not args.no_overhead,
         )  # fmt: skip
     elif steps:
-        out["step_prediction"] = step_prediction_error(calib, records, steps, pp=layout.pp)
-        if others:
-            out["step_prediction"]["cross"] = [
-                cross_step_prediction(calib, records, steps, *o, pp=layout.pp) for o in others
-            ]
+        out["step_prediction"] = step_prediction(calib, records, steps, layout.pp, others)
     return out
 
 

@@ -1,13 +1,11 @@
 """``wlb-sim`` (``python -m torchtitan_wlb.sim``): simulate 4D training steps under each mode.
 
-Example (the paper's 7B / 128K configuration)::
-
     wlb-sim --lengths lengths.json --model 7B --context-len 131072 --tp 8 --cp 2 --pp 4 --dp 1 \\
         --steps 20 --json --plot outputs/sim
 
-The last line printed with ``--json`` is one JSON object: for each simulated mode
-``{step_time_s, imbalance, bubble_fraction, ...}`` plus ``speedup_wlb_vs_plain`` and
-``speedup_wlb_vs_fixed`` (and ``speedup_<mode>_vs_plain`` for every other mode).
+With ``--json`` the last line is one JSON object: every simulated mode's ``{step_time_s,
+imbalance, bubble_fraction, ...}``, ``speedup_wlb_vs_plain``, ``speedup_wlb_vs_fixed`` and
+``speedup_<mode>_vs_plain`` for every other mode.
 """
 
 from __future__ import annotations
@@ -117,19 +115,20 @@ def config_from_args(args: argparse.Namespace, total_tokens: int | None = None) 
             raise ValueError(
                 f"--queue-thresholds {args.queue_thresholds!r} must be comma-separated integers"
             ) from None
-    steps = args.steps
-    if steps == "epoch":
-        if total_tokens is None:
-            raise ValueError("--steps epoch needs the document source's token count")
-        m = args.micro_batches if args.micro_batches is not None else layout.pp
-        steps = epoch_steps(total_tokens, m * layout.dp, args.context_len, args.warmup_steps)
-    return SimConfig(
+    epoch = args.steps == "epoch"
+    if epoch and total_tokens is None:
+        raise ValueError("--steps epoch needs the document source's token count")
+    cfg = SimConfig(
         model=model_from_args(args), layout=layout, context_len=args.context_len,
-        hardware=get_hardware(args.hardware), schedule=args.schedule, v=args.v, steps=steps,
-        warmup_steps=args.warmup_steps, micro_batches=args.micro_batches,
-        smax_factor=args.smax_factor, queue_thresholds=thresholds, max_delay_steps=args.max_delay,
-        seed=args.seed, cost_model=args.cost_model, cp_profile=getattr(args, "cp_profile", None),
+        hardware=get_hardware(args.hardware), schedule=args.schedule, v=args.v,
+        steps=1 if epoch else args.steps, warmup_steps=args.warmup_steps,
+        micro_batches=args.micro_batches, smax_factor=args.smax_factor, queue_thresholds=thresholds,
+        max_delay_steps=args.max_delay, seed=args.seed, cost_model=args.cost_model,
+        cp_profile=getattr(args, "cp_profile", None),
     )  # fmt: skip
+    if not epoch:
+        return cfg
+    return replace(cfg, steps=epoch_steps(total_tokens, cfg.n_global, cfg.context_len, cfg.warmup_steps))  # fmt: skip
 
 
 def modes_from_args(args: argparse.Namespace) -> list[ModeSpec]:

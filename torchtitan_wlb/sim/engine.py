@@ -1,17 +1,11 @@
 """The 4D step simulator: packed micro-batches -> CP shards -> per-layer times -> pipeline timeline.
 
-One call simulates one mode over many optimizer steps:
-
-1. the mode's packer (torchtitan_wlb.packing) turns the document stream into, per step, N = m x DP
-   micro-batches (m per pipeline); DP replica r runs micro-batches [r m, (r+1) m);
-2. the mode's CP plan (torchtitan_wlb.cp.plan) gives each CP rank its attention segments;
-3. ``timing.layer_costs`` turns those into one layer's forward/backward time per micro-batch (the
-   slowest CP rank + exposed TP/CP communication), a virtual stage's time is its layer count times that;
-4. ``timeline.simulate_pipeline`` plays 1F1B / interleaved 1F1B for all (step, DP replica) pipelines at
-   once; a step ends when its slowest replica finishes, plus FSDP's exposed gradient traffic.
-
-Speedups compare time per token (modes that delay documents process slightly different token counts
-per step).
+``simulate_mode`` runs one mode over many optimizer steps, as docs/simulator.md draws it: the
+mode's packer, its CP plan per micro-batch (``integration``), one layer's time per micro-batch
+(``timing``), then 1F1B / interleaved 1F1B for every (step, DP replica) pipeline at once
+(``timeline``); a step ends when its slowest replica finishes, plus FSDP's exposed traffic.
+Speedups compare time per token (modes that delay documents train slightly different token
+counts per step).
 """
 
 from __future__ import annotations
@@ -22,15 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from torchtitan_wlb.sim.config import SimConfig
-from torchtitan_wlb.sim.integration import attention_time_fn, cp_shards, pack_steps
+from torchtitan_wlb.sim.integration import cp_shards, pack_steps, shard_costs
 from torchtitan_wlb.sim.modes import ModeSpec
 from torchtitan_wlb.sim.timeline import Schedule, build_schedule, simulate_pipeline
-from torchtitan_wlb.sim.timing import (
-    dp_exposed_seconds,
-    layer_costs,
-    layers_per_vstage,
-    stage_times,
-)
+from torchtitan_wlb.sim.timing import dp_exposed_seconds, layers_per_vstage, stage_times
 
 # (mode, lengths, cfg, n_steps) -> (per step: its N micro-batches' document lengths, packer stats)
 PackFn = Callable[[ModeSpec, np.ndarray, SimConfig, int], tuple[list[list[np.ndarray]], dict]]
@@ -109,17 +98,13 @@ def simulate_mode(
         )
     flat = [np.asarray(mb, dtype=np.int64) for s in steps for mb in s]
     shards = cp_shards(flat, cfg, mode.cp_strategy)
-    costs = layer_costs(cfg.model, cfg.layout, cfg.hardware, shards.seg_mb, shards.seg_rank,
-                        shards.seg_q, shards.seg_kv, shards.local_tokens,
-                        attention_time=attention_time_fn(cfg))  # fmt: skip
+    costs = shard_costs(shards, cfg)
     fwd, bwd, p2p = stage_times(cfg.model, cfg.layout, cfg.hardware, cfg.chunks, costs)
     dp, m, n_v = cfg.layout.dp, cfg.m, fwd.shape[1]
     # [steps * N, V] -> [steps, dp, m, V] -> [steps * dp, V, m]
-    f = fwd.reshape(n_steps, dp, m, n_v).transpose(0, 1, 3, 2).reshape(n_steps * dp, n_v, m)
-    b = bwd.reshape(n_steps, dp, m, n_v).transpose(0, 1, 3, 2).reshape(n_steps * dp, n_v, m)
-    p = p2p.reshape(n_steps * dp, m)
+    f, b = (x.reshape(n_steps, dp, m, n_v).transpose(0, 1, 3, 2).reshape(-1, n_v, m) for x in (fwd, bwd))  # fmt: skip
     schedule = build_schedule(cfg.layout.pp, m, cfg.chunks)
-    res = simulate_pipeline(schedule, f, b, p)
+    res = simulate_pipeline(schedule, f, b, p2p.reshape(n_steps * dp, m))
     makespan = res.makespan.reshape(n_steps, dp)
     slowest = makespan.argmax(axis=1)
     step_time = makespan.max(axis=1) + dp_exposed_seconds(cfg.model, cfg.layout, cfg.hardware)

@@ -1,15 +1,11 @@
 """The simulator's bridge to the project's packers, CP planner and cost model (no re-implementation).
 
-* packing: the packers of ``torchtitan_wlb.packing`` driven by its driver, as the data node drives
-  them (``tokens_wanted`` -> pull documents in stream order -> ``step``);
-* CP: ``torchtitan_wlb.cp.plan.build_cp_plan`` per micro-batch; its segment table is the attention work
-  of each rank;
-* attention throughput: the CP planner's throughput profile (the table adaptive selection uses), scaled
-  to the hardware profile's ``attn_tflops``, so the simulator times attention with the same shape
-  efficiency the planner assumed when it chose;
-* cost model: ``torchtitan_wlb.cost_model.CostModel``, either analytic FLOPs or "profiled": fitted to
-  this simulator's own per-micro-batch times, as the paper fits its latency predictors to offline
-  GPU profiles.
+Packers run under ``packing.drive``, as the data node drives them; every micro-batch gets
+``cp.adaptive.build_cp_plan``'s segments; adaptive CP and attention timing read one throughput
+table (the simulated kernel's, or a measured profile), so attention is timed with the shape
+efficiency the planner assumed when it chose; the packers' cost model is analytic FLOPs or
+"profiled": fitted to this simulator's own per-micro-batch times, as the paper fits its latency
+predictors to offline GPU profiles.
 """
 
 from __future__ import annotations
@@ -20,8 +16,8 @@ from functools import lru_cache
 import numpy as np
 
 from torchtitan_wlb.cost_model import CostModel
-from torchtitan_wlb.packing import LengthStream, build_packer, drive
-from torchtitan_wlb.packing import packing_config as _packing_config
+from torchtitan_wlb.packing import LengthStream, build_packer, drive, packing_config
+from torchtitan_wlb.packing.placement import dp_order
 from torchtitan_wlb.sim.config import SimConfig
 from torchtitan_wlb.sim.fit import fit
 from torchtitan_wlb.sim.records import MicroBatchRecord
@@ -34,22 +30,7 @@ from torchtitan_wlb.sim.timing import (
     stage_times,
     tile_padded_time_fn,
 )
-
-
-def packing_config(mode, cfg, n_global: int):
-    """The PackingConfig of one mode. The knobs the simulator has no setting for (the adaptive
-    delay and release targets of ``wlb``) keep their defaults, the ``[wlb]`` section's."""
-    thresholds = cfg.queue_thresholds
-    if mode.packer.startswith("wlb") and not mode.outlier_delay:
-        thresholds = ()  # no outlier queues: variable-length balancing inside the step only
-    return _packing_config(
-        mode.packer,
-        n_global,
-        cfg.context_len,
-        smax=cfg.smax if mode.variable_length else None,
-        queue_thresholds=thresholds,
-        max_wait=cfg.max_delay_steps,
-    )
+from torchtitan_wlb.workloads import cut_stream, cycle_to, split_long
 
 
 def pack_steps(mode, lengths: np.ndarray, cfg, n_steps: int) -> tuple[list[list[np.ndarray]], dict]:
@@ -61,18 +42,20 @@ def pack_steps(mode, lengths: np.ndarray, cfg, n_steps: int) -> tuple[list[list[
     (``workloads.cut_stream``). The stream is repeated (reshuffled with ``cfg.seed``) if it is too
     short. Returns the per-step lists of micro-batch document lengths and averaged packer stats.
     """
-    from torchtitan_wlb.packing.placement import dp_order
-    from torchtitan_wlb.workloads import cut_stream, cycle_to, split_long
-
     need = int((n_steps + cfg.max_delay_steps + 2) * cfg.n_global * cfg.context_len * 1.3)
-    if getattr(mode, "stream_cut", False):
-        docs = cut_stream(cycle_to(lengths, need, np.random.default_rng(cfg.seed)), cfg.context_len)
+    rng = np.random.default_rng(cfg.seed)
+    if mode.stream_cut:
+        docs = cut_stream(cycle_to(lengths, need, rng), cfg.context_len)
     else:
-        docs = split_long(lengths, cfg.context_len)
-        docs = cycle_to(docs, need, np.random.default_rng(cfg.seed))
+        docs = cycle_to(split_long(lengths, cfg.context_len), need, rng)
+    # The knobs the simulator has no setting for (the adaptive delay and release targets of
+    # ``wlb``) keep their defaults, the ``[wlb]`` section's. No outlier delay: no queues.
+    no_queues = mode.packer.startswith("wlb") and not mode.outlier_delay
+    config = packing_config(mode.packer, cfg.n_global, cfg.context_len, max_wait=cfg.max_delay_steps,
+                            smax=cfg.smax if mode.variable_length else None,
+                            queue_thresholds=() if no_queues else cfg.queue_thresholds)  # fmt: skip
     cost_model = cost_model_for(cfg)
-    packer = build_packer(mode.packer, packing_config(mode, cfg, cfg.n_global), cost_model)
-    dp = cfg.layout.dp
+    packer = build_packer(mode.packer, config, cost_model)
     steps: list[list[np.ndarray]] = []
     stats_acc: dict[str, list[float]] = {}
     # A window of a training run's stream: its end is not the end of the data (no flush).
@@ -81,7 +64,7 @@ def pack_steps(mode, lengths: np.ndarray, cfg, n_steps: int) -> tuple[list[list[
         # DP ranks take contiguous groups of micro-batches downstream: order them the way the
         # data loader deals them (workload-balanced, or contiguous for the original baseline).
         loads = np.array([float(cost_model.doc_cost(x).sum()) for x in mbs])
-        order = dp_order(loads, dp, balanced=mode.packer != "original")
+        order = dp_order(loads, cfg.layout.dp, balanced=mode.packer != "original")
         steps.append([mbs[j] for j in order])
         for k, v in plan.stats.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -163,14 +146,18 @@ def simulated_cp_profile(hw):
     kv_v = np.where(valid, kv, q)  # cells with q > kv are never looked up (NaN in the table)
     fwd_flops = 4.0 * head_dim * causal_pairs(q, kv_v)
     seconds = fn(q, kv_v, fwd_flops) * (1.0 + hw.bwd_attn_factor)
-    tile = TILE
-    pq = -(-q // tile) * tile
-    pk = np.maximum(-(-kv_v // tile) * tile, pq)
-    tflops = np.where(valid, attention_flops(pq, pk, 1, head_dim) / seconds / 1e12, np.nan)
-    return CPProfile(lengths=tuple(int(x) for x in grid), tile=tile, device=f"simulated-{hw.name}",
+    tflops = np.where(valid, attention_flops(*_padded(q, kv_v, TILE), 1, head_dim) / seconds / 1e12,
+                      np.nan)  # fmt: skip
+    return CPProfile(lengths=tuple(int(x) for x in grid), tile=TILE, device=f"simulated-{hw.name}",
                      tflops=tuple(tuple(float(x) for x in row) for row in tflops),
                      backend="simulated", n_heads=1, n_kv_heads=1, head_dim=head_dim,
                      dtype="bfloat16")  # fmt: skip
+
+
+def _padded(q: np.ndarray, kv: np.ndarray, tile: int) -> tuple[np.ndarray, np.ndarray]:
+    """Query and key lengths padded up to the kernel tile (keys never fewer than queries)."""
+    pq = -(-q // tile) * tile
+    return pq, np.maximum(-(-kv // tile) * tile, pq)
 
 
 @lru_cache(maxsize=8)
@@ -202,12 +189,14 @@ def attention_time_fn(cfg) -> AttentionTimeFn:
     def fn(q_len: np.ndarray, kv_len: np.ndarray, flops: np.ndarray) -> np.ndarray:
         q = np.asarray(q_len, dtype=np.int64)
         kv = np.asarray(kv_len, dtype=np.int64)
-        pq = -(-q // table.tile) * table.tile
-        pk = np.maximum(-(-kv // table.tile) * table.tile, pq)
         # flops (the model's, per GPU) over the unpadded count gives heads x head_dim scaling.
         per_pair = np.divide(flops, 4.0 * causal_pairs(q, kv), out=np.zeros(q.shape),
                              where=q > 0)  # fmt: skip
-        total = attention_flops(pq, pk, 1, 1) * per_pair / (table.lookup_tflops(q, kv) * 1e12)
+        total = (
+            attention_flops(*_padded(q, kv, table.tile), 1, 1)
+            * per_pair
+            / (table.lookup_tflops(q, kv) * 1e12)
+        )
         return np.where(q > 0, total / (1.0 + hw.bwd_attn_factor), 0.0)
 
     return fn
@@ -233,10 +222,7 @@ def cost_model_for(cfg) -> CostModel:
     """The packers' cost model for a simulation (see SimConfig.cost_model)."""
     m, lay = cfg.model, cfg.layout
     if cfg.cost_model == "analytic":
-        return CostModel.from_model_dims(
-            dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
-            ffn_hidden_dim=m.ffn_hidden_dim, vocab_size=m.vocab_size, tp=lay.tp, cp=lay.cp,
-        )  # fmt: skip
+        return CostModel.from_model_dims(**m.dims(), tp=lay.tp, cp=lay.cp)
     return _profiled_cost_model(m, lay, cfg.hardware, cfg.context_len, cfg.cp_profile)
 
 

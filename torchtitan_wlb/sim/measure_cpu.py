@@ -1,17 +1,13 @@
 """Measure per-micro-batch and per-step training times of the ``llama3_wlb`` model on this CPU.
 
-The records feed ``torchtitan_wlb.sim.calibrate``: it fits the cost model to the standalone
-micro-batches, then predicts the measured steps (gradient accumulation over several micro-batches
-plus the optimizer) that it did not fit on.
-
     python -m torchtitan_wlb.sim.measure_cpu --out outputs/cpu_calib.json
     python -m torchtitan_wlb.sim.calibrate --records outputs/cpu_calib.json --json
 
-Micro-batches are packed from the packing benchmark's ``longtail`` generator by the project's
-``original`` and ``wlb`` packers (realistic compositions), plus micro-batches of equal documents of
-one length each (so that the attention and linear terms can be told apart). Each is run forward and
-backward on the real model (document-masked attention, per-document RoPE positions) with
-``torch.set_num_threads(--threads)``.
+Standalone micro-batches (the project's packers' outputs on the ``longtail`` workload, plus
+micro-batches of equal documents, so the attention and linear terms can be told apart) are what
+``calibrate`` fits; the measured steps (gradient accumulation plus the optimizer) are what it
+predicts without having fitted them. Each runs forward and backward on the real model
+(document-masked attention, per-document RoPE positions) with ``--threads`` threads.
 """
 
 from __future__ import annotations
@@ -52,13 +48,13 @@ def micro_batches(seq_len: int, n: int, seed: int) -> list[np.ndarray]:
 
 
 def build_model(flavor: str, seq_len: int):
-    from torchtitan_wlb import cpu_support
-
-    cpu_support.activate()
     import dataclasses
 
     import torch
 
+    from torchtitan_wlb import cpu_support
+
+    cpu_support.activate()  # before torchtitan is imported (below)
     from torchtitan_wlb.models.llama3_wlb import WLBTransformer, llama3_wlb_args
 
     if flavor not in llama3_wlb_args:
@@ -71,24 +67,17 @@ def build_model(flavor: str, seq_len: int):
     return model, args
 
 
-def run(
-    flavor: str,
-    seq_len: int,
-    n_mb: int,
-    n_steps: int,
-    accum: int,
-    threads: int,
-    seed: int,
-    repeats: int = 3,
-):
+def run(a: argparse.Namespace) -> dict:
+    """The calibration file's content: ``a.micro_batches`` standalone micro-batches, then
+    ``a.steps`` steps of ``a.grad_accum`` micro-batches and the optimizer update."""
     import torch
 
     from torchtitan_wlb.attention.metadata import metadata_from_doc_lens
 
-    torch.set_num_threads(threads)
-    model, args = build_model(flavor, int(seq_len * 1.25))
+    torch.set_num_threads(a.threads)
+    model, args = build_model(a.flavor, int(a.seq_len * 1.25))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(a.seed)
 
     def fwd_bwd(lens: np.ndarray) -> float:
         total = int(lens.sum())
@@ -102,36 +91,31 @@ def run(
         loss.backward()
         return time.perf_counter() - t0
 
-    mbs = micro_batches(seq_len, n_mb + n_steps * accum, seed)
+    n_mb, accum = a.micro_batches, a.grad_accum
+    mbs = micro_batches(a.seq_len, n_mb + a.steps * accum, a.seed)
     fwd_bwd(mbs[0])  # warm-up
     records, steps = [], []
     # Every measurement is the minimum of `repeats` runs: on a shared machine other processes only
     # ever add time, so the minimum is the best estimate of the uncontended time.
     for lens in mbs[:n_mb]:
-        best = min(fwd_bwd(lens) for _ in range(repeats))
+        best = min(fwd_bwd(lens) for _ in range(a.repeats))
         records.append({"doc_lens": lens.tolist(), "seconds": best, "step": -1})
         opt.zero_grad(set_to_none=True)
-    for s in range(n_steps):
+    for s in range(a.steps):
         group = mbs[n_mb + s * accum : n_mb + (s + 1) * accum]
         best_step, best_mb = float("inf"), [float("inf")] * len(group)
-        for _ in range(repeats):
+        for _ in range(a.repeats):
             t0 = time.perf_counter()
             times = [fwd_bwd(lens) for lens in group]
             opt.step()
             opt.zero_grad(set_to_none=True)
             best_step = min(best_step, time.perf_counter() - t0)
-            best_mb = [min(a, b) for a, b in zip(best_mb, times, strict=True)]
-        for lens, t in zip(group, best_mb, strict=True):
-            records.append({"doc_lens": lens.tolist(), "seconds": t, "step": s})
+            best_mb = [min(x, y) for x, y in zip(best_mb, times, strict=True)]
+        records += [{"doc_lens": lens.tolist(), "seconds": t, "step": s}
+                    for lens, t in zip(group, best_mb, strict=True)]  # fmt: skip
         steps.append({"step": s, "seconds": best_step})
-    return {
-        "microbatches": records,
-        "steps": steps,
-        "flavor": flavor,
-        "seq_len": seq_len,
-        "threads": threads,
-        "layout": {"tp": 1, "cp": 1, "pp": 1, "dp": 1},
-    }
+    return {"microbatches": records, "steps": steps, "flavor": a.flavor, "seq_len": a.seq_len,
+            "threads": a.threads, "layout": {"tp": 1, "cp": 1, "pp": 1, "dp": 1}}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,15 +131,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     try:
-        data = run(args.flavor, args.seq_len, args.micro_batches, args.steps, args.grad_accum,
-                   args.threads, args.seed, args.repeats)  # fmt: skip
+        data = run(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(data))
-    n = len(data["microbatches"])
-    print(f"wrote {args.out}: {n} micro-batch records, {len(data['steps'])} steps")
+    print(
+        f"wrote {args.out}: {len(data['microbatches'])} micro-batch records, {len(data['steps'])} steps"
+    )
     return 0
 
 

@@ -45,26 +45,21 @@ def latency_heatmap(results: Sequence[ModeResult], path: str | Path, max_rows: i
     is shared so modes compare.
     """
     plt = _plt()
-    first = results[0].mb_rank_compute_s
-    n_mb, cp = first.shape[1], first.shape[2]
-    steps = max(1, min(first.shape[0], max_rows // max(1, n_mb)))
-    mats = []
-    for r in results:
-        lat = r.mb_rank_compute_s[:steps]  # [steps, N, cp]
-        # Normalised within each step: balance across steps is not the goal (WLB releases a group
-        # of outliers together), balance inside the global batch is.
-        lat = lat / lat.mean(axis=(1, 2), keepdims=True)
-        mats.append(lat.reshape(-1, cp))
-    vmax = max(1.1, max(float(m.max()) for m in mats))
-    vmin = min(0.9, min(float(m.min()) for m in mats))
+    n_steps, n_mb, cp = results[0].mb_rank_compute_s.shape
+    steps = max(1, min(n_steps, max_rows // max(1, n_mb)))
+    # [steps, N, cp], normalised within each step: balance across steps is not the goal (WLB
+    # releases a group of outliers together), balance inside the global batch is.
+    lats = [r.mb_rank_compute_s[:steps] for r in results]
+    mats = [(lat / lat.mean(axis=(1, 2), keepdims=True)).reshape(-1, cp) for lat in lats]
+    vmax = max(1.1, *(float(m.max()) for m in mats))
+    vmin = min(0.9, *(float(m.min()) for m in mats))
     n_rows = mats[0].shape[0]
     fig, axes = plt.subplots(
         1, len(results), figsize=(2.2 * len(results) + 1.5, 1.6 + 0.16 * n_rows), squeeze=False
     )
     im = None
     dp = results[0].rank_compute_s.shape[1]
-    m = n_mb // dp
-    labels = [f"s{s} dp{d} mb{j}" for s in range(steps) for d in range(dp) for j in range(m)]
+    labels = [f"s{s} dp{d} mb{j}" for s in range(steps) for d in range(dp) for j in range(n_mb // dp)]  # fmt: skip
     for k, (ax, r, mat) in enumerate(zip(axes[0], results, mats, strict=True)):
         im = ax.imshow(mat, cmap="RdYlGn_r", vmin=vmin, vmax=vmax, aspect="auto",
                        interpolation="nearest")  # fmt: skip

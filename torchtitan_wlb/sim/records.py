@@ -1,15 +1,10 @@
 """Measured micro-batch times: the calibration file format, read and regrouped.
 
-The file (written by a training run's profiler, ``e2e_bench --records-out`` or ``sim.measure_cpu``)::
-
-    {"microbatches": [{"doc_lens": [int, ...], "seconds": float, "step": int (optional)}, ...],
-     "steps": [{"step": int, "seconds": float}, ...],            # optional: measured step times
-     "model": "7B" | {dims...}, "layout": {"tp":1,"cp":1,"pp":1,"dp":1}}   # optional
-
-A bare JSON list of micro-batch records is accepted too. Each record's ``seconds`` is the micro-batch's
-forward + backward time on one GPU. Pipeline-parallel runs (``e2e_bench --parallel pp2``) write one
-record per micro-batch and stage, with that stage's ``fwd_s`` and ``bwd_s`` and the micro-batch's index
-``mb`` in its step.
+The format (docs/simulator.md#calibration) is written by a training run's profiler,
+``e2e_bench --records-out`` or ``sim.measure_cpu``: micro-batch records ``{doc_lens, seconds,
+step}`` (or a bare list of them), optional measured ``steps``, ``model`` and ``layout``.
+Pipeline-parallel runs write one record per micro-batch *and stage*, with that stage's ``fwd_s``
+and ``bwd_s`` and the micro-batch's index ``mb`` in its step.
 """
 
 from __future__ import annotations

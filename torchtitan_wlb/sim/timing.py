@@ -1,22 +1,10 @@
 """Per-layer compute and communication time of packed micro-batches on a 4D layout.
 
 Everything here is counted, not fitted: FLOPs and bytes come from the model's dimensions and the
-micro-batch's document lengths, times from the hardware profile's achieved throughputs and bandwidths.
-
-What one transformer layer costs one GPU, forward, for one micro-batch (local tokens ``n`` on this CP
-rank, ``S`` in the whole micro-batch, TP degree ``t``):
-
-* GEMMs: ``2 n P_layer / t`` FLOPs (projections + SwiGLU MLP), at ``gemm_tflops``;
-* element-wise ops (norms, RoPE, activation, residual): ``n * dim * bytes / t`` over HBM;
-* attention: for every local query chunk of ``q`` tokens attending ``k`` keys of its own document
-  (bottom-right causal), ``4 * head_dim * heads / t * (q k - q (q - 1) / 2)`` FLOPs, at the attention
-  kernel's shape-dependent throughput;
-* TP with sequence parallelism: two all-gathers and two reduce-scatters of ``n x dim`` bf16 activations;
-* CP (all-gather KV): gather ``S`` tokens' K and V for the local KV heads; backward reduce-scatters
-  dK, dV of the same size.
-
-CP ranks meet at every layer's all-gather, so a layer costs the *slowest* CP rank's compute plus the
-exposed communication; that is how per-rank attention imbalance turns into step time.
+micro-batch's document lengths (the formulas are in docs/simulator.md and beside the code below),
+times from the hardware profile's achieved throughputs and bandwidths. CP ranks meet at every
+layer's all-gather, so a layer costs the *slowest* CP rank's compute plus the exposed
+communication; that is how per-rank attention imbalance turns into step time.
 """
 
 from __future__ import annotations
