@@ -60,6 +60,7 @@ TOKEN_DTYPE = np.int32
 """dtype of the token arrays the node yields (token ids are below 2**31 in every vocabulary)."""
 
 _EMPTY = np.zeros(0, np.int64)
+_ZERO = np.zeros(1, np.int64)
 
 
 def as_tokens(doc_id: int, tokens: Any) -> np.ndarray:
@@ -173,12 +174,15 @@ class WLBPackingNode(BaseNode[dict]):
             pick = np.concatenate([np.arange(ends[j] - counts[j], ends[j]) for j in mine.tolist()])
             parts = list(map(parts.__getitem__, pick.tolist()))
         lens = [plan.doc_lens[j] for j in mine.tolist()]
-        sizes = np.fromiter(map(np.sum, lens), np.int64, len(lens))
-        total = int(sizes.sum())
+        # Token offsets of this rank's micro-batches in the buffer: the running token count at
+        # each micro-batch's last document.
+        ends_mine = np.cumsum(counts[mine])
+        running = np.concatenate([_ZERO, np.cumsum(np.concatenate(lens))])
+        bounds = running[np.concatenate([_ZERO, ends_mine])].tolist()
+        total = bounds[-1]
         buf = self._out_buffer(total)
         if parts:
             np.concatenate(parts, out=buf[:total])
-        bounds = np.concatenate([[0], np.cumsum(sizes)]).tolist()
         micro_batches = [
             {
                 "tokens": buf[bounds[k] : bounds[k + 1]],
