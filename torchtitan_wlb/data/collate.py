@@ -52,7 +52,7 @@ def collate_micro_batch(
     to the loss, its gradients are zero, and every rank and pipeline stage still runs the step's
     fixed number of micro-batches (gradient accumulation and the pipeline schedule need it).
     """
-    tokens = np.asarray(tokens, dtype=np.int64)
+    tokens = np.asarray(tokens)
     doc_lens = np.asarray(doc_lens, dtype=np.int64)
     if doc_lens.size == 0 and tokens.size == 0:
         input_dict = {
@@ -66,7 +66,13 @@ def collate_micro_batch(
             f"document lengths {doc_lens.tolist()[:8]}... (sum {int(doc_lens.sum())}) do not "
             f"describe a packed sequence of {tokens.size} tokens"
         )
-    labels = np.roll(tokens, -1)
+    if tokens.dtype.kind not in "iu":
+        raise ValueError(f"tokens must be integers, got dtype {tokens.dtype}")
+    # The packing node yields int32 tokens; the model and the loss take int64. Both arrays are
+    # written once from ``tokens`` (the labels are the tokens shifted by one).
+    tokens = tokens.astype(np.int64, copy=False)
+    labels = np.empty_like(tokens)
+    labels[:-1] = tokens[1:]
     labels[np.cumsum(doc_lens) - 1] = IGNORE_INDEX
     if reset_positions:
         positions = document_positions(doc_lens)

@@ -2,7 +2,7 @@
 
 This is the first node of the data pipeline. It yields one dict per document (or document piece):
 
-    {"doc_id": int, "tokens": np.ndarray[int64], "parent_id": int, "piece": int, "epoch": int}
+    {"doc_id": int, "tokens": np.ndarray[int32], "parent_id": int, "piece": int, "epoch": int}
 
 ``doc_id`` counts emitted pieces from 0 and is unique within the run; ``parent_id`` is the index of
 the source text in its epoch; ``piece`` numbers the pieces of a split document. Every rank reads the
@@ -94,7 +94,9 @@ class DocumentNode(BaseNode[dict]):
         self._it = self._generate()
 
     def _pieces(self, index: int, text: str) -> list[np.ndarray]:
-        tokens = np.asarray(self.tokenizer.encode(text, add_bos=True, add_eos=True), np.int64)
+        # int32: every vocabulary's ids fit (numpy refuses an id that does not), and the packing
+        # node holds and copies half the bytes of int64.
+        tokens = np.asarray(self.tokenizer.encode(text, add_bos=True, add_eos=True), np.int32)
         if tokens.size <= self.max_doc_len:
             return [tokens]
         if self.policy == "error":
@@ -143,6 +145,24 @@ class DocumentNode(BaseNode[dict]):
     def next(self) -> dict:
         assert self._it is not None, "reset() must be called before next()"
         return next(self._it)
+
+    def read_documents(self, min_tokens: int) -> tuple[list[int], list[np.ndarray]]:
+        """The next documents' ids and tokens, until their tokens reach ``min_tokens`` (the
+        crossing one included) or the data ends: a batched ``next`` for the packing node, which
+        then checks the batch with array operations instead of one item at a time."""
+        if self._it is None:
+            self.reset(None)
+        ids: list[int] = []
+        tokens: list[np.ndarray] = []
+        got = 0
+        while got < min_tokens:
+            item = next(self._it, None)
+            if item is None:
+                break
+            ids.append(item["doc_id"])
+            tokens.append(item["tokens"])
+            got += item["tokens"].size
+        return ids, tokens
 
     def get_state(self) -> dict:
         return {

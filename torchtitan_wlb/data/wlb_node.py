@@ -1,15 +1,27 @@
 """torchdata node that packs a document stream into per-step micro-batches with a packer.
 
-Input: a ``BaseNode`` yielding ``{"doc_id": int, "tokens": np.ndarray[int64]}`` (the document
-stream). Output: one item per optimizer step,
+Input: a ``BaseNode`` yielding ``{"doc_id": int, "tokens": np.ndarray}`` (the document stream;
+any integer dtype, token ids below 2**31). Output: one item per optimizer step,
 
     {"micro_batches": [{"tokens", "doc_lens", "doc_ids"}, ...],  # this DP rank's N // dp
      "stats": {...}}                                              # the global plan's metrics
+
+``tokens`` is int32 (every vocabulary fits; half the bytes of int64 to hold and to copy): the
+collate step widens it to the model's int64 as it builds the labels.
 
 Every DP rank runs the same node on the same global stream and computes the same global plan
 (packers are deterministic) and keeps its ``N // dp`` micro-batches: contiguous slices for the
 ``original`` baseline, workload-balanced dealing for the other packers (``_rank_micro_batches``).
 No communication is needed, and a rank's checkpoint is enough to resume it.
+
+Per-step cost. The step's work is a few vectorised operations over the step's documents, not a
+Python loop over them: the source is read in one batch when it offers ``read_documents`` (the
+document node and the benchmark's source do; any other ``BaseNode`` is read one item at a time),
+the batch is checked with array operations, and this rank's tokens are gathered by one
+``np.concatenate`` into an output buffer. Output buffers are reused: a buffer goes back into use
+only when nothing refers to it any more (its reference count is back to the pool's own), so a
+consumer that keeps a step's arrays (the prefetch queue, a user's code) never sees them change,
+and a step does not pay for fresh pages (page faults) in the common case.
 
 Read-ahead: the node keeps up to one global batch (``N * context_len`` tokens) of documents read
 from the source but not yet given to the packer, so that it sees the end of the data one step
@@ -31,17 +43,44 @@ contract); the replayed documents are checked against the stored ids and lengths
 
 from __future__ import annotations
 
-from collections import deque
+import sys
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
 from torchdata.nodes import BaseNode
 
 from torchtitan_wlb.packing import Packer
-from torchtitan_wlb.packing.driver import next_plan
+from torchtitan_wlb.packing.driver import next_plan, take_until
 from torchtitan_wlb.packing.placement import dp_order
 
-__all__ = ["WLBPackingNode"]
+__all__ = ["TOKEN_DTYPE", "WLBPackingNode"]
+
+TOKEN_DTYPE = np.int32
+"""dtype of the token arrays the node yields (token ids are below 2**31 in every vocabulary)."""
+
+_EMPTY = np.zeros(0, np.int64)
+_ZERO = np.zeros(1, np.int64)
+
+
+def as_tokens(doc_id: int, tokens: Any) -> np.ndarray:
+    """One document's tokens as a 1-D ``TOKEN_DTYPE`` array (no copy when it already is one)."""
+    if not isinstance(tokens, np.ndarray):
+        tokens = np.asarray(tokens)
+    if tokens.dtype == TOKEN_DTYPE:
+        return tokens
+    if tokens.dtype.kind not in "iu":
+        raise ValueError(
+            f"document {doc_id}: tokens must be a 1-D integer array of length >= 1, got "
+            f"shape {tokens.shape} dtype {tokens.dtype}"
+        )
+    info = np.iinfo(TOKEN_DTYPE)
+    if tokens.size and (tokens.min() < info.min or tokens.max() > info.max):
+        raise ValueError(
+            f"document {doc_id}: token ids must fit in {np.dtype(TOKEN_DTYPE).name}, got values "
+            f"in [{tokens.min()}, {tokens.max()}]"
+        )
+    return tokens.astype(TOKEN_DTYPE)
 
 
 class WLBPackingNode(BaseNode[dict]):
@@ -49,6 +88,9 @@ class WLBPackingNode(BaseNode[dict]):
 
     SOURCE_KEY = "source"
     PACKER_KEY = "packer"
+    POOL_SIZE = 4
+    """Output buffers kept for reuse; a step whose buffers are all still referenced (a deep
+    prefetch queue) gets a fresh one that is not kept."""
 
     def __init__(
         self, source: BaseNode, packer: Packer, *, dp_rank: int = 0, dp_degree: int = 1
@@ -76,19 +118,20 @@ class WLBPackingNode(BaseNode[dict]):
         self._initial_packer_state = packer.state_dict()
         self._tokens: dict[int, np.ndarray] = {}  # every held document: read-ahead + pending
         self._snapshots: list[tuple[int, dict[str, Any], int]] = []
-        self._snapshot_ids: list[np.ndarray] = []  # the ids each snapshot's pull read
-        self._ahead: deque[tuple[int, int]] = deque()  # (id, length) read, not given to the packer
-        self._ahead_tokens = 0
+        self._snapshot_ids: list[list[int]] = []  # the ids each snapshot's pull read
+        self._ahead_ids = _EMPTY  # read, not given to the packer yet (stream order)
+        self._ahead_lens = _EMPTY
         self._source_done = False
         self._exhausted = False
+        self._buffers: list[np.ndarray] = []  # output buffers (see ``_out_buffer``)
+        self._free_refs = 0  # a pooled buffer's reference count when nothing else holds it
 
     # ------------------------------------------------------------------ BaseNode
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
         self._tokens = {}
         self._snapshot_ids = []
-        self._ahead = deque()
-        self._ahead_tokens = 0
+        self._ahead_ids = self._ahead_lens = _EMPTY
         if initial_state is None:
             self.source.reset(None)
             self.packer.load_state_dict(self._initial_packer_state)
@@ -100,12 +143,11 @@ class WLBPackingNode(BaseNode[dict]):
         # States written before the read-ahead: the source ended exactly when the data did.
         self._source_done = bool(initial_state.get("source_done", self._exhausted))
         self._snapshots = [(int(s), st, int(k)) for s, st, k in initial_state["snapshots"]]
-        ahead = [(int(i), int(n)) for i, n in initial_state.get("ahead", [])]
-        self._ahead = deque(ahead)
-        self._ahead_tokens = sum(n for _, n in ahead)
+        ahead = np.asarray(initial_state.get("ahead", []), np.int64).reshape(-1, 2)
+        self._ahead_ids, self._ahead_lens = ahead[:, 0].copy(), ahead[:, 1].copy()
         pending = self.packer.pending()
         held = dict(zip(pending.ids.tolist(), pending.lens.tolist(), strict=True))
-        held.update(ahead)
+        held.update(zip(self._ahead_ids.tolist(), self._ahead_lens.tolist(), strict=True))
         self._replay(held)
         self.source.reset(initial_state[self.SOURCE_KEY])
 
@@ -114,7 +156,7 @@ class WLBPackingNode(BaseNode[dict]):
             self.SOURCE_KEY: self.source.state_dict(),
             self.PACKER_KEY: self.packer.state_dict(),
             "snapshots": [[s, st, k] for s, st, k in self._snapshots],
-            "ahead": [[i, n] for i, n in self._ahead],
+            "ahead": np.stack([self._ahead_ids, self._ahead_lens], axis=1).tolist(),
             "source_done": self._source_done,
             "exhausted": self._exhausted,
         }
@@ -123,15 +165,32 @@ class WLBPackingNode(BaseNode[dict]):
         plan = next_plan(self.packer, self)
         if plan is None:
             raise StopIteration
-        micro_batches = []
-        for j in self._rank_micro_batches(plan.doc_lens).tolist():
-            doc_ids, doc_lens = plan.doc_ids[j], plan.doc_lens[j]
-            parts = [self._tokens[i] for i in doc_ids.tolist()]
-            tokens = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-            micro_batches.append({"tokens": tokens, "doc_lens": doc_lens, "doc_ids": doc_ids})
-        tokens_of = self._tokens
-        for i in np.concatenate(plan.doc_ids).tolist():
-            del tokens_of[i]
+        mine = self._rank_micro_batches(plan.doc_lens)
+        counts = np.fromiter(map(len, plan.doc_ids), np.int64, len(plan.doc_ids))
+        ends = np.cumsum(counts)
+        # Every emitted document leaves the node; this rank keeps the tokens of its own.
+        parts = list(map(self._tokens.pop, np.concatenate(plan.doc_ids).tolist()))
+        if self.dp_degree > 1:
+            pick = np.concatenate([np.arange(ends[j] - counts[j], ends[j]) for j in mine.tolist()])
+            parts = list(map(parts.__getitem__, pick.tolist()))
+        lens = [plan.doc_lens[j] for j in mine.tolist()]
+        # Token offsets of this rank's micro-batches in the buffer: the running token count at
+        # each micro-batch's last document.
+        ends_mine = np.cumsum(counts[mine])
+        running = np.concatenate([_ZERO, np.cumsum(np.concatenate(lens))])
+        bounds = running[np.concatenate([_ZERO, ends_mine])].tolist()
+        total = bounds[-1]
+        buf = self._out_buffer(total)
+        if parts:
+            np.concatenate(parts, out=buf[:total])
+        micro_batches = [
+            {
+                "tokens": buf[bounds[k] : bounds[k + 1]],
+                "doc_lens": lens[k],
+                "doc_ids": plan.doc_ids[j],
+            }
+            for k, j in enumerate(mine.tolist())
+        ]
         self._prune()
         stats = dict(plan.stats)
         stats["step"] = plan.step
@@ -150,54 +209,64 @@ class WLBPackingNode(BaseNode[dict]):
         with fewer than ``horizon`` tokens left, those join this pull and the data ends here. The
         source's state before the pull's reads is recorded so that a restore can replay them.
         """
-        ids: list[int] = []
-        lens: list[int] = []
         if budget <= 0 or self._exhausted:
-            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+            return _EMPTY, _EMPTY
         snapshot = self.source.state_dict()
-        read: list[int] = []
-        got = 0
-        while got < budget and self._ahead:
-            doc_id, n = self._ahead.popleft()
-            ids.append(doc_id)
-            lens.append(n)
-            got += n
-        self._ahead_tokens -= got
-        while got < budget and not self._source_done:
-            doc = self._read()
-            if doc is not None:
-                read.append(doc[0])
-                ids.append(doc[0])
-                lens.append(doc[1])
-                got += doc[1]
-        while self._ahead_tokens < horizon and not self._source_done:
-            doc = self._read()
-            if doc is not None:
-                read.append(doc[0])
-                self._ahead.append(doc)
-                self._ahead_tokens += doc[1]
-        if self._source_done and self._ahead_tokens < horizon:
-            for doc_id, n in self._ahead:  # less than a step is left: it ends the data now
-                ids.append(doc_id)
-                lens.append(n)
-            self._ahead.clear()
-            self._ahead_tokens = 0
+        k, _ = take_until(budget, np.cumsum(self._ahead_lens), 0)
+        ids, lens = [self._ahead_ids[:k]], [self._ahead_lens[:k]]
+        self._ahead_ids, self._ahead_lens = self._ahead_ids[k:], self._ahead_lens[k:]
+        got = int(lens[0].sum())
+        read_ids, read_lens = self._read(budget - got)
+        ids.append(read_ids)
+        lens.append(read_lens)
+        more_ids, more_lens = self._read(horizon - int(self._ahead_lens.sum()))
+        self._ahead_ids = np.concatenate([self._ahead_ids, more_ids])
+        self._ahead_lens = np.concatenate([self._ahead_lens, more_lens])
+        if self._source_done and int(self._ahead_lens.sum()) < horizon:
+            # Less than a step is left: it ends the data now.
+            ids.append(self._ahead_ids)
+            lens.append(self._ahead_lens)
+            self._ahead_ids = self._ahead_lens = _EMPTY
             self._exhausted = True
+        read = read_ids.tolist() + more_ids.tolist()
         if read:
             self._snapshots.append((self.packer.steps_done, snapshot, len(read)))
-            self._snapshot_ids.append(np.asarray(read, np.int64))
-        return np.asarray(ids, np.int64), np.asarray(lens, np.int64)
+            self._snapshot_ids.append(read)
+        return np.concatenate(ids), np.concatenate(lens)
 
-    def _read(self) -> tuple[int, int] | None:
-        """One document from the source (its tokens kept), or None when the source has ended."""
-        try:
-            item = next(self.source)
-        except StopIteration:
+    def _read(self, tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """Documents from the source, in order, until their tokens reach ``tokens`` (the crossing
+        one included; none when ``tokens <= 0``) or the source ends. Their tokens are kept.
+
+        One call of the source's ``read_documents(tokens)`` when it has one (a batch of ids and
+        token arrays, fewer tokens than asked only at its end); else one item at a time.
+        """
+        if tokens <= 0 or self._source_done:
+            return _EMPTY, _EMPTY
+        batched = getattr(self.source, "read_documents", None)
+        if batched is not None:
+            doc_ids, arrays = batched(tokens)
+            doc_ids = np.asarray(doc_ids, np.int64).reshape(-1)
+            arrays = list(arrays)
+        else:
+            ids_read: list[int] = []
+            arrays = []
+            got = 0
+            while got < tokens:
+                try:
+                    item = next(self.source)
+                except StopIteration:
+                    break
+                doc_id, array = self._unpack(item)
+                ids_read.append(doc_id)
+                arrays.append(array)
+                got += array.size
+            doc_ids = np.asarray(ids_read, np.int64)
+        lens = self._check(doc_ids, arrays)
+        if int(lens.sum()) < tokens:
             self._source_done = True
-            return None
-        doc_id, tokens = self._check(item)
-        self._tokens[doc_id] = tokens
-        return doc_id, tokens.size
+        self._tokens.update(zip(doc_ids.tolist(), arrays, strict=True))
+        return doc_ids, lens
 
     # ------------------------------------------------------------------ helpers
     def _rank_micro_batches(self, doc_lens: list[np.ndarray]) -> np.ndarray:
@@ -207,6 +276,8 @@ class WLBPackingNode(BaseNode[dict]):
         plans are dealt to DP ranks by workload (:func:`~torchtitan_wlb.packing.placement.dp_order`)
         so that every rank's total is as even as the micro-batches allow.
         """
+        if self.dp_degree == 1:
+            return np.arange(len(doc_lens))
         sizes = np.fromiter(map(len, doc_lens), np.int64, len(doc_lens))
         costs = self.packer.cost_model.doc_cost(np.concatenate(doc_lens))
         loads = np.bincount(np.repeat(np.arange(sizes.size), sizes), costs, minlength=sizes.size)
@@ -214,39 +285,81 @@ class WLBPackingNode(BaseNode[dict]):
         lo = self.dp_rank * self._per_rank
         return order[lo : lo + self._per_rank]
 
-    def _check(self, item: Any) -> tuple[int, np.ndarray]:
+    def _out_buffer(self, size: int) -> np.ndarray:
+        """A ``TOKEN_DTYPE`` buffer of at least ``size`` elements that nothing else refers to.
+
+        A pooled buffer is free when its reference count is the one it had right after it was
+        pooled (the pool's own reference): every array a consumer keeps from an earlier step is
+        a view that holds its buffer. Fresh buffers are pooled while the pool has room.
+        """
+        for k in range(len(self._buffers)):
+            if (
+                self._buffers[k].size >= size
+                and sys.getrefcount(self._buffers[k]) <= self._free_refs
+            ):
+                return self._buffers[k]
+        capacity = max(size, self._per_rank * self.packer.cap)
+        if len(self._buffers) >= self.POOL_SIZE:
+            return np.empty(size, TOKEN_DTYPE)
+        self._buffers.append(np.empty(capacity, TOKEN_DTYPE))
+        self._free_refs = sys.getrefcount(self._buffers[-1])
+        return self._buffers[-1]
+
+    def _unpack(self, item: Any) -> tuple[int, np.ndarray]:
+        """One source item's id and tokens (as a ``TOKEN_DTYPE`` array)."""
         if not isinstance(item, dict) or "doc_id" not in item or "tokens" not in item:
             raise ValueError(
                 "the document stream must yield dicts with 'doc_id' and 'tokens', got "
                 f"{type(item).__name__}"
             )
         doc_id = int(item["doc_id"])
-        tokens = item["tokens"]
-        if not isinstance(tokens, np.ndarray):
-            tokens = np.asarray(tokens)
-        if tokens.ndim != 1 or tokens.size < 1 or tokens.dtype.kind not in "iu":
+        return doc_id, as_tokens(doc_id, item["tokens"])
+
+    def _check(self, doc_ids: np.ndarray, arrays: list[np.ndarray]) -> np.ndarray:
+        """Check a batch of documents read from the source (vectorised); return their lengths.
+
+        Arrays of another integer dtype than ``TOKEN_DTYPE`` are converted in place in ``arrays``.
+        """
+        if doc_ids.size != len(arrays):
             raise ValueError(
-                f"document {doc_id}: tokens must be a 1-D integer array of length >= 1, got "
-                f"shape {tokens.shape} dtype {tokens.dtype}"
+                f"the source gave {doc_ids.size} document ids but {len(arrays)} arrays"
             )
-        if tokens.size > self.packer.cap:
+        if not arrays:
+            return _EMPTY
+        if set(map(attrgetter("dtype"), arrays)) != {np.dtype(TOKEN_DTYPE)}:
+            arrays[:] = [as_tokens(i, a) for i, a in zip(doc_ids.tolist(), arrays, strict=True)]
+        ndim = np.fromiter(map(attrgetter("ndim"), arrays), np.int64, len(arrays))
+        lens = np.fromiter(map(attrgetter("size"), arrays), np.int64, len(arrays))
+        bad = np.flatnonzero((ndim != 1) | (lens < 1))
+        if bad.size:
+            i, a = int(doc_ids[bad[0]]), arrays[bad[0]]
             raise ValueError(
-                f"document {doc_id} has {tokens.size} tokens, more than the micro-batch cap "
-                f"{self.packer.cap}; split long documents in the loader (max_doc_len)"
+                f"document {i}: tokens must be a 1-D integer array of length >= 1, got "
+                f"shape {a.shape} dtype {a.dtype}"
             )
-        if doc_id in self._tokens:
-            raise ValueError(f"document id {doc_id} appears twice among pending documents")
-        return doc_id, tokens.astype(np.int64, copy=False)
+        cap = self.packer.cap
+        if int(lens.max()) > cap:
+            k = int(np.argmax(lens > cap))
+            raise ValueError(
+                f"document {int(doc_ids[k])} has {int(lens[k])} tokens, more than the micro-batch "
+                f"cap {cap}; split long documents in the loader (max_doc_len)"
+            )
+        unique = np.unique(doc_ids)
+        if unique.size != doc_ids.size or any(map(self._tokens.__contains__, unique.tolist())):
+            seen = set(self._tokens)
+            twice = next(i for i in doc_ids.tolist() if i in seen or seen.add(i))
+            raise ValueError(f"document id {twice} appears twice among pending documents")
+        return lens
 
     def _prune(self) -> None:
         """Drop the snapshots of pulls none of whose documents is still held."""
         if not self._tokens:
             self._snapshots, self._snapshot_ids = [], []
             return
-        held = np.fromiter(self._tokens, np.int64, len(self._tokens))
+        held = self._tokens.__contains__
         keep = len(self._snapshots)
         for i, read in enumerate(self._snapshot_ids):
-            if np.isin(read, held).any():
+            if any(map(held, read)):
                 keep = i
                 break
         del self._snapshots[:keep], self._snapshot_ids[:keep]
@@ -259,13 +372,11 @@ class WLBPackingNode(BaseNode[dict]):
             raise ValueError("checkpoint holds documents but no source snapshots")
         self.source.reset(self._snapshots[0][1])
         for _, _, count in self._snapshots:
-            read = np.empty(count, np.int64)
-            for k in range(count):
-                item = next(self.source)
-                doc_id = int(item["doc_id"])
-                read[k] = doc_id
+            read = []
+            for _ in range(count):
+                doc_id, tokens = self._unpack(next(self.source))
+                read.append(doc_id)
                 if doc_id in held:
-                    tokens = np.asarray(item["tokens"]).astype(np.int64, copy=False)
                     if tokens.size != held[doc_id]:
                         raise RuntimeError(
                             f"replayed document {doc_id} has {tokens.size} tokens, checkpoint "

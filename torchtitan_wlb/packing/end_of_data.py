@@ -58,9 +58,12 @@ def _chunked(costs: np.ndarray, lens: np.ndarray, n: int, cap: int, steps: int) 
     return DrainPlan(steps, by_rank // n, by_rank % n, predicted)
 
 
-def _levelled(costs: np.ndarray, lens: np.ndarray, n: int, cap: int) -> DrainPlan:
+def _levelled(
+    costs: np.ndarray, lens: np.ndarray, n: int, cap: int, bound: float = np.inf
+) -> DrainPlan | None:
     """Step by step: the ``n`` costliest documents left set the step's level, the others fill
-    every micro-batch up to it (largest first, under the token cap).
+    every micro-batch up to it (largest first, under the token cap). ``None`` as soon as the
+    predicted time exceeds ``bound`` (the plan to beat): it only grows with more steps.
 
     A step that holds a long document costs that document's time whatever else it holds, so its
     other micro-batches should carry as much work as fits under that level: what they take is
@@ -87,6 +90,8 @@ def _levelled(costs: np.ndarray, lens: np.ndarray, n: int, cap: int) -> DrainPla
             left = rest
         predicted += float(loads.max())
         k += 1
+        if predicted > bound:
+            return None
     return DrainPlan(k, step, mb, predicted)
 
 
@@ -123,9 +128,10 @@ def plan_drain(
         trial = _chunked(costs, lens, n, cap, fewest + more)
         if trial is not None and trial.predicted_time < best.predicted_time * (1 - 1e-9):
             best = trial
-    levelled = _levelled(costs, lens, n, cap)
-    if levelled.predicted_time < best.predicted_time * (1 - 1e-9) or (
-        levelled.predicted_time <= best.predicted_time and levelled.steps < best.steps
+    levelled = _levelled(costs, lens, n, cap, best.predicted_time)
+    if levelled is not None and (
+        levelled.predicted_time < best.predicted_time * (1 - 1e-9)
+        or (levelled.predicted_time <= best.predicted_time and levelled.steps < best.steps)
     ):
         best = levelled
     return best

@@ -135,17 +135,26 @@ def fill_rounds(
             # proposes a bin (the k-th least-loaded for the k-th document, else its least-loaded
             # fitting bin); each bin takes its largest proposer. Documents that fit nowhere now
             # never will (bins only fill up) and are dropped at once.
-            fits = (t[:, None] <= room[None, :]) & (loads[None, :] + c[:, None] <= limit)
-            placeable = fits.any(axis=1)
-            rem, c, t, fits = rem[placeable], c[placeable], t[placeable], fits[placeable]
+            # A document's least-loaded bin with room (the first of equals) is the least-loaded
+            # of the bins with the most room: one of N prefixes of the bins sorted by room, so
+            # it comes from an N x N table instead of a documents x N one. A document fits
+            # somewhere iff it fits that bin (a bin with more load cannot take it either).
+            nb = loads.size
+            by_room = np.argsort(-room, kind="stable")
+            rank = np.empty(nb, np.int64)
+            rank[by_room] = np.arange(nb)
+            prefix = rank[None, :] <= np.arange(nb)[:, None]
+            least = np.argmin(np.where(prefix, loads[None, :], np.inf), axis=1)
+            with_room = nb - room[by_room][::-1].searchsorted(t, side="left")
+            best = least[np.maximum(with_room - 1, 0)]
+            placeable = (with_room > 0) & (loads[best] + c <= limit)
+            rem, c, t, best = rem[placeable], c[placeable], t[placeable], best[placeable]
             if rem.size == 0:
                 break
             asc = np.argsort(loads, kind="stable")
-            r = np.arange(rem.size)
-            prop = asc[r % asc.size]
-            choice = np.where(
-                fits[r, prop], prop, np.argmin(np.where(fits, loads[None, :], np.inf), axis=1)
-            )
+            prop = asc[np.arange(rem.size) % nb]
+            fits_prop = (t <= room[prop]) & (loads[prop] + c <= limit)
+            choice = np.where(fits_prop, prop, best)
             _, first = np.unique(choice, return_index=True)
             out[rem[first]] = choice[first]
             loads[choice[first]] += c[first]

@@ -457,21 +457,30 @@ class WLBPacker(_QueuedPacker):
         if not must_balance:
             token_budget -= new_tokens
         out = np.full(waiting.size, -1, np.int64)
-        cand = np.flatnonzero(fits)
-        for i in cand.tolist():  # O(#waiting outliers), bounded by the queues
-            if lens[i] > token_budget:
+        # One outlier at a time (each placement changes the next one's bin), over N bins: plain
+        # Python floats and ints for the per-bin scan, several times cheaper than a handful of
+        # NumPy calls on N-element arrays; ``loads`` stays in step for its (pairwise) sum.
+        bin_load, bin_tok = loads.tolist(), tokens.tolist()
+        cost_of, len_of = costs.tolist(), lens.tolist()
+        for i in np.flatnonzero(fits).tolist():  # O(#waiting outliers), bounded by the queues
+            d = len_of[i]
+            if d > token_budget:
                 continue
-            room_ok = tokens + lens[i] <= cap
-            if not room_ok.any():
+            room, j, low = cap - d, -1, np.inf
+            for b in range(n):  # the least-loaded bin with room (the first of equals)
+                if bin_tok[b] <= room and bin_load[b] < low:
+                    j, low = b, bin_load[b]
+            if j < 0:
                 continue
-            j = int(np.argmin(np.where(room_ok, loads, np.inf)))
-            dyn = level if must_balance else max(level, (loads.sum() + costs[i] + new_cost) / n)
-            if loads[j] + costs[i] > dyn:
+            c = cost_of[i]
+            dyn = level if must_balance else max(level, (loads.sum() + c + new_cost) / n)
+            if low + c > dyn:
                 continue
             out[i] = j
-            loads[j] += costs[i]
-            tokens[j] += lens[i]
-            token_budget -= lens[i]
+            bin_load[j] += c
+            bin_tok[j] += d
+            loads[j], tokens[j] = bin_load[j], bin_tok[j]
+            token_budget -= d
         if must_balance:
             if not (out >= 0).any():
                 return None

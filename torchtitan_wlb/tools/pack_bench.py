@@ -25,8 +25,11 @@ The last line printed is one JSON object (with ``--json``) holding:
 * delay: ``avg_delay_iters`` (token-weighted), ``max_delay_iters``; ``drain_steps``, the steps
   from the one the data ended in (the read-ahead sees the end one step early) to the last;
 * cost: ``overhead_ms``, ``overhead_ms_p95`` and ``overhead_ms_max``: wall time of one whole step
-  of the data node on one DP rank (``--dp``): reading the documents from an in-memory token source,
-  the plan, gathering this rank's tokens, dealing micro-batches to DP ranks; ``plan_ms`` and
+  of the data node on one DP rank (``--dp``): reading the documents from an in-memory token source
+  (int32 tokens, batched reads, as from the document node), the plan, gathering this rank's tokens,
+  dealing micro-batches to DP ranks; ``overhead_cpu_ms`` and ``overhead_cpu_ms_p95``: the same
+  step's CPU time on its thread (what the step costs one core when other processes share the
+  machine and stretch its wall time); ``plan_ms`` and
   ``plan_ms_p95``: CPU time of the plan alone. Tokenization is not included (the source holds
   tokens); it is the same for every packer;
 * exactly-once: ``tokens_in`` and ``tokens_out`` (equal unless documents were lost),
@@ -47,7 +50,7 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from torchtitan_wlb.cost_model import CostModel
-from torchtitan_wlb.data.wlb_node import WLBPackingNode
+from torchtitan_wlb.data.wlb_node import TOKEN_DTYPE, WLBPackingNode
 from torchtitan_wlb.models.catalogue import MODELS, get_model
 from torchtitan_wlb.packing import (
     PACKERS,
@@ -58,6 +61,7 @@ from torchtitan_wlb.packing import (
     drive,
     packing_config,
 )
+from torchtitan_wlb.packing.driver import take_until
 from torchtitan_wlb.packing.tuning import tune_queues
 from torchtitan_wlb.tools.cli import ToolParser, progress
 from torchtitan_wlb.workloads import (
@@ -97,15 +101,23 @@ def build_cost_model(args: argparse.Namespace) -> CostModel:
 
 
 class _TokenSource(BaseNode[dict]):
-    """Documents of the given lengths as the document node yields them (ids and tokens).
+    """Documents of the given lengths as the document node yields them (ids and int32 tokens).
 
-    The tokens are views of one buffer: the benchmark times the packing node, not a tokenizer.
+    The benchmark times the packing node, not a tokenizer, so the tokens already exist: views of
+    one arena of ``arena_tokens`` tokens, laid out one after the other and wrapping around, so
+    that the documents of a few steps occupy distinct memory (more than the caches hold, as
+    freshly tokenized documents would). Like the document node it offers ``read_documents``, the
+    batched read the packing node uses.
     """
 
-    def __init__(self, lengths: np.ndarray) -> None:
+    def __init__(self, lengths: np.ndarray, arena_tokens: int = 0) -> None:
         super().__init__()
-        self.lengths = lengths
-        self._buffer = np.arange(int(lengths.max()) if lengths.size else 1, dtype=np.int64)
+        self.lengths = np.asarray(lengths, np.int64)
+        longest = int(self.lengths.max()) if self.lengths.size else 1
+        span = max(int(arena_tokens), 2 * longest)
+        self._buffer = np.arange(span + longest, dtype=TOKEN_DTYPE)
+        self._cum = np.cumsum(self.lengths)
+        self._start = (self._cum - self.lengths) % span
         self._pos = 0
 
     def reset(self, initial_state: dict | None = None) -> None:
@@ -117,7 +129,17 @@ class _TokenSource(BaseNode[dict]):
             raise StopIteration
         i = self._pos
         self._pos += 1
-        return {"doc_id": i, "tokens": self._buffer[: self.lengths[i]]}
+        a = int(self._start[i])
+        return {"doc_id": i, "tokens": self._buffer[a : a + self.lengths[i]]}
+
+    def read_documents(self, min_tokens: int) -> tuple[np.ndarray, list[np.ndarray]]:
+        """The next documents until their tokens reach ``min_tokens`` (or the end)."""
+        start = self._pos
+        self._pos, _ = take_until(min_tokens, self._cum, start)
+        lo = self._start[start : self._pos]
+        hi = lo + self.lengths[start : self._pos]
+        views = list(map(self._buffer.__getitem__, map(slice, lo.tolist(), hi.tolist())))
+        return np.arange(start, self._pos), views
 
     def get_state(self) -> dict:
         return {"pos": self._pos}
@@ -130,20 +152,28 @@ def node_step_ms(
     cost_model: CostModel,
     steps: int | None,
     dp: int,
-) -> list[float]:
-    """Wall milliseconds of every step of the data node (DP rank 0 of ``dp``) over ``lengths``."""
+) -> tuple[list[float], list[float]]:
+    """Wall and CPU milliseconds of every step of the data node (DP rank 0 of ``dp``).
+
+    CPU time is the node's thread's own: on a machine whose cores are shared, wall time also
+    counts other processes' time slices, CPU time only the node's work (still slowed by their
+    use of the caches and memory bandwidth).
+    """
     packer = build_packer(packer_name, config, cost_model)
-    node = WLBPackingNode(_TokenSource(lengths), packer, dp_rank=0, dp_degree=dp)
+    arena = 4 * config.micro_batches * config.context_len  # four global batches
+    node = WLBPackingNode(_TokenSource(lengths, arena), packer, dp_rank=0, dp_degree=dp)
     node.reset()
-    out: list[float] = []
-    while steps is None or len(out) < steps:
-        start = time.perf_counter()
+    wall: list[float] = []
+    cpu: list[float] = []
+    while steps is None or len(wall) < steps:
+        start, start_cpu = time.perf_counter(), time.thread_time()
         try:
             next(node)
         except StopIteration:
             break
-        out.append((time.perf_counter() - start) * 1e3)
-    return out
+        cpu.append((time.thread_time() - start_cpu) * 1e3)
+        wall.append((time.perf_counter() - start) * 1e3)
+    return wall, cpu
 
 
 def run(
@@ -176,7 +206,7 @@ def run(
     if config.window > 1 and packer_name in ("fixed_greedy", "solver"):
         g = config.window  # one plan per window of G steps: amortise it over the window
         plan_ms = [sum(plan_ms[i : i + g]) / g for i in range(0, len(plan_ms), g)]
-    node_ms = node_step_ms(packer_name, lengths, config, cost_model, len(scored), dp)
+    node_ms, node_cpu_ms = node_step_ms(packer_name, lengths, config, cost_model, len(scored), dp)
     ratio = np.array([s["imbalance"] for s in per_step]) if per_step else np.ones(1)
     top = np.array([s["max_workload"] for s in per_step])
     mean = np.array([s["mean_workload"] for s in per_step])
@@ -196,6 +226,8 @@ def run(
         "overhead_ms": float(np.mean(node_ms)) if node_ms else 0.0,
         "overhead_ms_p95": float(np.percentile(node_ms, 95)) if node_ms else 0.0,
         "overhead_ms_max": float(np.max(node_ms)) if node_ms else 0.0,
+        "overhead_cpu_ms": float(np.mean(node_cpu_ms)) if node_cpu_ms else 0.0,
+        "overhead_cpu_ms_p95": float(np.percentile(node_cpu_ms, 95)) if node_cpu_ms else 0.0,
         "plan_ms": float(np.mean(plan_ms)) if plan_ms else 0.0,
         "plan_ms_p95": float(np.percentile(plan_ms, 95)) if plan_ms else 0.0,
         "dp": dp,
