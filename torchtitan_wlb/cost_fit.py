@@ -17,8 +17,9 @@ everywhere) and solve the same 3 x 3 system: identical coefficients on every ran
 exchanged per step, and a sliding window is a deque of per-step terms.
 
 Guard rails (:func:`refit`): the coefficients are non-negative (non-negative least squares over the
-seven active sets of three unknowns) and ``a``, ``b`` strictly positive (the packer keeps both
-terms); a window whose micro-batches do not vary enough to tell the three terms apart (e.g. all of
+seven active sets of three unknowns; a term the data cannot see, e.g. attention on a tiny model,
+comes out 0 rather than negative) and ``a`` or ``b`` is positive (the packer needs a per-document
+cost); a window whose micro-batches do not vary enough to tell the three terms apart (e.g. all of
 the same length: only noise to fit) is rejected with that reason; and the refit is fitted on the
 window's older steps and adopted only if it predicts the window's most recent steps (held out)
 better than the model in use. The model in use is compared at its best scale: the packer balances
@@ -198,11 +199,8 @@ def fit_nnls(stats: FitStats) -> tuple[np.ndarray | None, str]:
         err = stats.sse(coef)
         if err < best_sse:
             best, best_sse = coef, err
-    if best is None or best[0] <= 0 or best[1] <= 0:
-        return None, (
-            "no fit with a > 0 and b > 0: "
-            + ("none feasible" if best is None else f"best has a={best[0]:.3g}, b={best[1]:.3g}")
-        )
+    if best is None or best[0] + best[1] <= 0:
+        return None, "no non-negative fit with a > 0 or b > 0 (only the fixed cost c)"
     return best, ""
 
 
