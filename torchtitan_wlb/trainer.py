@@ -426,11 +426,12 @@ class WLBTrainer(Trainer):
             and torch.distributed.is_initialized()
             and torch.distributed.get_world_size() > 1
         ):
-            # all_gather, then a sum in rank order: the same float64 sum on every rank.
-            mine = torch.from_numpy(vector)
+            # all_gather, then one sum over the same gathered rows on every rank: the same
+            # float64 result everywhere (an all-reduce need not be bitwise equal across ranks).
+            mine = torch.from_numpy(vector).to(self.device)
             gathered = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
             torch.distributed.all_gather(gathered, mine)
-            vector = torch.stack(gathered).sum(dim=0).numpy()
+            vector = torch.stack(gathered).cpu().numpy().sum(axis=0)
         record = self._fitter.observe(self.step, vector)
         if record is None:
             return
