@@ -591,6 +591,10 @@ class WLBTrainer(Trainer):
                 self._start_audit()
             self._audit.begin_step()
         self._last_completed_step = self.step - 1
+        if self._fitter is not None:
+            # Steps before this launch are decided (restored, or trained without a fitter state):
+            # the packing node must not wait for them.
+            self._fitter.schedule.decide(self.step - 1, None)
         super().train_step(data_iterator)
         self._last_completed_step = self.step
         if self._audit is not None:
