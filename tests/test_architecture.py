@@ -22,6 +22,7 @@ SOURCE = Path(__file__).resolve().parents[1] / PACKAGE
 ROOMS = {
     PACKAGE: "root",  # the package __init__ only
     f"{PACKAGE}.cost_model": "cost_model",
+    f"{PACKAGE}.cost_fit": "cost_model",
     f"{PACKAGE}.workloads": "workloads",
     f"{PACKAGE}.models.catalogue": "catalogue",
     f"{PACKAGE}.packing": "packing",
@@ -79,7 +80,9 @@ ALLOWED = {
 }
 
 # Modules that must not import torch, directly or through the package modules they import.
-TORCH_FREE_PREFIXES = (f"{PACKAGE}.cp.plan", f"{PACKAGE}.packing", f"{PACKAGE}.cost_model")
+TORCH_FREE_PREFIXES = (
+    f"{PACKAGE}.cp.plan", f"{PACKAGE}.packing", f"{PACKAGE}.cost_model", f"{PACKAGE}.cost_fit"
+)  # fmt: skip
 TORCH_NAMES = {"torch", "torchtitan", "torchdata"}
 
 

@@ -41,6 +41,8 @@ def test_defaults_and_mode_presets():
         ({"queue_thresholds": [8, 4]}, "must be positive and strictly increasing"),
         ({"cost_model": "coefficients"}, "needs attn_coef > 0 and linear_coef > 0"),
         ({"cost_model": "profile"}, "needs cost_profile"),
+        ({"fit_holdout_steps": 8}, "fit_holdout_steps = 8 must be >= 1 and less than"),
+        ({"fit_apply_lag_steps": 0}, "fit_apply_lag_steps = 0 is out of range"),
         ({"loader": "hf"}, "loader = 'hf' is not accepted"),
     ],
 )

@@ -43,13 +43,34 @@ def test_bad_steps(value, capsys):
     assert "a positive integer or 'epoch'" in capsys.readouterr().err
 
 
+def test_fit_error_is_mean_absolute_relative_error():
+    mbs = [{"doc_lens": [2, 3], "seconds": 2.0}, {"doc_lens": [4], "seconds": 4.0}]
+    # a=0.1, b=0.2, c=0.5: [2,3] -> 0.1*13 + 0.2*5 + 0.5 = 2.8; [4] -> 1.6 + 0.8 + 0.5 = 2.9
+    err = e2e_bench.fit_error(mbs, [0.1, 0.2, 0.5], cp=1)
+    assert err == pytest.approx((0.8 / 2 + 1.1 / 4) / 2)
+    # Under CP a rank does 1/cp of the document work; the fixed cost is per rank.
+    assert e2e_bench.fit_error(mbs, [0.2, 0.4, 0.5], cp=2) == pytest.approx(err)
+
+
+def test_modes_and_the_floor_run_set_the_trainer_flags():
+    args = e2e_bench.parser().parse_args(["--cost-model", "online", "--fit-window", "4"])
+    assert e2e_bench.mode_args("wlb", args)[:4] == [
+        "--wlb.mode", "wlb", "--wlb.cost_model", "online"
+    ]  # fmt: skip
+    assert "--wlb.fit_window_steps" in e2e_bench.mode_args("wlb_online", args)
+    assert e2e_bench.mode_args(e2e_bench.FLOOR, args)[:2] == ["--wlb.packing", "original"]
+
+
 @pytest.mark.slow
 def test_whole_pass_trains_every_document_once(capsys):
-    args = ["--parallel", "cp2", "--modes", "wlb", "--context-len", "512"]
+    # wlb with the online cost model: the whole pass, and refits on the way.
+    args = ["--parallel", "cp2", "--modes", "wlb_online", "--context-len", "512"]
     args += ["--micro-batches", "4", "--num-docs", "120", "--scale-from", "8192", "--json"]
+    args += ["--floor-steps", "0", "--fit-warmup", "1", "--fit-window", "2", "--fit-interval", "1"]
     assert e2e_bench.main(args) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    wlb = out["modes"]["wlb"]
+    wlb = out["modes"]["wlb_online"]
+    assert wlb["refits"] >= 1
     assert out["steps"] == "epoch" and out["documents"]["count"] == 120
     assert wlb["docs_trained"] == 120 and wlb["docs_repeated"] == 0
     assert wlb["steps"] >= 3 and wlb["time_to_train_s"] == pytest.approx(sum(wlb["step_times_s"]))

@@ -311,3 +311,37 @@ def test_kept_steps_keep_their_tokens_and_buffers_are_reused():
     for mb, want in zip(kept["micro_batches"], copies, strict=True):
         assert np.array_equal(mb["tokens"], want)
     assert len(node._buffers) <= 3  # kept step + loop variable + the step being made
+
+
+def test_online_schedule_switches_the_packers_model_at_its_step_and_on_restore():
+    from torchtitan_wlb.cost_fit import CostModelSchedule, OnlineFitConfig
+
+    def build():
+        config = PackingConfig(micro_batches=4, context_len=CTX)
+        packer = build_packer("wlb", config, COST)
+        cfg = OnlineFitConfig(warmup_steps=0, window_steps=2, holdout_steps=1, interval_steps=2,
+                              apply_lag_steps=2)  # fmt: skip
+        schedule = CostModelSchedule(COST, cfg)
+        items = docs(skewed_lengths(300, 5))
+        return WLBPackingNode(IterableWrapper(items), packer, schedule=schedule), schedule
+
+    fitted = CostModel.from_coefficients(attn_coef=1.0, linear_coef=1.0)
+    node, schedule = build()
+    # The trainer's decisions: a refit after step 2 packs step 4 on; the one after step 4 kept.
+    # (Packing step 6 needs the decision of step 4: without it the node would wait.)
+    for step in range(1, 5):
+        schedule.decide(step, fitted if step == 2 else None)
+    node.reset()
+    first = [next(node) for _ in range(3)]
+    state = node.state_dict()  # a checkpoint after step 3
+    later = [next(node) for _ in range(3)]
+    schedule.close()
+    coefs = [item["stats"]["cost_attn_coef"] for item in first + later]
+    assert coefs == [COST.attn_coef] * 3 + [1.0] * 3
+    # A restored node with a restored schedule packs steps 4-6 exactly alike.
+    again, sched = build()
+    sched.restore([(4, fitted)], decided_through=4)
+    again.reset(copy.deepcopy(state))
+    rerun = [next(again) for _ in range(3)]
+    sched.close()
+    _same(rerun, later)

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 
 import tyro
 
+from torchtitan_wlb.cost_fit import OnlineFitConfig
 from torchtitan_wlb.cp.adaptive import STRATEGIES
 from torchtitan_wlb.packing import PACKERS
 
@@ -61,7 +62,7 @@ Packing = _choice(*PACKERS)
 CPSharding = _choice(*STRATEGIES)
 AttentionBackend = _choice("auto", "cpu", "flash", "torch_varlen")
 LongDocPolicy = _choice("split", "truncate", "error")
-CostModelKind = _choice("analytic", "coefficients", "profile")
+CostModelKind = _choice("analytic", "coefficients", "profile", "online")
 Loader = _choice("documents", "torchtitan")
 
 
@@ -194,7 +195,30 @@ class WLB:
 
     cost_model: CostModelKind = "analytic"
     """Workload model W(d) = W_a(d) + W_l(d): "analytic" (FLOPs from the model config),
-    "coefficients" (attn_coef, linear_coef below), "profile" (JSON table at cost_profile)."""
+    "coefficients" (attn_coef, linear_coef below), "profile" (JSON table at cost_profile),
+    "online" (starts as "analytic", or as "profile" when cost_profile is set, then refits
+    t = a*sum(d^2) + b*sum(d) + c to the measured forward+backward times of every micro-batch,
+    identically on every rank; the fit_* fields below; docs/cost_model.md)."""
+
+    fit_warmup_steps: int = 2
+    """cost_model = "online": the first steps' times are not used (allocator and kernel
+    warm-up)."""
+
+    fit_window_steps: int = 8
+    """cost_model = "online": a refit uses the micro-batches of the last this many steps."""
+
+    fit_holdout_steps: int = 2
+    """cost_model = "online": the window's most recent steps are held out of the fit; the refit
+    is adopted only if it predicts them better than the model in use. In [1, fit_window_steps)."""
+
+    fit_interval_steps: int = 4
+    """cost_model = "online": steps between refits (the first after fit_warmup_steps +
+    fit_window_steps)."""
+
+    fit_apply_lag_steps: int = 3
+    """cost_model = "online": a refit decided after step s packs step s + this and later (>= 1).
+    Fixed, so every DP rank and a resumed run switch at the same step; the packing node waits
+    for the decision when it runs that far ahead."""
 
     attn_coef: float = 0.0
     """W_a(d) = attn_coef * d^2 when cost_model = "coefficients"."""
@@ -264,8 +288,26 @@ class WLB:
                 f'[wlb] cost_model = "coefficients" needs attn_coef > 0 and linear_coef > 0 '
                 f"(got attn_coef = {self.attn_coef!r}, linear_coef = {self.linear_coef!r})"
             )
+        _check_positive("fit_warmup_steps", self.fit_warmup_steps, allow_zero=True)
+        _check_positive("fit_interval_steps", self.fit_interval_steps)
+        _check_positive("fit_apply_lag_steps", self.fit_apply_lag_steps)
+        if not 1 <= self.fit_holdout_steps < self.fit_window_steps:
+            raise ConfigError(
+                f"[wlb] fit_holdout_steps = {self.fit_holdout_steps} must be >= 1 and less than "
+                f"fit_window_steps = {self.fit_window_steps} (the rest of the window is fitted)"
+            )
         if self.cost_model == "profile" and not self.cost_profile:
             raise ConfigError('[wlb] cost_model = "profile" needs cost_profile = "<path.json>"')
+
+    def online_fit_config(self) -> OnlineFitConfig:
+        """The online cost model's schedule from the fit_* fields."""
+        return OnlineFitConfig(
+            warmup_steps=self.fit_warmup_steps,
+            window_steps=self.fit_window_steps,
+            holdout_steps=self.fit_holdout_steps,
+            interval_steps=self.fit_interval_steps,
+            apply_lag_steps=self.fit_apply_lag_steps,
+        )
 
 
 @dataclass

@@ -19,7 +19,14 @@ this subclass adds:
     step's micro-batches and runs them through the schedule together with
     :class:`~torchtitan_wlb.pipeline.varlen.VarlenPipelineRunner`, each with its own length; with
     ``[wlb] metrics_jsonl`` it also times every pipeline action (forward and backward of each
-    micro-batch on each of this rank's stages) for calibrating the simulator's timeline.
+    micro-batch on each of this rank's stages) for calibrating the simulator's timeline;
+  - with ``[wlb] cost_model = "online"`` those times feed :class:`~torchtitan_wlb.cost_fit.OnlineFitter`:
+    every micro-batch's measured forward+backward time with its ``sum(d^2)`` and ``sum(d)`` (under
+    CP this rank's share, by the CP plan's attention pairs and tokens; under PP the per-stage action
+    times). Each step's least-squares statistics are gathered from every rank and summed in rank
+    order, so every rank refits the same coefficients bit for bit; the fitter publishes them to the
+    packing node for a step fixed by the config, and the fitter's state (window, adoptions and the
+    steps they took effect) is checkpointed with the train state.
 
 It also says what a run does: :meth:`WLBTrainer.train` opens with the layout, the model, the packer,
 the dataset and where checkpoints go, then "resuming from step S" or "starting at step 1"; it closes
@@ -36,6 +43,7 @@ lengths do not reweight tokens.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any
@@ -48,6 +56,7 @@ from torchtitan.train import Trainer
 
 from torchtitan_wlb.attention.metadata import DocumentAttentionMetadata, metadata_from_doc_lens
 from torchtitan_wlb.audit_log import AuditLog
+from torchtitan_wlb.cost_fit import FitStats, OnlineFitter
 from torchtitan_wlb.data.sources import BUILTIN_NAME
 from torchtitan_wlb.models.llama3_wlb import cost_model_for_job
 from torchtitan_wlb.resume import (
@@ -114,7 +123,9 @@ class WLBTrainer(Trainer):
             from torchtitan_wlb.pipeline.varlen import VarlenPipelineRunner
 
             self._pp_runner = VarlenPipelineRunner(
-                self.pp_schedule, time_actions=bool(job_config.wlb.metrics_jsonl)
+                self.pp_schedule,
+                time_actions=bool(job_config.wlb.metrics_jsonl)
+                or job_config.wlb.cost_model == "online",
             )
         self._cp_profile = None
         if self.parallel_dims.cp_enabled and job_config.wlb.cp_sharding == "adaptive":
@@ -133,6 +144,12 @@ class WLBTrainer(Trainer):
         self._cost_model = (
             cost_model_for_job(job_config) if job_config.wlb.loader == "documents" else None
         )
+        schedule = getattr(self.dataloader, "cost_schedule", None)
+        self._fitter = OnlineFitter(schedule) if schedule is not None else None
+        # (sum d^2, sum d, seconds) of this step's micro-batches on this rank, for the fitter.
+        self._fit_rows: list[tuple[float, float, float]] = []
+        self._fit_features: tuple[float, float] | None = None
+        self._micro_batches_done = 0
         self._audit = self._build_audit_log()
         self._last_completed_step = 0
         self._guard_checkpoint_load()
@@ -255,6 +272,9 @@ class WLBTrainer(Trainer):
             )
         else:
             meta = metadata_from_doc_lens(doc_lens, device=inputs.device, backend=backend)
+            if self._fitter is not None:
+                d = doc_lens.to(torch.float64)
+                self._fit_features = (float((d * d).sum()), float(d.sum()))
         extra_kwargs: dict[str, Any] = {"attention_masks": meta, "positions": positions}
         return inputs, labels, dict(input_dict), extra_kwargs
 
@@ -314,6 +334,11 @@ class WLBTrainer(Trainer):
             hybrid_max_len=wlb.cp_hybrid_max_len,
         )
         self._cp_stats.append((int(plan.strategy == "per_document"), plan.flops_imbalance()))
+        if self._fitter is not None:  # this rank's share: its attention pairs and its tokens
+            pairs = plan.rank_attention_pairs()
+            d = doc_lens.astype(np.float64)
+            share = float(pairs[rank] / pairs.sum()) if pairs.sum() > 0 else 1.0 / pairs.size
+            self._fit_features = (float(d @ d) * share, float(plan.token_indices(rank).size))
         meta = DocumentAttentionMetadata(
             cu_seqlens=torch.zeros(0, dtype=torch.int32),  # unused: the CP metadata rules
             max_seqlen=0,
@@ -335,6 +360,7 @@ class WLBTrainer(Trainer):
         labels: torch.Tensor,
         global_valid_tokens: torch.Tensor,
     ) -> torch.Tensor:
+        self._micro_batches_done += 1
         start = time.perf_counter()
         if self._pp_runner is None:
             loss = super().forward_backward_step(
@@ -343,14 +369,84 @@ class WLBTrainer(Trainer):
         else:
             loss = self._pipeline_step(input_dict, labels, global_valid_tokens)
             if loss is None:  # micro-batch collected; the pipeline runs at the step's last one
+                self._maybe_refit()
                 return torch.zeros((), device=self.device)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - start
         # Under PP the time covers the whole step's micro-batches (the schedule interleaves them).
         doc_lens = None if self._pp_runner is not None else self._last_doc_lens
-        self.metrics_processor.record_micro_batch_time(time.perf_counter() - start, doc_lens)
+        self.metrics_processor.record_micro_batch_time(seconds, doc_lens)
+        if self._pp_runner is None and self._fit_features is not None:
+            self._fit_rows.append((*self._fit_features, seconds))
+        self._fit_features = None
         self._flush_cp_stats()
+        self._maybe_refit()
         return loss
+
+    # ------------------------------------------------------------------ online cost model
+    def _maybe_refit(self) -> None:
+        """After the step's last micro-batch (before TorchTitan logs the step): gather the step's
+        fit statistics from every rank, let the fitter refit if this is a refit step, and put
+        the outcome in this step's metrics."""
+        if self._micro_batches_done < self.gradient_accumulation_steps:
+            return
+        self._micro_batches_done = 0
+        if self._fitter is None:
+            return
+        rows, self._fit_rows = self._fit_rows, []
+        rows = [r for r in rows if r[2] > 0]
+        local = FitStats.from_samples(*zip(*rows, strict=True)) if rows else FitStats.zeros()
+        vector = local.to_vector()
+        if (
+            self.job_config.comm.mode not in FAKE_COMM_MODES
+            and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1
+        ):
+            # all_gather, then one sum over the same gathered rows on every rank: the same
+            # float64 result everywhere (an all-reduce need not be bitwise equal across ranks).
+            mine = torch.from_numpy(vector).to(self.device)
+            gathered = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
+            torch.distributed.all_gather(gathered, mine)
+            vector = torch.stack(gathered).cpu().numpy().sum(axis=0)
+        record = self._fitter.observe(self.step, vector)
+        if record is None:
+            return
+        c = record["candidate"]
+        coef = f"a={c['a']:.4g} b={c['b']:.4g} c={c['c']:.4g}" if c else "none"
+        verdict = f"adopted for step {record['effective_step']} on" if record["adopted"] else "kept"
+        logger.info(
+            f"online cost model refit after step {self.step}: {coef} (held-out RMS relative error "
+            f"{record['candidate_error']:.4f} vs {record['incumbent_error']:.4f} for the model in "
+            f"use); {verdict}" + ("" if record["adopted"] else f": {record['reason']}")
+        )
+        metrics = {
+            "cost_refit_adopted": record["adopted"],
+            "cost_refit_error": record["candidate_error"],
+            "cost_refit_incumbent_error": record["incumbent_error"],
+        }
+        if c:
+            metrics.update({"cost_refit_a": c["a"], "cost_refit_b": c["b"], "cost_refit_c": c["c"]})
+        if record["adopted"]:
+            metrics["cost_refit_effective_step"] = record["effective_step"]
+        self.metrics_processor.record(metrics)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        if self._fitter is not None:
+            state["wlb_online_cost_model"] = json.dumps(self._fitter.state_dict())
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        saved = state_dict.get("wlb_online_cost_model")
+        if self._fitter is not None and saved:
+            self._fitter.load_state_dict(json.loads(saved))
+
+    def close(self) -> None:
+        if getattr(self, "_fitter", None) is not None:
+            self._fitter.schedule.close()  # a packing thread waiting for a decision: let it go
+        super().close()
 
     def _pipeline_step(
         self, input_dict: dict[str, Any], labels: torch.Tensor, global_valid_tokens: torch.Tensor
@@ -382,7 +478,17 @@ class WLBTrainer(Trainer):
                 global_valid_tokens=global_valid_tokens,
                 losses=losses,
             )
-        if runner.last_action_times is not None:
+        if (
+            runner.last_action_times is not None
+            and self._fitter is not None
+            and len(step_doc_lens) == len(pending)
+        ):
+            times = runner.last_action_times
+            per_mb = np.sum(times.fwd_s, axis=0) + np.sum(times.bwd_s, axis=0)
+            for lens, seconds in zip(step_doc_lens, per_mb.tolist(), strict=True):
+                d = np.asarray(lens, np.float64)
+                self._fit_rows.append((float(d @ d), float(d.sum()), seconds))
+        if runner.last_action_times is not None and self.metrics_processor.jsonl_path:
             self.metrics_processor.record_pipeline_actions(
                 runner.last_action_times.to_dict(),
                 step_doc_lens if len(step_doc_lens) == len(pending) else None,
@@ -462,6 +568,10 @@ class WLBTrainer(Trainer):
                 self._start_audit()
             self._audit.begin_step()
         self._last_completed_step = self.step - 1
+        if self._fitter is not None:
+            # Steps before this launch are decided (restored, or trained without a fitter state):
+            # the packing node must not wait for them.
+            self._fitter.schedule.decide(self.step - 1, None)
         super().train_step(data_iterator)
         self._last_completed_step = self.step
         if self._audit is not None:

@@ -106,7 +106,7 @@ def check_job_config(job_config: Any, world_size: int | None = None) -> dict[str
         if (
             path
             and not os.path.isfile(path)
-            and (name == "cp_profile" or wlb.cost_model == "profile")
+            and (name == "cp_profile" or wlb.cost_model in ("profile", "online"))
         ):
             raise ConfigError(f"[wlb] {name} = {path!r} does not exist (a JSON profile file)")
     dp = degrees["dp_replicate"] * degrees["dp_shard"]

@@ -29,6 +29,7 @@ from torchtitan.config import JobConfig
 from torchtitan.tools.logging import logger
 
 from torchtitan_wlb.config import ConfigError
+from torchtitan_wlb.cost_fit import CostModelSchedule
 from torchtitan_wlb.cost_model import CostModel
 from torchtitan_wlb.data.collate import MicroBatchNode
 from torchtitan_wlb.data.documents import DocumentNode
@@ -50,6 +51,8 @@ class WLBDataLoader(BaseDataLoader):
         fingerprint: :func:`data_fingerprint` of this run; saved, and compared on restore.
         packer: the graph's packer, to read the pending documents out of a saved state
             (:meth:`accounting`, for the exactly-once audit log).
+        cost_schedule: with ``[wlb] cost_model = "online"``, the schedule the packing node reads
+            its cost model from; the trainer's fitter writes it.
     """
 
     def __init__(
@@ -60,8 +63,10 @@ class WLBDataLoader(BaseDataLoader):
         *,
         fingerprint: dict[str, Any] | None = None,
         packer: Packer | None = None,
+        cost_schedule: CostModelSchedule | None = None,
     ) -> None:
         self.dp_rank = dp_rank
+        self.cost_schedule = cost_schedule
         self.dp_world_size = dp_world_size
         self.fingerprint = dict(fingerprint or {"DP degree": dp_world_size})
         self._rank_id = f"dp_rank_{dp_rank}"
@@ -184,6 +189,14 @@ def data_fingerprint(
             "[wlb] solver_node_limit": wlb.solver_node_limit,
         }
     )
+    if wlb.cost_model == "online":
+        fp["[wlb] cost_model = online: fit_warmup/window/holdout/interval/apply_lag_steps"] = [
+            wlb.fit_warmup_steps,
+            wlb.fit_window_steps,
+            wlb.fit_holdout_steps,
+            wlb.fit_interval_steps,
+            wlb.fit_apply_lag_steps,
+        ]
     if cost_model is not None:
         fp["cost model W(d) = a*d^2 + b*d (model flavor, TP, CP, [wlb] cost_model)"] = (
             f"a={cost_model.attn_coef:.9g}, b={cost_model.linear_coef:.9g}"
@@ -261,6 +274,11 @@ def build_wlb_dataloader(
     if cost_model is None:
         raise ValueError("build_wlb_dataloader needs the job's cost model for document packing")
     documents = build_document_node(job_config, tokenizer)
+    schedule = (
+        CostModelSchedule(cost_model, wlb.online_fit_config())
+        if wlb.cost_model == "online"
+        else None
+    )
     packed = build_packing_node(
         documents,
         job_config,
@@ -268,6 +286,7 @@ def build_wlb_dataloader(
         dp_rank=dp_rank,
         dp_world_size=dp_world_size,
         cost_model=cost_model,
+        schedule=schedule,
     )
     root = MicroBatchNode(
         Prefetcher(packed, prefetch_factor=2), reset_positions=wlb.reset_positions
@@ -283,4 +302,5 @@ def build_wlb_dataloader(
         dp_world_size=dp_world_size,
         fingerprint=data_fingerprint(job_config, dp_world_size, cost_model),
         packer=packed.packer,
+        cost_schedule=schedule,
     )

@@ -12,6 +12,7 @@ from typing import Any
 
 from torchdata.nodes import BaseNode
 
+from torchtitan_wlb.cost_fit import CostModelSchedule
 from torchtitan_wlb.cost_model import CostModel
 from torchtitan_wlb.data.wlb_node import WLBPackingNode
 from torchtitan_wlb.packing import PackingConfig, build_packer, packing_config
@@ -53,8 +54,13 @@ def build_packing_node(
     dp_rank: int,
     dp_world_size: int,
     cost_model: CostModel,
+    schedule: CostModelSchedule | None = None,
 ) -> WLBPackingNode:
-    """The node yielding one item per optimizer step with this DP rank's micro-batches."""
+    """The node yielding one item per optimizer step with this DP rank's micro-batches.
+
+    ``schedule``: the online cost model's (``[wlb] cost_model = "online"``), else None."""
     config = packing_config_from_job(job_config, num_micro_batches)
     packer = build_packer(job_config.wlb.packing, config, cost_model)
-    return WLBPackingNode(documents, packer, dp_rank=dp_rank, dp_degree=dp_world_size)
+    return WLBPackingNode(
+        documents, packer, dp_rank=dp_rank, dp_degree=dp_world_size, schedule=schedule
+    )

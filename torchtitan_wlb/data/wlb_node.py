@@ -28,6 +28,12 @@ from the source but not yet given to the packer, so that it sees the end of the 
 before the last pull (see :mod:`~torchtitan_wlb.packing.driver`): the final pull then takes the
 rest of the data with it, and the packer drains over at least a full step of documents.
 
+Online cost model (``schedule``): with a :class:`~torchtitan_wlb.cost_fit.CostModelSchedule` the
+packer's cost model is set, before every plan, to the one the schedule assigns to that step; the
+schedule decides by step number, not by when this node's prefetch thread gets there, so every DP
+rank and a resumed run pack each step with the same model. The coefficients travel with the plan's
+statistics (``cost_attn_coef``, ``cost_linear_coef``).
+
 Checkpointing (``state_dict`` / ``reset``): the packer's state lists the pending documents (ids,
 lengths, arrival steps) and the node's state the read-ahead documents (ids, lengths), but neither
 stores their *tokens*. The node stores, for every pull since the oldest held document was read,
@@ -50,6 +56,7 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
+from torchtitan_wlb.cost_fit import CostModelSchedule
 from torchtitan_wlb.packing import Packer
 from torchtitan_wlb.packing.driver import next_plan, take_until
 from torchtitan_wlb.packing.placement import dp_order
@@ -93,7 +100,13 @@ class WLBPackingNode(BaseNode[dict]):
     prefetch queue) gets a fresh one that is not kept."""
 
     def __init__(
-        self, source: BaseNode, packer: Packer, *, dp_rank: int = 0, dp_degree: int = 1
+        self,
+        source: BaseNode,
+        packer: Packer,
+        *,
+        dp_rank: int = 0,
+        dp_degree: int = 1,
+        schedule: CostModelSchedule | None = None,
     ) -> None:
         super().__init__()
         n = packer.n
@@ -114,6 +127,7 @@ class WLBPackingNode(BaseNode[dict]):
         self.packer = packer
         self.dp_rank = dp_rank
         self.dp_degree = dp_degree
+        self.schedule = schedule
         self._per_rank = n // dp_degree
         self._initial_packer_state = packer.state_dict()
         self._tokens: dict[int, np.ndarray] = {}  # every held document: read-ahead + pending
@@ -162,6 +176,8 @@ class WLBPackingNode(BaseNode[dict]):
         }
 
     def next(self) -> dict[str, Any]:
+        if self.schedule is not None:  # plan i (0-based) is trained at step i + 1
+            self.packer.cost_model = self.schedule.model_for_step(self.packer.steps_done + 1)
         plan = next_plan(self.packer, self)
         if plan is None:
             raise StopIteration
@@ -194,6 +210,9 @@ class WLBPackingNode(BaseNode[dict]):
         self._prune()
         stats = dict(plan.stats)
         stats["step"] = plan.step
+        if self.schedule is not None:
+            stats["cost_attn_coef"] = self.packer.cost_model.attn_coef
+            stats["cost_linear_coef"] = self.packer.cost_model.linear_coef
         return {"micro_batches": micro_batches, "stats": stats}
 
     # ------------------------------------------------------------------ DocumentStream

@@ -182,12 +182,13 @@ def cost_model_for_job(job_config: JobConfig) -> CostModel:
 
     ``[wlb] cost_model = "analytic"``: FLOPs per rank from the model flavor's dims and the TP/CP
     degrees; "coefficients": ``attn_coef`` / ``linear_coef`` from TOML; "profile": a measured JSON
-    table (``cost_profile``).
+    table (``cost_profile``). "online" starts from the profile when one is given, else from the
+    analytic model; the trainer refits it while training (:mod:`torchtitan_wlb.cost_fit`).
     """
     wlb = job_config.wlb
     if wlb.cost_model == "coefficients":
         return CostModel.from_coefficients(wlb.attn_coef, wlb.linear_coef)
-    if wlb.cost_model == "profile":
+    if wlb.cost_model == "profile" or (wlb.cost_model == "online" and wlb.cost_profile):
         return CostModel.from_profile(wlb.cost_profile)
     flavor = job_config.model.flavor
     if flavor not in FLAVORS:

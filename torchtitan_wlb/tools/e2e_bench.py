@@ -5,8 +5,9 @@ the real trainer, on this machine.
     python -m torchtitan_wlb.tools.e2e_bench --parallel cp2 --json   # 2 ranks, CP = 2
 
 Runs ``plain_4d`` (original packing + per-sequence CP), ``fixed_4d`` (fixed-length greedy packing
-+ per-document CP) and ``wlb`` (variable-length packing with outlier queues + adaptive CP) one
-after the other, each as a real ``torchtitan_wlb.train`` job on 2 CPU ranks (gloo), and reads the
++ per-document CP), ``wlb`` (variable-length packing with outlier queues + adaptive CP) and
+``wlb_online`` (``wlb`` with ``[wlb] cost_model = "online"``: the cost model refitted to the
+measured micro-batch times while training; ``--fit-*``) one after the other, each as a real ``torchtitan_wlb.train`` job on 2 CPU ranks (gloo), and reads the
 per-rank metrics log (``[wlb] metrics_jsonl``).
 
 What users pay is measured: every mode trains one fixed set of documents exactly once
@@ -24,15 +25,24 @@ the mean of the per-step ratios), ``measured_imbalance`` (the same measure over 
 forward+backward times: per micro-batch without PP, taking the slowest CP rank; per stage and
 micro-batch with PP), ``docs_trained`` and ``docs_repeated``.
 
+The noise floor comes first (``--floor-steps``, default 20): a run whose every micro-batch is the
+same single full-context document, so any measured imbalance is the machine's noise; its
+``measured_imbalance`` is reported as ``measured_imbalance_floor`` beside the modes'. ``--cost-model
+online`` makes the fixed-model modes refit too. A mode that refits reports ``refits``,
+``refits_adopted``, the last adopted ``fit_coefficients`` (``a``, ``b``, ``c``: seconds per Σd²,
+per Σd, per micro-batch) and ``fit_mean_abs_error``: their mean absolute relative error predicting
+every recorded micro-batch's time. ``speedup_online_vs_wlb``: time to train, wlb over wlb_online.
+
 Documents: a long-tailed length mix shaped like WLB-LLM's 128K workload, scaled to the benchmark's
 context (``--generator longtail``; or ``--lengths FILE``, scaled by ``context_len / --scale-from``),
 with random characters (time does not depend on the values). The default set is sized for about
 50 steps per mode. Both ranks share this machine's cores, so absolute times depend on what else
 runs; compare modes within one invocation, and read the spread over runs.
 
-The last line printed is one JSON object: ``modes -> {plain_4d, fixed_4d, wlb} -> {...}`` (the
-last run's), ``runs`` (every run's per-mode figures and speedups), ``speedup_wlb_vs_plain``,
-``speedup_wlb_vs_fixed`` (mean over runs) with ``*_min`` / ``*_max``, ``median_step_speedup_*``.
+The last line printed is one JSON object: ``modes -> {plain_4d, fixed_4d, wlb, wlb_online} ->
+{...}`` (the last run's), ``runs`` (every run's per-mode figures and speedups), ``speedup_wlb_vs_plain``,
+``speedup_wlb_vs_fixed``, ``speedup_online_vs_wlb``, ``measured_imbalance_floor`` (mean over runs)
+with ``*_min`` / ``*_max``, ``median_step_speedup_*``.
 """
 
 from __future__ import annotations
@@ -56,7 +66,15 @@ from torchtitan_wlb.tools.cli import ToolParser, progress
 from torchtitan_wlb.workloads import GENERATORS, generate, load_lengths, steps_arg
 
 ROOT = Path(__file__).resolve().parents[2]
-MODES = ("plain_4d", "fixed_4d", "wlb")
+MODES = ("plain_4d", "fixed_4d", "wlb", "wlb_online")
+# Each mode's [wlb] settings. "wlb_online" is "wlb" with the cost model refitted while training.
+MODE_ARGS = {
+    "plain_4d": ["--wlb.mode", "plain_4d"],
+    "fixed_4d": ["--wlb.mode", "fixed_4d"],
+    "wlb": ["--wlb.mode", "wlb"],
+    "wlb_online": ["--wlb.mode", "wlb", "--wlb.cost_model", "online"],
+}
+FLOOR = "floor"  # the noise-floor run: every micro-batch one full-context document
 STEP_LINE = re.compile(r"step:\s*(\d+)/")  # the trainer's step line, "step:  3/14  loss: ..."
 PARALLEL = {
     "pp2": ["--parallelism.pipeline_parallel_degree", "2"],
@@ -103,13 +121,33 @@ def _run_with_progress(cmd: list[str], env: dict[str, str], bar: Any, mode: str)
     return proc.returncode, "".join(tail)
 
 
+def mode_args(mode: str, args: argparse.Namespace) -> list[str]:
+    """The trainer flags of ``mode``: its preset, and ``--cost-model`` for the fixed-model modes.
+
+    The floor run packs with "original" (sequential fill): its documents are exactly one context
+    long, so every micro-batch is the same single document."""
+    if mode == FLOOR:
+        return ["--wlb.packing", "original", "--wlb.cp_sharding", "per_document"]
+    fit = [
+        "--wlb.fit_warmup_steps", str(args.fit_warmup), "--wlb.fit_window_steps",
+        str(args.fit_window), "--wlb.fit_holdout_steps", str(max(1, args.fit_window // 4)),
+        "--wlb.fit_interval_steps", str(args.fit_interval),
+    ]  # fmt: skip
+    if mode == "wlb_online":
+        return MODE_ARGS[mode] + fit
+    return MODE_ARGS[mode] + ["--wlb.cost_model", args.cost_model] + fit
+
+
 def run_mode(
     mode: str, args: argparse.Namespace, data: Path, workdir: Path, bar: Any
 ) -> dict[str, Any]:
     dump = workdir / mode
-    steps = ["--training.steps", "100000", "--wlb.epochs", "1"] if args.steps == "epoch" else [
-        "--training.steps", str(args.steps)
-    ]  # fmt: skip
+    if mode == FLOOR:
+        steps = ["--training.steps", str(args.floor_steps)]
+    elif args.steps == "epoch":
+        steps = ["--training.steps", "100000", "--wlb.epochs", "1"]
+    else:
+        steps = ["--training.steps", str(args.steps)]
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
         "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", "--role", "rank",
@@ -119,7 +157,7 @@ def run_mode(
         "--training.dataset", "jsonl", "--training.dataset_path", str(data),
         "--training.seq_len", str(args.context_len),
         "--training.global_batch_size", str(args.micro_batches),
-        *steps, "--wlb.mode", mode,
+        *steps, *mode_args(mode, args),
         "--wlb.micro_batch_max_len", str(int(args.context_len * args.smax_factor)),
         "--wlb.metrics_jsonl", "--checkpoint.no-enable", "--metrics.log_freq", "1",
         "--metrics.disable_color_printing", "--debug.seed", str(args.seed),
@@ -165,7 +203,33 @@ def run_mode(
     cp_share = [first[s].get("wlb/cp_per_document_share") for s in steps_done]
     if any(v is not None for v in cp_share):
         out["cp_per_document_share"] = float(np.mean([v for v in cp_share if v is not None]))
+    refits = [first[s] for s in steps_done if "wlb/cost_refit_adopted" in first[s]]
+    if refits:
+        adopted = [r for r in refits if r["wlb/cost_refit_adopted"]]
+        out["refits"] = len(refits)
+        out["refits_adopted"] = len(adopted)
+        if adopted:
+            last = adopted[-1]
+            coef = [last["wlb/cost_refit_a"], last["wlb/cost_refit_b"], last["wlb/cost_refit_c"]]
+            out["fit_coefficients"] = dict(zip("abc", coef, strict=True))
+            out["fit_mean_abs_error"] = fit_error(
+                out["records"]["microbatches"], coef, 2 if args.parallel == "cp2" else 1
+            )
     return out
+
+
+def fit_error(micro_batches: list[dict[str, Any]], coef: list[float], cp: int) -> float:
+    """Mean absolute relative error of ``t = a Σd² + b Σd + c`` on recorded micro-batches.
+
+    Under CP a rank's time is predicted from its share of the work, taken as ``1 / cp`` of the
+    micro-batch (the trainer's fit uses the plan's exact per-rank share)."""
+    if not micro_batches:
+        return float("nan")
+    sq = np.array([float(np.square(np.asarray(m["doc_lens"], float)).sum()) for m in micro_batches])
+    lin = np.array([float(np.sum(m["doc_lens"])) for m in micro_batches])
+    t = np.array([m["seconds"] for m in micro_batches])
+    pred = (coef[0] * sq + coef[1] * lin) / cp + coef[2]
+    return float(np.mean(np.abs(pred - t) / t))
 
 
 def measured_imbalance(per_rank: list[dict[int, dict]], steps: list[int], parallel: str) -> float:
@@ -252,6 +316,26 @@ def parser() -> ToolParser:
     )
     p.add_argument("--scale-from", type=int, default=131072, help="context the lengths are for")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of modes")
+    p.add_argument(
+        "--cost-model",
+        choices=["analytic", "online"],
+        default="analytic",
+        help="[wlb] cost_model of plain_4d, fixed_4d and wlb (wlb_online is always online)",
+    )
+    p.add_argument("--fit-warmup", type=int, default=2, help="online: [wlb] fit_warmup_steps")
+    p.add_argument(
+        "--fit-window",
+        type=int,
+        default=8,
+        help="online: [wlb] fit_window_steps (the last quarter is held out)",
+    )
+    p.add_argument("--fit-interval", type=int, default=4, help="online: [wlb] fit_interval_steps")
+    p.add_argument(
+        "--floor-steps",
+        type=int,
+        default=20,
+        help="steps of the noise-floor run (identical micro-batches); 0 skips it",
+    )
     p.add_argument("--threads-per-rank", type=int, default=1, help="OMP threads per rank")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", default="", help="keep runs here (default: a temp dir)")
@@ -278,6 +362,9 @@ def speedups(results: dict[str, dict[str, Any]]) -> dict[str, float]:
         out[f"speedup_wlb_vs_{base}"] = other["time_to_train_s"] / wlb["time_to_train_s"]
         out[f"median_step_speedup_wlb_vs_{base}"] = other["step_time_s"] / wlb["step_time_s"]
         out[f"mem_wlb_vs_{base}"] = wlb["peak_mem_mb"] / other["peak_mem_mb"]
+    if "wlb_online" in results:
+        online = results["wlb_online"]
+        out["speedup_online_vs_wlb"] = wlb["time_to_train_s"] / online["time_to_train_s"]
     return out
 
 
@@ -289,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
         parser().error(
             f"--modes {args.modes!r}: use a comma-separated subset of {', '.join(MODES)}"
         )
+    if args.floor_steps < 0 or 0 < args.floor_steps <= args.warmup:
+        parser().error(f"--floor-steps {args.floor_steps} must be 0 or exceed --warmup")
     for name in ("context_len", "micro_batches", "num_docs", "scale_from", "runs"):
         if getattr(args, name) < 1:
             parser().error(f"--{name.replace('_', '-')} = {getattr(args, name)} must be >= 1")
@@ -305,7 +394,20 @@ def main(argv: list[str] | None = None) -> int:
         data = workdir / "docs.jsonl"
         write_jsonl(lengths, data, args.seed)
         bar = progress(desc="e2e_bench", unit="step")
+        floor_data = workdir / "floor.jsonl"
+        floors: list[float] = []
+        if args.floor_steps:
+            n_docs = args.floor_steps * args.micro_batches
+            write_jsonl(np.full(n_docs, args.context_len, np.int64), floor_data, args.seed)
         for run in range(args.runs):
+            if args.floor_steps:
+                floor = run_mode(FLOOR, args, floor_data, workdir / f"run{run}", bar)
+                floors.append(floor["measured_imbalance"])
+                bar.write(
+                    f"run {run + 1}/{args.runs} floor     {floor['steps']} steps of identical "
+                    f"micro-batches: measured imbalance {floors[-1]:.3f}",
+                    file=sys.stderr,
+                )
             results = {}
             for mode in modes:
                 results[mode] = run_mode(mode, args, data, workdir / f"run{run}", bar)
@@ -318,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"peak {res['peak_mem_mb']:.0f} MB",
                     file=sys.stderr,
                 )
-            runs.append({"modes": results, **speedups(results)})
+            floor_key = {"measured_imbalance_floor": floors[-1]} if floors else {}
+            runs.append({"modes": results, **speedups(results), **floor_key})
         bar.close()
     last = runs[-1]["modes"]
     records = {mode: last[mode].pop("records") for mode in last}

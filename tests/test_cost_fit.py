@@ -1,0 +1,124 @@
+"""The online cost model's fit, guard rails and schedule (pure NumPy, no process group)."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from torchtitan_wlb.cost_fit import (
+    Coefficients,
+    CostModelSchedule,
+    FitStats,
+    OnlineFitConfig,
+    OnlineFitter,
+    fit_nnls,
+    refit,
+)
+from torchtitan_wlb.cost_model import CostModel
+
+TRUE = Coefficients(a=2.0e-9, b=3.0e-6, c=4.0e-3)
+
+
+def _micro_batches(rng, n, max_docs=8, max_len=2048):
+    """``n`` micro-batches of random documents: their Σd² and Σd."""
+    counts = rng.integers(1, max_docs + 1, n)
+    lens = rng.integers(16, max_len, counts.sum())
+    owner = np.repeat(np.arange(n), counts)
+    return np.bincount(owner, lens.astype(float) ** 2, n), np.bincount(owner, lens, n)
+
+
+def test_synthetic_timings_recover_the_coefficients_within_2_percent():
+    rng = np.random.default_rng(0)
+    sq, lin = _micro_batches(rng, 64)
+    t = TRUE.predict(sq, lin) * (1 + rng.normal(0, 0.002, sq.size))  # 0.2 % timing noise
+    # Split over "steps" and summed back: the statistics add up.
+    parts = [FitStats.from_samples(sq[i::4], lin[i::4], t[i::4]) for i in range(4)]
+    total = parts[0] + parts[1] + parts[2] + parts[3]
+    coef, why = fit_nnls(total)
+    assert why == ""
+    np.testing.assert_allclose(coef, TRUE.as_array(), rtol=0.02)
+    round_trip = FitStats.from_vector(total.to_vector())
+    assert np.array_equal(round_trip.to_vector(), total.to_vector())
+
+
+def test_coefficients_stay_non_negative():
+    rng = np.random.default_rng(1)
+    sq, lin = _micro_batches(rng, 40)
+    t = 1e-6 * lin + 1e-9 * sq - 1e-4  # the best unconstrained c is negative
+    coef, why = fit_nnls(FitStats.from_samples(sq, lin, np.maximum(t, 1e-5)))
+    assert why == "" and np.all(coef >= 0) and coef[0] > 0 and coef[1] > 0
+
+
+def test_degenerate_window_is_rejected_with_a_reason():
+    rng = np.random.default_rng(2)
+    n = 32
+    sq, lin = np.full(n, 3 * 512.0**2), np.full(n, 3 * 512.0)  # all the same micro-batch
+    t = 0.05 * (1 + rng.normal(0, 0.02, n))  # noise only
+    stats = FitStats.from_samples(sq, lin, t)
+    coef, why = fit_nnls(stats)
+    assert coef is None and "degenerate" in why
+    result = refit(stats, stats, Coefficients.of(CostModel(1.0, 100.0, "flops")))
+    assert not result.adopted and "degenerate" in result.reason
+
+
+def test_refit_that_predicts_the_holdout_worse_is_not_adopted():
+    rng = np.random.default_rng(3)
+    sq, lin = _micro_batches(rng, 48)
+    t = TRUE.predict(sq, lin)
+    fit_part = FitStats.from_samples(sq[:32], lin[:32], t[:32])
+    holdout = FitStats.from_samples(sq[32:], lin[32:], t[32:])
+    # The model in use is already right (at another scale): the refit cannot beat it.
+    scaled = Coefficients(TRUE.a * 7, TRUE.b * 7, TRUE.c * 7, "flops")
+    result = refit(fit_part, holdout, scaled)
+    assert not result.adopted and "no better" in result.reason
+    # A wrong model in use (attention 20x too cheap) is replaced.
+    wrong = Coefficients(TRUE.a / 20, TRUE.b, 0.0)
+    result = refit(fit_part, holdout, wrong)
+    assert result.adopted and result.candidate_error < 0.01 < result.incumbent_error
+
+
+def test_bad_timings_and_config_are_refused():
+    with pytest.raises(ValueError, match="finite and > 0"):
+        FitStats.from_samples([1.0], [1.0], [0.0])
+    with pytest.raises(ValueError, match="holdout_steps"):
+        OnlineFitConfig(window_steps=2, holdout_steps=2)
+    with pytest.raises(ValueError, match="apply_lag_steps"):
+        OnlineFitConfig(apply_lag_steps=0)
+
+
+def test_schedule_is_deterministic_whatever_the_reader_timing():
+    cfg = OnlineFitConfig(warmup_steps=1, window_steps=4, holdout_steps=1, interval_steps=2,
+                          apply_lag_steps=2)  # fmt: skip
+    assert [s for s in range(1, 12) if cfg.is_refit_step(s)] == [5, 7, 9, 11]
+    initial = CostModel(1e-3, 1.0, "flops")
+    schedule = CostModelSchedule(initial, cfg)
+    fitter = OnlineFitter(schedule)
+    rng = np.random.default_rng(4)
+    got: dict[int, CostModel] = {}
+
+    def node():  # the packing node, running ahead in its own thread
+        for step in range(1, 12):
+            got[step] = schedule.model_for_step(step)
+
+    reader = threading.Thread(target=node)
+    reader.start()
+    truth = Coefficients(a=5e-9, b=1e-6, c=1e-3)
+    records = {}
+    for step in range(1, 12):
+        sq, lin = _micro_batches(rng, 8)
+        vec = FitStats.from_samples(sq, lin, truth.predict(sq, lin)).to_vector()
+        records[step] = fitter.observe(step, vec)
+    reader.join(timeout=30)
+    assert not reader.is_alive()
+    assert records[5]["adopted"] and records[5]["effective_step"] == 7
+    assert all(got[s] is initial for s in range(1, 7))
+    adopted = got[7]
+    assert adopted.unit == "seconds"
+    np.testing.assert_allclose([adopted.attn_coef, adopted.linear_coef], [5e-9, 1e-6], rtol=0.02)
+
+    # A restored fitter (as from a checkpoint after step 6) answers the same for every step.
+    again = OnlineFitter(CostModelSchedule(initial, cfg))
+    state = fitter.state_dict()
+    again.load_state_dict(state)
+    for step in range(1, 12):
+        assert again.schedule.model_for_step(step) == got[step]

@@ -1,0 +1,85 @@
+"""``[wlb] cost_model = "online"`` end to end on two gloo ranks (DP = 2), with synthetic times.
+
+One run of 6 steps refits after steps 4 and 6 (warm-up 1, window 3, hold-out 1, interval 2); the
+refit after step 4 is adopted and, with a lag of 2, packs step 6. Both ranks, fed different times,
+must hold the same coefficients bit for bit and pack with the same model at every step. Then a run
+resumed from the checkpoint of step 4 (after the refit, before it takes effect) must pack and
+train steps 5 and 6 exactly as the uninterrupted run: same documents, same coefficients, same
+losses, the same refit after step 6.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEBUG_CPU = os.path.join(ROOT, "train_configs", "debug_cpu.toml")
+ENTRY = os.path.join(ROOT, "tests", "online_fit_entry.py")
+
+pytestmark = pytest.mark.slow
+
+
+def _train(dump):
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+        "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", "--role", "rank", ENTRY,
+        "--job.config_file", DEBUG_CPU, "--job.dump_folder", str(dump), "--model.flavor", "tiny",
+        "--training.seq_len", "256", "--wlb.micro_batch_max_len", "320",
+        "--training.global_batch_size", "4", "--training.steps", "6",
+        "--checkpoint.interval", "2", "--wlb.metrics_jsonl", "--metrics.disable_color_printing",
+        "--wlb.cost_model", "online", "--wlb.fit_warmup_steps", "1", "--wlb.fit_window_steps",
+        "3", "--wlb.fit_holdout_steps", "1", "--wlb.fit_interval_steps", "2",
+        "--wlb.fit_apply_lag_steps", "2",
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    return r.stdout + r.stderr
+
+
+def _records(dump, rank):
+    with open(os.path.join(dump, "wlb_metrics", f"rank_{rank}.jsonl")) as f:
+        return {rec["step"]: rec for rec in map(json.loads, f)}
+
+
+REFIT_KEYS = ("wlb/cost_refit_a", "wlb/cost_refit_b", "wlb/cost_refit_c", "wlb/cost_refit_error")
+
+
+def test_online_refit_is_identical_on_every_rank_and_resumes_exactly(tmp_path):
+    ref = tmp_path / "ref"
+    log = _train(ref)
+    assert "online cost model refit after step 4" in log and "adopted for step 6" in log
+    runs = [_records(ref, rank) for rank in (0, 1)]
+    for recs in runs:
+        assert sorted(recs) == [1, 2, 3, 4, 5, 6]
+        assert recs[4]["wlb/cost_refit_adopted"] == 1.0
+        assert recs[4]["wlb/cost_refit_effective_step"] == 6.0
+        assert "wlb/cost_refit_adopted" in recs[6] and "wlb/cost_refit_adopted" not in recs[5]
+    # Different timings on the two ranks (see the entry), the same coefficients bit for bit.
+    for step in (4, 6):
+        assert [runs[0][step][k] for k in REFIT_KEYS] == [runs[1][step][k] for k in REFIT_KEYS]
+    rank0 = runs[0]
+    a = rank0[4]["wlb/cost_refit_a"]
+    assert a == pytest.approx(1e-7, rel=0.05)  # the synthetic truth, through the real pipeline
+    # Steps 1-5 packed with the analytic model, step 6 with the refit (both ranks alike).
+    analytic = rank0[1]["wlb/cost_attn_coef"]
+    for recs in runs:
+        assert [recs[s]["wlb/cost_attn_coef"] for s in range(1, 6)] == [analytic] * 5
+        assert recs[6]["wlb/cost_attn_coef"] == a
+
+    # Resume from the checkpoint of step 4: the refit is decided, not yet in effect.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(ref / "checkpoint" / "step-4", resumed / "checkpoint" / "step-4")
+    log = _train(resumed)
+    assert "resuming from step 4" in log
+    for rank in (0, 1):
+        again, full = _records(resumed, rank), runs[rank]
+        assert sorted(again) == [5, 6]
+        for step in (5, 6):
+            for key in ("loss", "doc_ids", "micro_batch_doc_lens", "wlb/cost_attn_coef"):
+                assert again[step][key] == full[step][key], (rank, step, key)
+        assert [again[6][k] for k in REFIT_KEYS] == [full[6][k] for k in REFIT_KEYS]

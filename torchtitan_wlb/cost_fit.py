@@ -1,0 +1,413 @@
+"""Fitting the workload model to measured micro-batch times while training (the online model).
+
+The packer balances *predicted* work; the analytic FLOP model cannot know the machine (kernel
+efficiency on short documents, a fixed cost per micro-batch, communication). This module fits
+
+    t(micro-batch) = a * sum(d**2) + b * sum(d) + c
+
+(``d``: the lengths of the micro-batch's documents, or under CP this rank's share of them; ``c``: a
+fixed cost per micro-batch) to measured forward+backward times, by least squares with relative
+weights (each row weighted by ``1 / t**2``, so the fit minimises the squared *relative* error and a
+short micro-batch counts as much as a long one).
+
+Why sufficient statistics: the fit needs only the weighted normal-equation terms ``X^T W X``
+(3 x 3), ``X^T W t`` (3), ``t^T W t`` and the row count. They add up across micro-batches, steps
+and ranks, so every rank can sum every rank's terms (in rank order, bit for bit the same sum
+everywhere) and solve the same 3 x 3 system: identical coefficients on every rank with 14 numbers
+exchanged per step, and a sliding window is a deque of per-step terms.
+
+Guard rails (:func:`refit`): the coefficients are non-negative (non-negative least squares over the
+seven active sets of three unknowns; a term the data cannot see, e.g. attention on a tiny model,
+comes out 0 rather than negative) and ``a`` or ``b`` is positive (the packer needs a per-document
+cost); a window whose micro-batches do not vary enough to tell the three terms apart (e.g. all of
+the same length: only noise to fit) is rejected with that reason; and the refit is fitted on the
+window's older steps and adopted only if it predicts the window's most recent steps (held out)
+better than the model in use. The model in use is compared at its best scale: the packer balances
+relative costs, so an analytic model in FLOPs competes by its shape, not by its unit.
+
+:class:`CostModelSchedule` is how a fitted model reaches the packing node, which runs ahead of
+training in a prefetch thread: a refit decided after step ``s`` packs step ``s + lag`` and every
+later step, whatever the thread's timing (it waits for the decision when it is that far ahead),
+so all DP ranks pack the same plans and a resumed run packs as the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from torchtitan_wlb.cost_model import CostModel
+
+__all__ = [
+    "STATS_SIZE",
+    "CostModelSchedule",
+    "Coefficients",
+    "FitStats",
+    "OnlineFitConfig",
+    "OnlineFitter",
+    "RefitResult",
+    "fit_nnls",
+    "refit",
+]
+
+N_TERMS = 3  # sum(d^2), sum(d), 1
+STATS_SIZE = N_TERMS * N_TERMS + N_TERMS + 2
+# Smallest accepted eigenvalue of the normalised normal matrix (unit diagonal): below it the terms
+# are (nearly) collinear in this window and the fit would be noise.
+_MIN_EIGEN = 1e-9
+
+
+@dataclass(frozen=True)
+class FitStats:
+    """Weighted least-squares sufficient statistics of ``t ~ x . (a, b, c)``, ``x = (Σd², Σd, 1)``.
+
+    Sums over rows with weight ``1 / t**2``: ``gram = Σ w x x^T``, ``moment = Σ w x t``,
+    ``sq = Σ w t**2`` (= the row count, kept for the error formula) and ``count``.
+    """
+
+    gram: np.ndarray
+    moment: np.ndarray
+    sq: float
+    count: float
+
+    @classmethod
+    def zeros(cls) -> FitStats:
+        return cls(np.zeros((N_TERMS, N_TERMS)), np.zeros(N_TERMS), 0.0, 0.0)
+
+    @classmethod
+    def from_samples(cls, sum_sq: Any, sum_lin: Any, seconds: Any) -> FitStats:
+        """The statistics of micro-batches with ``Σd²``, ``Σd`` and measured ``seconds`` (> 0)."""
+        sq_ = np.asarray(sum_sq, np.float64).reshape(-1)
+        lin = np.asarray(sum_lin, np.float64).reshape(-1)
+        t = np.asarray(seconds, np.float64).reshape(-1)
+        if not sq_.shape == lin.shape == t.shape:
+            raise ValueError(
+                f"FitStats.from_samples: sum_sq, sum_lin and seconds must have the same length, "
+                f"got {sq_.size}, {lin.size}, {t.size}"
+            )
+        if t.size and (not np.all(np.isfinite(t)) or np.any(t <= 0)):
+            raise ValueError(f"measured times must be finite and > 0, got {t.tolist()!r}")
+        x = np.stack([sq_, lin, np.ones_like(t)], axis=1)
+        w = 1.0 / (t * t)
+        return cls(
+            gram=(x * w[:, None]).T @ x,
+            moment=x.T @ (w * t),
+            sq=float(np.sum(w * t * t)),
+            count=float(t.size),
+        )
+
+    def to_vector(self) -> np.ndarray:
+        """The 14 numbers as one float64 vector (what ranks exchange and checkpoints hold)."""
+        return np.concatenate([self.gram.reshape(-1), self.moment, [self.sq, self.count]])
+
+    @classmethod
+    def from_vector(cls, vector: Any) -> FitStats:
+        v = np.asarray(vector, np.float64).reshape(-1)
+        if v.size != STATS_SIZE:
+            raise ValueError(f"a FitStats vector has {STATS_SIZE} numbers, got {v.size}")
+        k = N_TERMS * N_TERMS
+        return cls(
+            v[:k].reshape(N_TERMS, N_TERMS).copy(),
+            v[k : k + N_TERMS].copy(),
+            float(v[-2]),
+            float(v[-1]),
+        )
+
+    def __add__(self, other: FitStats) -> FitStats:
+        return FitStats(
+            self.gram + other.gram,
+            self.moment + other.moment,
+            self.sq + other.sq,
+            self.count + other.count,
+        )
+
+    def sse(self, coef: np.ndarray) -> float:
+        """Σ ((prediction - t) / t)² over the rows, from the statistics alone."""
+        coef = np.asarray(coef, np.float64)
+        return max(0.0, float(self.sq - 2.0 * coef @ self.moment + coef @ self.gram @ coef))
+
+    def rms_error(self, coef: np.ndarray) -> float:
+        """Root-mean-square relative prediction error of ``coef`` on these rows."""
+        return math.sqrt(self.sse(coef) / self.count) if self.count else math.nan
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    """``t = a * Σd² + b * Σd + c`` per micro-batch."""
+
+    a: float
+    b: float
+    c: float = 0.0
+    unit: str = "seconds"
+
+    def as_array(self) -> np.ndarray:
+        return np.array([self.a, self.b, self.c], np.float64)
+
+    def predict(self, sum_sq: Any, sum_lin: Any) -> np.ndarray:
+        return (
+            self.a * np.asarray(sum_sq, np.float64)
+            + self.b * np.asarray(sum_lin, np.float64)
+            + self.c
+        )
+
+    def cost_model(self) -> CostModel:
+        """The per-document model the packers balance. ``c`` is left out: every micro-batch pays
+        it once, so it moves no balance decision of a plan."""
+        return CostModel(attn_coef=self.a, linear_coef=self.b, unit=self.unit)
+
+    @classmethod
+    def of(cls, model: CostModel) -> Coefficients:
+        return cls(model.attn_coef, model.linear_coef, 0.0, model.unit)
+
+
+def fit_nnls(stats: FitStats) -> tuple[np.ndarray | None, str]:
+    """Non-negative least squares of the three coefficients from the statistics.
+
+    Returns ``(coef, "")`` or ``(None, reason)``. The terms are first scaled to a unit-diagonal
+    normal matrix (``Σd²`` is ~10^7 times ``1``); if its smallest eigenvalue is below ``1e-9`` the
+    window cannot separate the terms (e.g. every micro-batch the same length) and the fit is
+    refused. Otherwise the best of the feasible active-set solutions (each a small solve) wins.
+    """
+    if stats.count < N_TERMS + 1:
+        return None, f"too few micro-batches to fit 3 coefficients ({stats.count:.0f})"
+    diag = np.diag(stats.gram)
+    if np.any(diag <= 0):
+        return None, "a term is zero for every micro-batch in the window"
+    scale = 1.0 / np.sqrt(diag)
+    g = stats.gram * scale[:, None] * scale[None, :]
+    h = stats.moment * scale
+    eig = np.linalg.eigvalsh(g)
+    if eig[0] < _MIN_EIGEN * eig[-1]:
+        return None, (
+            "degenerate window: the micro-batches' sum(d^2), sum(d) and count are (nearly) "
+            f"collinear (normalised eigenvalue {eig[0] / eig[-1]:.2e} < {_MIN_EIGEN:g}); e.g. all "
+            "of one length, leaving only timing noise to fit"
+        )
+    best, best_sse = None, math.inf
+    for mask in range(1, 2**N_TERMS):
+        idx = [i for i in range(N_TERMS) if mask >> i & 1]
+        sol = np.zeros(N_TERMS)
+        sol[idx] = np.linalg.solve(g[np.ix_(idx, idx)], h[idx])
+        if np.any(sol < 0):
+            continue
+        coef = sol * scale
+        err = stats.sse(coef)
+        if err < best_sse:
+            best, best_sse = coef, err
+    if best is None or best[0] + best[1] <= 0:
+        return None, "no non-negative fit with a > 0 or b > 0 (only the fixed cost c)"
+    return best, ""
+
+
+def _best_scale(stats: FitStats, shape: np.ndarray) -> float:
+    """The ``s >= 0`` minimising the relative error of ``s * shape`` on ``stats``."""
+    denom = float(shape @ stats.gram @ shape)
+    return max(0.0, float(shape @ stats.moment) / denom) if denom > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class RefitResult:
+    """What one refit decided, with the errors it was judged by (RMS relative, held-out steps)."""
+
+    adopted: bool
+    reason: str
+    candidate: Coefficients | None
+    candidate_error: float
+    incumbent_error: float
+
+
+def refit(fit_part: FitStats, holdout: FitStats, incumbent: Coefficients) -> RefitResult:
+    """Fit on ``fit_part``; adopt only if it predicts ``holdout`` better than ``incumbent``.
+
+    The incumbent is judged at its best scale on ``fit_part`` (the packer uses relative costs), so
+    the analytic model in FLOPs and a fitted model in seconds compete on equal terms.
+    """
+    coef, why = fit_nnls(fit_part)
+    shape = incumbent.as_array()
+    inc = shape * _best_scale(fit_part, shape)
+    inc_err = holdout.rms_error(inc)
+    if coef is None:
+        return RefitResult(False, why, None, math.nan, inc_err)
+    cand = Coefficients(float(coef[0]), float(coef[1]), float(coef[2]))
+    cand_err = holdout.rms_error(coef)
+    if not cand_err < inc_err:
+        return RefitResult(
+            False,
+            f"refit predicts the held-out steps no better ({cand_err:.4f} vs {inc_err:.4f} RMS "
+            "relative error)",
+            cand,
+            cand_err,
+            inc_err,
+        )
+    return RefitResult(True, "adopted", cand, cand_err, inc_err)
+
+
+@dataclass(frozen=True)
+class OnlineFitConfig:
+    """When the online model refits and when a refit takes effect (all in optimizer steps)."""
+
+    warmup_steps: int = 2
+    """The first steps' times are not used (allocator and kernel warm-up)."""
+    window_steps: int = 8
+    """A refit uses the last this many steps' micro-batches."""
+    holdout_steps: int = 2
+    """The window's most recent steps, held out to judge the refit against the model in use."""
+    interval_steps: int = 4
+    """Steps between refits once the window is full."""
+    apply_lag_steps: int = 3
+    """A refit decided after step s packs step s + lag onwards (>= 1; larger than the packing
+    node's read-ahead, so the node seldom waits for a decision)."""
+
+    def __post_init__(self) -> None:
+        for name in ("warmup_steps", "window_steps", "holdout_steps", "interval_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"OnlineFitConfig.{name} must be an integer >= 0, got {value!r}")
+        if self.interval_steps < 1 or self.apply_lag_steps < 1:
+            raise ValueError(
+                "OnlineFitConfig: interval_steps and apply_lag_steps must be >= 1, got "
+                f"{self.interval_steps} and {self.apply_lag_steps}"
+            )
+        if not 1 <= self.holdout_steps < self.window_steps:
+            raise ValueError(
+                f"OnlineFitConfig: holdout_steps must be in [1, window_steps), got "
+                f"{self.holdout_steps} with window_steps = {self.window_steps}"
+            )
+
+    def is_refit_step(self, step: int) -> bool:
+        """Whether a refit is decided after ``step`` (deterministic: the same on every rank)."""
+        first = self.warmup_steps + self.window_steps
+        return step >= first and (step - first) % self.interval_steps == 0
+
+    def last_refit_step_before(self, step: int) -> int:
+        """The last refit step ``<= step`` (0 when none)."""
+        first = self.warmup_steps + self.window_steps
+        if step < first:
+            return 0
+        return step - (step - first) % self.interval_steps
+
+
+class CostModelSchedule:
+    """Which cost model packs which step; shared by the trainer (writer) and the packing node.
+
+    Adoptions are ``(effective_step, model)`` in step order. :meth:`model_for_step` waits until the
+    trainer has decided every refit that could take effect by then (the refit steps are fixed by
+    the config), so the answer never depends on how far ahead the node's thread runs.
+    """
+
+    def __init__(self, initial: CostModel, config: OnlineFitConfig) -> None:
+        self.initial = initial
+        self.config = config
+        self._adoptions: list[tuple[int, CostModel]] = []
+        self._decided_through = 0
+        self._closed = False
+        self._cond = threading.Condition()
+
+    def model_for_step(self, step: int) -> CostModel:
+        """The model packing training step ``step`` (1-based), waiting for pending decisions."""
+        needed = self.config.last_refit_step_before(step - self.config.apply_lag_steps)
+        with self._cond:
+            self._cond.wait_for(lambda: self._decided_through >= needed or self._closed)
+            model = self.initial
+            for effective, adopted in self._adoptions:
+                if effective <= step:
+                    model = adopted
+            return model
+
+    def decide(self, step: int, model: CostModel | None) -> int:
+        """Record that the decisions of every step through ``step`` are made; ``model``, if
+        given, packs from ``step + lag`` on. Returns that effective step."""
+        effective = step + self.config.apply_lag_steps
+        with self._cond:
+            if model is not None:
+                self._adoptions.append((effective, model))
+            self._decided_through = max(self._decided_through, step)
+            self._cond.notify_all()
+        return effective
+
+    def restore(self, adoptions: list[tuple[int, CostModel]], decided_through: int) -> None:
+        with self._cond:
+            self._adoptions = sorted(adoptions, key=lambda p: p[0])
+            self._decided_through = decided_through
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Release a waiting node for good (the run is over; nothing more will be decided)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+
+class OnlineFitter:
+    """The trainer's side: a window of per-step statistics (already summed over ranks), refits at
+    the configured steps, the adoption history, and the schedule the packing node reads."""
+
+    def __init__(self, schedule: CostModelSchedule) -> None:
+        self.schedule = schedule
+        self.config = schedule.config
+        self._window: deque[tuple[int, np.ndarray]] = deque(maxlen=self.config.window_steps)
+        self.incumbent = Coefficients.of(schedule.initial)
+        self.history: list[dict[str, Any]] = []
+
+    def observe(self, step: int, vector: np.ndarray) -> dict[str, Any] | None:
+        """Add step ``step``'s statistics (summed over all ranks); refit if it is a refit step.
+
+        Returns the refit's record (adopted or not, with the reason and errors), else None.
+        """
+        if step > self.config.warmup_steps:
+            self._window.append((step, np.asarray(vector, np.float64).copy()))
+        if not self.config.is_refit_step(step):
+            self.schedule.decide(step, None)
+            return None
+        k = len(self._window) - self.config.holdout_steps
+        fit_part, holdout = FitStats.zeros(), FitStats.zeros()
+        for i, (_, v) in enumerate(self._window):
+            if i < k:
+                fit_part = fit_part + FitStats.from_vector(v)
+            else:
+                holdout = holdout + FitStats.from_vector(v)
+        result = refit(fit_part, holdout, self.incumbent)
+        model = None
+        if result.adopted and result.candidate is not None:
+            self.incumbent = result.candidate
+            model = result.candidate.cost_model()
+        effective = self.schedule.decide(step, model)
+        record = {
+            "step": step,
+            "adopted": result.adopted,
+            "reason": result.reason,
+            "effective_step": effective if result.adopted else None,
+            "candidate": None if result.candidate is None else asdict(result.candidate),
+            "candidate_error": result.candidate_error,
+            "incumbent_error": result.incumbent_error,
+        }
+        if result.adopted:
+            self.history.append(record)
+        return record
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "window": [[s, v.tolist()] for s, v in self._window],
+            "incumbent": asdict(self.incumbent),
+            "history": list(self.history),
+            "decided_through": self.schedule._decided_through,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._window = deque(
+            ((int(s), np.asarray(v, np.float64)) for s, v in state["window"]),
+            maxlen=self.config.window_steps,
+        )
+        self.incumbent = Coefficients(**state["incumbent"])
+        self.history = list(state["history"])
+        adoptions = [
+            (int(r["effective_step"]), Coefficients(**r["candidate"]).cost_model())
+            for r in self.history
+        ]
+        self.schedule.restore(adoptions, int(state["decided_through"]))
