@@ -37,6 +37,13 @@ from torchtitan_wlb.cp.plan import CPPlan
 from torchtitan_wlb.cp.profile import resolve_profile
 from torchtitan_wlb.packing import OriginalPacker, PackingConfig
 from torchtitan_wlb.tools.cli import ToolParser
+from torchtitan_wlb.cp.torch_lb import (
+    SMALL_CHUNK,
+    TORCH_BALANCERS,
+    assignment_stats,
+    plan_assignment,
+    torch_assignment,
+)
 from torchtitan_wlb.workloads import GENERATORS, generate, load_lengths, split_long
 
 STRATEGY_NAMES = ("per_sequence", "per_document", "adaptive")
@@ -130,7 +137,9 @@ def run(args: argparse.Namespace) -> dict:
     micro_batches = pack_micro_batches(lens, args.context_len, args.micro_batches)
     profile = resolve_profile(args.profile)
     results: dict = {}
+    kv_bytes = 2 * args.kv_heads * args.head_dim * args.kv_dtype_bytes  # K and V, one layer
     for strategy in STRATEGY_NAMES:
+        extra = []
         imb, plan_ms, plan_ms_min, chose_doc, est = [], [], [], [], []
         meas_imb, meas_max, meas_mean = [], [], []
         for i, doc_lens in enumerate(micro_batches):
@@ -142,6 +151,7 @@ def run(args: argparse.Namespace) -> dict:
             plan_ms.append(float(np.median(times)))
             plan_ms_min.append(float(np.min(times)))
             imb.append(plan.flops_imbalance())
+            extra.append(assignment_stats(plan_assignment(plan), kv_bytes))
             chose_doc.append(plan.strategy == "per_document")
             est.append(profile.estimate_plan_seconds(plan) * 1e3)
             if args.measure and i < args.measure_micro_batches:
@@ -158,6 +168,7 @@ def run(args: argparse.Namespace) -> dict:
             "plan_ms_max": float(np.max(plan_ms)),
             "plan_ms_min": float(np.min(plan_ms_min)),
             "estimated_max_rank_ms": float(np.mean(est)),
+            **_mean_stats(extra),
         }
         if strategy == "adaptive":
             entry["per_document_share"] = float(np.mean(chose_doc))
@@ -169,6 +180,15 @@ def run(args: argparse.Namespace) -> dict:
             entry["measured_imbalance"] = float(np.mean(meas_imb))
             entry["flops_imbalance_measured_subset"] = float(np.mean(imb[:n_meas]))
         results[strategy] = entry
+    if args.torch_balancers:
+        for name in TORCH_BALANCERS:
+            stats = [
+                assignment_stats(
+                    torch_assignment(name, m, args.cp, repeats=args.plan_repeats), kv_bytes
+                )
+                for m in micro_batches
+            ]
+            results[name] = _mean_stats(stats, with_flops=True)
     results["config"] = {
         "lengths": args.lengths or f"generator:{args.generator}(seed={args.seed})",
         "context_len": args.context_len,
@@ -178,8 +198,36 @@ def run(args: argparse.Namespace) -> dict:
         "docs_per_micro_batch_max": int(max(len(m) for m in micro_batches)),
         "tokens_per_micro_batch_mean": float(np.mean([m.sum() for m in micro_batches])),
         "profile": profile.device + "/" + profile.backend,
+        "kv_bytes_per_token": kv_bytes,
+        "small_chunk_tokens": SMALL_CHUNK,
     }
     return results
+
+
+def _mean_stats(stats: list[dict], with_flops: bool = False) -> dict:
+    """Per-micro-batch :func:`assignment_stats` summarised: means, the worst micro-batch and the
+    small-chunk total. ``with_flops``: also the FLOPs / plan-time keys (for torch's balancers;
+    this project's plans report those from the plan itself)."""
+    col = {k: np.array([s[k] for s in stats], dtype=np.float64) for k in stats[0]}
+    out = {
+        "token_imbalance": float(col["token_imbalance"].mean()),
+        "token_imbalance_max": float(col["token_imbalance"].max()),
+        "kv_gather_bytes": float(col["kv_gather_bytes"].mean()),
+        "kv_gather_tokens": float(col["kv_gather_tokens"].mean()),
+        "small_chunks": float(col["small_chunks"].mean()),
+        "small_chunks_total": int(col["small_chunks"].sum()),
+        "small_chunk_docs_max_len": int(col["small_chunk_docs_max_len"].max()),
+        "pad_tokens": float(col["pad_tokens"].mean()),
+    }
+    if with_flops:
+        out = {
+            "flops_imbalance": float(col["flops_imbalance"].mean()),
+            "flops_imbalance_max": float(col["flops_imbalance"].max()),
+            "plan_ms": float(np.median(col["plan_ms"])),
+            "plan_ms_max": float(col["plan_ms"].max()),
+            **out,
+        }
+    return out
 
 
 def parser() -> ToolParser:
@@ -203,8 +251,21 @@ def parser() -> ToolParser:
     p.add_argument("--measure-micro-batches", type=int, default=4, help="micro-batches measured")
     p.add_argument("--measure-repeats", type=int, default=5, help="rounds per rank (fastest kept)")
     p.add_argument("--heads", type=int, default=2, help="query heads for --measure")
-    p.add_argument("--kv-heads", type=int, default=1, help="KV heads for --measure")
-    p.add_argument("--head-dim", type=int, default=16, help="head dim for --measure")
+    p.add_argument(
+        "--kv-heads", type=int, default=1, help="KV heads for --measure and kv_gather_bytes"
+    )
+    p.add_argument(
+        "--head-dim", type=int, default=16, help="head dim for --measure and kv_gather_bytes"
+    )
+    p.add_argument(
+        "--kv-dtype-bytes", type=int, default=2, help="bytes per K/V element (kv_gather_bytes)"
+    )
+    p.add_argument(
+        "--no-torch-balancers",
+        dest="torch_balancers",
+        action="store_false",
+        help="skip the rows of torch's own load balancers",
+    )
     p.add_argument("--json", action="store_true", help="print the JSON result last")
     return p
 
@@ -226,10 +287,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(exc))
     finally:
         torch.set_num_threads(threads)
-    for strategy in STRATEGY_NAMES:
+    for strategy in (*STRATEGY_NAMES, *(TORCH_BALANCERS if args.torch_balancers else ())):
         r = results[strategy]
         line = (
-            f"{strategy:13s} flops_imbalance={r['flops_imbalance']:.4f} plan_ms={r['plan_ms']:.3f}"
+            f"{strategy:18s} flops_imbalance={r['flops_imbalance']:.4f} "
+            f"tokens={r['token_imbalance']:.4f} kv_gather_MB={r['kv_gather_bytes'] / 1e6:.2f} "
+            f"small_chunks={r['small_chunks']:.1f} plan_ms={r['plan_ms']:.3f}"
         )
         if "per_document_share" in r:
             line += f" per_document_share={r['per_document_share']:.2f}"
