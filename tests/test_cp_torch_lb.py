@@ -93,10 +93,11 @@ def test_cp_bench_reports_torch_balancers(capsys):
 
 # ---------------------------------------------------------------- our plans via torch's interface
 WORLD = 2
-# name -> (rows of document lengths, strategy); every row sums to a multiple of 2 * WORLD
+# name -> (rows of document lengths, strategy)
 ADAPTER_CASES: dict[str, tuple[list[list[int]], str]] = {
     "one_document": ([[36]], "per_document"),
     "mixed_documents": ([[13, 6, 2, 1, 30]], "per_document"),
+    "not_divisible": ([[13, 6, 2]], "per_document"),  # local lengths differ: padded pieces
     "shorter_than_cp": ([[1, 1, 1, 1, 1, 3]], "per_document"),
     "two_rows": ([[20, 4], [1, 2, 3, 18]], "per_document"),
     "per_sequence": ([[13, 6, 2, 1, 30]], "per_sequence"),
@@ -115,19 +116,22 @@ def _adapter_case(name: str, rank: int, mesh) -> dict:
 
     rows, strategy = ADAPTER_CASES[name]
     lb = PlanLoadBalancer(rows, WORLD, "cpu", strategy=strategy)
-    total = sum(rows[0])
-    tokens = torch.arange(len(rows) * total).view(len(rows), total) * 10 + 7  # [B, T], seq dim 1
-    feats = torch.randn(total, 3, generator=torch.Generator().manual_seed(total))  # [T, 3], dim 0
+    total, padded, piece = sum(rows[0]), lb.seq_length, lb.seq_length // WORLD
+    # padded buffers: [B, padded] token ids (seq dim 1), [padded, 3] features (seq dim 0)
+    tokens = torch.arange(len(rows) * padded).view(len(rows), padded) * 10 + 7
+    feats = torch.randn(padded, 3, generator=torch.Generator().manual_seed(total))
     if len(rows) == 1:
         local_tokens, local_feats = _context_parallel_shard(mesh, [tokens, feats], [1, 0], lb)
     else:  # per-row balancing: the indices vary within the batch, so dim-0 buffers cannot use it
         (local_tokens,) = _context_parallel_shard(mesh, [tokens], [1], lb)
         local_feats = None
-    ok = True
-    for b, plan in enumerate(lb.plans):  # torch's shard equals this project's shard of the plan
-        ok &= torch.equal(local_tokens[b], shard_tensor(plan, rank, tokens[b]))
+    ok = local_tokens.shape[1] == piece
+    for b, plan in enumerate(lb.plans):  # torch's shard = this project's shard, then padding
+        n = int(plan.local_lens[rank])
+        ok &= torch.equal(local_tokens[b, :n], shard_tensor(plan, rank, tokens[b, :total]))
+        ok &= bool(torch.isin(local_tokens[b, n:], tokens[b, total:]).all())
         if local_feats is not None:
-            ok &= torch.equal(local_feats, shard_tensor(plan, rank, feats, dim=0))
+            ok &= torch.equal(local_feats[:n], shard_tensor(plan, rank, feats[:total], dim=0))
     (restored,) = context_parallel_unshard(mesh, [local_tokens], [1], lb)
     return {"shard_matches_plan": bool(ok), "round_trip": bool(torch.equal(restored, tokens))}
 
@@ -184,15 +188,18 @@ def test_plan_load_balancer_round_trips_through_torch(adapter_results, name):
         assert res[name] == {"shard_matches_plan": True, "round_trip": True}, f"rank {rank}"
 
 
-def test_plan_load_balancer_indices_invert_and_refuse_unequal_ranks():
+def test_plan_load_balancer_indices_invert_and_pad_unequal_ranks():
     from torchtitan_wlb.cp.torch_lb import PlanLoadBalancer
 
-    lb = PlanLoadBalancer([[5, 9, 2]], 2)
+    lb = PlanLoadBalancer([[5, 9, 2]], 2)  # 16 tokens, divisible by 2c: no padding
     fwd, back = lb._generate_indices(), lb._generate_indices(restore=True)
-    assert fwd.shape == (1, 16) and fwd.dtype == back.dtype
+    assert lb.seq_length == 16 and fwd.shape == (1, 16) and fwd.dtype == back.dtype
     np.testing.assert_array_equal(fwd[0][back[0]].numpy(), np.arange(16))
     np.testing.assert_array_equal(fwd[0, :8].numpy(), lb.plans[0].token_indices(0))
-    with pytest.raises(ValueError, match=r"gives ranks \[3, 4\] tokens.*multiple of"):
-        PlanLoadBalancer([[3, 4]], 2)
+    lb = PlanLoadBalancer([[3, 4]], 2)  # ranks hold 3 and 4 tokens: one padding row
+    assert lb.plans[0].local_lens.tolist() == [3, 4] and lb.seq_length == 8
+    fwd = lb._generate_indices()[0].numpy()
+    np.testing.assert_array_equal(fwd[:3], lb.plans[0].token_indices(0))
+    assert fwd[3] == 7 and sorted(fwd) == list(range(8))
     with pytest.raises(ValueError, match="same tokens"):
         PlanLoadBalancer([[4], [2, 4]], 2)

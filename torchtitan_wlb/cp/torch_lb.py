@@ -63,23 +63,30 @@ class PlanLoadBalancer(_LoadBalancer):
     """This project's CP plans behind torch's ``_LoadBalancer`` interface.
 
     ``_context_parallel_shard`` cuts the rearranged sequence into ``c`` equal contiguous pieces, so
-    the rearrange indices are the plan's rank-major layout (rank 0's tokens, then rank 1's, ...) and
-    the restore indices are the plan's ``kv_order`` (the row of the gathered, rank-major buffer
-    holding each token). That needs every rank to hold ``T / c`` tokens: true of ``per_document``
-    whenever ``T`` is a multiple of ``2c`` (what TorchTitan's CP path pads to already); a plan with
-    unequal local lengths is refused with the lengths, not sharded wrong.
+    the rearrange indices are the plan's rank-major layout: rank 0's tokens in its local order, then
+    rank 1's, and so on. Plans add no padding, so their local lengths may differ (by up to two tokens
+    per-document, by up to about one document under hybrid); every rank's piece is therefore
+    ``seq_length // c`` rows, ``seq_length = c * max(local_lens)``: the rank's own tokens, then
+    padding positions ``T, T + 1, ...``. The caller pads its buffers to ``seq_length`` along the
+    sequence dimension first (with tokens whose loss is ignored), as torch's own balancers need their
+    divisible lengths; ``per_document`` over ``T`` divisible by ``2c`` needs none
+    (``seq_length == T``). ``context_parallel_unshard`` with the same balancer restores packed order,
+    the padding at the end.
 
     Args:
         seq_length_per_doc: document lengths per batch row (``[[...]]`` for one micro-batch, as
-            torch's per-document balancer takes them); every row must have the same total.
+            torch's per-document balancer takes them); every row must have the same total ``T``.
         world_size: CP ranks ``c``.
         device: where the index tensors go.
-        strategy: the plan, ``"per_document"`` (default) or another fixed strategy of
-            :func:`torchtitan_wlb.cp.plan.draft_sharding`.
-        **plan_kwargs: passed to ``draft_sharding`` (e.g. a strategy's length threshold).
+        strategy: ``"per_document"`` (default), ``"hybrid"`` or ``"per_sequence"``: a fixed
+            strategy of :func:`torchtitan_wlb.cp.plan.draft_sharding`.
+        **plan_kwargs: passed to ``draft_sharding`` (e.g. hybrid's ``max_len``).
 
     Attributes:
-        plans: one :class:`CPPlan` per batch row: build the CP op's metadata from them.
+        plans: one :class:`CPPlan` per batch row: the first ``plans[b].local_lens[r]`` rows of rank
+            ``r``'s piece are that plan's tokens; build the CP op's metadata from them.
+        seq_length: padded length the buffers must have (``c`` times the longest local length over
+            the rows).
     """
 
     def __init__(
@@ -93,7 +100,7 @@ class PlanLoadBalancer(_LoadBalancer):
         rows = [validate_doc_lens(np.asarray(r), world_size) for r in seq_length_per_doc]
         if not rows:
             raise ValueError("seq_length_per_doc is empty; give one list of lengths per batch row")
-        totals = {int(r.sum()) for r in rows}
+        totals = sorted({int(r.sum()) for r in rows})
         if len(totals) != 1:
             raise ValueError(f"every batch row must hold the same tokens; rows sum to {totals}")
         self.world_size = world_size
@@ -101,27 +108,25 @@ class PlanLoadBalancer(_LoadBalancer):
         self.plans: list[CPPlan] = [
             draft_sharding(r, world_size, strategy, **plan_kwargs).plan() for r in rows
         ]
-        for b, plan in enumerate(self.plans):
-            if np.any(plan.local_lens != plan.seq_len // world_size) or plan.seq_len % world_size:
-                raise ValueError(
-                    f"row {b}: the {strategy} plan gives ranks {plan.local_lens.tolist()} tokens, "
-                    f"but _context_parallel_shard gives every rank an equal piece of "
-                    f"{plan.seq_len} tokens; pad the micro-batch to a multiple of "
-                    f"2 * world_size = {2 * world_size} tokens"
-                )
+        self.seq_length = world_size * max(p.max_local_len for p in self.plans)
 
     def _generate_indices(self, restore: bool = False) -> torch.Tensor:
-        """``(B, T)`` int64: the plans' rank-major order, or (``restore``) its inverse."""
-        out = []
-        for plan in self.plans:  # batch rows
-            restore_idx = plan.kv_order()  # equal local lengths: buffer row = rearranged position
+        """``(B, seq_length)`` int64: the plans' padded rank-major order, or (``restore``) its
+        inverse."""
+        c, padded = self.world_size, self.seq_length
+        piece = padded // c
+        out = np.empty((len(self.plans), padded), dtype=np.int64)
+        for b, plan in enumerate(self.plans):  # batch rows
+            order = out[b]
+            filled = np.zeros(padded, dtype=bool)
+            for r in range(c):  # CP ranks, not documents
+                n = int(plan.local_lens[r])
+                order[r * piece : r * piece + n] = plan.token_indices(r)
+                filled[r * piece : r * piece + n] = True
+            order[~filled] = np.arange(plan.seq_len, padded)
             if restore:
-                out.append(restore_idx)
-            else:
-                rearrange = np.empty_like(restore_idx)
-                rearrange[restore_idx] = np.arange(restore_idx.size)
-                out.append(rearrange)
-        return torch.from_numpy(np.stack(out)).to(self.device)
+                order[order.copy()] = np.arange(padded)
+        return torch.from_numpy(out).to(self.device)
 
 
 TORCH_BALANCERS = ("torch_head_tail", "torch_per_document", "torch_ptrr")
