@@ -125,7 +125,14 @@ class WLB:
     fixed-length sequences), "fixed_greedy", "solver", "wlb" or "wlb_paper"."""
 
     cp_sharding: CPSharding = "adaptive"
-    """How a micro-batch is split over the CP group: "per_sequence", "per_document", "adaptive"."""
+    """How a micro-batch is split over the CP group: "per_sequence", "per_document", "hybrid"
+    (documents up to `cp_hybrid_max_len` whole on one rank, longer ones split per document; K/V
+    gathered for the split ones only), "adaptive"."""
+
+    cp_hybrid_max_len: int = 0
+    """"hybrid": the longest document kept whole on one CP rank, in tokens; 0 means
+    2 x context_parallel_degree x 128, the length below which a per-document chunk would be
+    shorter than the 128-token attention tile."""
 
     attention_backend: AttentionBackend = "auto"
     """Document-masked attention kernel: "auto", "cpu", "flash" (flash-attn varlen, CUDA),
@@ -226,6 +233,7 @@ class WLB:
             self.packing, self.cp_sharding = MODE_PRESETS[self.mode]
         _check_positive("epochs", self.epochs, allow_zero=True)
         _check_positive("max_doc_len", self.max_doc_len, allow_zero=True)
+        _check_positive("cp_hybrid_max_len", self.cp_hybrid_max_len, allow_zero=True)
         _check_positive("micro_batch_max_len", self.micro_batch_max_len, allow_zero=True)
         _check_positive("max_delay_steps", self.max_delay_steps)
         _check_positive("delay_target", self.delay_target)

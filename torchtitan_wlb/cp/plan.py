@@ -13,6 +13,12 @@ expensive one.
   ``d // 2c`` tokens and the ``d % 2c`` remainder tokens are dealt one per slot, continuing from where
   the previous document's remainder stopped (a counter carried across documents). Per-document work is
   then balanced up to one token per slot.
+* ``hybrid``: documents up to ``max_len`` tokens stay *whole* on one rank (assigned so that every rank's
+  attention work and token count are balanced); longer ones are split into ``2c`` chunks exactly as
+  per-document sharding does (the remainder counter runs over the split documents only). A whole
+  document attends to its rank's local keys only, so the CP op all-gathers K/V of the split documents
+  alone (``doc_gathered``). The default ``max_len`` is ``2c * 128`` (:func:`default_hybrid_max_len`):
+  below it a per-document chunk would be shorter than a 128-token attention tile.
 
 Choosing between the two per micro-batch (``adaptive``) is :mod:`torchtitan_wlb.cp.adaptive`, which
 estimates both from a :class:`ShardingDraft` (the segments before the local layout is built); the
@@ -26,13 +32,21 @@ buffer to the longest local length. Since dealing starts at slot 0 and slots ``0
 ranks ``0..c-1``, every rank holds at least one token whenever ``T >= c``; ``T < c`` is rejected.
 
 **Local layout.** Rank-major: rank ``r``'s tokens are its head slot's segments (in document order)
-followed by its tail slot's segments. A *segment* is the part of one document inside one slot; its
+followed by its tail slot's segments. Under hybrid sharding a whole document is one segment of its
+rank's tail slot, placed after the slot's split-document segments, so every rank's local tokens are
+``[head split segments][tail split segments][whole documents]`` and the gathered tokens are a prefix. A *segment* is the part of one document inside one slot; its
 queries attend to the document's prefix up to the segment's end (bottom-right causal). Within one slot
 each document appears at most once, which lets each half run as one varlen call whose key segments are
 disjoint ranges of the globally ordered keys (gaps between them are zero-query segments).
 
+**Hybrid padding.** Hybrid plans add no tokens either, but whole documents make local lengths differ
+by up to about one whole document between ranks (the assignment balances them); every rank holds at
+least one token whenever ``T >= c`` (if fewer than ``c`` documents are whole and the split ones have
+fewer than ``c`` tokens, the longest whole documents are split too until they have ``c``).
+
 Construction is vectorised: the cost is O(num_docs * 2c) for the segment table plus O(T) for the
-index arrays of the ranks that are asked for; no Python loop runs over documents.
+index arrays of the ranks that are asked for; no Python loop runs over documents (hybrid's rank
+assignment runs a bounded number of vectorised refinement passes, independent of the document count).
 """
 
 from __future__ import annotations
@@ -43,16 +57,35 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "ATTENTION_TILE",
     "FIXED_STRATEGIES",
     "CPPlan",
     "LocalAttentionSpec",
     "ShardingDraft",
+    "assign_whole_documents",
     "causal_pairs",
+    "default_hybrid_max_len",
     "draft_sharding",
     "validate_doc_lens",
 ]
 
-FIXED_STRATEGIES = ("per_sequence", "per_document")
+FIXED_STRATEGIES = ("per_sequence", "per_document", "hybrid")
+
+ATTENTION_TILE = 128
+"""Query/key tile of the varlen attention kernels (flash-attn's 128-row blocks): a chunk shorter than
+this runs a mostly padded tile."""
+
+
+def default_hybrid_max_len(cp_degree: int) -> int:
+    """Hybrid's default whole-document threshold: ``2 * cp_degree * ATTENTION_TILE`` tokens.
+
+    Why this length: per-document sharding cuts a document of ``d`` tokens into ``2c`` chunks of
+    ``d // 2c`` tokens, which is below the kernel's 128-token tile exactly when ``d < 2c * 128``.
+    Keeping documents up to that length whole means no split document ever yields a sub-tile chunk
+    (a split document has more than ``2c * 128`` tokens, so every chunk has at least 128), while
+    documents long enough to need the whole group's balance are still split.
+    """
+    return 2 * int(cp_degree) * ATTENTION_TILE
 
 
 def causal_pairs(q_len: np.ndarray, kv_len: np.ndarray) -> np.ndarray:
@@ -70,21 +103,34 @@ class LocalAttentionSpec:
     all-gathered keys). Segment lists interleave zero-query "gap" segments so that consecutive key
     segments are contiguous: ``[gap_0, doc_0 prefix, gap_1, doc_1 prefix, ..., final gap]``.
 
+    Keys of the two halves are the *gathered* keys only (all documents under per-sequence and
+    per-document sharding; the split documents under hybrid), in global order with the whole
+    documents left out. A rank's whole documents (hybrid) form a third, purely local varlen call:
+    local tokens ``[n_gather_tokens:]`` attend to themselves with ``cu_seqlens_whole`` on both sides.
+
     Attributes:
         n_head_tokens: local tokens of the head half (the tail half follows them).
+        n_gather_tokens: local tokens whose K/V enter the all-gather (head and tail halves); the
+            whole documents follow them.
         cu_seqlens_q: ``(head, tail)`` int32 cumulative query lengths into the local tokens of each
             half (each starts at 0).
-        cu_seqlens_k: ``(head, tail)`` int32 cumulative key lengths into the global key order
-            (each ends at ``T``).
+        cu_seqlens_k: ``(head, tail)`` int32 cumulative key lengths into the gathered key order
+            (each ends at the number of gathered tokens, ``T`` without hybrid).
         max_seqlen_q: ``(head, tail)`` longest query segment.
         max_seqlen_k: ``(head, tail)`` longest key segment (gaps included).
+        cu_seqlens_whole: int32 document boundaries of the whole documents, relative to local
+            token ``n_gather_tokens`` (``[0]`` when the rank has none).
+        max_seqlen_whole: longest whole document (0 when none).
     """
 
     n_head_tokens: int
+    n_gather_tokens: int
     cu_seqlens_q: tuple[np.ndarray, np.ndarray]
     cu_seqlens_k: tuple[np.ndarray, np.ndarray]
     max_seqlen_q: tuple[int, int]
     max_seqlen_k: tuple[int, int]
+    cu_seqlens_whole: np.ndarray
+    max_seqlen_whole: int
 
 
 @dataclass(frozen=True)
@@ -98,17 +144,24 @@ class CPPlan:
         doc_lens: ``[n_docs]`` document lengths of the micro-batch.
         doc_cu: ``[n_docs + 1]`` document start offsets in the packed sequence.
         cp_degree: number of CP ranks ``c``.
-        strategy: the sharding in effect, ``"per_sequence"`` or ``"per_document"``.
-        requested: the strategy that was asked for (``"adaptive"`` resolves to one of the two).
+        strategy: the sharding in effect, ``"per_sequence"``, ``"per_document"`` or ``"hybrid"``.
+        requested: the strategy that was asked for (``"adaptive"`` resolves to a fixed one).
         seg_doc: ``[S]`` document of each segment.
         seg_start: ``[S]`` first position of the segment inside its document.
         seg_len: ``[S]`` tokens of the segment (0 for chunks of documents shorter than ``2c``).
-        seg_slot: ``[S]`` chunk slot ``0 .. 2c-1`` of the segment.
-        slot_order: ``[S]`` segment ids sorted by (slot, document).
+        seg_slot: ``[S]`` chunk slot ``0 .. 2c-1`` of the segment (a hybrid whole document sits in
+            its rank's tail slot).
+        slot_order: ``[S]`` segment ids sorted by (slot, gathered before whole, document).
         slot_offsets: ``[2c + 1]`` range of ``slot_order`` holding each slot.
         slot_tokens: ``[2c]`` tokens per slot.
         local_lens: ``[c]`` tokens per rank (head slot + tail slot).
         seg_local_offset: ``[S]`` offset of each segment inside its rank's local layout.
+        doc_gathered: ``[n_docs]`` bool, whether the document's K/V go through the CP op's
+            all-gather: every document under per-sequence and per-document sharding, the split
+            ones under hybrid (a whole document attends to its own rank's keys only).
+        gather_lens: ``[c]`` local tokens of each rank whose K/V are gathered (a prefix of its local
+            layout; equal to ``local_lens`` unless hybrid keeps documents whole).
+        max_len: hybrid's whole-document threshold in tokens (0 for the other strategies).
         estimated_seconds: ``{strategy: estimated max-rank latency}`` when adaptive selection ran,
             else empty.
     """
@@ -127,6 +180,9 @@ class CPPlan:
     slot_tokens: np.ndarray
     local_lens: np.ndarray
     seg_local_offset: np.ndarray
+    doc_gathered: np.ndarray
+    gather_lens: np.ndarray
+    max_len: int = 0
     estimated_seconds: dict[str, float] = field(default_factory=dict)
 
     # ----------------------------------------------------------------------------------- basics
@@ -137,8 +193,19 @@ class CPPlan:
 
     @property
     def max_local_len(self) -> int:
-        """Longest local length: the per-rank size of the CP op's all-gather buffer."""
+        """Longest local length over the ranks."""
         return int(self.local_lens.max())
+
+    @property
+    def max_gather_len(self) -> int:
+        """Rows per rank of the CP op's all-gather buffer: the most gathered tokens on one rank
+        (0: nothing to gather, the op skips the collective)."""
+        return int(self.gather_lens.max())
+
+    @property
+    def gathered_len(self) -> int:
+        """Tokens whose K/V are gathered (the length of the key order of the two split halves)."""
+        return int(self.gather_lens.sum())
 
     def slot_owner(self) -> np.ndarray:
         """``[2c]`` rank owning each slot."""
@@ -150,7 +217,7 @@ class CPPlan:
             raise ValueError(f"rank {rank} is outside the CP group [0, {self.cp_degree})")
 
     def _rank_segments(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
-        """Segment ids of the head slot and of the tail slot of ``rank``, each in document order."""
+        """Segment ids of the head slot and of the tail slot of ``rank``, each in local order."""
         self._check_rank(rank)
         off = self.slot_offsets
         tail = 2 * self.cp_degree - 1 - rank
@@ -182,26 +249,48 @@ class CPPlan:
         """``[local_lens[rank]]`` per-document positions (RoPE) of the tokens ``rank`` keeps."""
         return self.rank_indices(rank)[1]
 
+    def _all_gathered(self) -> bool:
+        return self.gathered_len == self.seq_len
+
+    def _doc_key_start(self) -> np.ndarray:
+        """``[n_docs]`` start of each gathered document in the gathered key order (the packed order
+        with whole documents left out)."""
+        if self._all_gathered():
+            return self.doc_cu[:-1]
+        gathered = np.where(self.doc_gathered, self.doc_lens, 0)
+        return np.cumsum(gathered) - gathered
+
     def kv_order(self) -> np.ndarray:
-        """``[T]``: row of the all-gather buffer (``c * max_local_len`` rows, rank-major) holding
-        each token of the packed sequence. Indexing the buffer with it restores global order."""
-        owner = self.slot_owner()[self.seg_slot]
-        gathered = owner * self.max_local_len + self.seg_local_offset
-        global_start = self.doc_cu[self.seg_doc] + self.seg_start
-        order = np.repeat(gathered - global_start, self.seg_len)
-        order += _arange(self.seq_len)
+        """``[gathered_len]``: row of the all-gather buffer (``c * max_gather_len`` rows, rank-major)
+        holding each gathered token, in gathered key order (the packed order, whole documents left
+        out; ``[T]`` without hybrid). Indexing the buffer with it puts the keys in that order."""
+        if self._all_gathered():
+            segs = slice(None)
+        else:
+            segs = np.flatnonzero(self.doc_gathered[self.seg_doc])
+        seg_slot, seg_doc = self.seg_slot[segs], self.seg_doc[segs]
+        seg_start, seg_len = self.seg_start[segs], self.seg_len[segs]
+        owner = self.slot_owner()[seg_slot]
+        gathered = owner * self.max_gather_len + self.seg_local_offset[segs]
+        key_start = self._doc_key_start()[seg_doc] + seg_start
+        order = np.repeat(gathered - key_start, seg_len)
+        order += _arange(self.gathered_len)
         return order
 
     def local_attention_spec(self, rank: int) -> LocalAttentionSpec:
-        """cu_seqlens of ``rank``'s two varlen calls (head half, tail half)."""
-        doc_cu = self.doc_cu
-        total = self.seq_len
+        """cu_seqlens of ``rank``'s varlen calls (head half, tail half, whole documents)."""
+        key_start = self._doc_key_start()
+        total = self.gathered_len
+        head, tail = self._rank_segments(rank)
+        gathered = self.doc_gathered[self.seg_doc[tail]]
+        n_tail_split = int(np.count_nonzero(gathered))  # whole documents follow the split ones
+        whole = tail[n_tail_split:]
         halves = []
-        for segs in self._rank_segments(rank):  # two halves, not a loop over documents
+        for segs in (head, tail[:n_tail_split]):  # two halves, not a loop over documents
             segs = segs[self.seg_len[segs] > 0]
             q_len = self.seg_len[segs]
             prefix = self.seg_start[segs] + q_len  # keys a segment sees: its document's prefix
-            k_start = doc_cu[self.seg_doc[segs]]
+            k_start = key_start[self.seg_doc[segs]]
             gaps = np.append(k_start, total) - np.append(0, k_start + prefix)
             q_lens = np.zeros(2 * len(segs) + 1, dtype=np.int64)
             q_lens[1::2] = q_len
@@ -212,12 +301,16 @@ class CPPlan:
                 (_cumsum0(q_lens), _cumsum0(k_lens), int(q_lens.max()), int(k_lens.max()))
             )
         (cq_h, ck_h, mq_h, mk_h), (cq_t, ck_t, mq_t, mk_t) = halves
+        whole_lens = self.seg_len[whole]
         return LocalAttentionSpec(
             n_head_tokens=int(self.slot_tokens[rank]),
+            n_gather_tokens=int(self.gather_lens[rank]),
             cu_seqlens_q=(cq_h, cq_t),
             cu_seqlens_k=(ck_h, ck_t),
             max_seqlen_q=(mq_h, mq_t),
             max_seqlen_k=(mk_h, mk_t),
+            cu_seqlens_whole=_cumsum0(whole_lens),
+            max_seqlen_whole=int(whole_lens.max()) if len(whole_lens) else 0,
         )
 
     # ------------------------------------------------------------------------------ statistics
@@ -232,6 +325,30 @@ class CPPlan:
         pairs = self.rank_attention_pairs()
         mean = pairs.mean()
         return float(pairs.max() / mean) if mean > 0 else 1.0
+
+    def token_imbalance(self) -> float:
+        """max / mean of the per-rank token counts (linear layers' work; 1.0 is perfect)."""
+        return float(self.local_lens.max() / self.local_lens.mean())
+
+    def small_chunks(self, tile: int = ATTENTION_TILE) -> int:
+        """Number of non-empty chunks shorter than ``tile`` cut out of a document: segments that
+        are a proper piece of their document (a document kept whole, or lying inside one slot,
+        is not counted)."""
+        lens = self.seg_len
+        cut = (lens > 0) & (lens < tile) & (lens < self.doc_lens[self.seg_doc])
+        return int(np.count_nonzero(cut))
+
+    def kv_gather_bytes(self, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+        """Bytes of K and V each rank receives in the CP op's forward all-gather.
+
+        The collective is padded to ``max_gather_len`` rows per rank, so every rank receives the
+        same amount: ``(c - 1) * max_gather_len`` rows of K and V, each
+        ``kv_heads * head_dim * dtype_bytes`` bytes. The backward's re-gather and its dK/dV
+        reduce-scatter each move the same amount again. Per-sequence and per-document sharding
+        gather the whole micro-batch; hybrid gathers the split documents only (0 when none).
+        """
+        row = 2 * int(kv_heads) * int(head_dim) * int(dtype_bytes)
+        return (self.cp_degree - 1) * self.max_gather_len * row
 
 
 _ARANGE = np.arange(0, dtype=np.int64)
@@ -263,16 +380,18 @@ class ShardingDraft:
     """One fixed strategy's segments of a micro-batch, before the local layout is built.
 
     What a cost estimate needs (each segment's query length and the keys it sees), and what
-    :meth:`plan` finishes without recomputing: adaptive selection drafts both strategies and
-    builds the layout of the winner only.
+    :meth:`plan` finishes without recomputing: adaptive selection drafts the candidate strategies
+    and builds the layout of the winner only.
 
     Attributes:
-        strategy: ``"per_sequence"`` or ``"per_document"``.
+        strategy: ``"per_sequence"``, ``"per_document"`` or ``"hybrid"``.
         doc_lens: validated int64 document lengths.
         doc_cu: ``[n_docs + 1]`` document start offsets.
         cp_degree: CP ranks ``c``.
         table: the strategy's raw segment table (per-document: the ``[n_docs, 2c]`` chunk sizes
-            and starts; per-sequence: the segment arrays, slot-major).
+            and starts; per-sequence: the segment arrays, slot-major; hybrid: the segment arrays,
+            document-major, then ``doc_gathered``).
+        max_len: hybrid's whole-document threshold (0 for the other strategies).
     """
 
     strategy: str
@@ -280,6 +399,7 @@ class ShardingDraft:
     doc_cu: np.ndarray
     cp_degree: int
     table: tuple[np.ndarray, ...] = field(repr=False)
+    max_len: int = 0
 
     @property
     def q_len(self) -> np.ndarray:
@@ -294,6 +414,13 @@ class ShardingDraft:
             return starts + sizes
         return self.table[1] + self.table[2]
 
+    @property
+    def doc_gathered(self) -> np.ndarray:
+        """``[n_docs]`` bool: documents whose K/V the CP op all-gathers (see ``CPPlan``)."""
+        if self.strategy == "hybrid":
+            return self.table[6]
+        return np.ones(len(self.doc_lens), dtype=bool)
+
     def rank_totals(self, per_segment: np.ndarray) -> np.ndarray:
         """``[c]`` sums of a per-segment quantity (shaped as ``q_len``) over each rank's head and
         tail slot."""
@@ -306,16 +433,29 @@ class ShardingDraft:
 
     def plan(self, requested: str | None = None) -> CPPlan:
         """The full plan; ``requested`` (default: the strategy itself) is recorded in it."""
-        raw = _per_document_table(*self.table) if self.strategy == "per_document" else self.table
         requested = self.strategy if requested is None else requested
         lens, cu, c = self.doc_lens, self.doc_cu, self.cp_degree
-        return _finish(lens, cu, c, self.strategy, requested, *raw)
+        if self.strategy == "per_document":
+            return _finish(lens, cu, c, self.strategy, requested, *_per_document_table(*self.table))
+        if self.strategy == "hybrid":
+            *raw, gathered = self.table
+            return _finish(
+                lens, cu, c, self.strategy, requested, *raw,
+                doc_gathered=gathered, max_len=self.max_len,
+            )  # fmt: skip
+        return _finish(lens, cu, c, self.strategy, requested, *self.table)
 
 
-def draft_sharding(lens: np.ndarray, cp_degree: int, strategy: str) -> ShardingDraft:
-    """The segments of ``strategy`` (``"per_sequence" | "per_document"``) for lengths checked by
-    :func:`validate_doc_lens`; ``draft_sharding(...).plan()`` is the plan. Choosing between the
-    two is ``torchtitan_wlb.cp.adaptive.build_cp_plan``."""
+def draft_sharding(
+    lens: np.ndarray, cp_degree: int, strategy: str, *, max_len: int = 0
+) -> ShardingDraft:
+    """The segments of ``strategy`` (``"per_sequence" | "per_document" | "hybrid"``) for lengths
+    checked by :func:`validate_doc_lens`; ``draft_sharding(...).plan()`` is the plan.
+
+    ``max_len`` is hybrid's whole-document threshold: documents of at most ``max_len`` tokens stay
+    whole on one rank; 0 means :func:`default_hybrid_max_len` (``2 * cp_degree * 128``). Ignored by
+    the other strategies. Choosing among strategies is ``torchtitan_wlb.cp.adaptive.build_cp_plan``.
+    """
     if strategy not in FIXED_STRATEGIES:
         raise ValueError(
             f"fixed CP strategy {strategy!r} is not one of {FIXED_STRATEGIES} (adaptive selection "
@@ -325,9 +465,22 @@ def draft_sharding(lens: np.ndarray, cp_degree: int, strategy: str) -> ShardingD
     np.cumsum(lens, out=doc_cu[1:])
     if strategy == "per_document":
         table = _per_document_chunks(lens, cp_degree)
+    elif strategy == "hybrid":
+        max_len = _check_max_len(max_len) or default_hybrid_max_len(cp_degree)
+        table = _hybrid(lens, cp_degree, max_len)
+        return ShardingDraft(strategy, lens, doc_cu, cp_degree, table, max_len)
     else:
         table = _per_sequence(lens, doc_cu, cp_degree)
     return ShardingDraft(strategy, lens, doc_cu, cp_degree, table)
+
+
+def _check_max_len(max_len: Any) -> int:
+    if isinstance(max_len, bool) or not isinstance(max_len, int | np.integer) or max_len < 0:
+        raise ValueError(
+            f"hybrid max_len must be an int >= 0 (0: 2 * cp_degree * {ATTENTION_TILE}); "
+            f"got {max_len!r}"
+        )
+    return int(max_len)
 
 
 def validate_doc_lens(doc_lens: Any, cp_degree: Any, seq_len: int | None = None) -> np.ndarray:
@@ -418,6 +571,133 @@ def _per_sequence(lens: np.ndarray, doc_cu: np.ndarray, c: int) -> tuple[np.ndar
     return seg_doc, seg_start, g_end - g_start, seg_slot, slot_order, slot_offsets
 
 
+REFINE_PASSES = 16
+"""Upper bound on hybrid's refinement passes (each one vectorised over the documents of two ranks)."""
+REFINE_TOLERANCE = 1e-3
+"""Refinement stops once the busiest rank is within this fraction of the mean attention work."""
+
+
+def assign_whole_documents(
+    lens: np.ndarray,
+    cp_degree: int,
+    base_pairs: np.ndarray | None = None,
+    base_tokens: np.ndarray | None = None,
+) -> np.ndarray:
+    """``[len(lens)]`` CP rank of every whole document, balancing attention work and tokens.
+
+    ``base_pairs`` / ``base_tokens`` (``[c]``) are what every rank already holds (hybrid: its chunks
+    of the split documents). Two steps, both vectorised over the documents:
+
+    1. *Serpentine deal*: documents sorted by length (longest first) are dealt in rounds of ``c``,
+       alternating direction (ranks ``0..c-1``, then ``c-1..0``, ...). Every rank receives a similar
+       mix of long and short documents, so tokens and attention work (``d (d+1) / 2`` per document,
+       monotone in ``d``) are balanced together, up to about one document of each size class.
+    2. *Refinement*: at most :data:`REFINE_PASSES` passes, each taking the ranks with the most and
+       the least attention work and applying the single move or swap of documents between them that
+       lowers the larger of the two the most (for every document of the busier rank, the partner
+       closest to half the gap is found by binary search). A pass never empties a rank.
+
+    Why not LPT: greedy longest-processing-time needs one step per document; the serpentine deal
+    gets within one document of it, and the refinement removes most of the rest.
+    """
+    lens = np.asarray(lens, dtype=np.int64)
+    c = int(cp_degree)
+    m = len(lens)
+    order = np.argsort(-lens, kind="stable")
+    rnd, pos = np.divmod(np.arange(m, dtype=np.int64), c)
+    rank = np.empty(m, dtype=np.int64)
+    rank[order] = np.where(rnd % 2 == 0, pos, c - 1 - pos)
+    if c == 1 or m == 0:
+        return rank
+    work = causal_pairs(lens, lens)
+    load = np.bincount(rank, weights=work, minlength=c)
+    tokens = np.bincount(rank, weights=lens, minlength=c)
+    if base_pairs is not None:
+        load += base_pairs
+    if base_tokens is not None:
+        tokens += base_tokens
+    for _ in range(REFINE_PASSES):
+        hi, lo = int(np.argmax(load)), int(np.argmin(load))
+        gap = load[hi] - load[lo]
+        if gap <= 0 or load[hi] <= load.mean() * (1.0 + REFINE_TOLERANCE):
+            break
+        on_hi = np.flatnonzero(rank == hi)
+        on_lo = np.flatnonzero(rank == lo)
+        # Partner -1 = a plain move (moves no work back); others: swaps.
+        partner = np.append(-1, on_lo[np.argsort(work[on_lo], kind="stable")])
+        back = np.append(0.0, work[partner[1:]])
+        # For each document a of `hi`, the partners whose work is nearest below/above w_a - gap/2.
+        j = np.searchsorted(back, work[on_hi] - gap / 2)
+        cand_a = np.concatenate([on_hi, on_hi])
+        cand_j = np.concatenate([np.maximum(j - 1, 0), np.minimum(j, len(back) - 1)])
+        delta = work[cand_a] - back[cand_j]  # work leaving hi for lo
+        new_max = np.maximum(load[hi] - delta, load[lo] + delta)
+        moved_tokens = lens[cand_a] - np.where(cand_j > 0, lens[partner[cand_j]], 0)
+        valid = (delta > 0) & (new_max < load[hi]) & (tokens[hi] - moved_tokens > 0)
+        if not valid.any():
+            break
+        best = int(np.argmin(np.where(valid, new_max, np.inf)))
+        a, b = int(cand_a[best]), int(partner[cand_j[best]])
+        rank[a] = lo
+        if b >= 0:
+            rank[b] = hi
+        load[hi] -= delta[best]
+        load[lo] += delta[best]
+        tokens[hi] -= moved_tokens[best]
+        tokens[lo] += moved_tokens[best]
+    return rank
+
+
+def _hybrid(lens: np.ndarray, c: int, max_len: int) -> tuple[np.ndarray, ...]:
+    """Segment table of hybrid sharding, document-major (= global order), plus ``doc_gathered``."""
+    two_c = 2 * c
+    n = len(lens)
+    split = lens > max_len
+    split_tokens = int(lens[split].sum())
+    if c > 1 and n - np.count_nonzero(split) < c and split_tokens < c:
+        # Too few whole documents to give every rank one, and too few split tokens to give every
+        # rank a chunk: split the longest whole documents until the split ones hold c tokens.
+        whole = np.flatnonzero(~split)
+        longest = whole[np.argsort(-lens[whole], kind="stable")]
+        k = int(np.searchsorted(np.cumsum(lens[longest]), c - split_tokens)) + 1
+        split[longest[:k]] = True
+    split_docs = np.flatnonzero(split)
+    whole_docs = np.flatnonzero(~split)
+    sizes, starts = _per_document_chunks(lens[split_docs], c)
+    slot_pairs = causal_pairs(sizes, starts + sizes).sum(axis=0)
+    slot_tokens = sizes.sum(axis=0)
+    whole_rank = assign_whole_documents(
+        lens[whole_docs],
+        c,
+        base_pairs=slot_pairs[:c] + slot_pairs[::-1][:c],
+        base_tokens=(slot_tokens[:c] + slot_tokens[::-1][:c]).astype(np.float64),
+    )
+    # One segment per whole document, 2c per split document, in document order.
+    per_doc = np.where(split, two_c, 1)
+    seg_cu = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(per_doc, out=seg_cu[1:])
+    n_seg = int(seg_cu[-1])
+    seg_doc = np.repeat(np.arange(n, dtype=np.int64), per_doc)
+    seg_slot = np.empty(n_seg, dtype=np.int64)
+    seg_start = np.zeros(n_seg, dtype=np.int64)
+    seg_len = np.empty(n_seg, dtype=np.int64)
+    chunk = (seg_cu[split_docs][:, None] + np.arange(two_c)).ravel()
+    seg_slot[chunk] = np.tile(np.arange(two_c, dtype=np.int64), len(split_docs))
+    seg_start[chunk] = starts.ravel()
+    seg_len[chunk] = sizes.ravel()
+    first = seg_cu[whole_docs]
+    seg_slot[first] = two_c - 1 - whole_rank  # a whole document sits in its rank's tail slot
+    seg_len[first] = lens[whole_docs]
+    # Slot order: by slot, a slot's split chunks before its whole documents, then document order
+    # (a stable sort on a small integer key).
+    key = seg_slot * 2
+    key[first] += 1
+    slot_order = np.argsort(key.astype(np.int32), kind="stable")
+    slot_offsets = np.zeros(two_c + 1, dtype=np.int64)
+    np.cumsum(np.bincount(seg_slot, minlength=two_c), out=slot_offsets[1:])
+    return seg_doc, seg_start, seg_len, seg_slot, slot_order, slot_offsets, split
+
+
 def _finish(
     lens: np.ndarray,
     doc_cu: np.ndarray,
@@ -431,11 +711,15 @@ def _finish(
     slot_order: np.ndarray,
     slot_offsets: np.ndarray,
     layout: tuple[np.ndarray, np.ndarray] | None = None,
+    *,
+    doc_gathered: np.ndarray | None = None,
+    max_len: int = 0,
 ) -> CPPlan:
     """Slot sizes, rank lengths and each segment's offset inside its rank's local layout.
 
     ``layout`` = (slot_tokens, seg_local_offset) when the caller computed them more cheaply
-    (per-document sharding does, from its [n_docs, 2c] matrix)."""
+    (per-document sharding does, from its [n_docs, 2c] matrix). ``doc_gathered`` (hybrid) marks
+    the documents whose K/V are gathered; ``None``: all of them."""
     two_c = 2 * c
     if layout is None:
         sorted_lens = seg_len[slot_order]
@@ -452,6 +736,14 @@ def _finish(
     else:
         slot_tokens, local_offset = layout
     local_lens = slot_tokens[:c] + slot_tokens[::-1][:c]
+    if doc_gathered is None:
+        doc_gathered = np.ones(len(lens), dtype=bool)
+        gather_lens = local_lens
+    else:
+        whole = ~doc_gathered[seg_doc]
+        owner = np.minimum(seg_slot[whole], two_c - 1 - seg_slot[whole])
+        whole_tokens = np.bincount(owner, weights=seg_len[whole], minlength=c)
+        gather_lens = local_lens - whole_tokens.astype(np.int64)
     return CPPlan(
         doc_lens=lens,
         doc_cu=doc_cu,
@@ -467,4 +759,7 @@ def _finish(
         slot_tokens=slot_tokens,
         local_lens=local_lens,
         seg_local_offset=local_offset,
+        doc_gathered=doc_gathered,
+        gather_lens=gather_lens,
+        max_len=max_len,
     )
