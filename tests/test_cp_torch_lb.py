@@ -54,14 +54,17 @@ def test_torch_balancer_assignment_is_a_partition_with_exact_flops(name):
     assert stats["kv_gather_bytes"] == 10.0 * (c - 1) * total // c
 
 
-@pytest.mark.parametrize("strategy", ["per_sequence", "per_document"])
+@pytest.mark.parametrize("strategy", ["per_sequence", "per_document", "hybrid"])
 def test_plan_assignment_agrees_with_the_plan(strategy):
     plan = build_cp_plan(LENS, 4, strategy)
     stats = assignment_stats(plan_assignment(plan), kv_bytes_per_token=1.0)
     assert stats["flops_imbalance"] == pytest.approx(plan.flops_imbalance())
     pairs = _dense_pairs(LENS, plan_assignment(plan).rank, 4)
     np.testing.assert_allclose(pairs, plan.rank_attention_pairs())
-    assert stats["kv_gather_tokens"] == 3 * plan.max_local_len and stats["pad_tokens"] == 0
+    assert stats["kv_gather_tokens"] == 3 * plan.max_gather_len and stats["pad_tokens"] == 0
+    assert stats["kv_gather_bytes"] == plan.kv_gather_bytes(1, 1, 1) / 2  # 1 byte per token
+    if strategy == "hybrid":  # documents up to 2 * 4 * 128 tokens whole: only 5000 is cut
+        assert stats["small_chunks"] == 0 and plan.max_gather_len < plan.max_local_len
     if strategy == "per_document":
         # every document is cut into 8 chunks; those of documents under 8 * 128 tokens are small
         assert stats["small_chunks"] > 0 and stats["small_chunk_docs_max_len"] == 1000
@@ -93,14 +96,17 @@ def test_cp_bench_reports_torch_balancers(capsys):
 
 # ---------------------------------------------------------------- our plans via torch's interface
 WORLD = 2
-# name -> (rows of document lengths, strategy)
-ADAPTER_CASES: dict[str, tuple[list[list[int]], str]] = {
-    "one_document": ([[36]], "per_document"),
-    "mixed_documents": ([[13, 6, 2, 1, 30]], "per_document"),
-    "not_divisible": ([[13, 6, 2]], "per_document"),  # local lengths differ: padded pieces
-    "shorter_than_cp": ([[1, 1, 1, 1, 1, 3]], "per_document"),
-    "two_rows": ([[20, 4], [1, 2, 3, 18]], "per_document"),
-    "per_sequence": ([[13, 6, 2, 1, 30]], "per_sequence"),
+# name -> (rows of document lengths, strategy, hybrid's whole-document threshold)
+ADAPTER_CASES: dict[str, tuple[list[list[int]], str, int]] = {
+    "one_document": ([[36]], "per_document", 0),
+    "mixed_documents": ([[13, 6, 2, 1, 30]], "per_document", 0),
+    "not_divisible": ([[13, 6, 2]], "per_document", 0),  # local lengths differ: padded pieces
+    "shorter_than_cp": ([[1, 1, 1, 1, 1, 3]], "per_document", 0),
+    "two_rows": ([[20, 4], [1, 2, 3, 18]], "per_document", 0),
+    "per_sequence": ([[13, 6, 2, 1, 30]], "per_sequence", 0),
+    "hybrid": ([[13, 6, 2, 1, 30, 3, 3]], "hybrid", 8),  # 13 and 30 split, the rest whole
+    "hybrid_all_whole": ([[13, 6, 2, 1, 30, 3, 3]], "hybrid", 0),
+    "hybrid_two_rows": ([[40, 5, 9], [3, 1, 50]], "hybrid", 8),
 }
 
 
@@ -114,8 +120,9 @@ def _adapter_case(name: str, rank: int, mesh) -> dict:
     from torchtitan_wlb.cp.local import shard_tensor
     from torchtitan_wlb.cp.torch_lb import PlanLoadBalancer
 
-    rows, strategy = ADAPTER_CASES[name]
-    lb = PlanLoadBalancer(rows, WORLD, "cpu", strategy=strategy)
+    rows, strategy, max_len = ADAPTER_CASES[name]
+    kwargs = {"max_len": max_len} if strategy == "hybrid" else {}
+    lb = PlanLoadBalancer(rows, WORLD, "cpu", strategy=strategy, **kwargs)
     total, padded, piece = sum(rows[0]), lb.seq_length, lb.seq_length // WORLD
     # padded buffers: [B, padded] token ids (seq dim 1), [padded, 3] features (seq dim 0)
     tokens = torch.arange(len(rows) * padded).view(len(rows), padded) * 10 + 7

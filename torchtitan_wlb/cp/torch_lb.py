@@ -160,13 +160,16 @@ class Assignment:
     pad_tokens: int = 0
 
 
-def assignment_stats(a: Assignment, kv_bytes_per_token: float, small: int = SMALL_CHUNK) -> dict:
+def assignment_stats(
+    a: Assignment, kv_bytes_per_token: float, small: int = SMALL_CHUNK, short_doc_len: int = 0
+) -> dict:
     """FLOPs / token imbalance, K/V bytes received per rank and chunks under ``small`` tokens.
 
     A *chunk* is a maximal run of consecutive tokens of one document held by one rank, counted only
     for documents cut over more than one rank (a whole document on one rank is not a chunk, whatever
     its length). ``small_chunk_docs_max_len`` is the longest document that left a chunk under
-    ``small`` tokens (0 if none).
+    ``small`` tokens (0 if none); ``small_chunks_short_docs`` counts the small chunks of documents
+    of at most ``short_doc_len`` tokens (hybrid sharding's whole-document threshold).
     """
     lens, c = a.doc_lens, a.cp_degree
     doc = np.repeat(np.arange(lens.size), lens)
@@ -188,6 +191,7 @@ def assignment_stats(a: Assignment, kv_bytes_per_token: float, small: int = SMAL
         "kv_gather_tokens": int(a.allgather_rows),
         "kv_gather_bytes": float(a.allgather_rows * kv_bytes_per_token),
         "small_chunks": int(small_runs.sum()),
+        "small_chunks_short_docs": int((small_runs & (lens[run_doc] <= short_doc_len)).sum()),
         "small_chunk_docs_max_len": int(lens[run_doc[small_runs]].max()) if small_runs.any() else 0,
         "pad_tokens": a.pad_tokens,
         "plan_ms": a.plan_ms,
@@ -283,10 +287,11 @@ def torch_assignment(
 
 def plan_assignment(plan: CPPlan, plan_ms: float = 0.0) -> Assignment:
     """The assignment of one of this project's CP plans (no padding; the op's all-gather moves
-    ``c`` buffers of the longest local length)."""
+    ``c`` buffers of the most gathered tokens on one rank: the whole micro-batch's local lengths,
+    or under hybrid sharding the split documents' tokens only)."""
     rank = np.empty(plan.seq_len, dtype=np.int64)
     for r in range(plan.cp_degree):  # CP ranks, not documents
         rank[plan.token_indices(r)] = r
     real = np.ones(plan.doc_lens.size, dtype=bool)
-    rows = (plan.cp_degree - 1) * plan.max_local_len
+    rows = (plan.cp_degree - 1) * plan.max_gather_len
     return Assignment(plan.doc_lens, real, rank, plan.cp_degree, rows, plan_ms)
