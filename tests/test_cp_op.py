@@ -21,8 +21,8 @@ import torch.multiprocessing as mp
 WORLD = 4
 TOLERANCE = 1e-5  # max |error| / max |reference|, fp32 op vs float64 reference
 
-# name -> (doc_lens, strategy, n_heads, n_kv_heads, use_dtensor)
-CASES: dict[str, tuple[list[int] | str, str, int, int, bool]] = {
+# name -> (doc_lens, strategy, n_heads, n_kv_heads, use_dtensor[, hybrid_max_len])
+CASES: dict[str, tuple] = {
     "one_document": ([37], "per_document", 4, 4, False),
     "one_document_per_sequence": ([37], "per_sequence", 4, 4, False),
     "random_documents": ("random", "per_document", 4, 4, False),
@@ -34,6 +34,12 @@ CASES: dict[str, tuple[list[int] | str, str, int, int, bool]] = {
     "gqa_2_to_1": ("random", "per_document", 4, 2, False),
     "gqa_4_to_1_per_sequence": ([9, 30, 1, 17], "per_sequence", 4, 1, False),
     "dtensor_inputs": ([11, 25, 3], "per_document", 4, 2, True),
+    # hybrid: documents <= max_len whole on one rank (local K/V only), longer ones split.
+    "hybrid_all_short": ("random", "hybrid", 4, 2, False, 0),  # nothing gathered at all
+    "hybrid_all_long": ([37, 25, 11, 9], "hybrid", 4, 4, False, 8),  # == per-document
+    "hybrid_one_document": ([37], "hybrid", 4, 4, False, 0),  # kept whole: split to fill ranks
+    "hybrid_shorter_than_cp": ([1, 3, 1, 2, 7, 1, 5, 1, 2], "hybrid", 2, 2, False, 2),
+    "hybrid_mix_gqa_dtensor": ([30, 2, 17, 5, 9, 40, 3, 12], "hybrid", 4, 1, True, 10),
 }
 
 
@@ -73,7 +79,7 @@ def _run_case(name, cp, mesh_or_group, rank_in_group):
     from torchtitan_wlb.cp import build_cp_plan
     from torchtitan_wlb.cp.local import build_cp_attention_metadata, shard_tensor
 
-    spec, strategy, n_heads, n_kv, use_dtensor = CASES[name]
+    spec, strategy, n_heads, n_kv, use_dtensor, *max_len = CASES[name]
     doc_lens = _doc_lens(spec, cp)
     total = int(doc_lens.sum())
     gen = torch.Generator().manual_seed(total * 31 + n_kv)
@@ -83,7 +89,7 @@ def _run_case(name, cp, mesh_or_group, rank_in_group):
     grad_out = torch.randn(total, n_heads, 8, generator=gen)
     ref_out, ref_dq, ref_dk, ref_dv = _reference(q, k, v, doc_lens, grad_out)
 
-    plan = build_cp_plan(doc_lens, cp, strategy)
+    plan = build_cp_plan(doc_lens, cp, strategy, hybrid_max_len=max_len[0] if max_len else 0)
     idx = torch.from_numpy(plan.token_indices(rank_in_group))
     ql, kl, vl = (
         shard_tensor(plan, rank_in_group, t, dim=0).requires_grad_(True) for t in (q, k, v)
@@ -110,6 +116,7 @@ def _run_case(name, cp, mesh_or_group, rank_in_group):
     out.backward(grad_out[idx])
     return {
         "tokens": int(len(idx)),
+        "gathered_share": plan.gathered_len / total,
         "out": _rel(out.detach(), ref_out[idx]),
         "dq": _rel(ql.grad, ref_dq[idx]),
         "dk": _rel(kl.grad, ref_dk[idx]),
@@ -217,6 +224,24 @@ def test_cp_attention_matches_single_device(results, name, cp):
             assert res[field] <= TOLERANCE, f"rank {rank} {field} rel error {res[field]:.3e}"
 
 
+# Hybrid cases cover what their names say: share of tokens whose K/V are gathered.
+HYBRID_GATHERED = {
+    "hybrid_all_short": lambda share: share == 0.0,
+    "hybrid_all_long": lambda share: share == 1.0,
+    "hybrid_one_document": lambda share: share == 1.0,
+    "hybrid_shorter_than_cp": lambda share: 0.0 < share < 1.0,
+    "hybrid_mix_gqa_dtensor": lambda share: 0.0 < share < 1.0,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("name", sorted(HYBRID_GATHERED))
+def test_hybrid_cases_gather_what_they_claim(results, name, cp):
+    share = results[f"{name}@cp{cp}"][0]["gathered_share"]
+    assert HYBRID_GATHERED[name](share), f"{name}@cp{cp}: gathered share {share}"
+
+
 def test_shape_errors_name_the_values():
     from torchtitan_wlb.cp.op import CPAttentionMetadata, cp_attention
 
@@ -225,13 +250,16 @@ def test_shape_errors_name_the_values():
         cp_rank=0,
         cp_degree=2,
         local_len=4,
-        max_local_len=4,
+        max_gather_len=4,
         kv_order=torch.arange(8),
         n_head_tokens=2,
+        n_gather_tokens=4,
         cu_seqlens_q=(torch.zeros(2, dtype=torch.int32),) * 2,
         cu_seqlens_k=(torch.zeros(2, dtype=torch.int32),) * 2,
         max_seqlen_q=(2, 2),
         max_seqlen_k=(8, 8),
+        cu_seqlens_whole=torch.zeros(1, dtype=torch.int32),
+        max_seqlen_whole=0,
     )
     q = torch.randn(4, 4, 8)
     with pytest.raises(ValueError, match=r"k=\(4, 2, 8\), v=\(3, 2, 8\)"):

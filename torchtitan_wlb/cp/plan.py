@@ -51,6 +51,7 @@ assignment runs a bounded number of vectorised refinement passes, independent of
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +64,7 @@ __all__ = [
     "LocalAttentionSpec",
     "ShardingDraft",
     "assign_whole_documents",
+    "auto_hybrid_max_len",
     "causal_pairs",
     "default_hybrid_max_len",
     "draft_sharding",
@@ -453,8 +455,8 @@ def draft_sharding(
     checked by :func:`validate_doc_lens`; ``draft_sharding(...).plan()`` is the plan.
 
     ``max_len`` is hybrid's whole-document threshold: documents of at most ``max_len`` tokens stay
-    whole on one rank; 0 means :func:`default_hybrid_max_len` (``2 * cp_degree * 128``). Ignored by
-    the other strategies. Choosing among strategies is ``torchtitan_wlb.cp.adaptive.build_cp_plan``.
+    whole on one rank; 0 derives it per micro-batch (:func:`auto_hybrid_max_len`, never below
+    :func:`default_hybrid_max_len` = ``2 * cp_degree * 128``). Ignored by the other strategies. Choosing among strategies is ``torchtitan_wlb.cp.adaptive.build_cp_plan``.
     """
     if strategy not in FIXED_STRATEGIES:
         raise ValueError(
@@ -466,12 +468,27 @@ def draft_sharding(
     if strategy == "per_document":
         table = _per_document_chunks(lens, cp_degree)
     elif strategy == "hybrid":
-        max_len = _check_max_len(max_len) or default_hybrid_max_len(cp_degree)
-        table = _hybrid(lens, cp_degree, max_len)
-        return ShardingDraft(strategy, lens, doc_cu, cp_degree, table, max_len)
+        return _hybrid_draft(lens, doc_cu, cp_degree, _check_max_len(max_len))
     else:
         table = _per_sequence(lens, doc_cu, cp_degree)
     return ShardingDraft(strategy, lens, doc_cu, cp_degree, table)
+
+
+def _hybrid_draft(lens: np.ndarray, doc_cu: np.ndarray, c: int, max_len: int) -> ShardingDraft:
+    """Hybrid at ``max_len``; 0: at :func:`auto_hybrid_max_len` if that plan is balanced within
+    :data:`AUTO_TOLERANCE`, else at :func:`default_hybrid_max_len`."""
+    if max_len == 0:
+        floor = default_hybrid_max_len(c)
+        raised = auto_hybrid_max_len(lens, c)
+        if raised > floor:
+            draft = ShardingDraft("hybrid", lens, doc_cu, c, _hybrid(lens, c, raised), raised)
+            work = draft.rank_totals(causal_pairs(draft.q_len, draft.kv_len))
+            tokens = draft.rank_totals(draft.q_len)
+            work_tol, token_tol = AUTO_TOLERANCE
+            if work.max() <= work_tol * work.mean() and tokens.max() <= token_tol * tokens.mean():
+                return draft
+        max_len = floor
+    return ShardingDraft("hybrid", lens, doc_cu, c, _hybrid(lens, c, max_len), max_len)
 
 
 def _check_max_len(max_len: Any) -> int:
@@ -582,6 +599,7 @@ def assign_whole_documents(
     cp_degree: int,
     base_pairs: np.ndarray | None = None,
     base_tokens: np.ndarray | None = None,
+    refine_passes: int = REFINE_PASSES,
 ) -> np.ndarray:
     """``[len(lens)]`` CP rank of every whole document, balancing attention work and tokens.
 
@@ -592,7 +610,7 @@ def assign_whole_documents(
        alternating direction (ranks ``0..c-1``, then ``c-1..0``, ...). Every rank receives a similar
        mix of long and short documents, so tokens and attention work (``d (d+1) / 2`` per document,
        monotone in ``d``) are balanced together, up to about one document of each size class.
-    2. *Refinement*: at most :data:`REFINE_PASSES` passes, each taking the ranks with the most and
+    2. *Refinement*: at most ``refine_passes`` passes, each taking the ranks with the most and
        the least attention work and applying the single move or swap of documents between them that
        lowers the larger of the two the most (for every document of the busier rank, the partner
        closest to half the gap is found by binary search). A pass never empties a rank.
@@ -616,7 +634,7 @@ def assign_whole_documents(
         load += base_pairs
     if base_tokens is not None:
         tokens += base_tokens
-    for _ in range(REFINE_PASSES):
+    for _ in range(refine_passes):
         hi, lo = int(np.argmax(load)), int(np.argmin(load))
         gap = load[hi] - load[lo]
         if gap <= 0 or load[hi] <= load.mean() * (1.0 + REFINE_TOLERANCE):
@@ -648,8 +666,119 @@ def assign_whole_documents(
     return rank
 
 
+SOLVER_ITERATIONS = 30
+"""Upper bound on the Gauss-Seidel sweeps of :func:`_split_fractions` (about ten are needed)."""
+SOLVER_TOLERANCE = 1e-6
+""":func:`_split_fractions` stops once no fraction moves by more than this (0.13 token at 128K)."""
+AUTO_ABSORB = 0.75
+"""Automatic threshold: a whole document may cost at most this multiple of the split documents'
+per-rank attention work (see :func:`auto_hybrid_max_len`)."""
+AUTO_TOLERANCE = (1.01, 1.05)
+"""Automatic threshold: the (attention work, tokens) max/mean a plan at the raised threshold must
+stay within; otherwise the plan falls back to :func:`default_hybrid_max_len`."""
+
+
+def auto_hybrid_max_len(lens: np.ndarray, cp_degree: int) -> int:
+    """Hybrid's automatic whole-document threshold for one micro-batch (``max_len = 0``).
+
+    The largest document length ``t`` (at least :func:`default_hybrid_max_len`) such that one whole
+    document of ``t`` tokens costs at most :data:`AUTO_ABSORB` times the per-rank attention work of
+    the documents longer than ``t`` (``sum(d (d+1) / 2) / c``). Why: whole documents leave an
+    imbalance of up to about one document's work, which the split documents absorb by their chunk
+    sizes (:func:`_compensating_chunks`); they can only do so while they carry comparable work.
+    Keeping more documents whole shrinks the K/V all-gather. Vectorised: one sort and a suffix sum.
+    """
+    c = int(cp_degree)
+    floor = default_hybrid_max_len(c)
+    d = np.sort(np.asarray(lens, dtype=np.int64))
+    work = causal_pairs(d, d)
+    longer = np.cumsum(work[::-1])[::-1]  # work of documents d[k:]
+    split_work = np.append(longer[1:], 0.0)  # ... of documents after d[k] (ties: conservative)
+    fits = work * c <= AUTO_ABSORB * split_work
+    fits &= np.append(d[1:] > d[:-1], True)  # a threshold keeps all documents of its length whole
+    return max(int(d[fits].max()), floor) if fits.any() else floor
+
+
+def _split_fractions(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``[2c]`` slot fractions ``f`` (summing to 1) of a document cut at ``cumsum(f)`` giving rank
+    ``r`` (slots ``r`` and ``2c-1-r``) the token share ``a[r]`` and the quadratic work share
+    ``b[r]`` (of ``d**2``; ``sum(b) = 1/2``), as far as reachable.
+
+    Rank ``r``'s head ``h`` and tail ``a - h``, starting at ``H`` and ``S`` (fractions of the
+    document), do work ``h (H + h/2) + (a - h)(S + (a - h)/2)``, which falls as ``h`` grows: one
+    quadratic per rank. Gauss-Seidel sweeps solve it rank after rank with the others' starts as
+    they stand; unreachable targets are clamped (``0 <= h <= a``). A loop over the ranks (scalar
+    arithmetic, about ten sweeps of ``c`` steps), never over documents.
+    """
+    c = len(a)
+    share, quad = a.tolist(), b.tolist()
+    head = [x / 2 for x in share]
+    for _ in range(SOLVER_ITERATIONS):
+        tails = [share[r] - head[r] for r in range(c)]
+        after = [0.0] * c  # tail tokens placed after rank r's tail: ranks r+1 .. c-1
+        acc = 0.0
+        for r in range(c - 1, -1, -1):
+            after[r] = acc
+            acc += tails[r]
+        total_head = sum(head)
+        start = moved = 0.0
+        for r in range(c):
+            s_r, tail_start = share[r], total_head + after[r]
+            lin = start - tail_start - s_r
+            disc = lin * lin - 4 * (s_r * tail_start + s_r * s_r / 2 - quad[r])
+            new = (-lin - math.sqrt(disc if disc > 0 else 0.0)) / 2
+            new = min(max(new, 0.0), s_r)
+            moved = max(moved, abs(new - head[r]))
+            total_head += new - head[r]
+            head[r] = new
+            start += new
+        if moved < SOLVER_TOLERANCE:
+            break
+    h = np.array(head)
+    return np.concatenate([h, (a - h)[::-1]])
+
+
+def _compensating_chunks(
+    split_lens: np.ndarray, whole_work: np.ndarray, whole_tokens: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """``[n_split, 2c]`` chunk sizes and starts of the split documents, cut with the same slot
+    fractions so that every rank's total (its whole documents plus its chunks) has the mean
+    attention work and the mean token count.
+
+    Why it is possible: a rank's two slots can hold a given number of tokens early (cheap under
+    causal attention) or late (expensive), so tokens and work are two separate controls per rank.
+    """
+    c = len(whole_work)
+    d = split_lens.astype(np.float64)
+    split_tokens = d.sum()
+    quad = (d * d).sum()
+    tokens = np.maximum((whole_tokens.sum() + split_tokens) / c - whole_tokens, 0.0)
+    a = tokens / tokens.sum()
+    # causal_pairs(s, start + s) = d**2 * (f F + f**2 / 2) + d f / 2 for a slot of fraction f at F.
+    mean_work = (whole_work.sum() + (quad + split_tokens) / 2) / c
+    b = np.maximum(mean_work - whole_work - split_tokens * a / 2, 0.0)
+    b *= 0.5 / b.sum() if b.sum() > 0 else 0.0
+    cum = np.zeros(2 * c + 1)
+    np.cumsum(_split_fractions(a, b), out=cum[1:])
+    cum[-1] = 1.0
+    bounds = np.floor(split_lens[:, None] * cum + 0.5).astype(np.int64)
+    return np.diff(bounds, axis=1), bounds[:, :-1]
+
+
+def _rank_sums(per_slot: np.ndarray, c: int) -> np.ndarray:
+    """``[c]`` head slot + tail slot of a ``[2c]`` per-slot quantity."""
+    return per_slot[:c] + per_slot[::-1][:c]
+
+
 def _hybrid(lens: np.ndarray, c: int, max_len: int) -> tuple[np.ndarray, ...]:
-    """Segment table of hybrid sharding, document-major (= global order), plus ``doc_gathered``."""
+    """Segment table of hybrid sharding, document-major (= global order), plus ``doc_gathered``.
+
+    Documents longer than ``max_len`` are cut into ``2c`` chunks. With no whole document these are
+    exactly per-document sharding's; otherwise, after the whole documents are placed
+    (:func:`assign_whole_documents`), the chunks are resized with common slot fractions to even out
+    what the whole documents left unbalanced (:func:`_compensating_chunks`), kept only if that
+    lowers the busiest rank's attention work.
+    """
     two_c = 2 * c
     n = len(lens)
     split = lens > max_len
@@ -663,15 +792,38 @@ def _hybrid(lens: np.ndarray, c: int, max_len: int) -> tuple[np.ndarray, ...]:
         split[longest[:k]] = True
     split_docs = np.flatnonzero(split)
     whole_docs = np.flatnonzero(~split)
-    sizes, starts = _per_document_chunks(lens[split_docs], c)
-    slot_pairs = causal_pairs(sizes, starts + sizes).sum(axis=0)
-    slot_tokens = sizes.sum(axis=0)
-    whole_rank = assign_whole_documents(
-        lens[whole_docs],
-        c,
-        base_pairs=slot_pairs[:c] + slot_pairs[::-1][:c],
-        base_tokens=(slot_tokens[:c] + slot_tokens[::-1][:c]).astype(np.float64),
-    )
+    split_lens, whole_lens = lens[split_docs], lens[whole_docs]
+    if len(whole_docs) == 0 or c == 1:
+        sizes, starts = _per_document_chunks(split_lens, c)
+        whole_rank = np.zeros(len(whole_docs), dtype=np.int64)
+    else:
+        # Per-document chunks give every rank the same share of the split documents (up to a
+        # token per slot): the whole documents are balanced on top of that even base.
+        split_tokens = float(split_lens.sum())
+        split_work = float(causal_pairs(split_lens, split_lens).sum())
+        whole_rank = assign_whole_documents(
+            whole_lens,
+            c,
+            base_pairs=np.full(c, split_work / c),
+            base_tokens=np.full(c, split_tokens / c),
+            # With split documents to compensate, the serpentine deal is enough: refinement
+            # would trade token balance for work balance that the chunk sizes restore anyway.
+            refine_passes=0 if len(split_docs) else REFINE_PASSES,
+        )
+        sizes, starts = _per_document_chunks(split_lens, c)
+        if len(split_docs):
+            whole_work = np.bincount(
+                whole_rank, weights=causal_pairs(whole_lens, whole_lens), minlength=c
+            )
+            whole_tokens = np.bincount(whole_rank, weights=whole_lens, minlength=c)
+            new_sizes, new_starts = _compensating_chunks(split_lens, whole_work, whole_tokens)
+            new_work = causal_pairs(new_sizes, new_starts + new_sizes).sum(axis=0)
+            better = (whole_work + _rank_sums(new_work, c)).max() <= (
+                whole_work.max() + split_work / c
+            )
+            holds = whole_tokens + _rank_sums(new_sizes.sum(axis=0), c) > 0  # no rank left empty
+            if better and holds.all():
+                sizes, starts = new_sizes, new_starts
     # One segment per whole document, 2c per split document, in document order.
     per_doc = np.where(split, two_c, 1)
     seg_cu = np.zeros(n + 1, dtype=np.int64)
