@@ -19,7 +19,8 @@ FLOPs, document-masked), ``token_imbalance`` (the same for tokens), ``kv_gather_
 each rank receives in one layer's forward all-gather, for ``--kv-heads`` x ``--head-dim`` x
 ``--kv-dtype-bytes``; ``kv_gather_tokens`` the rows), ``small_chunks`` (mean per micro-batch of the
 pieces under 128 tokens cut out of documents: runs of one document's tokens on one rank, whole
-documents not counted; ``small_chunks_short_docs`` the total from documents up to hybrid's threshold),
+documents not counted; ``small_chunks_short_docs`` the total from documents up to hybrid's threshold
+of the micro-batch),
 ``plan_ms`` (median time to build one micro-batch's plan plus one rank's index arrays and attention
 metadata arrays; for torch's balancers, their rearrange and restore indices), and adaptive the share
 of micro-batches that chose per-document. torch's balancers get the padding they require
@@ -43,7 +44,7 @@ import numpy as np
 
 from torchtitan_wlb.cost_model import CostModel
 from torchtitan_wlb.cp.adaptive import build_cp_plan
-from torchtitan_wlb.cp.plan import CPPlan, default_hybrid_max_len
+from torchtitan_wlb.cp.plan import CPPlan
 from torchtitan_wlb.cp.profile import resolve_profile
 from torchtitan_wlb.cp.torch_lb import (
     SMALL_CHUNK,
@@ -160,7 +161,12 @@ def run(args: argparse.Namespace) -> dict:
     profile = resolve_profile(args.profile)
     results: dict = {}
     kv_bytes = 2 * args.kv_heads * args.head_dim * args.kv_dtype_bytes  # K and V, one layer
-    short = args.hybrid_max_len or default_hybrid_max_len(args.cp)  # hybrid keeps these whole
+    # hybrid's whole-document threshold of every micro-batch (automatic per micro-batch unless
+    # --hybrid-max-len): small chunks of documents up to it are what hybrid avoids
+    short = [
+        build_cp_plan(m, args.cp, "hybrid", hybrid_max_len=args.hybrid_max_len).max_len
+        for m in micro_batches
+    ]
     for strategy in STRATEGY_NAMES:
         extra = []
         imb, plan_ms, plan_ms_min, chose_doc, est = [], [], [], [], []
@@ -174,7 +180,7 @@ def run(args: argparse.Namespace) -> dict:
             plan_ms.append(float(np.median(times)))
             plan_ms_min.append(float(np.min(times)))
             imb.append(plan.flops_imbalance())
-            extra.append(assignment_stats(plan_assignment(plan), kv_bytes, short_doc_len=short))
+            extra.append(assignment_stats(plan_assignment(plan), kv_bytes, short_doc_len=short[i]))
             chose_doc.append(plan.strategy == "per_document")
             est.append(profile.estimate_plan_seconds(plan) * 1e3)
             if args.measure and i < args.measure_micro_batches:
@@ -209,9 +215,9 @@ def run(args: argparse.Namespace) -> dict:
                 assignment_stats(
                     torch_assignment(name, m, args.cp, repeats=args.plan_repeats),
                     kv_bytes,
-                    short_doc_len=short,
+                    short_doc_len=max_len,
                 )
-                for m in micro_batches
+                for m, max_len in zip(micro_batches, short, strict=True)
             ]
             results[name] = _mean_stats(stats, with_flops=True)
     results["config"] = {
@@ -225,7 +231,7 @@ def run(args: argparse.Namespace) -> dict:
         "profile": profile.device + "/" + profile.backend,
         "kv_bytes_per_token": kv_bytes,
         "small_chunk_tokens": SMALL_CHUNK,
-        "hybrid_max_len": short,
+        "hybrid_max_len_mean": float(np.mean(short)),
     }
     return results
 
@@ -276,7 +282,7 @@ def parser() -> ToolParser:
         "--hybrid-max-len",
         type=int,
         default=0,
-        help="hybrid: longest document kept whole on one rank (0: 2 x cp x 128)",
+        help="hybrid: longest document kept whole on one rank (0: chosen per micro-batch)",
     )
     p.add_argument("--profile", default=None, help="CP profile JSON (default: packaged CPU table)")
     p.add_argument("--plan-repeats", type=int, default=5, help="timings per micro-batch plan")
@@ -310,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} = {getattr(args, name)} must be >= 1")
     if args.hybrid_max_len < 0:
-        p.error(f"--hybrid-max-len = {args.hybrid_max_len} must be >= 0 (0: 2 x cp x 128)")
+        p.error(f"--hybrid-max-len = {args.hybrid_max_len} must be >= 0 (0: automatic)")
     import torch
 
     threads = torch.get_num_threads()
