@@ -333,8 +333,14 @@ class WLBTrainer(Trainer):
 
         cp_mesh = self.parallel_dims.get_mesh("cp")
         rank = cp_mesh.get_local_rank()
+        wlb = self.job_config.wlb
         plan = build_cp_plan(
-            doc_lens, cp_mesh.size(), self.job_config.wlb.cp_sharding, profile=self._cp_profile
+            doc_lens,
+            cp_mesh.size(),
+            wlb.cp_sharding,
+            profile=self._cp_profile,
+            hybrid_max_len=wlb.cp_hybrid_max_len,
+            bandwidth_gbps=wlb.cp_bandwidth_gbps,
         )
         self._cp_stats.append((int(plan.strategy == "per_document"), plan.flops_imbalance()))
         meta = DocumentAttentionMetadata(
