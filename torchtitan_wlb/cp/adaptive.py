@@ -99,6 +99,7 @@ def build_cp_plan(
     seq_len: int | None = None,
     hybrid_max_len: int = 0,
     bandwidth_gbps: float = DEFAULT_CP_BANDWIDTH_GBPS,
+    candidates: tuple[str, ...] = ADAPTIVE_CANDIDATES,
 ) -> CPPlan:
     """Plan the CP split of one packed micro-batch (``[wlb] cp_sharding``).
 
@@ -113,10 +114,12 @@ def build_cp_plan(
             cp_hybrid_max_len``); 0: chosen per micro-batch (``plan.auto_hybrid_max_len``).
         bandwidth_gbps: ``"adaptive"``: per-GPU bandwidth of the CP collectives in GB/s (``[wlb]
             cp_bandwidth_gbps``), which prices the gathered K/V.
+        candidates: ``"adaptive"``: the fixed strategies it chooses among (default all three;
+            the simulator's reproduction of the paper passes its two).
 
     With ``"adaptive"`` the plan records ``requested="adaptive"`` and every candidate's predicted
     seconds (compute + communication, :func:`predicted_seconds`) in ``estimated_seconds``; a tie
-    keeps the earlier candidate of :data:`ADAPTIVE_CANDIDATES`.
+    keeps the earlier candidate.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"CP strategy {strategy!r} is not one of {STRATEGIES}")
@@ -125,10 +128,12 @@ def build_cp_plan(
         return draft_sharding(lens, cp_degree, strategy, max_len=hybrid_max_len).plan()
     if isinstance(bandwidth_gbps, bool) or not bandwidth_gbps > 0:
         raise ValueError(f"bandwidth_gbps must be a number > 0 (GB/s); got {bandwidth_gbps!r}")
+    if not candidates or any(name not in FIXED_STRATEGIES for name in candidates):
+        raise ValueError(f"adaptive candidates {candidates!r} must be among {FIXED_STRATEGIES}")
     table = resolve_profile(profile)
     estimates = {}
     best, best_draft = "", None
-    for name in ADAPTIVE_CANDIDATES:  # three candidates, not a loop over documents
+    for name in candidates:  # at most three, not a loop over documents
         draft = draft_sharding(lens, cp_degree, name, max_len=hybrid_max_len)
         estimates[name] = sum(predicted_seconds(draft, table, bandwidth_gbps))
         if best_draft is None or estimates[name] < estimates[best]:
