@@ -94,6 +94,7 @@ def test_more_processes_than_the_layout_allows(tmp_path, data, capsys):
 WRONG_TYPE = {bool: '"yes"', int: '"12"', float: '"x"', str: "5", list: "5"}
 OUT_OF_RANGE = {
     "mode": '"fast"', "packing": '"best"', "cp_sharding": '"rows"', "attention_backend": '"x"',
+    "cp_hybrid_max_len": "-1",
     "long_doc_policy": '"drop"', "max_doc_len": "-1", "micro_batch_max_len": "-1",
     "queue_thresholds": "[64, 32]", "max_delay_steps": "0", "adaptive_max_delay_steps": "1",
     "delay_target": "0.0", "balance_target": "0.5", "release_slack": "-0.1",

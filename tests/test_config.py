@@ -37,6 +37,7 @@ def test_defaults_and_mode_presets():
         ({"mode": "fast"}, "mode = 'fast' is not accepted"),
         ({"max_delay_steps": 0}, "max_delay_steps = 0 is out of range; it must be > 0"),
         ({"max_doc_len": -1}, "max_doc_len = -1 is out of range"),
+        ({"cp_hybrid_max_len": -5}, "cp_hybrid_max_len = -5 is out of range; it must be >= 0"),
         ({"queue_thresholds": [8, 4]}, "must be positive and strictly increasing"),
         ({"cost_model": "coefficients"}, "needs attn_coef > 0 and linear_coef > 0"),
         ({"cost_model": "profile"}, "needs cost_profile"),
@@ -76,6 +77,13 @@ def test_layout_checks():
             ),
             world_size=4,
         )
+    hybrid_tp = _parse(
+        "--parallelism.tensor_parallel_degree", "2", "--parallelism.context_parallel_degree", "2",
+        "--parallelism.data_parallel_shard_degree", "1", "--wlb.mode=", "--wlb.cp_sharding",
+        "hybrid",
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match='cp_sharding = "hybrid" with .*tensor_parallel_degree'):
+        check_job_config(hybrid_tp, world_size=4)
     with pytest.raises(ConfigError, match="cannot be traced by torch.compile"):
         check_job_config(
             _parse("--parallelism.context_parallel_degree", "2", "--compile.enable"), world_size=2

@@ -305,3 +305,158 @@ def test_draft_takes_fixed_strategies_only():
 
     with pytest.raises(ValueError, match="'adaptive' is not one of.*cp.adaptive.build_cp_plan"):
         draft_sharding(np.array([4, 4]), 2, "adaptive")
+
+
+# --------------------------------------------------------------------------------- hybrid
+def _check_hybrid(doc_lens, cp, max_len=0):
+    """Hybrid invariants: every token once, per-document positions, whole documents uncut and
+    local, the gathered tokens a prefix of every rank, key segments = document prefixes."""
+    doc_lens = np.asarray(doc_lens, dtype=np.int64)
+    plan = build_cp_plan(doc_lens, cp, "hybrid", hybrid_max_len=max_len)
+    total = int(doc_lens.sum())
+    doc_of, pos_of = _global_positions(doc_lens)
+    # Keys of the split halves are the gathered documents' tokens in packed order.
+    key_tokens = np.flatnonzero(plan.doc_gathered[doc_of])
+    assert plan.gathered_len == len(key_tokens)
+    # Whole documents are exactly those <= max_len (unless split to give every rank a token).
+    assert plan.max_len >= (max_len or 2 * cp * 128)
+    assert np.all(plan.doc_gathered[doc_lens > plan.max_len])
+    all_idx = []
+    for r in range(cp):
+        idx, pos = plan.rank_indices(r)
+        assert len(idx) == plan.local_lens[r] >= 1
+        np.testing.assert_array_equal(pos, pos_of[idx])
+        all_idx.append(idx)
+        spec = plan.local_attention_spec(r)
+        n_gather = spec.n_gather_tokens
+        assert n_gather == plan.gather_lens[r]
+        gathered = plan.doc_gathered[doc_of[idx]]
+        assert gathered[:n_gather].all() and not gathered[n_gather:].any()
+        # Whole documents: complete, contiguous, in the local call's boundaries.
+        cw = spec.cu_seqlens_whole
+        assert cw.dtype == np.int32 and cw[0] == 0 and cw[-1] == len(idx) - n_gather
+        for a, b in zip(cw[:-1], cw[1:], strict=True):
+            tok = idx[n_gather + a : n_gather + b]
+            assert pos_of[tok[0]] == 0 and b - a == doc_lens[doc_of[tok[0]]]
+            np.testing.assert_array_equal(np.diff(tok), 1)
+        assert spec.max_seqlen_whole == (np.diff(cw).max() if len(cw) > 1 else 0)
+        halves = (idx[: spec.n_head_tokens], idx[spec.n_head_tokens : n_gather])
+        for local, cq, ck in zip(halves, spec.cu_seqlens_q, spec.cu_seqlens_k, strict=True):
+            assert cq[-1] == len(local) and ck[-1] == plan.gathered_len
+            for s in np.flatnonzero(np.diff(cq) > 0):
+                q_tok = local[cq[s] : cq[s + 1]]
+                keys = key_tokens[ck[s] : ck[s + 1]]
+                assert len(set(doc_of[q_tok])) == 1 and doc_of[keys[0]] == doc_of[q_tok[0]]
+                assert pos_of[keys[0]] == 0 and keys[-1] == q_tok[-1]
+    np.testing.assert_array_equal(np.sort(np.concatenate(all_idx)), np.arange(total))
+    # kv_order maps the gathered keys to the rank-major buffer of gathered prefixes.
+    rows = max(plan.max_gather_len, 1)
+    buffer = np.full(cp * rows, -1)
+    for r, idx in enumerate(all_idx):
+        buffer[r * rows : r * rows + plan.gather_lens[r]] = idx[: plan.gather_lens[r]]
+    np.testing.assert_array_equal(buffer[plan.kv_order()], key_tokens)
+    assert plan.local_lens.sum() == total and plan.strategy == "hybrid"
+    return plan
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4, 8])
+@pytest.mark.parametrize(
+    "doc_lens,max_len",
+    [
+        ([37], 0),  # one document
+        ([1] * 16, 0),  # all short: nothing gathered
+        ([300, 900, 40, 2000, 5, 5000], 0),  # a mix at the default threshold
+        ([100, 1, 1, 250, 3], 10),  # a mix, documents shorter than 2c split
+        ([9, 30, 1, 17, 2, 2], 4),
+    ],
+)
+def test_hybrid_plan_properties(doc_lens, max_len, cp):
+    if sum(doc_lens) < cp:
+        pytest.skip("fewer tokens than ranks is rejected")
+    _check_hybrid(doc_lens, cp, max_len)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    doc_lens=st.lists(st.integers(1, 400), min_size=1, max_size=30),
+    cp=st.sampled_from([2, 3, 4, 8]),
+    max_len=st.sampled_from([0, 1, 8, 50, 200]),
+)
+def test_hybrid_plan_properties_random(doc_lens, cp, max_len):
+    if sum(doc_lens) < cp:
+        return
+    _check_hybrid(doc_lens, cp, max_len)
+
+
+def test_hybrid_extremes():
+    # All documents longer than the threshold: exactly per-document sharding.
+    lens = np.array([37, 25, 11, 9])
+    hybrid, per_doc = build_cp_plan(lens, 2, "hybrid", hybrid_max_len=8), build_cp_plan(lens, 2)
+    for r in range(2):
+        np.testing.assert_array_equal(hybrid.token_indices(r), per_doc.token_indices(r))
+    np.testing.assert_array_equal(hybrid.kv_order(), per_doc.kv_order())
+    assert hybrid.kv_gather_bytes(2, 8, 2) == per_doc.kv_gather_bytes(2, 8, 2)
+    # All short: no K/V gathered at all.
+    short = _check_hybrid(np.full(40, 30), 4)
+    assert short.gathered_len == 0 and short.kv_gather_bytes(8, 128, 2) == 0
+    assert short.kv_order().size == 0 and not short.doc_gathered.any()
+    np.testing.assert_array_equal(short.local_lens, [300] * 4)
+    # Fewer documents than ranks, all short: the longest are split so that every rank has tokens.
+    few = _check_hybrid([5, 3, 2], 4)
+    assert few.doc_gathered.tolist() == [True, False, False]
+
+
+def test_hybrid_keeps_short_documents_whole_and_gathers_less():
+    from torchtitan_wlb.tools.cp_bench import pack_micro_batches
+    from torchtitan_wlb.workloads import generate
+
+    cp, tile = 4, 128
+    lens = generate("longtail_scaled", 3000, 32768, seed=3)
+    for doc_lens in pack_micro_batches(lens, 32768, 4):
+        hybrid = build_cp_plan(doc_lens, cp, "hybrid")
+        per_doc = build_cp_plan(doc_lens, cp, "per_document")
+        # Balanced in attention work and in tokens (the split documents' chunks compensate).
+        assert hybrid.flops_imbalance() <= 1.01
+        assert hybrid.token_imbalance() <= 1.01
+        # No document under the threshold is cut: no sub-tile chunk comes from one.
+        short = doc_lens[hybrid.seg_doc] <= hybrid.max_len
+        assert np.all(hybrid.seg_len[short] == doc_lens[hybrid.seg_doc[short]])
+        assert hybrid.max_len >= 2 * cp * tile
+        assert hybrid.small_chunks(tile) < per_doc.small_chunks(tile)
+        assert hybrid.kv_gather_bytes(8, 128, 2) < per_doc.kv_gather_bytes(8, 128, 2)
+
+
+@pytest.mark.parametrize("strategy", ["per_sequence", "per_document", "hybrid"])
+def test_draft_kv_gather_bytes_matches_plan(strategy):
+    from torchtitan_wlb.cp.plan import draft_sharding
+
+    lens = np.array([300, 2000, 40, 7000, 5, 1200, 900])
+    draft = draft_sharding(lens, 4, strategy, max_len=1000)
+    plan = draft.plan()
+    assert draft.kv_gather_bytes(8, 128, 2) == plan.kv_gather_bytes(8, 128, 2) > 0
+
+
+def test_kv_gather_bytes_and_small_chunks():
+    plan = build_cp_plan(np.array([6, 5]), 2, "per_document")  # local lengths 5 and 6
+    assert (
+        plan.kv_gather_bytes(kv_heads=2, head_dim=4, dtype_bytes=2) == (2 - 1) * 6 * 2 * 2 * 4 * 2
+    )
+    # Chunks [[2, 2, 1, 1], [1, 1, 2, 1]] (see the remainder-counter test): five under 2 tokens.
+    assert plan.small_chunks(tile=2) == 5
+    # Per-sequence slots [0, 3) [3, 6) [6, 9) [9, 11): four proper pieces under 128 tokens; a
+    # document inside one slot is not a chunk.
+    assert build_cp_plan(np.array([6, 5]), 2, "per_sequence").small_chunks(tile=128) == 4
+    assert build_cp_plan(np.array([2, 2, 2, 2]), 2, "per_sequence").small_chunks() == 0
+
+
+def test_hybrid_threshold_errors_and_auto():
+    from torchtitan_wlb.cp.plan import auto_hybrid_max_len, draft_sharding
+
+    with pytest.raises(ValueError, match=r"hybrid max_len must be an int >= 0.*got -3"):
+        draft_sharding(np.array([4, 4]), 2, "hybrid", max_len=-3)
+    # Auto: never below 2c * 128; raised when the split documents can absorb whole ones.
+    assert auto_hybrid_max_len(np.array([10, 20]), 4) == 1024
+    lens = np.array([60000, 30000, 3000, 2500, 2000, 1500])
+    raised = auto_hybrid_max_len(lens, 4)
+    assert 3000 <= raised < 30000
+    assert draft_sharding(lens, 4, "hybrid").max_len in (raised, 1024)

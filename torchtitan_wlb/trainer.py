@@ -8,8 +8,9 @@ this subclass adds:
   - ``post_dataloading_process`` turns each micro-batch's ``doc_lens`` and ``positions`` into the
     model's ``attention_masks`` metadata and RoPE positions (TorchTitan would derive masks from EOS
     tokens and never reset positions). Under context parallelism it builds the micro-batch's CP plan
-    (``[wlb] cp_sharding``: per-sequence, per-document or adaptive) and shards inputs, labels and
-    positions with it -- TorchTitan 0.2.2 shards neither positions nor document metadata;
+    (``[wlb] cp_sharding``: per-sequence, per-document, hybrid or adaptive) and shards inputs,
+    labels and positions with it -- TorchTitan 0.2.2 shards neither positions nor document
+    metadata;
   - every rank writes the exactly-once audit log (:mod:`torchtitan_wlb.audit_log`): the documents
     of each step's micro-batches, where each launch resumed, each complete checkpoint's pending
     documents and how the run ended (``python -m torchtitan_wlb.tools.audit`` proves from it that

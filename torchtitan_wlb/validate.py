@@ -93,6 +93,13 @@ def check_job_config(job_config: Any, world_size: int | None = None) -> dict[str
             f"context_parallel_degree = {degrees['cp']}: the per-document CP attention op's "
             "backward cannot be traced by torch.compile; disable [compile] or compile only 'loss'"
         )
+    if degrees["cp"] > 1 and degrees["tp"] > 1 and wlb.cp_sharding == "hybrid":
+        raise ConfigError(
+            f'[wlb] cp_sharding = "hybrid" with [parallelism] tensor_parallel_degree = '
+            f"{degrees['tp']}: hybrid keeps whole documents on one CP rank, so CP ranks hold "
+            "different token counts, which sequence-parallel TP cannot split evenly; use "
+            '"per_document" (or "adaptive") with TP, or tensor_parallel_degree = 1'
+        )
     _check_queue_thresholds(wlb, seq_len)
     for name in ("cost_profile", "cp_profile"):
         path = getattr(wlb, name)
