@@ -68,16 +68,6 @@ def _dtype_bytes(dtype: str) -> int:
     return max(1, int(match.group(1)) // 8)
 
 
-def _gather_rows(draft: ShardingDraft) -> int:
-    """Rows per rank of the CP op's all-gather under ``draft``: the most gathered tokens on one
-    rank (every document's tokens, or under hybrid the split documents' only)."""
-    q = draft.q_len
-    gathered = draft.doc_gathered
-    if not gathered.all():  # hybrid: segment arrays, table[0] = document of each segment
-        q = q * gathered[draft.table[0]]
-    return int(draft.rank_totals(q).max())
-
-
 def predicted_seconds(
     draft: ShardingDraft, profile: CPProfile, bandwidth_gbps: float
 ) -> tuple[float, float]:
@@ -85,8 +75,9 @@ def predicted_seconds(
     rank's forward + backward time from ``profile``, and 3 x the K/V bytes each rank gathers (for the
     profile's KV heads, head dim and dtype) over ``bandwidth_gbps``."""
     compute = float(draft.rank_totals(profile.segment_seconds(draft.q_len, draft.kv_len)).max())
-    row = 2 * profile.n_kv_heads * profile.head_dim * _dtype_bytes(profile.dtype)
-    gathered = (draft.cp_degree - 1) * _gather_rows(draft) * row
+    gathered = draft.kv_gather_bytes(
+        profile.n_kv_heads, profile.head_dim, _dtype_bytes(profile.dtype)
+    )
     return compute, _TRANSFERS_PER_LAYER * gathered / (bandwidth_gbps * 1e9)
 
 

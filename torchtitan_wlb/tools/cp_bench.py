@@ -22,8 +22,8 @@ pieces under 128 tokens cut out of documents: runs of one document's tokens on o
 documents not counted; ``small_chunks_short_docs`` the total from documents up to hybrid's threshold
 of the micro-batch),
 ``plan_ms`` (median time to build one micro-batch's plan plus one rank's index arrays and attention
-metadata arrays; for torch's balancers, their rearrange and restore indices), and adaptive the share
-of micro-batches that chose per-document. torch's balancers get the padding they require
+metadata arrays; for torch's balancers, their rearrange and restore indices), and adaptive the shares
+of micro-batches that chose per-document and hybrid. torch's balancers get the padding they require
 (``pad_tokens``).
 ``--measure`` also runs every rank's local attention (forward + backward, CPU backend, one thread)
 and reports the measured max/mean per-rank CPU time. ``--lengths FILE`` reads your own document
@@ -170,6 +170,7 @@ def run(args: argparse.Namespace) -> dict:
     for strategy in STRATEGY_NAMES:
         extra = []
         imb, plan_ms, plan_ms_min, chose_doc, est = [], [], [], [], []
+        chose_hybrid = []
         meas_imb, meas_max, meas_mean = [], [], []
         for i, doc_lens in enumerate(micro_batches):
             times = []
@@ -182,6 +183,7 @@ def run(args: argparse.Namespace) -> dict:
             imb.append(plan.flops_imbalance())
             extra.append(assignment_stats(plan_assignment(plan), kv_bytes, short_doc_len=short[i]))
             chose_doc.append(plan.strategy == "per_document")
+            chose_hybrid.append(plan.strategy == "hybrid")
             est.append(profile.estimate_plan_seconds(plan) * 1e3)
             if args.measure and i < args.measure_micro_batches:
                 rank_ms = measure_ranks_ms(
@@ -201,6 +203,7 @@ def run(args: argparse.Namespace) -> dict:
         }
         if strategy == "adaptive":
             entry["per_document_share"] = float(np.mean(chose_doc))
+            entry["hybrid_share"] = float(np.mean(chose_hybrid))
         if args.measure:
             n_meas = len(meas_imb)
             entry["measured_micro_batches"] = n_meas
@@ -337,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         if "per_document_share" in r:
             line += f" per_document_share={r['per_document_share']:.2f}"
+            line += f" hybrid_share={r['hybrid_share']:.2f}"
         if "measured_imbalance" in r:
             line += (
                 f" measured_imbalance={r['measured_imbalance']:.4f} "
