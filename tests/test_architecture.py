@@ -32,6 +32,7 @@ ROOMS = {
     f"{PACKAGE}.cp.plan": "cp.plan",
     f"{PACKAGE}.cp.op": "cp.op",
     f"{PACKAGE}.cp.local": "cp.op",
+    f"{PACKAGE}.cp.torch_lb": "cp.op",
     f"{PACKAGE}.cp": "cp",
     f"{PACKAGE}.models": "models",
     f"{PACKAGE}.pipeline": "pipeline",

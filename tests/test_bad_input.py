@@ -100,7 +100,7 @@ OUT_OF_RANGE = {
     "delay_target": "0.0", "balance_target": "0.5", "release_slack": "-0.1",
     "packing_window": "0", "solver_node_limit": "0", "solver_time_limit_s": "0", "cost_model": '"x"',
     "attn_coef": "-1.0", "linear_coef": "-1.0", "cost_profile": '"/no/such.json"',
-    "cp_profile": '"/no/such.json"', "text_field": '""', "loader": '"mine"', "epochs": "-1",
+    "cp_profile": '"/no/such.json"', "cp_bandwidth_gbps": "0.0", "text_field": '""', "loader": '"mine"', "epochs": "-1",
 }  # fmt: skip
 NO_RANGE = {"reset_positions", "metrics_jsonl"}  # booleans: only the type can be wrong
 EXTRA = {"cost_profile": 'cost_model = "profile"\n'}

@@ -38,6 +38,7 @@ def test_defaults_and_mode_presets():
         ({"max_delay_steps": 0}, "max_delay_steps = 0 is out of range; it must be > 0"),
         ({"max_doc_len": -1}, "max_doc_len = -1 is out of range"),
         ({"cp_hybrid_max_len": -5}, "cp_hybrid_max_len = -5 is out of range; it must be >= 0"),
+        ({"cp_bandwidth_gbps": 0.0}, "cp_bandwidth_gbps = 0.0 is out of range; it must be > 0"),
         ({"queue_thresholds": [8, 4]}, "must be positive and strictly increasing"),
         ({"cost_model": "coefficients"}, "needs attn_coef > 0 and linear_coef > 0"),
         ({"cost_model": "profile"}, "needs cost_profile"),

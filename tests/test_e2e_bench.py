@@ -76,3 +76,29 @@ def test_whole_pass_trains_every_document_once(capsys):
     assert wlb["steps"] >= 3 and wlb["time_to_train_s"] == pytest.approx(sum(wlb["step_times_s"]))
     assert wlb["measured_imbalance"] >= 1.0 and wlb["predicted_imbalance"] >= 1.0
     assert wlb["tokens_per_s"] > 0 and wlb["peak_mem_mb"] > 0
+
+
+def test_cp_sharding_speedups_compare_against_the_first_sharding():
+    res = {
+        "wlb+per_document": {"time_to_train_s": 30.0, "step_time_s": 1.0},
+        "wlb+hybrid": {"time_to_train_s": 24.0, "step_time_s": 0.8},
+    }
+    out = e2e_bench.sharding_speedups(res, ["wlb"], ["per_document", "hybrid"])
+    assert out == {
+        "speedup_hybrid_vs_per_document": pytest.approx(1.25),
+        "median_step_speedup_hybrid_vs_per_document": pytest.approx(1.25),
+    }
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--parallel", "cp2", "--cp-sharding", "per_document,ring"], "--cp-sharding"),
+        (["--parallel", "cp2", "--cp-sharding", "hybrid,hybrid"], "distinct values"),
+        (["--cp-sharding", "hybrid"], "needs --parallel cp2"),
+    ],
+)
+def test_bad_cp_sharding(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        e2e_bench.main(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err

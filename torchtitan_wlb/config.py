@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal, get_args, get_origin
 import tyro
 
 from torchtitan_wlb.cost_fit import OnlineFitConfig
-from torchtitan_wlb.cp.adaptive import STRATEGIES
+from torchtitan_wlb.cp.adaptive import DEFAULT_CP_BANDWIDTH_GBPS, STRATEGIES
 from torchtitan_wlb.packing import PACKERS
 
 # What each mode of the paper sets: (packing, cp_sharding).
@@ -232,6 +232,13 @@ class WLB:
     cp_profile: str = ""
     """Attention throughput profile for adaptive CP sharding; empty: the shipped default."""
 
+    cp_bandwidth_gbps: float = DEFAULT_CP_BANDWIDTH_GBPS
+    """"adaptive": per-GPU bandwidth of the CP collectives in GB/s. Adaptive predicts each
+    sharding's time as attention compute (from `cp_profile`) plus the K/V bytes it gathers over
+    this bandwidth, so it prices hybrid's smaller gather. Default 50: one 400 Gb/s NIC per GPU, a
+    CP group spanning nodes (TP filling each node); set 200-400 for a CP group inside one NVLink
+    node, a few GB/s for gloo on CPU."""
+
     text_field: str = "text"
     """Field holding the document text in jsonl / parquet / Hugging Face datasets."""
 
@@ -279,6 +286,7 @@ class WLB:
             raise ConfigError(
                 f"[wlb] queue_thresholds = {thresholds!r} must be positive and strictly increasing"
             )
+        _check_positive("cp_bandwidth_gbps", self.cp_bandwidth_gbps)
         _check_positive("attn_coef", self.attn_coef, allow_zero=True)
         _check_positive("linear_coef", self.linear_coef, allow_zero=True)
         if not self.text_field:

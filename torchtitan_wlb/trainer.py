@@ -320,18 +320,24 @@ class WLBTrainer(Trainer):
         backend: str,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DocumentAttentionMetadata]:
         """Shard one micro-batch over the CP group with its own plan (vectorised, ~1 ms)."""
-        from torchtitan_wlb.cp.adaptive import build_cp_plan
+        from torchtitan_wlb.cp.adaptive import ADAPTIVE_CANDIDATES, build_cp_plan
         from torchtitan_wlb.cp.local import build_cp_attention_metadata, shard_tensor
 
         cp_mesh = self.parallel_dims.get_mesh("cp")
         rank = cp_mesh.get_local_rank()
         wlb = self.job_config.wlb
+        # Sequence-parallel TP needs equal local lengths, which hybrid does not guarantee.
+        candidates = ADAPTIVE_CANDIDATES
+        if self.parallel_dims.tp_enabled:
+            candidates = tuple(c for c in candidates if c != "hybrid")
         plan = build_cp_plan(
             doc_lens,
             cp_mesh.size(),
             wlb.cp_sharding,
             profile=self._cp_profile,
             hybrid_max_len=wlb.cp_hybrid_max_len,
+            bandwidth_gbps=wlb.cp_bandwidth_gbps,
+            candidates=candidates,
         )
         self._cp_stats.append((int(plan.strategy == "per_document"), plan.flops_imbalance()))
         if self._fitter is not None:  # this rank's share: its attention pairs and its tokens

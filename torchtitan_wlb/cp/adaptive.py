@@ -1,10 +1,20 @@
-"""Choosing a micro-batch's CP sharding: a fixed strategy, or adaptive selection by estimated latency.
+"""Choosing a micro-batch's CP sharding: a fixed strategy, or adaptive selection by predicted time.
 
-``adaptive`` drafts per-sequence and per-document sharding (:mod:`torchtitan_wlb.cp.plan`; the
-``hybrid`` plan is available as a fixed strategy), estimates the slowest
-rank of each with the measured throughput table (:mod:`torchtitan_wlb.cp.profile`) and keeps the
-faster one: per-document chunks are small and run at a lower achieved throughput, which can outweigh
-their better balance. Only the winner's local layout is built.
+``adaptive`` drafts per-sequence, per-document and hybrid sharding (:mod:`torchtitan_wlb.cp.plan`),
+predicts each one's time and keeps the fastest; only the winner's local layout is built. The
+prediction is one layer's attention, forward and backward, on the slowest rank::
+
+    predicted = compute (slowest rank, measured throughput table of :mod:`torchtitan_wlb.cp.profile`)
+              + 3 x K/V bytes each rank gathers / bandwidth
+
+Why both terms: per-document chunks are small and run at a lower achieved throughput, which can
+outweigh their better balance (per-sequence wins); hybrid keeps short documents whole, so its chunks
+are large *and* it gathers K/V of the split documents only, which matters where the CP link is slow
+(across nodes) or the micro-batch holds many short documents; per-document wins where a few long
+documents dominate and hybrid's whole documents cannot be balanced. The factor 3: the CP op
+all-gathers K/V in forward, gathers them again in backward and reduce-scatters dK/dV of the same
+size. Compute and bytes are both those of the profile's attention shape (its heads, KV heads, head
+dim and dtype), so measure the profile with the model's per-GPU heads.
 
 This module sits above both the plan (pure index arithmetic) and the profile (a measured table), so
 that neither depends on the other's concerns.
@@ -12,18 +22,63 @@ that neither depends on the other's concerns.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
 
-from torchtitan_wlb.cp.plan import FIXED_STRATEGIES, CPPlan, draft_sharding, validate_doc_lens
+from torchtitan_wlb.cp.plan import (
+    FIXED_STRATEGIES,
+    CPPlan,
+    ShardingDraft,
+    draft_sharding,
+    validate_doc_lens,
+)
 from torchtitan_wlb.cp.profile import CPProfile, resolve_profile
 
-__all__ = ["ADAPTIVE_CANDIDATES", "STRATEGIES", "build_cp_plan"]
+__all__ = [
+    "ADAPTIVE_CANDIDATES",
+    "DEFAULT_CP_BANDWIDTH_GBPS",
+    "STRATEGIES",
+    "build_cp_plan",
+    "predicted_seconds",
+]
 
 STRATEGIES = (*FIXED_STRATEGIES, "adaptive")
-ADAPTIVE_CANDIDATES = ("per_sequence", "per_document")
-"""The fixed strategies adaptive selection chooses between."""
+ADAPTIVE_CANDIDATES = ("per_sequence", "per_document", "hybrid")
+"""The fixed strategies adaptive selection chooses among (ties keep the earlier one)."""
+
+DEFAULT_CP_BANDWIDTH_GBPS = 50.0
+"""Default per-GPU bandwidth of the CP collectives, GB/s (``[wlb] cp_bandwidth_gbps``).
+
+Why 50: TorchTitan places CP next to TP in the device mesh, so with TP filling an 8-GPU node a CP
+group spans nodes and its collectives run at the per-GPU network rate: one 400 Gb/s InfiniBand or
+RoCE NIC per GPU is 50 GB/s. That is where the gathered bytes matter, so it is the default that lets
+adaptive see them; a CP group inside one NVLink node moves 200-400 GB/s (set that), gloo on one CPU
+host a few GB/s."""
+
+_TRANSFERS_PER_LAYER = 3.0  # forward all-gather + backward re-gather + dK/dV reduce-scatter
+
+
+def _dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a torch dtype name (``"bfloat16"`` -> 2, ``"float32"`` -> 4)."""
+    match = re.search(r"(\d+)$", dtype)
+    if match is None:
+        raise ValueError(f"profile dtype {dtype!r} does not end in its bit width (e.g. 'bfloat16')")
+    return max(1, int(match.group(1)) // 8)
+
+
+def predicted_seconds(
+    draft: ShardingDraft, profile: CPProfile, bandwidth_gbps: float
+) -> tuple[float, float]:
+    """``(compute, communication)`` seconds of one layer's attention under ``draft``: the slowest
+    rank's forward + backward time from ``profile``, and 3 x the K/V bytes each rank gathers (for the
+    profile's KV heads, head dim and dtype) over ``bandwidth_gbps``."""
+    compute = float(draft.rank_totals(profile.segment_seconds(draft.q_len, draft.kv_len)).max())
+    gathered = draft.kv_gather_bytes(
+        profile.n_kv_heads, profile.head_dim, _dtype_bytes(profile.dtype)
+    )
+    return compute, _TRANSFERS_PER_LAYER * gathered / (bandwidth_gbps * 1e9)
 
 
 def build_cp_plan(
@@ -34,6 +89,8 @@ def build_cp_plan(
     *,
     seq_len: int | None = None,
     hybrid_max_len: int = 0,
+    bandwidth_gbps: float = DEFAULT_CP_BANDWIDTH_GBPS,
+    candidates: tuple[str, ...] = ADAPTIVE_CANDIDATES,
 ) -> CPPlan:
     """Plan the CP split of one packed micro-batch (``[wlb] cp_sharding``).
 
@@ -45,25 +102,33 @@ def build_cp_plan(
             ``None`` loads the packaged CPU default.
         seq_len: if given, the packed length the lengths must sum to.
         hybrid_max_len: ``"hybrid"``'s whole-document threshold in tokens (``[wlb]
-            cp_hybrid_max_len``); 0: ``2 * cp_degree * 128`` (``plan.default_hybrid_max_len``).
+            cp_hybrid_max_len``); 0: chosen per micro-batch (``plan.auto_hybrid_max_len``).
+        bandwidth_gbps: ``"adaptive"``: per-GPU bandwidth of the CP collectives in GB/s (``[wlb]
+            cp_bandwidth_gbps``), which prices the gathered K/V.
+        candidates: ``"adaptive"``: the fixed strategies it chooses among (default all three;
+            the simulator's reproduction of the paper passes its two).
 
-    With ``"adaptive"`` the plan records ``requested="adaptive"`` and both estimates in
-    ``estimated_seconds``; a tie keeps per-sequence.
+    With ``"adaptive"`` the plan records ``requested="adaptive"`` and every candidate's predicted
+    seconds (compute + communication, :func:`predicted_seconds`) in ``estimated_seconds``; a tie
+    keeps the earlier candidate.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"CP strategy {strategy!r} is not one of {STRATEGIES}")
     lens = validate_doc_lens(doc_lens, cp_degree, seq_len)
     if strategy != "adaptive":
         return draft_sharding(lens, cp_degree, strategy, max_len=hybrid_max_len).plan()
+    if isinstance(bandwidth_gbps, bool) or not bandwidth_gbps > 0:
+        raise ValueError(f"bandwidth_gbps must be a number > 0 (GB/s); got {bandwidth_gbps!r}")
+    if not candidates or any(name not in FIXED_STRATEGIES for name in candidates):
+        raise ValueError(f"adaptive candidates {candidates!r} must be among {FIXED_STRATEGIES}")
     table = resolve_profile(profile)
-    drafts = {name: draft_sharding(lens, cp_degree, name) for name in ADAPTIVE_CANDIDATES}
-    estimates = {
-        name: float(draft.rank_totals(table.segment_seconds(draft.q_len, draft.kv_len)).max())
-        for name, draft in drafts.items()
-    }
-    best = (
-        "per_document" if estimates["per_document"] < estimates["per_sequence"] else "per_sequence"
-    )
-    chosen = drafts[best].plan(requested=strategy)
+    estimates = {}
+    best, best_draft = "", None
+    for name in candidates:  # at most three, not a loop over documents
+        draft = draft_sharding(lens, cp_degree, name, max_len=hybrid_max_len)
+        estimates[name] = sum(predicted_seconds(draft, table, bandwidth_gbps))
+        if best_draft is None or estimates[name] < estimates[best]:
+            best, best_draft = name, draft
+    chosen = best_draft.plan(requested=strategy)
     chosen.estimated_seconds.update(estimates)
     return chosen

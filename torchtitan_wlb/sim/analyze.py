@@ -7,8 +7,9 @@ Input: a lengths file (JSON list, ``.npy``, or one integer per line) or a local 
 parquet / text files, read by the project's data sources) tokenized with the project's tokenizer.
 Output: the document-length histogram, the share of tokens by length, the imbalance each packer
 would leave (predicted by the project's cost model, the measure the packers balance), the simulated
-WLB speedup, and recommended ``[wlb]`` settings (queue thresholds, S_max) for the context length and
-layout, found by trying the candidates on a sample of the data. ``--json`` prints one JSON object last.
+WLB speedup (also with adaptive CP that may choose hybrid sharding), and recommended ``[wlb]``
+settings (queue thresholds, S_max) for the context length and layout, found by trying the
+candidates on a sample of the data. ``--json`` prints one JSON object last.
 """
 
 from __future__ import annotations
@@ -165,8 +166,13 @@ def main(argv: list[str] | None = None) -> int:
         }  # fmt: skip
         if not args.no_simulate:
             sim_cfg = replace(cfg, steps=min(cfg.steps, 20), warmup_steps=4)
-            s = cli.summarize({m: simulate_mode(MODES[m], lengths, sim_cfg) for m in REQUIRED_MODES})  # fmt: skip
-            out["simulated"] = {k: s[k] for k in ("speedup_wlb_vs_plain", "speedup_wlb_vs_fixed")}
+            names = (*REQUIRED_MODES, "wlb_hybrid")  # + adaptive CP with hybrid sharding
+            s = cli.summarize({m: simulate_mode(MODES[m], lengths, sim_cfg) for m in names})
+            keys = ("speedup_wlb_vs_plain", "speedup_wlb_vs_fixed", "speedup_wlb_hybrid_vs_plain")
+            out["simulated"] = {k: s[k] for k in keys} | {
+                "speedup_wlb_hybrid_vs_wlb": s["wlb_hybrid"]["tokens_per_s"] / s["wlb"]["tokens_per_s"],
+                "wlb_hybrid_share": s["wlb_hybrid"]["hybrid_share"],
+            }  # fmt: skip
         if args.plot:
             from torchtitan_wlb.sim.plots import length_histogram as plot_histogram
 
@@ -188,7 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     if "simulated" in out:
         sp = out["simulated"]
         print(f"simulated speedup: WLB vs Plain-4D {sp['speedup_wlb_vs_plain']:.3f}x, "
-              f"vs Fixed-4D {sp['speedup_wlb_vs_fixed']:.3f}x")  # fmt: skip
+              f"vs Fixed-4D {sp['speedup_wlb_vs_fixed']:.3f}x; adaptive CP with hybrid sharding "
+              f"{sp['speedup_wlb_hybrid_vs_plain']:.3f}x vs Plain-4D "
+              f"({sp['speedup_wlb_hybrid_vs_wlb']:.3f}x vs WLB, hybrid on "
+              f"{100 * sp['wlb_hybrid_share']:.0f} % of micro-batches)")  # fmt: skip
     print("recommended settings:\n" + toml_snippet(out["recommended"]))
     if args.json:
         print(json.dumps(out))

@@ -43,6 +43,7 @@ class ModeResult:
             end [n_ops]).
         per_document_share: share of micro-batches whose CP plan is per-document.
         pack_stats: packer statistics (whatever the packer reports, averaged).
+        hybrid_share: share of micro-batches whose CP plan is hybrid.
     """
 
     mode: ModeSpec
@@ -55,6 +56,7 @@ class ModeResult:
     gantt: tuple[Schedule, np.ndarray, np.ndarray]
     per_document_share: float
     pack_stats: dict
+    hybrid_share: float = 0.0
 
     @property
     def seconds_per_token(self) -> float:
@@ -75,6 +77,7 @@ class ModeResult:
             "packer": self.mode.packer,
             "cp_strategy": self.mode.cp_strategy,
             "per_document_share": self.per_document_share,
+            "hybrid_share": self.hybrid_share,
         }
 
 
@@ -97,7 +100,7 @@ def simulate_mode(
             f"expected {n} for {cfg.steps} steps (is the document stream long enough?)"
         )
     flat = [np.asarray(mb, dtype=np.int64) for s in steps for mb in s]
-    shards = cp_shards(flat, cfg, mode.cp_strategy)
+    shards = cp_shards(flat, cfg, mode.cp_strategy, mode.cp_candidates)
     costs = shard_costs(shards, cfg)
     fwd, bwd, p2p = stage_times(cfg.model, cfg.layout, cfg.hardware, cfg.chunks, costs)
     dp, m, n_v = cfg.layout.dp, cfg.m, fwd.shape[1]
@@ -134,6 +137,7 @@ def simulate_mode(
         gantt=gantt,
         per_document_share=float(np.mean(shards.chose_per_document)) if flat else 0.0,
         pack_stats=stats,
+        hybrid_share=float(np.mean(shards.chose_hybrid)) if flat else 0.0,
     )
 
 

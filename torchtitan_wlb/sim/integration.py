@@ -84,6 +84,9 @@ class CPShards:
         seg_kv: [n_seg] keys it attends (its document's prefix up to the chunk's end).
         local_tokens: [n_mb, cp] tokens held by each CP rank.
         chose_per_document: [n_mb] for adaptive plans, whether per-document sharding was chosen.
+        gathered_tokens: [n_mb] tokens whose K/V the CP op all-gathers (the micro-batch; under
+            hybrid sharding its split documents only).
+        chose_hybrid: [n_mb] whether the plan is hybrid.
     """
 
     seg_mb: np.ndarray
@@ -92,21 +95,40 @@ class CPShards:
     seg_kv: np.ndarray
     local_tokens: np.ndarray
     chose_per_document: np.ndarray
+    gathered_tokens: np.ndarray | None = None
+    chose_hybrid: np.ndarray | None = None
 
 
-def cp_shards(micro_batches: list[np.ndarray], cfg, strategy: str):
-    """Attention segments of every micro-batch under ``strategy``, from the CP planner."""
+def cp_shards(
+    micro_batches: list[np.ndarray],
+    cfg,
+    strategy: str,
+    candidates: tuple[str, ...] = ("per_sequence", "per_document"),
+):
+    """Attention segments of every micro-batch under ``strategy``, from the CP planner.
+
+    ``"adaptive"`` chooses among ``candidates`` with the planner profile and the bandwidth of the
+    simulated CP group's links."""
     from torchtitan_wlb.cp.adaptive import build_cp_plan
 
     c = cfg.layout.cp
     mbs, ranks, qs, kvs = [], [], [], []
     local = np.zeros((len(micro_batches), c), dtype=np.int64)
+    gathered = np.zeros(len(micro_batches), dtype=np.int64)
     chose_doc = np.zeros(len(micro_batches), dtype=bool)
+    chose_hybrid = np.zeros(len(micro_batches), dtype=bool)
     profile = planner_profile(cfg) if strategy == "adaptive" else None
+    bandwidth = cfg.hardware.link_gbps(c * cfg.layout.tp)
+    if profile is not None:
+        # The planner prices compute with the profile's query heads and bytes with its KV heads;
+        # scale the bandwidth so that compute : bytes is the model's (GQA moves fewer bytes).
+        m = cfg.model
+        bandwidth *= (m.n_heads / m.n_kv_heads) * (profile.n_kv_heads / profile.n_heads)
     for i, lens in enumerate(micro_batches):
         if int(np.sum(lens)) < c:  # an empty micro-batch (a packer may leave one): no work
             continue
-        plan = build_cp_plan(lens, c, strategy, profile=profile)
+        plan = build_cp_plan(lens, c, strategy, profile=profile, bandwidth_gbps=bandwidth,
+                             candidates=candidates)  # fmt: skip
         keep = plan.seg_len > 0
         q = plan.seg_len[keep]
         ranks.append(plan.slot_owner()[plan.seg_slot[keep]])
@@ -114,17 +136,21 @@ def cp_shards(micro_batches: list[np.ndarray], cfg, strategy: str):
         kvs.append(plan.seg_start[keep] + q)
         mbs.append(np.full(q.size, i, dtype=np.int64))
         local[i] = plan.local_lens
+        gathered[i] = plan.gathered_len
         chose_doc[i] = plan.strategy == "per_document"
+        chose_hybrid[i] = plan.strategy == "hybrid"
     empty = np.zeros(0, dtype=np.int64)
     segs = (np.concatenate([empty, *x]) for x in (mbs, ranks, qs, kvs))
-    return CPShards(*segs, local_tokens=local, chose_per_document=chose_doc)
+    return CPShards(*segs, local_tokens=local, chose_per_document=chose_doc,
+                    gathered_tokens=gathered, chose_hybrid=chose_hybrid)  # fmt: skip
 
 
 def shard_costs(shards: CPShards, cfg: SimConfig) -> LayerCosts:
     """One layer's per-GPU costs of the planner's segments (``timing.layer_costs``)."""
     return layer_costs(cfg.model, cfg.layout, cfg.hardware, shards.seg_mb, shards.seg_rank,
                        shards.seg_q, shards.seg_kv, shards.local_tokens,
-                       attention_time=attention_time_fn(cfg))  # fmt: skip
+                       attention_time=attention_time_fn(cfg),
+                       gathered_tokens=shards.gathered_tokens)  # fmt: skip
 
 
 @lru_cache(maxsize=8)

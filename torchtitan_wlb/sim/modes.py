@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torchtitan_wlb.config import MODE_PRESETS
+from torchtitan_wlb.cp.adaptive import ADAPTIVE_CANDIDATES
+
+PAPER_CP_CANDIDATES = ("per_sequence", "per_document")  # WLB-LLM's adaptive sharding
 
 
 @dataclass(frozen=True)
@@ -16,11 +19,13 @@ class ModeSpec:
         packer: Packer name of torchtitan_wlb.packing ("original", "fixed_greedy", "solver", "wlb",
             "wlb_paper").
         cp_strategy: CP sharding plan of torchtitan_wlb.cp.plan ("per_sequence", "per_document",
-            "adaptive").
+            "hybrid", "adaptive").
         outlier_delay: For the "wlb" packers: whether outlier documents wait in queues (True) or the
             packer only varies micro-batch lengths within the step (False).
         variable_length: Whether micro-batches may exceed the context length up to S_max.
         description: One line for tables and plots.
+        cp_candidates: For "adaptive": the strategies it chooses among. The paper's modes keep
+            its two (per-sequence, per-document); the ``*hybrid*`` modes add hybrid.
         stream_cut: Model TorchTitan's loader: the document stream is concatenated and cut every
             context length, so a document straddling a sequence boundary continues, as a separate
             document, at the start of the next sequence, and every sequence is full
@@ -35,6 +40,7 @@ class ModeSpec:
     variable_length: bool = False
     description: str = ""
     stream_cut: bool = False
+    cp_candidates: tuple[str, ...] = PAPER_CP_CANDIDATES
 
 
 _P = MODE_PRESETS  # the paper's three systems, as the trainer's [wlb] mode presets define them
@@ -52,6 +58,11 @@ MODES: dict[str, ModeSpec] = {m.name: m for m in (
     ModeSpec("per_doc_cp", "original", "per_document",
              description="per-document CP only (original packing)"),
     ModeSpec("adaptive_cp", "original", "adaptive", description="adaptive CP only (original packing)"),
+    ModeSpec("hybrid_cp", "original", "hybrid",
+             description="hybrid CP only (original packing): short documents whole on one rank"),
+    ModeSpec("wlb_hybrid", "wlb", "adaptive", variable_length=True,
+             cp_candidates=ADAPTIVE_CANDIDATES,
+             description="WLB-LLM with adaptive CP choosing among per-sequence, per-document, hybrid"),
     ModeSpec("varlen_packing", "wlb", "per_sequence", variable_length=True,
              description="variable-length packing with outlier delay only"),
     ModeSpec("varlen_no_delay", "wlb", "per_sequence", outlier_delay=False, variable_length=True,

@@ -4,7 +4,8 @@ Everything here is counted, not fitted: FLOPs and bytes come from the model's di
 micro-batch's document lengths (the formulas are in docs/simulator.md and beside the code below),
 times from the hardware profile's achieved throughputs and bandwidths. CP ranks meet at every
 layer's all-gather, so a layer costs the *slowest* CP rank's compute plus the exposed
-communication; that is how per-rank attention imbalance turns into step time.
+communication (under hybrid sharding the all-gather moves only the split documents'
+K/V); that is how per-rank attention imbalance turns into step time.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ def layer_costs(
     seg_kv: np.ndarray,
     local_tokens: np.ndarray,
     attention_time: AttentionTimeFn | None = None,
+    gathered_tokens: np.ndarray | None = None,
 ) -> LayerCosts:
     """One layer's per-GPU costs for a batch of micro-batches, from their CP attention segments.
 
@@ -96,6 +98,8 @@ def layer_costs(
             length (the document's prefix up to the chunk's end).
         local_tokens: [n_mb, cp] tokens each CP rank holds (padding included).
         attention_time: fwd attention seconds for (q, kv, flops); default: tile-padded at attn_tflops.
+        gathered_tokens: [n_mb] tokens whose K/V the CP all-gather moves; default: every token
+            (hybrid sharding gathers its split documents only).
     """
     local_tokens = np.asarray(local_tokens, dtype=np.float64)
     n_mb, cp = local_tokens.shape
@@ -120,7 +124,14 @@ def layer_costs(
     act_bytes = local_tokens.max(axis=1) * model.dim * BF16_BYTES
     tp_comm = 4.0 * _collective_seconds(act_bytes, tp, tp, hw) * (1.0 - hw.tp_overlap)
     # CP: all-gather K and V of the whole micro-batch (local KV heads), reduce-scatter in backward.
-    kv_bytes = local_tokens.sum(axis=1) * 2.0 * kv_heads_per_gpu * model.head_dim * BF16_BYTES
+    gathered = local_tokens.sum(axis=1) if gathered_tokens is None else gathered_tokens
+    kv_bytes = (
+        np.asarray(gathered, dtype=np.float64)
+        * 2.0
+        * kv_heads_per_gpu
+        * model.head_dim
+        * BF16_BYTES
+    )
     cp_comm = _collective_seconds(kv_bytes, layout.cp, layout.cp * tp, hw) * (1.0 - hw.cp_overlap)
     comm = tp_comm + cp_comm
     return LayerCosts(attn + gemm + elem, compute_bwd, attn, comm, comm, local_tokens)

@@ -7,13 +7,24 @@
 
 Packs ``M`` micro-batches of at most ``L`` tokens from the document lengths (TorchTitan's sequential
 "original" fill, documents longer than ``L`` split into ``L``-token pieces first), plans each one with
-``per_sequence``, ``per_document`` and ``adaptive`` and prints, last, one JSON object::
+``per_sequence``, ``per_document``, ``hybrid`` and ``adaptive``, runs torch's own load balancers
+(``torch_head_tail``, ``torch_per_document``, ``torch_ptrr``: :mod:`torchtitan_wlb.cp.torch_lb`) on
+the same micro-batches, and prints, last, one JSON object::
 
-    {"per_sequence": {...}, "per_document": {...}, "adaptive": {...}, "config": {...}}
+    {"per_sequence": {...}, "per_document": {...}, "hybrid": {...}, "adaptive": {...},
+     "torch_head_tail": {...}, "torch_per_document": {...}, "torch_ptrr": {...}, "config": {...}}
 
 Each strategy reports ``flops_imbalance`` (mean over micro-batches of max/mean per-rank attention
-FLOPs), ``plan_ms`` (median time to build one micro-batch's plan plus one rank's index arrays and
-attention metadata arrays), and adaptive the share of micro-batches that chose per-document.
+FLOPs, document-masked), ``token_imbalance`` (the same for tokens), ``kv_gather_bytes`` (K/V bytes
+each rank receives in one layer's forward all-gather, for ``--kv-heads`` x ``--head-dim`` x
+``--kv-dtype-bytes``; ``kv_gather_tokens`` the rows), ``small_chunks`` (mean per micro-batch of the
+pieces under 128 tokens cut out of documents: runs of one document's tokens on one rank, whole
+documents not counted; ``small_chunks_short_docs`` the total from documents up to hybrid's threshold
+of the micro-batch),
+``plan_ms`` (median time to build one micro-batch's plan plus one rank's index arrays and attention
+metadata arrays; for torch's balancers, their rearrange and restore indices), and adaptive the shares
+of micro-batches that chose per-document and hybrid. torch's balancers get the padding they require
+(``pad_tokens``).
 ``--measure`` also runs every rank's local attention (forward + backward, CPU backend, one thread)
 and reports the measured max/mean per-rank CPU time. ``--lengths FILE`` reads your own document
 lengths (the same files as every tool: :func:`torchtitan_wlb.workloads.load_lengths`). Without
@@ -35,11 +46,18 @@ from torchtitan_wlb.cost_model import CostModel
 from torchtitan_wlb.cp.adaptive import build_cp_plan
 from torchtitan_wlb.cp.plan import CPPlan
 from torchtitan_wlb.cp.profile import resolve_profile
+from torchtitan_wlb.cp.torch_lb import (
+    SMALL_CHUNK,
+    TORCH_BALANCERS,
+    assignment_stats,
+    plan_assignment,
+    torch_assignment,
+)
 from torchtitan_wlb.packing import OriginalPacker, PackingConfig
 from torchtitan_wlb.tools.cli import ToolParser
 from torchtitan_wlb.workloads import GENERATORS, generate, load_lengths, split_long
 
-STRATEGY_NAMES = ("per_sequence", "per_document", "adaptive")
+STRATEGY_NAMES = ("per_sequence", "per_document", "hybrid", "adaptive")
 
 
 def pack_micro_batches(lens: np.ndarray, context_len: int, micro_batches: int) -> list[np.ndarray]:
@@ -60,9 +78,11 @@ def pack_micro_batches(lens: np.ndarray, context_len: int, micro_batches: int) -
     return [np.asarray(x) for x in step.doc_lens if len(x)]
 
 
-def plan_and_index(doc_lens: np.ndarray, cp: int, strategy: str, profile) -> CPPlan:
+def plan_and_index(
+    doc_lens: np.ndarray, cp: int, strategy: str, profile, hybrid_max_len: int = 0
+) -> CPPlan:
     """What a rank does per micro-batch: the plan, its own index arrays, the op's index arrays."""
-    plan = build_cp_plan(doc_lens, cp, strategy, profile)
+    plan = build_cp_plan(doc_lens, cp, strategy, profile, hybrid_max_len=hybrid_max_len)
     plan.rank_indices(0)
     plan.kv_order()
     plan.local_attention_spec(0)
@@ -70,29 +90,39 @@ def plan_and_index(doc_lens: np.ndarray, cp: int, strategy: str, profile) -> CPP
 
 
 def _rank_step(plan: CPPlan, rank: int, heads: int, kv_heads: int, head_dim: int):
-    """A closure running ``rank``'s local attention (both halves), forward + backward."""
+    """A closure running ``rank``'s local attention (both halves against the gathered keys, and
+    hybrid's whole documents against their own keys), forward + backward."""
     import torch
 
     from torchtitan_wlb.attention import document_attention
 
     spec = plan.local_attention_spec(rank)
     n_local = int(plan.local_lens[rank])
+    n_gather, n_whole = spec.n_gather_tokens, n_local - spec.n_gather_tokens
     gen = torch.Generator().manual_seed(rank)
-    q = torch.randn(n_local, heads, head_dim, generator=gen, requires_grad=True)
-    k = torch.randn(plan.seq_len, kv_heads, head_dim, generator=gen, requires_grad=True)
-    v = torch.randn(plan.seq_len, kv_heads, head_dim, generator=gen, requires_grad=True)
-    cu = [(torch.from_numpy(a), torch.from_numpy(b)) for a, b in zip(*(spec.cu_seqlens_q, spec.cu_seqlens_k), strict=True)]  # fmt: skip
-    split = spec.n_head_tokens
+
+    def rand(n: int, h: int):
+        return torch.randn(n, h, head_dim, generator=gen, requires_grad=True)
+
+    q = rand(n_local, heads)
+    k, v = rand(plan.gathered_len, kv_heads), rand(plan.gathered_len, kv_heads)
+    k_whole, v_whole = rand(n_whole, kv_heads), rand(n_whole, kv_heads)
+    calls = [
+        (q[: spec.n_head_tokens], k, v, spec.cu_seqlens_q[0], spec.cu_seqlens_k[0],
+         spec.max_seqlen_q[0], spec.max_seqlen_k[0]),
+        (q[spec.n_head_tokens : n_gather], k, v, spec.cu_seqlens_q[1], spec.cu_seqlens_k[1],
+         spec.max_seqlen_q[1], spec.max_seqlen_k[1]),
+    ]  # fmt: skip
+    if n_whole:
+        cu = spec.cu_seqlens_whole
+        calls.append((q[n_gather:], k_whole, v_whole, cu, cu, spec.max_seqlen_whole, spec.max_seqlen_whole))  # fmt: skip
 
     def step():
         outs = []
-        for half, (qs, (cq, ck)) in enumerate(zip((q[:split], q[split:]), cu, strict=True)):
-            outs.append(
-                document_attention(
-                    qs, k, v, cq, ck, spec.max_seqlen_q[half], spec.max_seqlen_k[half],
-                    backend="cpu",
-                )
-            )  # fmt: skip
+        for qs, ks, vs, cq, ck, mq, mk in calls:
+            if qs.shape[0]:
+                cq, ck = torch.from_numpy(cq), torch.from_numpy(ck)
+                outs.append(document_attention(qs, ks, vs, cq, ck, mq, mk, backend="cpu"))
         torch.cat(outs).sum().backward()
 
     return step
@@ -130,19 +160,30 @@ def run(args: argparse.Namespace) -> dict:
     micro_batches = pack_micro_batches(lens, args.context_len, args.micro_batches)
     profile = resolve_profile(args.profile)
     results: dict = {}
+    kv_bytes = 2 * args.kv_heads * args.head_dim * args.kv_dtype_bytes  # K and V, one layer
+    # hybrid's whole-document threshold of every micro-batch (automatic per micro-batch unless
+    # --hybrid-max-len): small chunks of documents up to it are what hybrid avoids
+    short = [
+        build_cp_plan(m, args.cp, "hybrid", hybrid_max_len=args.hybrid_max_len).max_len
+        for m in micro_batches
+    ]
     for strategy in STRATEGY_NAMES:
+        extra = []
         imb, plan_ms, plan_ms_min, chose_doc, est = [], [], [], [], []
+        chose_hybrid = []
         meas_imb, meas_max, meas_mean = [], [], []
         for i, doc_lens in enumerate(micro_batches):
             times = []
             for _ in range(args.plan_repeats):
                 start = time.perf_counter()
-                plan = plan_and_index(doc_lens, args.cp, strategy, profile)
+                plan = plan_and_index(doc_lens, args.cp, strategy, profile, args.hybrid_max_len)
                 times.append((time.perf_counter() - start) * 1e3)
             plan_ms.append(float(np.median(times)))
             plan_ms_min.append(float(np.min(times)))
             imb.append(plan.flops_imbalance())
+            extra.append(assignment_stats(plan_assignment(plan), kv_bytes, short_doc_len=short[i]))
             chose_doc.append(plan.strategy == "per_document")
+            chose_hybrid.append(plan.strategy == "hybrid")
             est.append(profile.estimate_plan_seconds(plan) * 1e3)
             if args.measure and i < args.measure_micro_batches:
                 rank_ms = measure_ranks_ms(
@@ -158,9 +199,11 @@ def run(args: argparse.Namespace) -> dict:
             "plan_ms_max": float(np.max(plan_ms)),
             "plan_ms_min": float(np.min(plan_ms_min)),
             "estimated_max_rank_ms": float(np.mean(est)),
+            **_mean_stats(extra),
         }
         if strategy == "adaptive":
             entry["per_document_share"] = float(np.mean(chose_doc))
+            entry["hybrid_share"] = float(np.mean(chose_hybrid))
         if args.measure:
             n_meas = len(meas_imb)
             entry["measured_micro_batches"] = n_meas
@@ -169,6 +212,17 @@ def run(args: argparse.Namespace) -> dict:
             entry["measured_imbalance"] = float(np.mean(meas_imb))
             entry["flops_imbalance_measured_subset"] = float(np.mean(imb[:n_meas]))
         results[strategy] = entry
+    if args.torch_balancers:
+        for name in TORCH_BALANCERS:
+            stats = [
+                assignment_stats(
+                    torch_assignment(name, m, args.cp, repeats=args.plan_repeats),
+                    kv_bytes,
+                    short_doc_len=max_len,
+                )
+                for m, max_len in zip(micro_batches, short, strict=True)
+            ]
+            results[name] = _mean_stats(stats, with_flops=True)
     results["config"] = {
         "lengths": args.lengths or f"generator:{args.generator}(seed={args.seed})",
         "context_len": args.context_len,
@@ -178,8 +232,38 @@ def run(args: argparse.Namespace) -> dict:
         "docs_per_micro_batch_max": int(max(len(m) for m in micro_batches)),
         "tokens_per_micro_batch_mean": float(np.mean([m.sum() for m in micro_batches])),
         "profile": profile.device + "/" + profile.backend,
+        "kv_bytes_per_token": kv_bytes,
+        "small_chunk_tokens": SMALL_CHUNK,
+        "hybrid_max_len_mean": float(np.mean(short)),
     }
     return results
+
+
+def _mean_stats(stats: list[dict], with_flops: bool = False) -> dict:
+    """Per-micro-batch :func:`assignment_stats` summarised: means, the worst micro-batch and the
+    small-chunk total. ``with_flops``: also the FLOPs / plan-time keys (for torch's balancers;
+    this project's plans report those from the plan itself)."""
+    col = {k: np.array([s[k] for s in stats], dtype=np.float64) for k in stats[0]}
+    out = {
+        "token_imbalance": float(col["token_imbalance"].mean()),
+        "token_imbalance_max": float(col["token_imbalance"].max()),
+        "kv_gather_bytes": float(col["kv_gather_bytes"].mean()),
+        "kv_gather_tokens": float(col["kv_gather_tokens"].mean()),
+        "small_chunks": float(col["small_chunks"].mean()),
+        "small_chunks_total": int(col["small_chunks"].sum()),
+        "small_chunks_short_docs": int(col["small_chunks_short_docs"].sum()),
+        "small_chunk_docs_max_len": int(col["small_chunk_docs_max_len"].max()),
+        "pad_tokens": float(col["pad_tokens"].mean()),
+    }
+    if with_flops:
+        out = {
+            "flops_imbalance": float(col["flops_imbalance"].mean()),
+            "flops_imbalance_max": float(col["flops_imbalance"].max()),
+            "plan_ms": float(np.median(col["plan_ms"])),
+            "plan_ms_max": float(col["plan_ms"].max()),
+            **out,
+        }
+    return out
 
 
 def parser() -> ToolParser:
@@ -197,14 +281,33 @@ def parser() -> ToolParser:
     p.add_argument("--context-len", type=int, default=131072)
     p.add_argument("--cp", type=int, default=8)
     p.add_argument("--micro-batches", type=int, default=16)
+    p.add_argument(
+        "--hybrid-max-len",
+        type=int,
+        default=0,
+        help="hybrid: longest document kept whole on one rank (0: chosen per micro-batch)",
+    )
     p.add_argument("--profile", default=None, help="CP profile JSON (default: packaged CPU table)")
     p.add_argument("--plan-repeats", type=int, default=5, help="timings per micro-batch plan")
     p.add_argument("--measure", action="store_true", help="time every rank's local attention")
     p.add_argument("--measure-micro-batches", type=int, default=4, help="micro-batches measured")
     p.add_argument("--measure-repeats", type=int, default=5, help="rounds per rank (fastest kept)")
     p.add_argument("--heads", type=int, default=2, help="query heads for --measure")
-    p.add_argument("--kv-heads", type=int, default=1, help="KV heads for --measure")
-    p.add_argument("--head-dim", type=int, default=16, help="head dim for --measure")
+    p.add_argument(
+        "--kv-heads", type=int, default=1, help="KV heads for --measure and kv_gather_bytes"
+    )
+    p.add_argument(
+        "--head-dim", type=int, default=16, help="head dim for --measure and kv_gather_bytes"
+    )
+    p.add_argument(
+        "--kv-dtype-bytes", type=int, default=2, help="bytes per K/V element (kv_gather_bytes)"
+    )
+    p.add_argument(
+        "--no-torch-balancers",
+        dest="torch_balancers",
+        action="store_false",
+        help="skip the rows of torch's own load balancers",
+    )
     p.add_argument("--json", action="store_true", help="print the JSON result last")
     return p
 
@@ -215,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("context_len", "cp", "micro_batches", "plan_repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} = {getattr(args, name)} must be >= 1")
+    if args.hybrid_max_len < 0:
+        p.error(f"--hybrid-max-len = {args.hybrid_max_len} must be >= 0 (0: automatic)")
     import torch
 
     threads = torch.get_num_threads()
@@ -226,13 +331,16 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(exc))
     finally:
         torch.set_num_threads(threads)
-    for strategy in STRATEGY_NAMES:
+    for strategy in (*STRATEGY_NAMES, *(TORCH_BALANCERS if args.torch_balancers else ())):
         r = results[strategy]
         line = (
-            f"{strategy:13s} flops_imbalance={r['flops_imbalance']:.4f} plan_ms={r['plan_ms']:.3f}"
+            f"{strategy:18s} flops_imbalance={r['flops_imbalance']:.4f} "
+            f"tokens={r['token_imbalance']:.4f} kv_gather_MB={r['kv_gather_bytes'] / 1e6:.2f} "
+            f"small_chunks={r['small_chunks']:.1f} plan_ms={r['plan_ms']:.3f}"
         )
         if "per_document_share" in r:
             line += f" per_document_share={r['per_document_share']:.2f}"
+            line += f" hybrid_share={r['hybrid_share']:.2f}"
         if "measured_imbalance" in r:
             line += (
                 f" measured_imbalance={r['measured_imbalance']:.4f} "

@@ -3,6 +3,8 @@ the real trainer, on this machine.
 
     python -m torchtitan_wlb.tools.e2e_bench --json                  # 2 ranks, PP = 2
     python -m torchtitan_wlb.tools.e2e_bench --parallel cp2 --json   # 2 ranks, CP = 2
+    python -m torchtitan_wlb.tools.e2e_bench --parallel cp2 --modes wlb \
+        --cp-sharding per_document,hybrid --json   # CP shardings, same packing
 
 Runs ``plain_4d`` (original packing + per-sequence CP), ``fixed_4d`` (fixed-length greedy packing
 + per-document CP), ``wlb`` (variable-length packing with outlier queues + adaptive CP) and
@@ -39,6 +41,11 @@ with random characters (time does not depend on the values). The default set is 
 50 steps per mode. Both ranks share this machine's cores, so absolute times depend on what else
 runs; compare modes within one invocation, and read the spread over runs.
 
+``--cp-sharding a,b`` (with ``--parallel cp2``) compares CP shardings instead: every mode runs once
+per sharding with the mode's packer, labelled ``<mode>+<sharding>``, and ``speedup_b_vs_a`` (and
+``median_step_speedup_b_vs_a``; suffixed ``_<mode>`` when several modes run) is the ratio of the
+times to train against the first sharding.
+
 The last line printed is one JSON object: ``modes -> {plain_4d, fixed_4d, wlb, wlb_online} ->
 {...}`` (the last run's), ``runs`` (every run's per-mode figures and speedups), ``speedup_wlb_vs_plain``,
 ``speedup_wlb_vs_fixed``, ``speedup_online_vs_wlb``, ``measured_imbalance_floor`` (mean over runs)
@@ -62,6 +69,8 @@ from typing import Any
 
 import numpy as np
 
+from torchtitan_wlb.config import MODE_PRESETS
+from torchtitan_wlb.cp.adaptive import STRATEGIES as CP_STRATEGIES
 from torchtitan_wlb.tools.cli import ToolParser, progress
 from torchtitan_wlb.workloads import GENERATORS, generate, load_lengths, steps_arg
 
@@ -121,7 +130,7 @@ def _run_with_progress(cmd: list[str], env: dict[str, str], bar: Any, mode: str)
     return proc.returncode, "".join(tail)
 
 
-def mode_args(mode: str, args: argparse.Namespace) -> list[str]:
+def mode_args(mode: str, args: argparse.Namespace, cp_sharding: str = "") -> list[str]:
     """The trainer flags of ``mode``: its preset, and ``--cost-model`` for the fixed-model modes.
 
     The floor run packs with "original" (sequential fill): its documents are exactly one context
@@ -133,15 +142,34 @@ def mode_args(mode: str, args: argparse.Namespace) -> list[str]:
         str(args.fit_window), "--wlb.fit_holdout_steps", str(max(1, args.fit_window // 4)),
         "--wlb.fit_interval_steps", str(args.fit_interval),
     ]  # fmt: skip
+    preset = MODE_ARGS[mode]
+    if (
+        cp_sharding
+    ):  # the mode's packer with another CP sharding: no preset, which would override it
+        sharding = [
+            "--wlb.packing",
+            MODE_PRESETS[MODE_ARGS[mode][1]][0],
+            "--wlb.cp_sharding",
+            cp_sharding,
+        ]
+        preset = ["--wlb.mode", "", *sharding, *preset[2:]]
     if mode == "wlb_online":
-        return MODE_ARGS[mode] + fit
-    return MODE_ARGS[mode] + ["--wlb.cost_model", args.cost_model] + fit
+        return preset + fit
+    return preset + ["--wlb.cost_model", args.cost_model] + fit
 
 
 def run_mode(
-    mode: str, args: argparse.Namespace, data: Path, workdir: Path, bar: Any
+    mode: str,
+    args: argparse.Namespace,
+    data: Path,
+    workdir: Path,
+    bar: Any,
+    cp_sharding: str = "",
 ) -> dict[str, Any]:
-    dump = workdir / mode
+    """One training job of ``mode``; with ``cp_sharding``, the mode's packer with that
+    ``[wlb] cp_sharding`` instead of the mode's own (the preset would override it)."""
+    label = f"{mode}+{cp_sharding}" if cp_sharding else mode
+    dump = workdir / label
     if mode == FLOOR:
         steps = ["--training.steps", str(args.floor_steps)]
     elif args.steps == "epoch":
@@ -157,7 +185,7 @@ def run_mode(
         "--training.dataset", "jsonl", "--training.dataset_path", str(data),
         "--training.seq_len", str(args.context_len),
         "--training.global_batch_size", str(args.micro_batches),
-        *steps, *mode_args(mode, args),
+        *steps, *mode_args(mode, args, cp_sharding),
         "--wlb.micro_batch_max_len", str(int(args.context_len * args.smax_factor)),
         "--wlb.metrics_jsonl", "--checkpoint.no-enable", "--metrics.log_freq", "1",
         "--metrics.disable_color_printing", "--debug.seed", str(args.seed),
@@ -166,10 +194,10 @@ def run_mode(
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads_per_rank))
     start = time.perf_counter()
-    status, output = _run_with_progress(cmd, env, bar, mode)
+    status, output = _run_with_progress(cmd, env, bar, label)
     wall = time.perf_counter() - start
     if status != 0:
-        raise RuntimeError(f"mode {mode} failed:\n{output[-6000:]}")
+        raise RuntimeError(f"mode {label} failed:\n{output[-6000:]}")
     per_rank = []
     for log in sorted((dump / "wlb_metrics").glob("rank_*.jsonl")):
         per_rank.append({rec["step"]: rec for rec in map(json.loads, log.open())})
@@ -336,6 +364,12 @@ def parser() -> ToolParser:
         default=20,
         help="steps of the noise-floor run (identical micro-batches); 0 skips it",
     )
+    p.add_argument(
+        "--cp-sharding",
+        default="",
+        help="comma-separated [wlb] cp_sharding values (e.g. per_document,hybrid): run every mode "
+        "once per sharding, with the mode's packer, as '<mode>+<sharding>'",
+    )
     p.add_argument("--threads-per-rank", type=int, default=1, help="OMP threads per rank")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", default="", help="keep runs here (default: a temp dir)")
@@ -368,6 +402,23 @@ def speedups(results: dict[str, dict[str, Any]]) -> dict[str, float]:
     return out
 
 
+def sharding_speedups(
+    results: dict[str, dict[str, Any]], modes: list[str], shardings: list[str]
+) -> dict[str, float]:
+    """Each CP sharding against the first one, per mode: time to train the set, median step."""
+    out: dict[str, float] = {}
+    base = shardings[0]
+    for mode in modes:
+        ref = results[f"{mode}+{base}"]
+        suffix = "" if len(modes) == 1 else f"_{mode}"
+        for other in shardings[1:]:
+            res = results[f"{mode}+{other}"]
+            key = f"{other}_vs_{base}{suffix}"
+            out[f"speedup_{key}"] = ref["time_to_train_s"] / res["time_to_train_s"]
+            out[f"median_step_speedup_{key}"] = ref["step_time_s"] / res["step_time_s"]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
@@ -378,6 +429,14 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.floor_steps < 0 or 0 < args.floor_steps <= args.warmup:
         parser().error(f"--floor-steps {args.floor_steps} must be 0 or exceed --warmup")
+    shardings = [s for s in args.cp_sharding.split(",") if s]
+    bad = [s for s in shardings if s not in CP_STRATEGIES]
+    if bad or (args.cp_sharding and len(set(shardings)) != len(shardings)):
+        parser().error(
+            f"--cp-sharding {args.cp_sharding!r}: use distinct values of {', '.join(CP_STRATEGIES)}"
+        )
+    if shardings and args.parallel != "cp2":
+        parser().error(f"--cp-sharding needs --parallel cp2 (got --parallel {args.parallel})")
     for name in ("context_len", "micro_batches", "num_docs", "scale_from", "runs"):
         if getattr(args, name) < 1:
             parser().error(f"--{name.replace('_', '-')} = {getattr(args, name)} must be >= 1")
@@ -409,11 +468,12 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr,
                 )
             results = {}
-            for mode in modes:
-                results[mode] = run_mode(mode, args, data, workdir / f"run{run}", bar)
-                res = results[mode]
+            for mode, sharding in [(m, s) for m in modes for s in shardings or [""]]:
+                label = f"{mode}+{sharding}" if sharding else mode
+                results[label] = run_mode(mode, args, data, workdir / f"run{run}", bar, sharding)
+                res = results[label]
                 bar.write(
-                    f"run {run + 1}/{args.runs} {mode:9s} {res['steps']} steps, "
+                    f"run {run + 1}/{args.runs} {label:9s} {res['steps']} steps, "
                     f"{res['time_to_train_s']:.1f}s to train  median step "
                     f"{res['step_time_s']:.3f}s  imbalance predicted "
                     f"{res['predicted_imbalance']:.3f} measured {res['measured_imbalance']:.3f}  "
@@ -421,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr,
                 )
             floor_key = {"measured_imbalance_floor": floors[-1]} if floors else {}
-            runs.append({"modes": results, **speedups(results), **floor_key})
+            extra = sharding_speedups(results, modes, shardings) if shardings else {}
+            runs.append({"modes": results, **speedups(results), **floor_key, **extra})
         bar.close()
     last = runs[-1]["modes"]
     records = {mode: last[mode].pop("records") for mode in last}

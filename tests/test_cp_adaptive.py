@@ -1,0 +1,84 @@
+"""Adaptive CP selection among per-sequence, per-document and hybrid sharding (pure NumPy).
+
+Synthetic throughput tables make each candidate win where its trade-off says it should: compute from
+the table, plus the gathered K/V over the configured bandwidth.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from torchtitan_wlb.cp import CPProfile, build_cp_plan
+from torchtitan_wlb.cp.adaptive import ADAPTIVE_CANDIDATES, predicted_seconds
+from torchtitan_wlb.cp.plan import draft_sharding
+
+GRID = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+FAST = 1e9  # GB/s: communication costs nothing
+SLOW = 1e-3  # GB/s: communication dominates
+
+
+def _profile(rate) -> CPProfile:
+    """A table whose throughput is ``rate(q_len)`` TFLOP/s, NaN below the diagonal."""
+    n = len(GRID)
+    rows = tuple(
+        tuple(rate(GRID[i]) if j >= i else float("nan") for j in range(n)) for i in range(n)
+    )
+    return CPProfile(lengths=GRID, tflops=rows, tile=16, device="synthetic", backend="cpu",
+                     n_heads=4, n_kv_heads=2, head_dim=32, dtype="bfloat16")  # fmt: skip
+
+
+FLAT = _profile(lambda q: 1.0)  # work is work: the best-balanced plan wins
+TILE_HUNGRY = _profile(lambda q: q / 4096)  # small query chunks run far below peak
+
+
+def _choose(lens, cp, profile, bandwidth, max_len=512):
+    lens = np.asarray(lens, dtype=np.int64)
+    return build_cp_plan(
+        lens, cp, "adaptive", profile, hybrid_max_len=max_len, bandwidth_gbps=bandwidth
+    )
+
+
+def test_per_sequence_wins_when_small_chunks_are_slow():
+    # Two long documents: head-tail over the sequence is already balanced with 1000-token chunks;
+    # per-document (and hybrid, which splits both) cut 500-token chunks.
+    plan = _choose([2000, 2000], 2, TILE_HUNGRY, FAST)
+    assert plan.strategy == "per_sequence" and plan.requested == "adaptive"
+
+
+def test_per_document_wins_when_whole_documents_cannot_be_balanced():
+    # Documents under hybrid's threshold that no whole-document split balances; per-sequence
+    # cuts the sequence where the work is uneven.
+    plan = _choose([400, 500, 100, 500], 2, FLAT, FAST)
+    est = plan.estimated_seconds
+    assert plan.strategy == "per_document"
+    assert est["hybrid"] > 1.1 * est["per_document"] and est["per_sequence"] > est["per_document"]
+
+
+def test_hybrid_wins_on_many_short_documents():
+    plan = _choose([100] * 40, 4, FLAT, FAST)
+    assert plan.strategy == "hybrid" and plan.gathered_len == 0
+
+
+def test_bandwidth_decides_between_balance_and_gathered_bytes():
+    # Whole, these documents leave the ranks about 4 % apart in work; per-document is balanced
+    # but gathers all of them. A fast link picks the balance, a slow one the smaller gather.
+    lens = [300, 500, 700]
+    assert _choose(lens, 2, FLAT, FAST, max_len=1024).strategy == "per_document"
+    slow = _choose(lens, 2, FLAT, SLOW, max_len=1024)
+    assert slow.strategy == "hybrid" and slow.gathered_len == 0
+
+
+@pytest.mark.parametrize("name", ADAPTIVE_CANDIDATES)
+def test_prediction_is_the_built_plans_compute_plus_its_gather(name):
+    lens = np.array([3000, 40, 700, 5, 1200, 90])
+    draft = draft_sharding(lens, 4, name, max_len=512)
+    compute, comm = predicted_seconds(draft, FLAT, 2.0)
+    plan = draft.plan()
+    assert compute == pytest.approx(FLAT.estimate_plan_seconds(plan), rel=1e-12)
+    assert comm == pytest.approx(3 * plan.kv_gather_bytes(2, 32, 2) / 2e9, rel=1e-12)
+
+
+def test_bad_bandwidth_is_one_clear_error():
+    with pytest.raises(ValueError, match=r"bandwidth_gbps must be a number > 0 \(GB/s\); got 0"):
+        _choose([10, 20], 2, FLAT, 0)

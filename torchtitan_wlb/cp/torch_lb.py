@@ -1,0 +1,297 @@
+"""torch's CP load-balancer interface, both ways: this project's plans as a torch ``_LoadBalancer``,
+and torch's own balancers measured by what each rank holds.
+
+**Our plans through torch's interface.** :class:`PlanLoadBalancer` is a ``_LoadBalancer`` whose
+rearrange indices lay a micro-batch out rank-major in one of this project's CP plans
+(``per_document``, or any fixed strategy of :func:`torchtitan_wlb.cp.plan.draft_sharding`), so that
+torch's ``_context_parallel_shard`` gives every rank exactly the tokens the plan gives it and
+``context_parallel_unshard`` restores global order; ``lb.plans[b]`` is then what the CP op's
+metadata is built from (:func:`torchtitan_wlb.cp.local.build_cp_attention_metadata`). This is how a
+CP path written against torch's API (TorchTitan's) could adopt the plans.
+
+**torch's balancers in our terms.**
+
+torch 2.13 ships three load balancers for its context parallelism
+(``torch.distributed.tensor.experimental._context_parallel``): ``_HeadTailLoadBalancer`` (the whole
+sequence cut into ``2c`` chunks, rank ``r`` keeps chunks ``r`` and ``2c-1-r``),
+``_PerDocumentHeadTailLoadBalancer`` (the head-tail cut applied inside every document) and
+``_PTRRLoadBalancer`` (flex-attention blocks dealt to ranks by processing time, round robin). Each
+returns *rearrange indices*; ``_context_parallel_shard`` then gives rank ``r`` the ``r``-th of ``c``
+equal contiguous pieces of the rearranged sequence. This module runs the balancers themselves on a
+micro-batch and derives every rank's token set from their indices exactly that way, so the figures
+are what torch's own code does, not a re-derivation of what it is meant to do (e.g. the per-document
+balancer lays its output out document-major, so the contiguous pieces are not per-document
+balanced).
+
+torch's balancers need divisible lengths: head-tail a sequence of ``2c·k`` tokens, per-document every
+document a multiple of ``2c`` tokens, PTRR whole blocks dealt evenly (``128·c·k`` tokens). Each is fed
+the smallest padding that satisfies it, the way a caller would have to: a padding document at the end
+(head-tail, PTRR) or every document padded to the next multiple of ``2c`` (per-document). Padding
+tokens are counted, as the work and memory they are.
+
+:func:`assignment_stats` measures any per-token rank assignment (this project's plans too) the same
+way: document-masked attention FLOPs (a query at position ``p`` of its document attends ``p + 1``
+keys), tokens, K/V received by all-gather, and chunks under the kernel tile.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.tensor.experimental._context_parallel import _LoadBalancer
+
+from torchtitan_wlb.cp.plan import CPPlan, draft_sharding, validate_doc_lens
+
+__all__ = [
+    "TORCH_BALANCERS",
+    "SMALL_CHUNK",
+    "Assignment",
+    "PlanLoadBalancer",
+    "assignment_stats",
+    "plan_assignment",
+    "ptrr_block_counts",
+    "torch_assignment",
+]
+
+
+class PlanLoadBalancer(_LoadBalancer):
+    """This project's CP plans behind torch's ``_LoadBalancer`` interface.
+
+    ``_context_parallel_shard`` cuts the rearranged sequence into ``c`` equal contiguous pieces, so
+    the rearrange indices are the plan's rank-major layout: rank 0's tokens in its local order, then
+    rank 1's, and so on. Plans add no padding, so their local lengths may differ (by up to two tokens
+    per-document, by up to about one document under hybrid); every rank's piece is therefore
+    ``seq_length // c`` rows, ``seq_length = c * max(local_lens)``: the rank's own tokens, then
+    padding positions ``T, T + 1, ...``. The caller pads its buffers to ``seq_length`` along the
+    sequence dimension first (with tokens whose loss is ignored), as torch's own balancers need their
+    divisible lengths; ``per_document`` over ``T`` divisible by ``2c`` needs none
+    (``seq_length == T``). ``context_parallel_unshard`` with the same balancer restores packed order,
+    the padding at the end.
+
+    Args:
+        seq_length_per_doc: document lengths per batch row (``[[...]]`` for one micro-batch, as
+            torch's per-document balancer takes them); every row must have the same total ``T``.
+        world_size: CP ranks ``c``.
+        device: where the index tensors go.
+        strategy: ``"per_document"`` (default), ``"hybrid"`` or ``"per_sequence"``: a fixed
+            strategy of :func:`torchtitan_wlb.cp.plan.draft_sharding`.
+        **plan_kwargs: passed to ``draft_sharding`` (e.g. hybrid's ``max_len``).
+
+    Attributes:
+        plans: one :class:`CPPlan` per batch row: the first ``plans[b].local_lens[r]`` rows of rank
+            ``r``'s piece are that plan's tokens; build the CP op's metadata from them.
+        seq_length: padded length the buffers must have (``c`` times the longest local length over
+            the rows).
+    """
+
+    def __init__(
+        self,
+        seq_length_per_doc: Sequence[Sequence[int]] | np.ndarray,
+        world_size: int,
+        device: str | torch.device = "cpu",
+        strategy: str = "per_document",
+        **plan_kwargs: Any,
+    ) -> None:
+        rows = [validate_doc_lens(np.asarray(r), world_size) for r in seq_length_per_doc]
+        if not rows:
+            raise ValueError("seq_length_per_doc is empty; give one list of lengths per batch row")
+        totals = sorted({int(r.sum()) for r in rows})
+        if len(totals) != 1:
+            raise ValueError(f"every batch row must hold the same tokens; rows sum to {totals}")
+        self.world_size = world_size
+        self.device = device
+        self.plans: list[CPPlan] = [
+            draft_sharding(r, world_size, strategy, **plan_kwargs).plan() for r in rows
+        ]
+        self.seq_length = world_size * max(p.max_local_len for p in self.plans)
+
+    def _generate_indices(self, restore: bool = False) -> torch.Tensor:
+        """``(B, seq_length)`` int64: the plans' padded rank-major order, or (``restore``) its
+        inverse."""
+        c, padded = self.world_size, self.seq_length
+        piece = padded // c
+        out = np.empty((len(self.plans), padded), dtype=np.int64)
+        for b, plan in enumerate(self.plans):  # batch rows
+            order = out[b]
+            filled = np.zeros(padded, dtype=bool)
+            for r in range(c):  # CP ranks, not documents
+                n = int(plan.local_lens[r])
+                order[r * piece : r * piece + n] = plan.token_indices(r)
+                filled[r * piece : r * piece + n] = True
+            order[~filled] = np.arange(plan.seq_len, padded)
+            if restore:
+                order[order.copy()] = np.arange(padded)
+        return torch.from_numpy(out).to(self.device)
+
+
+TORCH_BALANCERS = ("torch_head_tail", "torch_per_document", "torch_ptrr")
+SMALL_CHUNK = 128
+"""Tokens of the attention kernel tile (flash-attention's 128-row block, flex-attention's default
+block): a chunk shorter than this wastes part of every tile it occupies."""
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """Which CP rank holds each token of a (possibly padded) micro-batch.
+
+    Attributes:
+        doc_lens: ``[D]`` documents as sharded, padding included (a padding document, or each
+            document's padding appended to it).
+        real_docs: ``[D]`` False for a padding-only document.
+        rank: ``[T]`` CP rank of every token, in packed order.
+        cp_degree: CP ranks ``c``.
+        allgather_rows: K/V rows every rank receives from the other ranks (an all-gather of
+            ``c`` equal buffers of the longest local length).
+        plan_ms: time to compute the assignment (see :func:`torch_assignment`).
+        pad_tokens: tokens added to meet the balancer's divisibility rule.
+    """
+
+    doc_lens: np.ndarray
+    real_docs: np.ndarray
+    rank: np.ndarray
+    cp_degree: int
+    allgather_rows: int
+    plan_ms: float
+    pad_tokens: int = 0
+
+
+def assignment_stats(
+    a: Assignment, kv_bytes_per_token: float, small: int = SMALL_CHUNK, short_doc_len: int = 0
+) -> dict:
+    """FLOPs / token imbalance, K/V bytes received per rank and chunks under ``small`` tokens.
+
+    A *chunk* is a maximal run of consecutive tokens of one document held by one rank, counted only
+    for documents cut over more than one rank (a whole document on one rank is not a chunk, whatever
+    its length). ``small_chunk_docs_max_len`` is the longest document that left a chunk under
+    ``small`` tokens (0 if none); ``small_chunks_short_docs`` counts the small chunks of documents
+    of at most ``short_doc_len`` tokens (hybrid sharding's whole-document threshold).
+    """
+    lens, c = a.doc_lens, a.cp_degree
+    doc = np.repeat(np.arange(lens.size), lens)
+    starts = np.cumsum(lens) - lens
+    pos = np.arange(doc.size) - starts[doc]
+    flops = np.bincount(a.rank, weights=pos + 1.0, minlength=c)
+    tokens = np.bincount(a.rank, minlength=c).astype(np.float64)
+    new_run = np.ones(doc.size, dtype=bool)
+    new_run[1:] = (doc[1:] != doc[:-1]) | (a.rank[1:] != a.rank[:-1])
+    run_start = np.flatnonzero(new_run)
+    run_len = np.diff(np.append(run_start, doc.size))
+    run_doc = doc[run_start]
+    runs_per_doc = np.bincount(run_doc, minlength=lens.size)
+    cut = (runs_per_doc[run_doc] > 1) & a.real_docs[run_doc]
+    small_runs = cut & (run_len < small)
+    return {
+        "flops_imbalance": float(flops.max() / flops.mean()),
+        "token_imbalance": float(tokens.max() / tokens.mean()),
+        "kv_gather_tokens": int(a.allgather_rows),
+        "kv_gather_bytes": float(a.allgather_rows * kv_bytes_per_token),
+        "small_chunks": int(small_runs.sum()),
+        "small_chunks_short_docs": int((small_runs & (lens[run_doc] <= short_doc_len)).sum()),
+        "small_chunk_docs_max_len": int(lens[run_doc[small_runs]].max()) if small_runs.any() else 0,
+        "pad_tokens": a.pad_tokens,
+        "plan_ms": a.plan_ms,
+    }
+
+
+def ptrr_block_counts(doc_lens: np.ndarray, block: int) -> np.ndarray:
+    """``[T / block]`` KV blocks each query block touches under a document-causal mask.
+
+    Query block ``i`` sees keys from the start of its first token's document to its own end, a
+    contiguous range of blocks each holding at least one visible key: ``i - block(start) + 1``. This
+    is the ``kv_num_blocks + full_kv_num_blocks`` that ``create_block_mask`` would count, without
+    evaluating the ``T x T`` mask (tests check the two agree).
+    """
+    cu = np.concatenate([[0], np.cumsum(doc_lens)])
+    first = np.arange(0, int(cu[-1]), block)
+    doc_start = cu[np.searchsorted(cu, first, side="right") - 1]
+    return np.arange(first.size) - doc_start // block + 1
+
+
+def _padded(lens: np.ndarray, multiple: int) -> tuple[np.ndarray, np.ndarray]:
+    """``lens`` with a padding document making the total a multiple of ``multiple``."""
+    pad = -int(lens.sum()) % multiple
+    real = np.ones(lens.size + (pad > 0), dtype=bool)
+    if pad:
+        real[-1] = False
+        return np.append(lens, pad), real
+    return lens, real
+
+
+def _balancer(name: str, lens: np.ndarray, c: int, block: int):
+    """torch's balancer for ``lens``, padded as it requires; returns (balancer, doc_lens, real)."""
+    from torch.distributed.tensor.experimental._context_parallel import (
+        _HeadTailLoadBalancer,
+        _PerDocumentHeadTailLoadBalancer,
+        _PTRRLoadBalancer,
+    )
+
+    if name == "torch_head_tail":
+        lens, real = _padded(lens, 2 * c)
+        return _HeadTailLoadBalancer(int(lens.sum()), c, "cpu"), lens, real
+    if name == "torch_per_document":
+        lens = lens + (-lens % (2 * c))
+        lb = _PerDocumentHeadTailLoadBalancer([lens.tolist()], c, "cpu")
+        return lb, lens, np.ones(lens.size, dtype=bool)
+    if name == "torch_ptrr":
+        from torch.nn.attention.flex_attention import BlockMask
+
+        lens, real = _padded(lens, block * c)
+        counts = ptrr_block_counts(lens, block)
+        n = counts.size
+        first = np.arange(n) - counts + 1
+        kv_idx = np.minimum(first[:, None] + np.arange(n)[None, :], n - 1)
+        mask = BlockMask.from_kv_blocks(
+            torch.from_numpy(counts.astype(np.int32)).view(1, 1, n),
+            torch.from_numpy(kv_idx.astype(np.int32)).view(1, 1, n, n),
+            BLOCK_SIZE=block,
+            seq_lengths=(n * block, n * block),
+            compute_q_blocks=False,
+        )
+        return _PTRRLoadBalancer(mask, c), lens, real
+    raise ValueError(f"torch load balancer {name!r} is not one of {TORCH_BALANCERS}")
+
+
+def torch_assignment(
+    name: str, doc_lens: np.ndarray, cp_degree: int, block: int = SMALL_CHUNK, repeats: int = 1
+) -> Assignment:
+    """The token-to-rank assignment torch's balancer ``name`` gives one micro-batch.
+
+    ``plan_ms`` is the median over ``repeats`` of the balancer's rearrange plus restore indices
+    (``_generate_indices(restore=False)`` and ``(restore=True)``, what sharding inputs and
+    unsharding outputs call); building its input (the BlockMask for PTRR) is not timed.
+    """
+    doc_lens = np.asarray(doc_lens, dtype=np.int64)
+    lb, lens, real = _balancer(name, doc_lens, cp_degree, block)
+    times = []
+    for _ in range(max(1, repeats)):
+        start = time.perf_counter()
+        order = lb._generate_indices(restore=False)
+        lb._generate_indices(restore=True)
+        times.append((time.perf_counter() - start) * 1e3)
+    order = order.reshape(-1).numpy()
+    total = int(lens.sum())
+    if order.size != total or np.unique(order).size != total:
+        raise AssertionError(f"{name} returned {order.size} indices for {total} tokens")
+    piece = total // cp_degree  # every balancer above makes the total a multiple of c
+    rank = np.empty(total, dtype=np.int64)
+    rank[order] = np.arange(total) // piece
+    pad = total - int(doc_lens.sum())
+    rows = (cp_degree - 1) * piece
+    return Assignment(lens, real, rank, cp_degree, rows, float(np.median(times)), pad)
+
+
+def plan_assignment(plan: CPPlan, plan_ms: float = 0.0) -> Assignment:
+    """The assignment of one of this project's CP plans (no padding; the op's all-gather moves
+    ``c`` buffers of the most gathered tokens on one rank: the whole micro-batch's local lengths,
+    or under hybrid sharding the split documents' tokens only)."""
+    rank = np.empty(plan.seq_len, dtype=np.int64)
+    for r in range(plan.cp_degree):  # CP ranks, not documents
+        rank[plan.token_indices(r)] = r
+    real = np.ones(plan.doc_lens.size, dtype=bool)
+    rows = (plan.cp_degree - 1) * plan.max_gather_len
+    return Assignment(plan.doc_lens, real, rank, plan.cp_degree, rows, plan_ms)
