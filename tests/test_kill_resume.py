@@ -1,7 +1,8 @@
 """Kills at the worst moments: every document still trained exactly once, losses unchanged.
 
 One pass over a small dataset (``[wlb] epochs = 1``, so the pass is finite) on two CPU ranks, for
-DP = 2, PP = 2 and CP = 2. Each layout runs once uninterrupted, and once as a chain of launches in
+DP = 2, PP = 2 and CP = 2, launched by ``tests/fork_launch.py`` (torchrun's agent, ranks forked
+from it: twelve launches would otherwise import torch and TorchTitan 24 times). Each layout runs once uninterrupted, and once as a chain of launches in
 one dump folder, each killed with SIGKILL of one rank (tests/kill_points.py) and rerun with the
 same command, which resumes from the latest complete checkpoint:
 
@@ -30,7 +31,7 @@ from torchtitan_wlb.tools.audit import main as audit_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEBUG_CPU = os.path.join(ROOT, "train_configs", "debug_cpu.toml")
-ENTRY = os.path.join(ROOT, "tests", "kill_points.py")
+LAUNCH = os.path.join(ROOT, "tests", "fork_launch.py")
 
 pytestmark = pytest.mark.slow
 
@@ -43,12 +44,12 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    """80 documents with a long tail (some split into pieces): about 17 steps of 4 micro-batches."""
+    """58 documents with a long tail (some split into pieces): 10 steps of 4 micro-batches."""
     rng = np.random.default_rng(0)
     words = np.array(["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog"])
     path = tmp_path_factory.mktemp("data") / "docs.jsonl"
     with open(path, "w") as f:
-        for _ in range(80):
+        for _ in range(58):
             n = int(min(rng.pareto(1.2) * 8 + 3, 60))
             f.write(json.dumps({"text": " ".join(rng.choice(words, n))}) + "\n")
     return path
@@ -56,9 +57,7 @@ def dataset(tmp_path_factory):
 
 def _launch(dump, dataset, layout, kill=None):
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-        "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", "--role", "rank", ENTRY,
-        "--job.config_file", DEBUG_CPU, "--model.flavor", "tiny", "--training.seq_len", "128",
+        sys.executable, LAUNCH, "--nproc_per_node=2", "--job.config_file", DEBUG_CPU, "--model.flavor", "tiny", "--training.seq_len", "128",
         "--wlb.micro_batch_max_len", "160", "--training.global_batch_size", "4",
         "--training.dataset", "jsonl", "--training.dataset_path", str(dataset),
         "--wlb.epochs", "1", "--training.steps", "1000", "--checkpoint.interval", "2",
