@@ -35,11 +35,16 @@ sys.argv = [sys.argv[0], *sys.argv[2:]]
 
 from torchtitan_wlb import train  # noqa: E402  (activates CPU support first)
 
-# What train.main imports lazily, so that the ranks inherit it instead of importing it.
-import torchtitan.train  # noqa: E402, F401
-import torchtitan_wlb.trainer  # noqa: E402, F401
-import torchtitan_wlb.validate  # noqa: E402, F401
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch  # noqa: E402
+
+def _preload() -> None:
+    """What ``train.main`` and the kill hook import when they run: imported once here, before the
+    fork, so that every rank inherits them."""
+    import kill_points  # noqa: F401
+    import torchtitan.train  # noqa: F401
+
+    import torchtitan_wlb.trainer  # noqa: F401
+    import torchtitan_wlb.validate  # noqa: F401
+
 
 def _rank(args: list[str]) -> None:
     """One rank: the kill hook if asked for, then the real entry point."""
@@ -57,6 +62,9 @@ def _rank(args: list[str]) -> None:
 
 
 def main(args: list[str]) -> int:
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    _preload()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     config = LaunchConfig(
         min_nodes=1,

@@ -104,16 +104,36 @@ def _environment() -> dict[str, str]:
 
 
 _HELP_PASSED: set[str] = set()
+_DRY_RUN_OK: set[str] = set()  # configs a documented dry_run command (no options) built
+DRY_RUN = "-m torchtitan_wlb.tools.dry_run"
 
 
 def _help_key(text: str) -> str:
-    """Commands whose ``--help`` output cannot differ share one check: ``run_train.sh --help``
-    prints its usage and the config's fields whatever the other arguments (~10 s each)."""
+    """Commands whose ``--help`` outcome cannot differ share one check: ``run_train.sh --help``
+    prints its usage and the config's fields whatever the other arguments (~10 s each), and
+    ``run_tests.sh ARGS --help`` is ``pytest ARGS --help``, which reads no test file (the files
+    it names are checked to exist instead)."""
     words = shlex.split(text)
     if "./run_train.sh" in words:
         config = next((w for w in words if w.startswith("CONFIG_FILE=")), "")
         return f"./run_train.sh {config}"
+    if words[:1] == ["./run_tests.sh"] and all(not w.startswith("-") for w in words[1:-1]):
+        return "./run_tests.sh --help"
     return text
+
+
+def _dry_run_configs(text: str) -> list[str] | None:
+    """The configs of a ``dry_run`` command that names configs only (globs expanded as bash does),
+    or None for any other command."""
+    if DRY_RUN not in text:
+        return None
+    words = shlex.split(text.split(DRY_RUN, 1)[1])
+    if not words or any(w.startswith("-") for w in words):
+        return None
+    out = []
+    for w in words:
+        out += sorted(str(p.relative_to(ROOT)) for p in ROOT.glob(w)) or [w]
+    return out
 
 
 def _console_scripts() -> dict[str, str]:
@@ -165,7 +185,17 @@ def test_documented_command_works_as_written(cmd: DocCommand, tmp_path):
         assert not missing, f"{cmd.id}: {cmd.command!r} names missing files {missing}"
         return
     text = _as_run(cmd)
-    if cmd.marker in HELP_MARKERS and _help_key(text) in _HELP_PASSED:
+    if cmd.marker in HELP_MARKERS:
+        words = shlex.split(cmd.command)
+        if words[:1] == ["./run_tests.sh"]:
+            missing = [w for w in words[1:] if w.endswith(".py") and not (ROOT / w).is_file()]
+            assert not missing, f"{cmd.id}: {cmd.command!r} names missing test files {missing}"
+        if _help_key(text) in _HELP_PASSED:
+            return
+    # dry_run checks each config on its own (one OK or FAIL line each, exit 0 when all build):
+    # configs an earlier documented dry_run built need no second build (~10 s of imports each).
+    configs = _dry_run_configs(text) if cmd.marker not in HELP_MARKERS else None
+    if configs is not None and set(configs) <= _DRY_RUN_OK:
         return
     r = subprocess.run(
         ["bash", "-c", text], cwd=ROOT, env=_environment(), capture_output=True, text=True,
@@ -176,3 +206,5 @@ def test_documented_command_works_as_written(cmd: DocCommand, tmp_path):
     )
     if cmd.marker in HELP_MARKERS:
         _HELP_PASSED.add(_help_key(text))
+    if configs is not None:
+        _DRY_RUN_OK.update(configs)
