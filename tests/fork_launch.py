@@ -4,16 +4,19 @@
 
 The same elastic agent as ``torchrun --nproc_per_node=N --rdzv_backend c10d --rdzv_endpoint
 localhost:0 --role rank -m torchtitan_wlb.train ARGS`` (rendezvous, the ranks' environment, the
-failure of one rank ending the others and the launch with a non-zero status), with one difference:
-the agent imports ``torchtitan_wlb.train`` and TorchTitan's trainer once, then forks its ranks
-from itself, where torchrun starts a fresh interpreter per rank that imports them again. That
-import is most of a small run's cost (several CPU seconds per rank, against a fraction of a second
-per training step of the tiny model); the tests launch dozens of ranks.
+failure of one rank ending the others and the launch with a non-zero status), but the agent
+imports ``torchtitan_wlb.train`` and TorchTitan's trainer once, then forks its ranks from itself,
+where torchrun starts a fresh interpreter per rank that imports them again. That import is most of
+a small run's cost (several CPU seconds per rank, against a fraction of a second per training step
+of the tiny model); the tests launch dozens of ranks.
 
 Nothing is shared between the ranks but the imported modules: each rank initialises its own
 process group, model and data after the fork, exactly as a torchrun rank does. The ranks' parent is
-the agent, as under torchrun, so :mod:`torchtitan_wlb.parent_watch` watches the same process. The
-tests that need torchrun itself (its process sessions, ``run_train.sh``) still launch it.
+the agent, as under torchrun, so :mod:`torchtitan_wlb.parent_watch` watches the same process. Two
+other differences: the ranks stay in the agent's session (torchrun gives each its own), and their
+output is line-buffered (torchrun's ``python -u``: unbuffered). The tests that need torchrun itself
+(its sessions: tests/test_orphan_ranks.py) and one full run through it (tests/test_drain.py)
+still launch it.
 
 ``WLB_TEST_KILL`` works as with ``tests/kill_points.py`` (the same hook, installed in each rank).
 """
