@@ -7,7 +7,8 @@
   - ``checkpoint``: while the checkpoint of step ``<step>`` is being written, right after this
     rank's shard file is on disk and before the checkpoint's ``.metadata`` is.
 
-Run by torchrun as a script (``torchrun ... tests/kill_points.py ARGS``), so the package needs no
+The tests launch it through ``tests/fork_launch.py``, which installs the hook in each forked rank;
+``torchrun ... tests/kill_points.py ARGS`` runs it as a script. Either way the package needs no
 test hooks.
 """
 

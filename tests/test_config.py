@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from torchtitan.config import ConfigManager
@@ -98,16 +99,22 @@ def test_layout_checks():
         )
 
 
-def _run_train(*args, env_extra=None):
-    env = dict(os.environ, WORLD_SIZE="1", **(env_extra or {}))
-    return subprocess.run(
-        [sys.executable, "-m", "torchtitan_wlb.train", "--job.config_file", DEBUG_CPU, *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def _run_train(*arg_lists):
+    """``python -m torchtitan_wlb.train`` once per argument list, two processes at a time (each
+    spends its seconds importing TorchTitan on one core)."""
+
+    def run(args):
+        return subprocess.run(
+            [sys.executable, "-m", "torchtitan_wlb.train", "--job.config_file", DEBUG_CPU, *args],
+            cwd=ROOT,
+            env=dict(os.environ, WORLD_SIZE="1"),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(run, arg_lists))
 
 
 def _flat(r):
@@ -117,15 +124,20 @@ def _flat(r):
 
 
 def test_cli_reports_bad_input_without_traceback():
-    r = _run_train("--wlb.packing", "magic")
+    packing, layout, data = _run_train(
+        ["--wlb.packing", "magic"],
+        ["--parallelism.tensor_parallel_degree", "2"],
+        ["--training.dataset", "jsonl", "--training.dataset_path", "/nonexistent/x"],
+    )
+    r = packing
     assert r.returncode == 2
     assert "[wlb] packing = 'magic' is not accepted; use one of 'original'" in _flat(r)
     assert "Traceback" not in _flat(r)
-    r = _run_train("--parallelism.tensor_parallel_degree", "2")
+    r = layout
     assert r.returncode == 2
     assert "configuration error: [parallelism] dp_replicate x cp x tp x pp = 2" in _flat(r)
     assert "Traceback" not in _flat(r)
-    r = _run_train("--training.dataset", "jsonl", "--training.dataset_path", "/nonexistent/x")
+    r = data
     assert r.returncode == 2
     assert "dataset_path = '/nonexistent/x' matches no jsonl file" in _flat(r)
     assert "Traceback" not in _flat(r)

@@ -4,6 +4,7 @@ import glob
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -15,9 +16,8 @@ LARGE = sorted(glob.glob(os.path.join(ROOT, "train_configs", "llama3_*.toml"))) 
 pytestmark = pytest.mark.slow
 
 
-def test_table1_and_llama3_configs_build_with_fake_backend():
-    assert len(LARGE) == 12  # Llama 3 8B/70B at 64K/128K, the paper's 8 Table 1 settings
-    r = subprocess.run(
+def _large_configs():
+    return subprocess.run(
         [sys.executable, "-m", "torchtitan_wlb.tools.dry_run", *LARGE],
         cwd=ROOT,
         capture_output=True,
@@ -25,6 +25,52 @@ def test_table1_and_llama3_configs_build_with_fake_backend():
         timeout=900,
         env=dict(os.environ, OMP_NUM_THREADS="1"),
     )
+
+
+def _debug_configs():
+    debug = [os.path.join(ROOT, "train_configs", f"debug_{k}.toml") for k in ("cpu", "gpu")]
+    return subprocess.run(
+        [sys.executable, "-m", "torchtitan_wlb.tools.dry_run", *debug, "--ngpu", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+def _fake_backend_step():
+    """COMM_MODE=fake_backend as run_train.sh does it: one real training step, fake collectives."""
+    env = dict(
+        os.environ, NGPU="2", LOCAL_RANK="0", WLB_PYTHON=sys.executable, COMM_MODE="fake_backend"
+    )
+    return subprocess.run(
+        ["./run_train.sh", "--model.flavor", "tiny", "--training.seq_len", "256",
+         "--wlb.micro_batch_max_len", "320", "--checkpoint.no-enable",
+         "--job.dump_folder", "/tmp/wlb_fake_dry_run"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+RUNS = {
+    "test_table1_and_llama3_configs_build_with_fake_backend": _large_configs,
+    "test_debug_configs_build_with_fake_backend": _debug_configs,
+    "test_fake_backend_step_of_debug_config": _fake_backend_step,
+}
+
+
+@pytest.fixture(scope="module")
+def runs(request):
+    """The selected tests' processes, started together two at a time (each is one process that
+    spends most of its time importing TorchTitan on one core)."""
+    selected = [
+        item.originalname
+        for item in request.session.items
+        if item.module is sys.modules[__name__] and item.originalname in RUNS
+    ]
+    with ThreadPoolExecutor(2) as pool:
+        yield {name: pool.submit(RUNS[name]) for name in selected}
+
+
+def test_table1_and_llama3_configs_build_with_fake_backend(runs):
+    assert len(LARGE) == 12  # Llama 3 8B/70B at 64K/128K, the paper's 8 Table 1 settings
+    r = runs["test_table1_and_llama3_configs_build_with_fake_backend"].result()
     ok = [line for line in r.stdout.splitlines() if line.startswith("OK ")]
     assert r.returncode == 0 and len(ok) == len(LARGE), r.stdout + r.stderr[-4000:]
     sizes = {os.path.basename(line.split(":")[0]): line for line in ok}
@@ -35,25 +81,13 @@ def test_table1_and_llama3_configs_build_with_fake_backend():
     assert r.stderr.strip() == "", r.stderr[-3000:]  # quiet: one line per config, nothing else
 
 
-def test_debug_configs_build_with_fake_backend():
-    debug = [os.path.join(ROOT, "train_configs", f"debug_{k}.toml") for k in ("cpu", "gpu")]
-    r = subprocess.run(
-        [sys.executable, "-m", "torchtitan_wlb.tools.dry_run", *debug, "--ngpu", "2"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+def test_debug_configs_build_with_fake_backend(runs):
+    r = runs["test_debug_configs_build_with_fake_backend"].result()
     assert r.returncode == 0 and r.stdout.count("OK ") == 2, r.stdout + r.stderr[-3000:]
 
 
-def test_fake_backend_step_of_debug_config():
+def test_fake_backend_step_of_debug_config(runs):
     """COMM_MODE=fake_backend as run_train.sh does it: one real training step, fake collectives."""
-    env = dict(
-        os.environ, NGPU="2", LOCAL_RANK="0", WLB_PYTHON=sys.executable, COMM_MODE="fake_backend"
-    )
-    r = subprocess.run(
-        ["./run_train.sh", "--model.flavor", "tiny", "--training.seq_len", "256",
-         "--wlb.micro_batch_max_len", "320", "--checkpoint.no-enable",
-         "--job.dump_folder", "/tmp/wlb_fake_dry_run"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    r = runs["test_fake_backend_step_of_debug_config"].result()
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert "step:  1" in r.stdout + r.stderr

@@ -1,6 +1,6 @@
 """CP attention op on CPU/gloo against single-device document-masked causal attention.
 
-One 4-process spawn serves the whole module: CP = 4 runs on the world group, CP = 2 on the two halves
+One 4-process launch serves the whole module: CP = 4 runs on the world group, CP = 2 on the two halves
 of a (dp=2, cp=2) DeviceMesh, so every case runs for both degrees. Every rank writes the worst error of
 every case to a JSON file; the tests below assert on those numbers.
 """
@@ -8,6 +8,7 @@ every case to a JSON file; the tests below assert on those numbers.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import socket
 import traceback
@@ -202,7 +203,14 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out_dir = str(tmp_path_factory.mktemp("cp_op"))
-    mp.spawn(_worker, args=(_free_port(), out_dir), nprocs=WORLD, join=True)
+    # The ranks fork from a server that imported torch and the CP op once (as in
+    # test_pipeline_varlen.py), instead of each importing them anew: seconds of CPU per rank.
+    multiprocessing.set_forkserver_preload(
+        ["torch", "torch.distributed.tensor", "torchtitan_wlb.attention", "torchtitan_wlb.cp.local"]
+    )
+    mp.start_processes(
+        _worker, args=(_free_port(), out_dir), nprocs=WORLD, join=True, start_method="forkserver"
+    )
     merged = {}
     for rank in range(WORLD):
         with open(os.path.join(out_dir, f"rank{rank}.json")) as f:

@@ -21,6 +21,7 @@ from torchtitan_wlb.tools.audit import audit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEBUG_CPU = os.path.join(ROOT, "train_configs", "debug_cpu.toml")
+LAUNCH = os.path.join(ROOT, "tests", "fork_launch.py")
 
 pytestmark = pytest.mark.slow
 
@@ -33,10 +34,11 @@ COMMON = [
 
 
 def _cmd(nproc, dump, *args):
+    """torchtitan_wlb.train on ``nproc`` ranks, forked by torchrun's agent (tests/fork_launch.py):
+    the runs below start 26 ranks, each of which would otherwise import torch and TorchTitan."""
     return [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-        "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", "--role", "rank",
-        "-m", "torchtitan_wlb.train", *COMMON, "--job.dump_folder", str(dump), *args,
+        sys.executable, LAUNCH, f"--nproc_per_node={nproc}", *COMMON, "--job.dump_folder",
+        str(dump), *args,
     ]  # fmt: skip
 
 

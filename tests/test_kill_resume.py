@@ -1,9 +1,11 @@
 """Kills at the worst moments: every document still trained exactly once, losses unchanged.
 
 One pass over a small dataset (``[wlb] epochs = 1``, so the pass is finite) on two CPU ranks, for
-DP = 2, PP = 2 and CP = 2. Each layout runs once uninterrupted, and once as a chain of launches in
-one dump folder, each killed with SIGKILL of one rank (tests/kill_points.py) and rerun with the
-same command, which resumes from the latest complete checkpoint:
+DP = 2, PP = 2 and CP = 2, launched by ``tests/fork_launch.py`` (torchrun's agent, ranks forked
+from it: twelve launches would otherwise import torch and TorchTitan 24 times). Each layout runs
+once uninterrupted and, side by side with it, as a chain of launches in one dump folder, each
+killed with SIGKILL of one rank (tests/kill_points.py) and rerun with the same command, which
+resumes from the latest complete checkpoint:
 
   1. mid-step, in step 3, with outliers sitting in the packer's queues since step 2: resumes from
      the checkpoint of step 2, the queued outliers restored from it;
@@ -30,7 +32,7 @@ from torchtitan_wlb.tools.audit import main as audit_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEBUG_CPU = os.path.join(ROOT, "train_configs", "debug_cpu.toml")
-ENTRY = os.path.join(ROOT, "tests", "kill_points.py")
+LAUNCH = os.path.join(ROOT, "tests", "fork_launch.py")
 
 pytestmark = pytest.mark.slow
 
@@ -43,22 +45,22 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    """80 documents with a long tail (some split into pieces): about 17 steps of 4 micro-batches."""
+    """58 documents with a long tail (some split into pieces): 10 steps of 4 micro-batches."""
     rng = np.random.default_rng(0)
     words = np.array(["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog"])
     path = tmp_path_factory.mktemp("data") / "docs.jsonl"
     with open(path, "w") as f:
-        for _ in range(80):
+        for _ in range(58):
             n = int(min(rng.pareto(1.2) * 8 + 3, 60))
             f.write(json.dumps({"text": " ".join(rng.choice(words, n))}) + "\n")
     return path
 
 
-def _launch(dump, dataset, layout, kill=None):
+def _start(dump, dataset, layout, kill=None):
+    """Start one launch; its output goes to a log file beside the dump folder."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-        "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", "--role", "rank", ENTRY,
-        "--job.config_file", DEBUG_CPU, "--model.flavor", "tiny", "--training.seq_len", "128",
+        sys.executable, LAUNCH, "--nproc_per_node=2", "--job.config_file", DEBUG_CPU,
+        "--model.flavor", "tiny", "--training.seq_len", "128",
         "--wlb.micro_batch_max_len", "160", "--training.global_batch_size", "4",
         "--training.dataset", "jsonl", "--training.dataset_path", str(dataset),
         "--wlb.epochs", "1", "--training.steps", "1000", "--checkpoint.interval", "2",
@@ -70,21 +72,35 @@ def _launch(dump, dataset, layout, kill=None):
     env.pop("WLB_TEST_KILL", None)
     if kill:
         env["WLB_TEST_KILL"] = kill
+    log = open(f"{dump}.{kill or 'run'}.log", "w+")  # noqa: SIM115  (closed by _finish)
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
     )  # fmt: skip
+    return proc, log, kill
+
+
+def _finish(launch, timeout=400):
+    """Wait for a launch (killing it past ``timeout``): killed where asked, else exit 0."""
+    proc, log, kill = launch
     try:
-        out, _ = proc.communicate(timeout=400)
+        proc.wait(timeout=timeout)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        log.seek(0)
+        out = log.read()
+        log.close()
     if kill:
         assert proc.returncode != 0, f"{kill}: the run was not killed\n{out[-3000:]}"
     else:
         assert proc.returncode == 0, out[-4000:]
     return out
+
+
+def _launch(dump, dataset, layout, kill=None):
+    return _finish(_start(dump, dataset, layout, kill))
 
 
 def _metrics(dump):
@@ -115,20 +131,29 @@ def _starts(dump):
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_killed_at_the_worst_moments_trains_each_document_once(tmp_path, dataset, layout, capsys):
+    # The uninterrupted reference runs beside the chain of launches (its own dump folder): each
+    # launch spends seconds on one core importing TorchTitan, the other core is free meanwhile.
     ref = tmp_path / "ref"
-    _launch(ref, dataset, layout)
+    reference_launch = _start(ref, dataset, layout)
+    try:
+        run = tmp_path / "run"
+        _launch(run, dataset, layout, kill="mid_step:3:1")
+        _launch(run, dataset, layout, kill="checkpoint:6:0")
+        partial = run / "checkpoint" / "step-6"
+        assert any(partial.glob("*.distcp")) and not (partial / ".metadata").exists()
+        out = _launch(run, dataset, layout)
+        assert "Training starts at step 5" in out
+    except BaseException:  # stop the reference: the chain's failure is the one to report
+        proc, log, _ = reference_launch
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        log.close()
+        raise
+    _finish(reference_launch)
     assert audit_main([str(ref), "--require-complete"]) == 0
     reference = _metrics(ref)
     # The moments are the worst ones for this data: outliers queued at both kills.
     assert _queued(reference[2]) > 0 and _queued(reference[6]) > 0 and max(reference) > 8
-
-    run = tmp_path / "run"
-    _launch(run, dataset, layout, kill="mid_step:3:1")
-    _launch(run, dataset, layout, kill="checkpoint:6:0")
-    partial = run / "checkpoint" / "step-6"
-    assert any(partial.glob("*.distcp")) and not (partial / ".metadata").exists()
-    out = _launch(run, dataset, layout)
-    assert "Training starts at step 5" in out
 
     assert _starts(run) == [0, 2, 4]
     capsys.readouterr()

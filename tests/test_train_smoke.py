@@ -10,15 +10,15 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEBUG_CPU = os.path.join(ROOT, "train_configs", "debug_cpu.toml")
+# torchrun's agent with forked ranks: the ranks import torch and TorchTitan once, in the agent.
+LAUNCH = os.path.join(ROOT, "tests", "fork_launch.py")
 
 pytestmark = pytest.mark.slow
 
 
 def _train(dump, *overrides, nproc=2):
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-        "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", "--role", "rank",
-        "-m", "torchtitan_wlb.train", "--job.config_file", DEBUG_CPU,
+        sys.executable, LAUNCH, f"--nproc_per_node={nproc}", "--job.config_file", DEBUG_CPU,
         "--job.dump_folder", str(dump), "--model.flavor", "tiny", "--training.seq_len", "256",
         "--wlb.micro_batch_max_len", "320", "--training.global_batch_size", "4",
         "--checkpoint.interval", "2", "--wlb.metrics_jsonl", "--metrics.disable_color_printing",

@@ -1,0 +1,88 @@
+"""Launcher of the multi-process training tests: torchrun's agent, ranks forked, not started anew.
+
+    python tests/fork_launch.py --nproc_per_node=2 ARGS...   # ARGS as for torchtitan_wlb.train
+
+The same elastic agent as ``torchrun --nproc_per_node=N --rdzv_backend c10d --rdzv_endpoint
+localhost:0 --role rank -m torchtitan_wlb.train ARGS`` (rendezvous, the ranks' environment, the
+failure of one rank ending the others and the launch with a non-zero status), but the agent
+imports ``torchtitan_wlb.train`` and TorchTitan's trainer once, then forks its ranks from itself,
+where torchrun starts a fresh interpreter per rank that imports them again. That import is most of
+a small run's cost (several CPU seconds per rank, against a fraction of a second per training step
+of the tiny model); the tests launch dozens of ranks.
+
+Nothing is shared between the ranks but the imported modules: each rank initialises its own
+process group, model and data after the fork, exactly as a torchrun rank does. The ranks' parent is
+the agent, as under torchrun, so :mod:`torchtitan_wlb.parent_watch` watches the same process. Two
+other differences: the ranks stay in the agent's session (torchrun gives each its own), and their
+output is line-buffered (torchrun's ``python -u``: unbuffered). The tests that need torchrun itself
+(its sessions: tests/test_orphan_ranks.py) and one full run through it (tests/test_drain.py)
+still launch it.
+
+``WLB_TEST_KILL`` works as with ``tests/kill_points.py`` (the same hook, installed in each rank).
+"""
+
+import os
+import sys
+import uuid
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+PREFIX = "--nproc_per_node="
+if len(sys.argv) < 2 or not sys.argv[1].startswith(PREFIX):
+    sys.exit(f"usage: {sys.argv[0]} {PREFIX}N ARGS...")
+NPROC = int(sys.argv[1][len(PREFIX) :])
+# TorchTitan's ConfigManager.parse_args takes sys.argv[1:] as its default when it is imported:
+# the ranks' arguments must be in place before that import.
+sys.argv = [sys.argv[0], *sys.argv[2:]]
+
+from torchtitan_wlb import train  # noqa: E402  (activates CPU support first)
+
+
+def _preload() -> None:
+    """What ``train.main`` and the kill hook import when they run: imported once here, before the
+    fork, so that every rank inherits them."""
+    import kill_points  # noqa: F401
+    import torchtitan.train  # noqa: F401
+
+    import torchtitan_wlb.trainer  # noqa: F401
+    import torchtitan_wlb.validate  # noqa: F401
+
+
+def _rank(args: list[str]) -> None:
+    """One rank: the kill hook if asked for, then the real entry point."""
+    sys.argv = [train.__file__, *args]
+    for stream in (sys.stdout, sys.stderr):  # as torchrun's ``python -u``: no line lost to a kill
+        stream.reconfigure(line_buffering=True)
+    if os.environ.get("WLB_TEST_KILL"):
+        import kill_points
+
+        kill_points.install(os.environ["WLB_TEST_KILL"])
+    code = train.main(args)
+    sys.stdout.flush()
+    if code:
+        sys.exit(code)
+
+
+def main(args: list[str]) -> int:
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    _preload()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=NPROC,
+        run_id=str(uuid.uuid4()),
+        role="rank",
+        rdzv_endpoint="localhost:0",
+        rdzv_backend="c10d",
+        max_restarts=0,
+        start_method="fork",
+    )
+    elastic_launch(config, _rank)(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
