@@ -15,7 +15,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torchtitan.components.loss import IGNORE_INDEX  # -100, torch's and TorchTitan's
 
 __all__ = [
     "IGNORE_INDEX",
@@ -23,6 +22,9 @@ __all__ = [
     "global_valid_tokens",
     "token_mean_loss",
 ]
+
+# Label value excluded from the loss and from the token count (torch's and torchtitan's default).
+IGNORE_INDEX = -100
 
 
 def count_valid_tokens(
