@@ -101,6 +101,8 @@ OUT_OF_RANGE = {
     "packing_window": "0", "solver_node_limit": "0", "solver_time_limit_s": "0", "cost_model": '"x"',
     "attn_coef": "-1.0", "linear_coef": "-1.0", "cost_profile": '"/no/such.json"',
     "cp_profile": '"/no/such.json"', "cp_bandwidth_gbps": "0.0", "text_field": '""', "loader": '"mine"', "epochs": "-1",
+    "fit_warmup_steps": "-1", "fit_window_steps": "1", "fit_holdout_steps": "0",
+    "fit_interval_steps": "0", "fit_apply_lag_steps": "0",
 }  # fmt: skip
 NO_RANGE = {"reset_positions", "metrics_jsonl"}  # booleans: only the type can be wrong
 EXTRA = {"cost_profile": 'cost_model = "profile"\n'}

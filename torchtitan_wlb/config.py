@@ -299,6 +299,11 @@ class WLB:
         _check_positive("fit_warmup_steps", self.fit_warmup_steps, allow_zero=True)
         _check_positive("fit_interval_steps", self.fit_interval_steps)
         _check_positive("fit_apply_lag_steps", self.fit_apply_lag_steps)
+        if self.fit_window_steps < 2:
+            raise ConfigError(
+                f"[wlb] fit_window_steps = {self.fit_window_steps} is out of range; it must be >= 2 "
+                "(at least one step fitted and one held out)"
+            )
         if not 1 <= self.fit_holdout_steps < self.fit_window_steps:
             raise ConfigError(
                 f"[wlb] fit_holdout_steps = {self.fit_holdout_steps} must be >= 1 and less than "

@@ -23,7 +23,9 @@ __all__ = [
     "token_mean_loss",
 ]
 
-# Label value excluded from the loss and from the token count (torch's and torchtitan's default).
+# Label value excluded from the loss and from the token count: torch's and torchtitan's default,
+# written here rather than imported, because importing torchtitan before
+# cpu_support.activate() binds its device type (validate imports this module first).
 IGNORE_INDEX = -100
 
 
