@@ -14,7 +14,7 @@ from torchtitan.models.llama3.model.model import FeedForward
 
 from torchtitan_wlb.models.catalogue import DIM_FIELDS, MODELS, PAPER_MODELS, ModelSpec, get_model
 from torchtitan_wlb.models.llama3_wlb import FLAVORS, ffn_hidden_dim, llama3_wlb_args
-from torchtitan_wlb.sim.presets import PAPER_TABLE1
+from torchtitan_wlb.sim.reproduce import PAPER_TABLE1
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size")

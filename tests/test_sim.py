@@ -12,11 +12,9 @@ import pytest
 import torchtitan_wlb.cp
 from torchtitan_wlb.models.catalogue import ModelSpec, get_model
 from torchtitan_wlb.sim.cli import main as sim_main
-from torchtitan_wlb.sim.config import SimConfig, epoch_steps
+from torchtitan_wlb.sim.config import MODES, SimConfig, epoch_steps
 from torchtitan_wlb.sim.engine import simulate_mode, speedup
-from torchtitan_wlb.sim.hardware import HardwareProfile
-from torchtitan_wlb.sim.modes import MODES
-from torchtitan_wlb.sim.presets import Layout, resolve_layout
+from torchtitan_wlb.sim.hardware import HardwareProfile, Layout, resolve_layout
 from torchtitan_wlb.sim.timeline import build_schedule, ideal_makespan, simulate_pipeline
 from torchtitan_wlb.sim.timing import causal_pairs, layer_costs, layers_per_vstage
 from torchtitan_wlb.workloads import cut_stream, load_lengths, split_long

@@ -13,7 +13,7 @@ from torchtitan_wlb.sim import calibrate, records
 from torchtitan_wlb.sim import fit as sim_fit
 from torchtitan_wlb.sim.analyze import length_histogram
 from torchtitan_wlb.sim.analyze import main as analyze_main
-from torchtitan_wlb.sim.presets import Layout
+from torchtitan_wlb.sim.hardware import Layout
 
 A_TRUE, B_TRUE, C_TRUE = 3e-10, 2e-6, 0.004
 

@@ -16,6 +16,7 @@ Three ways to build it:
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["CostModel"]
+__all__ = ["CostModel", "nnls"]
 
 # Backward of a matmul costs two matmuls of the forward's size (grad wrt input and wrt weight);
 # the same factor is used for attention (dQ, dK/dV), so training work = 3 x forward.
@@ -200,33 +201,31 @@ class CostModel:
             seconds.append(float(t))
         if len(set(lengths)) < 2:
             raise ValueError(f"cost profile {str(path)!r} needs >= 2 distinct lengths")
-        a, b = _nnls_quadratic(np.asarray(lengths), np.asarray(seconds))
+        d, t = np.asarray(lengths), np.asarray(seconds)
+        # Rows weighted by 1 / t (relative error): short documents are fitted as well as long ones.
+        w = 1.0 / t if np.all(t > 0) else np.ones_like(t)
+        a, b = (float(c) for c in nnls(np.stack([d * d, d], axis=1) * w[:, None], t * w))
+        if a == 0 and b == 0:
+            raise ValueError("cost profile fit gave zero cost for every length; check the table")
         return cls(attn_coef=a, linear_coef=b, unit="seconds")
 
 
-def _nnls_quadratic(d: np.ndarray, t: np.ndarray) -> tuple[float, float]:
-    """Least squares ``t ~ a d^2 + b d`` with ``a, b >= 0`` (2 unknowns: check the active sets).
+def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Non-negative least squares for a few columns: the best over all active sets (exact).
 
-    Rows are weighted by ``1 / t`` (relative error) so short documents, whose costs are small,
-    are fitted as well as long ones.
+    The one NNLS of the package: ``from_profile`` and the simulator's calibration fit with it.
     """
-    w = 1.0 / np.maximum(t, np.finfo(np.float64).tiny) if np.all(t > 0) else np.ones_like(t)
-    x = np.stack([d * d, d], axis=1) * w[:, None]
-    y = t * w
-    best: tuple[float, float] | None = None
-    best_err = math.inf
-    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
-    candidates = [(float(coef[0]), float(coef[1]))]
-    for col in (0, 1):  # one coefficient forced to zero
-        xc = x[:, col]
-        val = float(xc @ y / (xc @ xc))
-        candidates.append((val, 0.0) if col == 0 else (0.0, val))
-    for a, b in candidates:
-        if a < 0 or b < 0:
-            continue
-        err = float(np.sum((x @ np.array([a, b]) - y) ** 2))
-        if err < best_err:
-            best, best_err = (a, b), err
-    if best is None or (best[0] == 0 and best[1] == 0):
-        raise ValueError("cost profile fit gave zero cost for every length; check the table")
+    n_col = x.shape[1]
+    best, best_err = np.zeros(n_col), float(np.sum(y * y))
+    for k in range(1, n_col + 1):
+        for cols in itertools.combinations(range(n_col), k):
+            sub = x[:, cols]
+            coef, *_ = np.linalg.lstsq(sub, y, rcond=None)
+            if np.any(coef < 0):
+                continue
+            err = float(np.sum((sub @ coef - y) ** 2))
+            if err < best_err:
+                best = np.zeros(n_col)
+                best[list(cols)] = coef
+                best_err = err
     return best

@@ -1,15 +1,8 @@
 """``wlb-analyze``: what WLB would buy on YOUR data, before spending a cluster on it.
 
-    wlb-analyze --lengths my_lengths.json --context-len 131072 --model 7B --tp 8 --cp 2 --pp 4
-    wlb-analyze --dataset corpus.jsonl --context-len 32768 --plot outputs/analyze
-
-Input: a lengths file (JSON list, ``.npy``, or one integer per line) or a local dataset (jsonl /
-parquet / text files, read by the project's data sources) tokenized with the project's tokenizer.
-Output: the document-length histogram, the share of tokens by length, the imbalance each packer
-would leave (predicted by the project's cost model, the measure the packers balance), the simulated
-WLB speedup (also with adaptive CP that may choose hybrid sharding), and recommended ``[wlb]``
-settings (queue thresholds, S_max) for the context length and layout, found by trying the
-candidates on a sample of the data. ``--json`` prints one JSON object last.
+From a lengths file or a local dataset (tokenized here): the length histogram, each packer's
+predicted imbalance, the simulated speedup and recommended ``[wlb]`` settings, found by trying the
+candidates on the data (docs/simulator.md).
 """
 
 from __future__ import annotations
@@ -25,9 +18,9 @@ import numpy as np
 
 from torchtitan_wlb.packing import LengthStream, build_packer, drive, packing_config
 from torchtitan_wlb.sim import cli
+from torchtitan_wlb.sim.config import MODES, REQUIRED_MODES
 from torchtitan_wlb.sim.engine import simulate_mode
 from torchtitan_wlb.sim.integration import cost_model_for
-from torchtitan_wlb.sim.modes import MODES, REQUIRED_MODES
 from torchtitan_wlb.workloads import load_lengths, split_long
 
 PACKERS_COMPARED = ("original", "fixed_greedy", "wlb_paper", "wlb")
@@ -37,7 +30,7 @@ DELAY_BUDGET_STEPS = 0.5  # token-weighted mean delay the recommendation may cos
 
 
 def length_histogram(lengths: np.ndarray, context_len: int) -> list[dict]:
-    """Power-of-two length buckets: documents and share of tokens per bucket (vectorised)."""
+    """Power-of-two length buckets: documents and share of tokens per bucket."""
     lengths = np.asarray(lengths, dtype=np.int64)
     top = max(int(lengths.max()), 2)
     edges = 2 ** np.arange(0, int(np.ceil(np.log2(top))) + 2)
@@ -52,13 +45,11 @@ def length_histogram(lengths: np.ndarray, context_len: int) -> list[dict]:
 
 
 def predicted_imbalance(lengths, cfg, packer: str, **overrides) -> dict:
-    """Drive one packer over the sample and report its predicted imbalance and delay."""
-    docs = split_long(lengths, cfg.context_len)
+    """One packer's predicted imbalance and delay over the sample (no flush: it is a sample)."""
     knobs = {"max_wait": cfg.max_delay_steps, **overrides}
     config = packing_config(packer, cfg.n_global, cfg.context_len, **knobs)
     p = build_packer(packer, config, cost_model_for(cfg))
-    # A sample of the data, not all of it: nothing is flushed, and the steps stop when it is used.
-    stream = LengthStream(docs, end_of_data=False)
+    stream = LengthStream(split_long(lengths, cfg.context_len), end_of_data=False)
     imb, delay, tok = [], [], []
     for plan in drive(p, stream, cfg.steps):
         imb.append(plan.stats["imbalance"])
@@ -74,9 +65,8 @@ def predicted_imbalance(lengths, cfg, packer: str, **overrides) -> dict:
 
 
 def recommend(lengths, cfg) -> dict:
-    """Pick queue thresholds and S_max: the lowest predicted imbalance whose token-weighted delay
-    stays within DELAY_BUDGET_STEPS; ties (within 0.5 %) go to the smaller S_max (less activation
-    memory) and fewer queues (less delay)."""
+    """Queue thresholds and S_max: the lowest imbalance whose token-weighted delay stays within
+    DELAY_BUDGET_STEPS; ties (0.5 %) go to the smaller S_max and fewer queues."""
     from torchtitan_wlb.packing import default_thresholds
 
     cm = cost_model_for(cfg)
@@ -105,7 +95,6 @@ def toml_snippet(rec: dict) -> str:
 
 
 def lengths_from_dataset(path: str, limit: int) -> np.ndarray:
-    """Token counts of the documents of a local dataset, with the project's byte tokenizer."""
     from torchtitan_wlb.data.sources import TextSource
     from torchtitan_wlb.data.tokenizer import ByteTokenizer
 
@@ -119,23 +108,13 @@ def lengths_from_dataset(path: str, limit: int) -> np.ndarray:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="wlb-analyze",
-        description="Document-length analysis and WLB recommendations for a dataset.",
-    )
+    p = argparse.ArgumentParser(prog="wlb-analyze", description="Document-length analysis and WLB "
+                                "recommendations for a dataset.")  # fmt: skip
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--lengths", help="JSON list, .npy, or one integer per line")
     src.add_argument("--dataset", help="local jsonl / parquet / text file, tokenized here")
     p.add_argument("--max-docs", type=int, default=200_000, help="documents read from --dataset")
-    # Model, layout and simulation options are the simulator's.
-    sim = cli.build_parser()
-    keep = {"--model", "--context-len", "--tp", "--cp", "--pp", "--dp", "--gpus", "--schedule",
-            "--v", "--micro-batches", "--hardware", "--max-delay", "--cost-model", "--seed",
-            "--dim", "--n-layers", "--n-heads", "--n-kv-heads", "--ffn-hidden-dim",
-            "--vocab-size"}  # fmt: skip
-    for action in sim._actions:
-        if action.option_strings and action.option_strings[0] in keep:
-            p._add_action(action)
+    cli.add_setup_args(p)
     p.add_argument("--steps", type=int, default=50, help="steps packed per trial")
     p.add_argument("--no-simulate", action="store_true", help="skip the step-time simulation")
     p.add_argument("--plot", default=None, metavar="DIR")

@@ -1,14 +1,9 @@
 """``python -m torchtitan_wlb.sim.calibrate``: fit measured micro-batch times, predict step times.
 
-    python -m torchtitan_wlb.sim.calibrate --records runs/e2e_mb_times.json --json
-
-:mod:`~torchtitan_wlb.sim.records` reads the file, :mod:`~torchtitan_wlb.sim.fit` fits it; this
-module predicts the measured steps from the fit (docs/simulator.md#calibration). Every step error is
-a prediction, not a fit: the constant per-step overhead (optimizer, data loading, transfers) is
-fitted on the first half of the steps and the error reported on the second half, and standalone
-micro-batches (``step`` < 0), when present beside measured steps, are the only ones fitted, so the
-steps' own micro-batches are held out. Pipeline records are fitted per stage and their steps
-played through the simulator's own timeline (:mod:`~torchtitan_wlb.sim.timeline`).
+Every step error is a prediction (docs/simulator.md#calibration): the per-step overhead is fitted
+on the first half of the steps and the error reported on the second half; standalone micro-batches,
+when present beside measured steps, are the only ones fitted. Pipeline records are fitted per stage
+and their steps played through the simulator's own timeline.
 """
 
 from __future__ import annotations
@@ -21,7 +16,7 @@ import numpy as np
 
 from torchtitan_wlb.models.catalogue import get_model
 from torchtitan_wlb.sim.fit import Calibration, PipelineCalibration, fit, fit_pipeline
-from torchtitan_wlb.sim.presets import Layout
+from torchtitan_wlb.sim.hardware import Layout
 from torchtitan_wlb.sim.records import (
     MicroBatchRecord,
     is_pipeline,
@@ -33,24 +28,15 @@ from torchtitan_wlb.sim.timeline import build_schedule, simulate_pipeline
 
 
 def play_pipeline(fwd: np.ndarray, bwd: np.ndarray, pp: int) -> float:
-    """Makespan of one step's 1F1B (interleaved when there are more stages than ranks) timeline.
-
-    ``fwd`` and ``bwd`` are [virtual stages, m]; virtual stage k runs on rank k % pp.
-    """
+    """Makespan of one step's (interleaved) 1F1B; ``fwd``, ``bwd`` are [virtual stages, m]."""
     n_v, m = fwd.shape
     sched = build_schedule(pp, m, max(1, n_v // pp))
     return float(simulate_pipeline(sched, fwd[None], bwd[None]).makespan[0])
 
 
-def predict_step_times(
-    calib: Calibration, steps: dict[int, list[np.ndarray]], pp: int = 1
-) -> dict[int, float]:
-    """Predicted step time of each step from its micro-batches' fitted times.
-
-    With PP = 1 the micro-batches run one after another (gradient accumulation); with PP > 1 each
-    micro-batch's time is split evenly over the stages (forward 1/3, backward 2/3) and played through
-    the 1F1B timeline.
-    """
+def predict_step_times(calib: Calibration, steps: dict[int, list], pp: int = 1) -> dict[int, float]:
+    """Each step's time from its micro-batches' fitted times: their sum (PP = 1), or with PP > 1
+    each split evenly over the stages (forward 1/3, backward 2/3) and played through 1F1B."""
     out: dict[int, float] = {}
     for step, mbs in sorted(steps.items()):
         t = calib.predict(mbs)
@@ -74,29 +60,23 @@ def _holdout(pred: np.ndarray, meas: np.ndarray) -> dict:
     return {"step_overhead_s": overhead, **_errors(pred[half:] + overhead, meas[half:])}
 
 
-def _predicted_steps(
-    calib: Calibration, records: list[MicroBatchRecord], measured: dict[int, float], pp: int
-) -> tuple[list[int], np.ndarray, np.ndarray]:
-    """Steps with micro-batch records and a measured time, their predicted times (the slowest
-    DP rank's: ranks run their micro-batches concurrently) and measured ones."""
+def _predicted_steps(calib: Calibration, records: list[MicroBatchRecord], measured: dict, pp: int):
+    """Steps with records and a measured time, their predicted times (the slowest DP rank's) and
+    measured ones."""
     by_rank_step: dict[tuple[int, int], list[np.ndarray]] = {}
     for r in records:
         if r.step >= 0:
             by_rank_step.setdefault((r.rank, r.step), []).append(r.doc_lens)
     common = sorted({s for _, s in by_rank_step} & set(measured))
-    per_rank = [
-        predict_step_times(
-            calib, {s: by_rank_step[(k, s)] for s in common if (k, s) in by_rank_step}, pp=pp
-        )
-        for k in sorted({k for k, _ in by_rank_step})
-    ]
+    ranks = sorted({k for k, _ in by_rank_step})
+    per_rank = [predict_step_times(calib, {s: by_rank_step[(k, s)] for s in common
+                                           if (k, s) in by_rank_step}, pp=pp) for k in ranks]  # fmt: skip
     pred = np.array([max(pr.get(s, 0.0) for pr in per_rank) for s in common])
     return common, pred, np.array([measured[s] for s in common])
 
 
 def _cross(predict, own: tuple, others: list[tuple]) -> list[dict]:
-    """Other runs' steps predicted with this run's fit and its step overhead (on all its steps).
-
+    """Other runs' steps predicted with this run's fit and step overhead (on all its steps);
     ``predict(records, measured)`` -> (steps, predicted, measured seconds)."""
     _, pred, meas = predict(*own)
     overhead = float(np.median(meas - pred))
@@ -111,14 +91,9 @@ def _cross(predict, own: tuple, others: list[tuple]) -> list[dict]:
     return out
 
 
-def step_prediction(
-    calib: Calibration,
-    records: list[MicroBatchRecord],
-    measured: dict[int, float],
-    pp: int = 1,
-    others: list[tuple] = (),
-) -> dict:
-    """Compare the steps' predicted times (from their micro-batches) with the measured ones."""
+def step_prediction(calib: Calibration, records: list[MicroBatchRecord], measured: dict[int, float],
+                    pp: int = 1, others: list[tuple] = ()) -> dict:  # fmt: skip
+    """The steps' times predicted from their micro-batches against the measured ones."""
     common, p, m = _predicted_steps(calib, records, measured, pp)
     if len(common) < 2:
         raise ValueError(
@@ -132,20 +107,13 @@ def step_prediction(
     return out
 
 
-def pipeline_step_prediction(
-    records: list[MicroBatchRecord],
-    measured: dict[int, float],
-    pp: int,
-    *,
-    predict: list[tuple[list[MicroBatchRecord], dict[int, float]]] | None = None,
-    overhead: bool = True,
-) -> dict:
+def pipeline_step_prediction(records: list[MicroBatchRecord], measured: dict[int, float], pp: int,
+                             *, predict: list[tuple] | None = None, overhead: bool = True) -> dict:  # fmt: skip
     """Fit per-stage action costs on the first half of the steps, predict the second half.
 
-    Each step is played through the pipeline timeline twice: with the *fitted* action times (the
-    prediction) and with the *measured* ones (``replay_*``: how much of the error is the timeline
-    and the per-step constant rather than the cost fit). With ``predict``, the fit (coefficients
-    and overhead, on all of this run's steps) also predicts every step of other runs (``cross``).
+    Each step is also played with the *measured* action times (``replay_*``: how much of the error
+    is the timeline and the per-step constant rather than the cost fit). ``predict``: other runs
+    whose steps the fit on all of this run's steps predicts (``cross``).
     """
     steps = pipeline_steps(records)
     common = sorted(set(steps) & set(measured))
@@ -164,6 +132,7 @@ def pipeline_step_prediction(
         return which, np.array(pred), np.array([meas[s] for s in which])
 
     pcal = fit_pipeline([r for r in records if r.step in first], overhead=overhead)
+    n_v = len(pcal.fwd)
     _, p_all, m_all = play(pcal, records, measured)
     replay = np.array([play_pipeline(steps[s]["fwd"], steps[s]["bwd"], pp) for s in common])
     test = {k: [r for r in records if r.step in second and r.stage == k] for k in sorted(pcal.fwd)}
@@ -173,7 +142,7 @@ def pipeline_step_prediction(
     out = {
         "fit": "per-stage forward/backward costs and the step overhead on the first half of "
         "the steps; errors on the second half",
-        "schedule": "1f1b" if pcal.n_stages <= pp else f"interleaved_1f1b (v={pcal.n_stages // pp})",
+        "schedule": "1f1b" if n_v <= pp else f"interleaved_1f1b (v={n_v // pp})",
         "steps_fitted": half, "steps_compared": len(second), **_holdout(p_all, m_all),
         "mean_abs_rel_error_no_overhead": _errors(p_all, m_all)["mean_abs_rel_error"],
         "heldout_action_mean_abs_rel_error": float(np.mean(np.abs(act_pred - act_meas) / act_meas)),

@@ -1,11 +1,7 @@
 """``wlb-sim`` (``python -m torchtitan_wlb.sim``): simulate 4D training steps under each mode.
 
-    wlb-sim --lengths lengths.json --model 7B --context-len 131072 --tp 8 --cp 2 --pp 4 --dp 1 \\
-        --steps 20 --json --plot outputs/sim
-
-With ``--json`` the last line is one JSON object: every simulated mode's ``{step_time_s,
-imbalance, bubble_fraction, ...}``, ``speedup_wlb_vs_plain``, ``speedup_wlb_vs_fixed`` and
-``speedup_<mode>_vs_plain`` for every other mode.
+With ``--json`` the last line is one JSON object: every mode's summary, ``speedup_wlb_vs_plain``,
+``speedup_wlb_vs_fixed`` and ``speedup_<mode>_vs_plain`` (options: docs/simulator.md).
 """
 
 from __future__ import annotations
@@ -20,34 +16,44 @@ from pathlib import Path
 import numpy as np
 
 from torchtitan_wlb.models.catalogue import DIM_FIELDS, MODELS, ModelSpec, get_model
-from torchtitan_wlb.sim.config import SimConfig, epoch_steps, layout_label
-from torchtitan_wlb.sim.engine import ModeResult, simulate_mode, speedup
-from torchtitan_wlb.sim.hardware import get_hardware
-from torchtitan_wlb.sim.modes import MODES, REQUIRED_MODES, ModeSpec, get_mode
-from torchtitan_wlb.sim.presets import resolve_layout
-from torchtitan_wlb.workloads import (
-    DEFAULT_NUM_DOCS,
-    GENERATORS,
-    generate,
-    load_lengths,
-    steps_arg,
+from torchtitan_wlb.sim.config import (
+    MODES,
+    REQUIRED_MODES,
+    SimConfig,
+    epoch_steps,
+    get_mode,
+    layout_label,
 )
+from torchtitan_wlb.sim.engine import ModeResult, simulate_mode, speedup
+from torchtitan_wlb.sim.hardware import get_hardware, resolve_layout
+from torchtitan_wlb.workloads import DEFAULT_NUM_DOCS, GENERATORS, generate, load_lengths, steps_arg
 
 
 # fmt: off
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="wlb-sim",
-        description="Simulate WLB-LLM vs Plain-4D / Fixed-4D step times on a 4D-parallel layout.")
+    p = argparse.ArgumentParser(prog="wlb-sim", description="Simulate WLB-LLM vs Plain-4D / "
+                                "Fixed-4D step times on a 4D-parallel layout.")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--lengths", help="document lengths: JSON list, .npy, or one integer per line")
-    src.add_argument("--generator", default="longtail", help="built-in synthetic workload "
-                     f"({', '.join(GENERATORS)}; torchtitan_wlb.workloads), the default "
-                     "source: longtail")
+    src.add_argument("--generator", default="longtail", help=f"built-in workload ({', '.join(GENERATORS)})")
+    add_setup_args(p)
+    p.add_argument("--modes", default=",".join(REQUIRED_MODES), help=f"comma-separated, or 'all' ({', '.join(MODES)})")
+    p.add_argument("--outlier-delay", choices=["on", "off"], default="on", help="of the 'wlb' mode")
+    p.add_argument("--steps", type=steps_arg, default=20, help="timed steps, or 'epoch': one pass over the source")
+    p.add_argument("--warmup-steps", type=int, default=4)
+    p.add_argument("--smax-factor", type=float, default=1.25, help="S_max / context length")
+    p.add_argument("--queue-thresholds", default=None, help="comma-separated tokens (default: auto)")
+    p.add_argument("--cp-profile", default=None, metavar="FILE", help="measured CP throughput profile")
+    p.add_argument("--plot", default=None, metavar="DIR", help="write PNG figures into DIR")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    return p
+
+
+def add_setup_args(p: argparse.ArgumentParser) -> None:
+    """The model, layout, hardware and packer options (``wlb-analyze`` takes them too)."""
     p.add_argument("--model", default="7B", help=f"preset: {', '.join(MODELS)} or 'custom'")
     for dim in DIM_FIELDS:
-        p.add_argument(f"--{dim.replace('_', '-')}", type=int, default=None,
-                       help=f"custom model {dim} (overrides the preset's)")
+        p.add_argument(f"--{dim.replace('_', '-')}", type=int, default=None, help=f"custom model {dim}")
     p.add_argument("--context-len", type=int, default=131072)
     for name, default in (("tp", 8), ("cp", 2), ("pp", 4)):
         p.add_argument(f"--{name}", type=int, default=default)
@@ -55,53 +61,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=int, default=None, help="GPU count the layout must divide")
     p.add_argument("--schedule", default="interleaved_1f1b", choices=["1f1b", "interleaved_1f1b"])
     p.add_argument("--v", type=int, default=2, help="model chunks per stage (interleaved 1F1B)")
-    p.add_argument("--micro-batches", type=int, default=None,
-                   help="micro-batches per pipeline per step (default: PP)")
+    p.add_argument("--micro-batches", type=int, default=None, help="per pipeline per step (default: PP)")
     p.add_argument("--hardware", default="h100", help="profile name (h100, h200) or JSON file")
-    p.add_argument("--modes", default=",".join(REQUIRED_MODES),
-                   help=f"comma-separated modes, or 'all' (accepted: {', '.join(MODES)})")
-    p.add_argument("--outlier-delay", choices=["on", "off"], default="on",
-                   help="outlier delay of the 'wlb' mode (off = variable-length packing within a "
-                   "step only)")
-    p.add_argument("--steps", type=steps_arg, default=20,
-                   help="timed steps, or 'epoch': one pass over the document source after the "
-                   "warm-up (total tokens / (PP x DP x context))")
-    p.add_argument("--warmup-steps", type=int, default=4)
-    p.add_argument("--smax-factor", type=float, default=1.25, help="S_max / context length")
-    p.add_argument("--queue-thresholds", default=None,
-                   help="comma-separated outlier thresholds in tokens (default: packer's auto)")
     p.add_argument("--max-delay", type=int, default=4, help="longest outlier wait (steps)")
-    p.add_argument("--cost-model", choices=["profiled", "analytic"], default="profiled",
-                   help="packer's W(d): fitted to the simulated hardware (as the paper profiles "
-                   "its GPUs) or analytic FLOPs")
-    p.add_argument("--cp-profile", default=None, metavar="FILE",
-                   help="measured CP attention-throughput profile (torchtitan_wlb.tools.cp_profile) "
-                   "to time attention and drive adaptive CP; default: the hardware's kernel model")
+    p.add_argument("--cost-model", choices=["profiled", "analytic"], default="profiled")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--plot", default=None, metavar="DIR", help="write PNG figures into DIR")
-    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    return p
 # fmt: on
 
 
 def model_from_args(args: argparse.Namespace) -> ModelSpec:
-    """A preset, or a preset with some dims replaced, or fully custom dims."""
+    """A preset, a preset with some dims replaced, or fully custom dims."""
     overrides = {d: getattr(args, d) for d in DIM_FIELDS if getattr(args, d) is not None}
     if args.model.lower() == "custom":
-        missing = [d for d in DIM_FIELDS if d not in overrides]
-        if missing:
-            raise ValueError(
-                "--model custom needs " + ", ".join("--" + m.replace("_", "-") for m in missing)
-            )
+        if missing := ["--" + d.replace("_", "-") for d in DIM_FIELDS if d not in overrides]:
+            raise ValueError("--model custom needs " + ", ".join(missing))
         return ModelSpec("custom", **overrides)
     try:
         base = get_model(args.model)
     except ValueError as exc:
         raise ValueError(f"{exc} (or 'custom' with --dim/--n-layers/--n-heads/...)") from None
-    if not overrides:
-        return base
-    dims = base.dims() | overrides
-    return ModelSpec(f"{base.name}-custom", **dims)
+    return ModelSpec(f"{base.name}-custom", **(base.dims() | overrides)) if overrides else base
 
 
 def config_from_args(args: argparse.Namespace, total_tokens: int | None = None) -> SimConfig:
@@ -131,26 +110,6 @@ def config_from_args(args: argparse.Namespace, total_tokens: int | None = None) 
     return replace(cfg, steps=epoch_steps(total_tokens, cfg.n_global, cfg.context_len, cfg.warmup_steps))  # fmt: skip
 
 
-def modes_from_args(args: argparse.Namespace) -> list[ModeSpec]:
-    asked = list(MODES) if args.modes == "all" else [m.strip() for m in args.modes.split(",") if m]
-    # The JSON object always carries the paper's three systems, first.
-    names = list(REQUIRED_MODES) + [n for n in asked if n not in REQUIRED_MODES]
-    modes = [get_mode(n) for n in names]
-    if args.outlier_delay == "off":
-        modes = [
-            replace(m, outlier_delay=False, description=m.description + " (no delay)")
-            if m.name == "wlb" else m
-            for m in modes
-        ]  # fmt: skip
-    return modes
-
-
-def load_source(args: argparse.Namespace) -> np.ndarray:
-    if args.lengths:
-        return load_lengths(args.lengths)
-    return generate(args.generator, DEFAULT_NUM_DOCS, args.context_len, seed=args.seed)
-
-
 def summarize(results: dict[str, ModeResult]) -> dict:
     """The JSON object: every mode's summary, then the speedups (time per token)."""
     plain, fixed, wlb = results["plain_4d"], results["fixed_4d"], results["wlb"]
@@ -163,9 +122,17 @@ def summarize(results: dict[str, ModeResult]) -> dict:
 
 
 def run(args: argparse.Namespace) -> tuple[dict, dict[str, ModeResult], SimConfig]:
-    lengths = load_source(args)
+    if args.lengths:
+        lengths = load_lengths(args.lengths)
+    else:
+        lengths = generate(args.generator, DEFAULT_NUM_DOCS, args.context_len, seed=args.seed)
     cfg = config_from_args(args, int(np.asarray(lengths).sum()))
-    modes = modes_from_args(args)
+    asked = list(MODES) if args.modes == "all" else [m.strip() for m in args.modes.split(",") if m]
+    # The JSON object always carries the paper's three systems, first.
+    modes = [get_mode(n) for n in dict.fromkeys([*REQUIRED_MODES, *asked])]
+    if args.outlier_delay == "off":
+        modes = [replace(m, outlier_delay=False, description=m.description + " (no delay)")
+                 if m.name == "wlb" else m for m in modes]  # fmt: skip
     results = {m.name: simulate_mode(m, lengths, cfg) for m in modes}
     return summarize(results), results, cfg
 
@@ -183,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
             plots.latency_heatmap(list(results.values()), d / "latency_heatmap.png")
             plots.gantt(list(results.values()), d / "pipeline_gantt.png")
             label = f"{cfg.model.name} {cfg.context_len // 1024}K {layout_label(cfg.layout)}"
-            plots.speedup_bars({label: {n: out[f"speedup_{n}_vs_plain"] for n in results
-                                        if n != "plain_4d"}}, d / "speedup.png")  # fmt: skip
+            speedups = {n: out[f"speedup_{n}_vs_plain"] for n in results if n != "plain_4d"}
+            plots.speedup_bars({label: speedups}, d / "speedup.png")
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -193,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
           f"(v={cfg.chunks})  {cfg.steps} steps  hardware {cfg.hardware.name}")  # fmt: skip
     w = max(16, *(len(n) + 2 for n in results))
     print(f"{'mode':<{w}}{'step_s':>9}{'imbal':>8}{'bubble':>8}{'speedup':>9}")
-    for name, s in ((n, out[n]) for n in results):
-        sp = out.get(f"speedup_{name}_vs_plain", 1.0)
+    for name in results:
+        s, sp = out[name], out.get(f"speedup_{name}_vs_plain", 1.0)
         print(f"{name:<{w}}{s['step_time_s']:>9.3f}{s['imbalance']:>8.3f}"
               f"{s['bubble_fraction']:>8.3f}{sp:>8.3f}x")  # fmt: skip
     print(f"WLB vs Plain-4D {out['speedup_wlb_vs_plain']:.3f}x, vs Fixed-4D "

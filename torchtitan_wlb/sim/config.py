@@ -1,12 +1,13 @@
-"""What one simulation runs: model, layout, hardware, pipeline schedule and the packers' settings."""
+"""What one simulation runs: model, layout, hardware, schedule, packer settings, and the modes."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from torchtitan_wlb.config import MODE_PRESETS
+from torchtitan_wlb.cp.adaptive import ADAPTIVE_CANDIDATES
 from torchtitan_wlb.models.catalogue import ModelSpec
-from torchtitan_wlb.sim.hardware import HardwareProfile
-from torchtitan_wlb.sim.presets import Layout
+from torchtitan_wlb.sim.hardware import HardwareProfile, Layout
 from torchtitan_wlb.sim.timeline import SCHEDULES, build_schedule
 from torchtitan_wlb.sim.timing import layers_per_vstage
 
@@ -18,24 +19,21 @@ class SimConfig:
     Attributes:
         model: Model dimensions.
         layout: (TP, CP, PP, DP).
-        context_len: Context window (tokens per fixed-length micro-batch); divisible by 2 x CP.
+        context_len: Tokens per fixed-length micro-batch; divisible by 2 x CP.
         hardware: Achieved throughputs and bandwidths.
         schedule: "1f1b" or "interleaved_1f1b".
         v: Model chunks per pipeline stage for interleaved 1F1B (ignored for 1F1B).
-        steps: Optimizer steps simulated (after ``warmup_steps``).
+        steps: Optimizer steps timed (after ``warmup_steps``).
         warmup_steps: Steps packed but not timed, so that WLB's outlier queues reach steady state.
-        micro_batches: Micro-batches per pipeline per step (m); None = PP (the paper's global batch of
-            PP x DP micro-batches).
-        smax_factor: S_max / context length for variable-length packing (S_max comes from memory).
-        queue_thresholds: Outlier queue thresholds for "wlb" packers; None = the packer's auto-tuning.
+        micro_batches: Micro-batches per pipeline per step; None = PP (the paper's global batch).
+        smax_factor: S_max / context length for variable-length packing.
+        queue_thresholds: Outlier queue thresholds of the "wlb" packers; None = auto.
         max_delay_steps: Longest wait of an outlier document (steps).
         seed: Shuffles the document stream when it has to be repeated.
-        cost_model: The packers' W(d): "profiled" (coefficients fitted to this simulator's own
-            per-micro-batch times, as the paper fits its predictors to offline GPU profiles) or
-            "analytic" (CostModel.from_model_dims FLOPs).
-        cp_profile: Path of a measured CP attention-throughput profile (torchtitan_wlb.tools.cp_profile,
-            the table adaptive CP selection reads). When given, it times attention and drives the
-            adaptive choice; None = the hardware profile's kernel model.
+        cost_model: The packers' W(d): "profiled" (fitted to this simulator's own micro-batch
+            times, as the paper fits offline GPU profiles) or "analytic" FLOPs.
+        cp_profile: Measured CP attention-throughput profile (``tools.cp_profile``) that times
+            attention and drives adaptive CP; None = the hardware profile's kernel model.
     """
 
     model: ModelSpec
@@ -55,10 +53,10 @@ class SimConfig:
     cp_profile: str | None = None
 
     def __post_init__(self) -> None:
-        cp = self.layout.cp
-        if self.context_len < 1 or self.context_len % (2 * cp):
+        unit = 2 * self.layout.cp
+        if self.context_len < 1 or self.context_len % unit:
             raise ValueError(
-                f"context length {self.context_len} is not divisible by 2 x CP = {2 * cp}"
+                f"context length {self.context_len} is not divisible by 2 x CP = {unit}"
             )
         if self.schedule not in SCHEDULES:
             raise ValueError(
@@ -100,11 +98,10 @@ class SimConfig:
 
 
 def epoch_steps(total_tokens: int, n_global: int, context_len: int, warmup_steps: int = 0) -> int:
-    """Timed steps that cover a document stream about once: ``total / (N x context) - warmup``.
+    """Timed steps that read a document stream about once: ``total / (N x context) - warmup``.
 
-    A step trains about N x context tokens under every mode (variable-length packing moves tokens
-    between micro-batches, not out of the step), so this many steps after the warm-up read the
-    stream once: results then do not depend on which window of a skewed workload is simulated.
+    Every mode trains about N x context tokens a step, so the results do not depend on which
+    window of a skewed workload is simulated.
     """
     per_step = n_global * context_len
     if total_tokens < per_step * (warmup_steps + 1):
@@ -116,5 +113,71 @@ def epoch_steps(total_tokens: int, n_global: int, context_len: int, warmup_steps
 
 
 def layout_label(layout: Layout) -> str:
-    """``TP8 CP2 PP4 DP1``: a layout as tables and plots name it."""
     return f"TP{layout.tp} CP{layout.cp} PP{layout.pp} DP{layout.dp}"
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    """One way to pack and shard a step.
+
+    Attributes:
+        name: Mode name on the command line and in the JSON output.
+        packer: Packer name of torchtitan_wlb.packing.
+        cp_strategy: CP sharding plan ("per_sequence", "per_document", "hybrid", "adaptive").
+        outlier_delay: For the "wlb" packers: whether outlier documents wait in queues.
+        variable_length: Whether micro-batches may exceed the context length up to S_max.
+        description: One line for tables and plots.
+        stream_cut: Model TorchTitan's loader: the stream is cut every context length, wherever
+            documents end (``workloads.cut_stream``); False: whole documents, as the project packs.
+        cp_candidates: The strategies "adaptive" chooses among (the paper's two by default).
+    """
+
+    name: str
+    packer: str
+    cp_strategy: str
+    outlier_delay: bool = True
+    variable_length: bool = False
+    description: str = ""
+    stream_cut: bool = False
+    cp_candidates: tuple[str, ...] = ("per_sequence", "per_document")
+
+
+_P = MODE_PRESETS  # the paper's three systems, as the trainer's [wlb] mode presets define them
+# The *_torchtitan modes are labelled alternatives, not the paper's Plain-4D: the paper keeps
+# documents whole (its Table 2 imbalance of the original packing is whole-document next-fit's).
+MODES: dict[str, ModeSpec] = {m.name: m for m in (
+    ModeSpec("plain_4d", *_P["plain_4d"], description="Plain-4D: original packing + per-sequence CP"),
+    ModeSpec("fixed_4d", *_P["fixed_4d"],
+             description="Fixed-4D: fixed-length greedy packing + fixed CP sharding"),
+    ModeSpec("wlb", *_P["wlb"], variable_length=True,
+             description="WLB-LLM: variable-length packing with outlier delay + adaptive CP"),
+    ModeSpec("per_doc_cp", "original", "per_document",
+             description="per-document CP only (original packing)"),
+    ModeSpec("adaptive_cp", "original", "adaptive", description="adaptive CP only (original packing)"),
+    ModeSpec("hybrid_cp", "original", "hybrid",
+             description="hybrid CP only (original packing): short documents whole on one rank"),
+    ModeSpec("wlb_hybrid", "wlb", "adaptive", variable_length=True,
+             cp_candidates=ADAPTIVE_CANDIDATES,
+             description="WLB-LLM with adaptive CP choosing among per-sequence, per-document, hybrid"),
+    ModeSpec("varlen_packing", "wlb", "per_sequence", variable_length=True,
+             description="variable-length packing with outlier delay only"),
+    ModeSpec("varlen_no_delay", "wlb", "per_sequence", outlier_delay=False, variable_length=True,
+             description="variable-length packing without outlier delay"),
+    ModeSpec("wlb_no_delay", "wlb", "adaptive", outlier_delay=False, variable_length=True,
+             description="WLB-LLM without outlier delay"),
+    ModeSpec("wlb_paper", "wlb_paper", "adaptive", variable_length=True,
+             description="WLB-LLM with the paper's Algorithm 1 as published"),
+    ModeSpec("plain_4d_torchtitan", "original", "per_sequence", stream_cut=True,
+             description="Plain-4D with TorchTitan's loader (stream cut at the context length)"),
+    ModeSpec("per_doc_cp_torchtitan", "original", "per_document", stream_cut=True,
+             description="per-document CP only, TorchTitan's loader"),
+    ModeSpec("adaptive_cp_torchtitan", "original", "adaptive", stream_cut=True,
+             description="adaptive CP only, TorchTitan's loader"),
+)}  # fmt: skip
+REQUIRED_MODES = ("plain_4d", "fixed_4d", "wlb")
+
+
+def get_mode(name: str) -> ModeSpec:
+    if name not in MODES:
+        raise ValueError(f"unknown mode {name!r}; accepted: {', '.join(MODES)}")
+    return MODES[name]

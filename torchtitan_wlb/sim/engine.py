@@ -1,11 +1,7 @@
 """The 4D step simulator: packed micro-batches -> CP shards -> per-layer times -> pipeline timeline.
 
-``simulate_mode`` runs one mode over many optimizer steps, as docs/simulator.md draws it: the
-mode's packer, its CP plan per micro-batch (``integration``), one layer's time per micro-batch
-(``timing``), then 1F1B / interleaved 1F1B for every (step, DP replica) pipeline at once
-(``timeline``); a step ends when its slowest replica finishes, plus FSDP's exposed traffic.
-Speedups compare time per token (modes that delay documents train slightly different token
-counts per step).
+A step ends when its slowest DP replica's pipeline finishes, plus FSDP's exposed traffic. Speedups
+compare time per token (modes that delay documents train slightly different token counts a step).
 """
 
 from __future__ import annotations
@@ -15,9 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from torchtitan_wlb.sim.config import SimConfig
+from torchtitan_wlb.sim.config import ModeSpec, SimConfig
 from torchtitan_wlb.sim.integration import cp_shards, pack_steps, shard_costs
-from torchtitan_wlb.sim.modes import ModeSpec
 from torchtitan_wlb.sim.timeline import Schedule, build_schedule, simulate_pipeline
 from torchtitan_wlb.sim.timing import dp_exposed_seconds, layers_per_vstage, stage_times
 
@@ -27,24 +22,10 @@ PackFn = Callable[[ModeSpec, np.ndarray, SimConfig, int], tuple[list[list[np.nda
 
 @dataclass
 class ModeResult:
-    """What one mode's simulation produced.
-
-    Attributes:
-        mode: The mode.
-        step_time_s: [steps] simulated step times.
-        tokens: [steps] tokens trained per step.
-        imbalance: [steps] max / mean predicted micro-batch latency in the global batch.
-        bubble_fraction: [steps] idle share of pipeline stage-time (slowest replica).
-        rank_compute_s: [steps, dp, pp, cp] compute time of each GPU (TP ranks are identical),
-            waiting excluded.
-        mb_rank_compute_s: [steps, N, cp] compute time (all layers, forward + backward) of each
-            micro-batch on each CP rank: the latency heat map (paper Figure 4).
-        gantt: timeline of the first timed step's slowest replica: (schedule, start [n_ops],
-            end [n_ops]).
-        per_document_share: share of micro-batches whose CP plan is per-document.
-        pack_stats: packer statistics (whatever the packer reports, averaged).
-        hybrid_share: share of micro-batches whose CP plan is hybrid.
-    """
+    """What one mode's simulation produced, per timed step: step time, tokens, max / mean
+    micro-batch latency, idle share of the slowest replica's pipeline; ``rank_compute_s`` [steps,
+    dp, pp, cp] each GPU's compute, ``mb_rank_compute_s`` [steps, N, cp] each micro-batch's on each
+    CP rank (the paper's Figure 4 heat map); ``gantt`` the first step's slowest timeline."""
 
     mode: ModeSpec
     step_time_s: np.ndarray
@@ -63,7 +44,6 @@ class ModeResult:
         return float(self.step_time_s.sum() / self.tokens.sum())
 
     def summary(self) -> dict:
-        """This mode's object in the JSON output of ``wlb-sim``."""
         # Slowest GPU's compute over the mean GPU's, per step (the paper's 1.44 on its 8K-GPU job).
         per_step = self.rank_compute_s.reshape(self.rank_compute_s.shape[0], -1)
         gpu_imbalance = per_step.max(axis=1) / per_step.mean(axis=1)
@@ -81,19 +61,12 @@ class ModeResult:
         }
 
 
-def simulate_mode(
-    mode: ModeSpec, lengths: np.ndarray, cfg: SimConfig, pack: PackFn = pack_steps
-) -> ModeResult:
-    """Simulate ``cfg.steps`` timed steps of one mode on a document-length stream.
-
-    ``pack`` packs the stream into steps (default: the mode's packer; a diagnostic may rearrange
-    its output).
-    """
-    total_steps = cfg.warmup_steps + cfg.steps
-    steps, stats = pack(mode, lengths, cfg, total_steps)
+def simulate_mode(mode: ModeSpec, lengths, cfg: SimConfig, pack: PackFn = pack_steps) -> ModeResult:
+    """Simulate ``cfg.steps`` timed steps of one mode; ``pack`` packs the stream into steps (a
+    diagnostic may rearrange the mode's packer's output)."""
+    steps, stats = pack(mode, lengths, cfg, cfg.warmup_steps + cfg.steps)
     steps = steps[cfg.warmup_steps : cfg.warmup_steps + cfg.steps]
-    n_steps = len(steps)
-    n = cfg.n_global
+    n_steps, n = len(steps), cfg.n_global
     if n_steps == 0 or any(len(s) != n for s in steps):
         raise ValueError(
             f"packer {mode.packer!r} produced {[len(s) for s in steps]} micro-batches per step, "
@@ -126,19 +99,11 @@ def simulate_mode(
     tokens = np.array([sum(int(mb.sum()) for mb in s) for s in steps], dtype=np.float64)
     first = int(slowest[0])
     gantt = (schedule, res.start[first].copy(), res.end[first].copy())
-    return ModeResult(
-        mode=mode,
-        step_time_s=step_time,
-        tokens=tokens,
-        imbalance=imbalance,
-        bubble_fraction=bubble,
-        rank_compute_s=rank_compute,
-        mb_rank_compute_s=per_layer.reshape(n_steps, n, cfg.layout.cp) * cfg.model.n_layers,
-        gantt=gantt,
-        per_document_share=float(np.mean(shards.chose_per_document)) if flat else 0.0,
-        pack_stats=stats,
-        hybrid_share=float(np.mean(shards.chose_hybrid)) if flat else 0.0,
-    )
+    chose = (shards.chose_per_document, shards.chose_hybrid)
+    doc_share, hybrid_share = (float(np.mean(x)) if flat else 0.0 for x in chose)
+    return ModeResult(mode, step_time, tokens, imbalance, bubble, rank_compute,
+                      per_layer.reshape(n_steps, n, cfg.layout.cp) * cfg.model.n_layers, gantt,
+                      doc_share, stats, hybrid_share)  # fmt: skip
 
 
 def speedup(baseline: ModeResult, other: ModeResult) -> float:

@@ -1,9 +1,7 @@
-"""Hardware profiles: achieved throughputs and link bandwidths the timing model divides by.
+"""Where a simulation runs: the GPUs' achieved throughputs and bandwidths, and the 4D layout.
 
-Only *achieved* numbers belong here (what a real kernel or collective reaches, not the datasheet peak),
-because the simulator predicts wall-clock time. The H100 defaults are public datasheet peaks scaled by
-utilisations typical of large bf16 training jobs; `torchtitan_wlb.sim.calibrate` re-fits them from
-measured per-micro-batch times.
+Only *achieved* numbers belong in a profile (what real kernels and collectives reach), because the
+simulator predicts wall-clock time; ``sim.calibrate`` re-fits them from measured times.
 """
 
 from __future__ import annotations
@@ -19,29 +17,23 @@ class HardwareProfile:
 
     Attributes:
         name: Profile name.
-        gemm_tflops: Achieved dense bf16 GEMM throughput per GPU (TFLOP/s) for the transformer's
-            projections and MLP (H100 SXM: 989 peak, ~60 % achieved with TP-sharded shapes).
-        attn_tflops: Achieved forward flash-attention throughput per GPU (TFLOP/s) on long,
-            tile-aligned problems (the asymptote of the kernel's throughput curve).
-        attn_kv_half: Mean visible keys per query row at which the attention kernel reaches half of
-            ``attn_tflops``. A query tile's fixed prologue/epilogue is amortised over its key loop,
-            so achieved throughput ~ kbar / (kbar + attn_kv_half); with 600 this follows the public
-            FlashAttention-3 H100 causal curves (~200 TFLOP/s at 512 tokens, ~600 at 16K).
-        hbm_gbps: HBM bandwidth (GB/s), for the memory-bound element-wise work (norms, RoPE, SwiGLU,
-            residual adds) that the linear term also carries.
-        elementwise_bytes_per_token_dim: Bytes moved per token and hidden unit by the element-wise ops of
-            one layer, forward (backward counts twice): two RMSNorms (~8), two residual adds (~12),
-            SwiGLU's activation over the 2.7x wider FFN (~16), RoPE on Q and K (~4), in bf16.
+        gemm_tflops: Achieved dense bf16 GEMM TFLOP/s per GPU (H100 SXM: 989 peak, ~60 % with
+            TP-sharded shapes).
+        attn_tflops: Achieved forward flash-attention TFLOP/s on long, tile-aligned problems.
+        attn_kv_half: Mean visible keys per query row at which attention reaches half of
+            ``attn_tflops`` (throughput ~ kbar / (kbar + attn_kv_half); 600 follows FlashAttention-3).
+        hbm_gbps: HBM bandwidth (GB/s) for the memory-bound element-wise work.
+        elementwise_bytes_per_token_dim: Bytes per token and hidden unit moved by one layer's
+            element-wise ops, forward (norms, residual adds, SwiGLU, RoPE in bf16).
         nvlink_gbps: Achieved per-GPU collective bandwidth inside a node (GB/s, one direction).
-        net_gbps: Achieved per-GPU bandwidth across nodes (RoCE / InfiniBand, GB/s, one direction).
+        net_gbps: Achieved per-GPU bandwidth across nodes (GB/s, one direction).
         gpus_per_node: GPUs sharing one NVLink domain.
-        collective_latency_us: Fixed start-up latency of one collective or point-to-point transfer (us).
-        bwd_attn_factor: Backward / forward time ratio of flash attention (2.5x the FLOPs of the
-            forward, at ~0.83 of its throughput: 3x).
-        bwd_gemm_factor: Backward / forward time ratio of the GEMMs (input and weight gradients: 2x).
-        tp_overlap: Fraction of tensor-parallel communication hidden behind compute (0 = exposed).
-        cp_overlap: Fraction of the CP all-gather / reduce-scatter of K,V hidden behind compute.
-        dp_overlap: Fraction of FSDP's per-step gradient reduce-scatter / parameter all-gather hidden.
+        collective_latency_us: Start-up latency of one collective or point-to-point transfer (us).
+        bwd_attn_factor: Backward / forward time of flash attention.
+        bwd_gemm_factor: Backward / forward time of the GEMMs (input and weight gradients).
+        tp_overlap: Share of tensor-parallel communication hidden behind compute.
+        cp_overlap: Share of the CP all-gather / reduce-scatter of K, V hidden behind compute.
+        dp_overlap: Share of FSDP's per-step traffic hidden behind compute.
     """
 
     name: str = "h100"
@@ -69,14 +61,10 @@ class HardwareProfile:
                 raise ValueError(f"hardware {f.name}={value!r} must be positive")
 
     def link_gbps(self, group_span: int) -> float:
-        """Bandwidth of a collective whose ranks are spread over ``group_span`` consecutive GPUs.
-
-        A group that fits in one node runs on NVLink; one that spans nodes is limited by the network.
-        """
+        """Bandwidth of a collective over ``group_span`` consecutive GPUs: NVLink inside a node."""
         return self.nvlink_gbps if group_span <= self.gpus_per_node else self.net_gbps
 
     def to_json(self, path: str | Path) -> None:
-        """Write the profile as JSON (the format ``from_json`` and ``--hardware FILE`` read)."""
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
 
     @classmethod
@@ -84,25 +72,20 @@ class HardwareProfile:
         """Read a profile written by ``to_json`` (unknown keys are an error, missing ones default)."""
         data = json.loads(Path(path).read_text())
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
+        if unknown := sorted(set(data) - known):
             raise ValueError(
                 f"hardware profile {path}: unknown keys {unknown}; accepted: {sorted(known)}"
             )
         return cls(**data)
 
 
-HARDWARE_PROFILES: dict[str, HardwareProfile] = {
-    "h100": HardwareProfile(),
-    # H200: same compute as H100 SXM, faster HBM; same NVLink generation.
-    "h200": HardwareProfile(name="h200", hbm_gbps=4300.0),
-}
+# H200: the H100's compute and NVLink, faster HBM.
+HARDWARE_PROFILES = {"h100": HardwareProfile(), "h200": HardwareProfile("h200", hbm_gbps=4300.0)}
 
 
 def get_hardware(name_or_path: str) -> HardwareProfile:
     """A built-in profile by name, or a JSON profile file."""
-    key = name_or_path.strip().lower()
-    if key in HARDWARE_PROFILES:
+    if (key := name_or_path.strip().lower()) in HARDWARE_PROFILES:
         return HARDWARE_PROFILES[key]
     path = Path(name_or_path)
     if path.suffix == ".json" and path.exists():
@@ -111,3 +94,48 @@ def get_hardware(name_or_path: str) -> HardwareProfile:
         f"unknown hardware profile {name_or_path!r}; accepted: {', '.join(HARDWARE_PROFILES)} "
         "or a JSON file written by HardwareProfile.to_json"
     )
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A 4D parallel layout; rank order is TP innermost, then CP, PP, DP (the paper's).
+
+    Attributes:
+        tp: Tensor-parallel degree (with sequence parallelism).
+        cp: Context-parallel degree (all-gather KV attention).
+        pp: Pipeline-parallel degree (physical stages).
+        dp: Data-parallel degree (FSDP replicas, each running its own pipeline).
+    """
+
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    dp: int = 1
+
+    def __post_init__(self) -> None:
+        for name, value in zip(("tp", "cp", "pp", "dp"), self.as_tuple(), strict=True):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"parallel degree {name}={value!r} must be a positive integer")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    def as_tuple(self) -> tuple[int, int, int, int]:
+        return (self.tp, self.cp, self.pp, self.dp)
+
+
+def resolve_layout(tp: int, cp: int, pp: int, dp: int | None, gpus: int | None) -> Layout:
+    """A layout, with DP inferred from the GPU count when not given (which it must then match)."""
+    inner = tp * cp * pp
+    if gpus is not None:
+        if gpus < 1:
+            raise ValueError(f"--gpus {gpus} must be a positive integer")
+        label = f"parallel layout TP{tp} x CP{cp} x PP{pp}"
+        if gpus % inner:
+            raise ValueError(f"{label} = {inner} does not divide the GPU count {gpus}")
+        if dp is None:
+            dp = gpus // inner
+        elif inner * dp != gpus:
+            raise ValueError(f"{label} x DP{dp} = {inner * dp} does not match the GPU count {gpus}")
+    return Layout(tp=tp, cp=cp, pp=pp, dp=1 if dp is None else dp)

@@ -1,11 +1,7 @@
 """The simulator's bridge to the project's packers, CP planner and cost model (no re-implementation).
 
-Packers run under ``packing.drive``, as the data node drives them; every micro-batch gets
-``cp.adaptive.build_cp_plan``'s segments; adaptive CP and attention timing read one throughput
-table (the simulated kernel's, or a measured profile), so attention is timed with the shape
-efficiency the planner assumed when it chose; the packers' cost model is analytic FLOPs or
-"profiled": fitted to this simulator's own per-micro-batch times, as the paper fits its latency
-predictors to offline GPU profiles.
+Adaptive CP and attention timing read one throughput table (the simulated kernel's, or a measured
+profile), so attention is timed with the efficiency the planner assumed when it chose.
 """
 
 from __future__ import annotations
@@ -34,22 +30,17 @@ from torchtitan_wlb.workloads import cut_stream, cycle_to, split_long
 
 
 def pack_steps(mode, lengths: np.ndarray, cfg, n_steps: int) -> tuple[list[list[np.ndarray]], dict]:
-    """Run the mode's packer over the document stream for ``n_steps`` steps.
-
-    Long documents are first split at the context length (the loader's default policy,
-    ``max_doc_len = seq_len``); for modes that model TorchTitan's loader (``mode.stream_cut``) the
-    stream is instead cut every context length, wherever documents end
-    (``workloads.cut_stream``). The stream is repeated (reshuffled with ``cfg.seed``) if it is too
-    short. Returns the per-step lists of micro-batch document lengths and averaged packer stats.
-    """
+    """The mode's packer over the stream for ``n_steps``: per step its micro-batches' document
+    lengths, and the averaged packer stats. Documents are split at the context length (the
+    loader's default), or the stream cut every context length (``mode.stream_cut``); a short stream
+    is repeated, reshuffled with ``cfg.seed``."""
     need = int((n_steps + cfg.max_delay_steps + 2) * cfg.n_global * cfg.context_len * 1.3)
     rng = np.random.default_rng(cfg.seed)
     if mode.stream_cut:
         docs = cut_stream(cycle_to(lengths, need, rng), cfg.context_len)
     else:
         docs = cycle_to(split_long(lengths, cfg.context_len), need, rng)
-    # The knobs the simulator has no setting for (the adaptive delay and release targets of
-    # ``wlb``) keep their defaults, the ``[wlb]`` section's. No outlier delay: no queues.
+    # Knobs the simulator has no setting for keep the [wlb] defaults. No outlier delay: no queues.
     no_queues = mode.packer.startswith("wlb") and not mode.outlier_delay
     config = packing_config(mode.packer, cfg.n_global, cfg.context_len, max_wait=cfg.max_delay_steps,
                             smax=cfg.smax if mode.variable_length else None,
@@ -61,8 +52,7 @@ def pack_steps(mode, lengths: np.ndarray, cfg, n_steps: int) -> tuple[list[list[
     # A window of a training run's stream: its end is not the end of the data (no flush).
     for plan in drive(packer, LengthStream(docs, end_of_data=False), n_steps):
         mbs = [np.asarray(x, dtype=np.int64) for x in plan.doc_lens]
-        # DP ranks take contiguous groups of micro-batches downstream: order them the way the
-        # data loader deals them (workload-balanced, or contiguous for the original baseline).
+        # Deal the micro-batches to DP ranks as the data loader does (contiguous for "original").
         loads = np.array([float(cost_model.doc_cost(x).sum()) for x in mbs])
         order = dp_order(loads, cfg.layout.dp, balanced=mode.packer != "original")
         steps.append([mbs[j] for j in order])
@@ -75,19 +65,9 @@ def pack_steps(mode, lengths: np.ndarray, cfg, n_steps: int) -> tuple[list[list[
 
 @dataclass
 class CPShards:
-    """Attention segments of a batch of micro-batches under one CP strategy (flat arrays).
-
-    Attributes:
-        seg_mb: [n_seg] micro-batch index of each segment.
-        seg_rank: [n_seg] CP rank.
-        seg_q: [n_seg] query tokens of the segment.
-        seg_kv: [n_seg] keys it attends (its document's prefix up to the chunk's end).
-        local_tokens: [n_mb, cp] tokens held by each CP rank.
-        chose_per_document: [n_mb] for adaptive plans, whether per-document sharding was chosen.
-        gathered_tokens: [n_mb] tokens whose K/V the CP op all-gathers (the micro-batch; under
-            hybrid sharding its split documents only).
-        chose_hybrid: [n_mb] whether the plan is hybrid.
-    """
+    """Attention segments of micro-batches under one CP strategy: ``seg_*`` [n_seg] as
+    ``timing.layer_costs`` takes them; per micro-batch its CP ranks' tokens, the tokens whose K/V
+    are all-gathered, and whether its plan is per-document / hybrid."""
 
     seg_mb: np.ndarray
     seg_rank: np.ndarray
@@ -99,16 +79,10 @@ class CPShards:
     chose_hybrid: np.ndarray | None = None
 
 
-def cp_shards(
-    micro_batches: list[np.ndarray],
-    cfg,
-    strategy: str,
-    candidates: tuple[str, ...] = ("per_sequence", "per_document"),
-):
-    """Attention segments of every micro-batch under ``strategy``, from the CP planner.
-
-    ``"adaptive"`` chooses among ``candidates`` with the planner profile and the bandwidth of the
-    simulated CP group's links."""
+def cp_shards(micro_batches: list[np.ndarray], cfg, strategy: str,
+              candidates: tuple[str, ...] = ("per_sequence", "per_document")) -> CPShards:  # fmt: skip
+    """Every micro-batch's segments from the CP planner; "adaptive" chooses among ``candidates``
+    with the planner profile and the simulated CP group's link bandwidth."""
     from torchtitan_wlb.cp.adaptive import build_cp_plan
 
     c = cfg.layout.cp
@@ -117,7 +91,10 @@ def cp_shards(
     gathered = np.zeros(len(micro_batches), dtype=np.int64)
     chose_doc = np.zeros(len(micro_batches), dtype=bool)
     chose_hybrid = np.zeros(len(micro_batches), dtype=bool)
-    profile = planner_profile(cfg) if strategy == "adaptive" else None
+    profile = None
+    if strategy == "adaptive":  # the measured table if given, else the simulated kernel's
+        hw = cfg.hardware
+        profile = _measured_profile(cfg.cp_profile) if cfg.cp_profile else simulated_cp_profile(hw)
     bandwidth = cfg.hardware.link_gbps(c * cfg.layout.tp)
     if profile is not None:
         # The planner prices compute with the profile's query heads and bytes with its KV heads;
@@ -146,7 +123,6 @@ def cp_shards(
 
 
 def shard_costs(shards: CPShards, cfg: SimConfig) -> LayerCosts:
-    """One layer's per-GPU costs of the planner's segments (``timing.layer_costs``)."""
     return layer_costs(cfg.model, cfg.layout, cfg.hardware, shards.seg_mb, shards.seg_rank,
                        shards.seg_q, shards.seg_kv, shards.local_tokens,
                        attention_time=attention_time_fn(cfg),
@@ -155,13 +131,8 @@ def shard_costs(shards: CPShards, cfg: SimConfig) -> LayerCosts:
 
 @lru_cache(maxsize=8)
 def simulated_cp_profile(hw):
-    """A CP throughput profile (the planner's table format) of the simulated attention kernel.
-
-    Adaptive selection must judge per-document vs per-sequence with the efficiency of the GPU being
-    simulated, not with the packaged CPU table, so the simulator tabulates its own kernel model
-    (``timing.tile_padded_time_fn``) on a dense (q_len, kv_len) grid, in the planner's convention
-    (padded forward + backward FLOPs / time).
-    """
+    """The simulated kernel (``timing.tile_padded_time_fn``) as a CP throughput table, so that
+    adaptive selection judges with the simulated GPU's efficiency, not the packaged CPU table's."""
     from torchtitan_wlb.cp.profile import CPProfile, attention_flops
 
     grid = np.unique(np.round(2.0 ** np.arange(3, 18.01, 0.25)).astype(np.int64))
@@ -181,7 +152,6 @@ def simulated_cp_profile(hw):
 
 
 def _padded(q: np.ndarray, kv: np.ndarray, tile: int) -> tuple[np.ndarray, np.ndarray]:
-    """Query and key lengths padded up to the kernel tile (keys never fewer than queries)."""
     pq = -(-q // tile) * tile
     return pq, np.maximum(-(-kv // tile) * tile, pq)
 
@@ -193,18 +163,9 @@ def _measured_profile(path: str):
     return resolve_profile(path)
 
 
-def planner_profile(cfg):
-    """The throughput table adaptive CP selection uses: a measured one if given, else the model's."""
-    return _measured_profile(cfg.cp_profile) if cfg.cp_profile else simulated_cp_profile(cfg.hardware)  # fmt: skip
-
-
 def attention_time_fn(cfg) -> AttentionTimeFn:
-    """Forward attention time: the hardware profile's kernel model, or a measured CP profile.
-
-    A measured profile gives forward + backward throughput per (q_len, kv_len) for padded FLOPs; the
-    forward share is 1 / (1 + bwd_attn_factor) of the time, so the simulator's backward factor applies
-    on top and the profile's total is reproduced.
-    """
+    """Forward attention time: the kernel model, or a measured CP profile's forward + backward
+    time over (1 + bwd_attn_factor), so that the profile's total is reproduced."""
     if not cfg.cp_profile:
         return tile_padded_time_fn(cfg.hardware)
     from torchtitan_wlb.cp.profile import attention_flops
@@ -213,16 +174,11 @@ def attention_time_fn(cfg) -> AttentionTimeFn:
     hw = cfg.hardware
 
     def fn(q_len: np.ndarray, kv_len: np.ndarray, flops: np.ndarray) -> np.ndarray:
-        q = np.asarray(q_len, dtype=np.int64)
-        kv = np.asarray(kv_len, dtype=np.int64)
+        q, kv = np.asarray(q_len, dtype=np.int64), np.asarray(kv_len, dtype=np.int64)
         # flops (the model's, per GPU) over the unpadded count gives heads x head_dim scaling.
-        per_pair = np.divide(flops, 4.0 * causal_pairs(q, kv), out=np.zeros(q.shape),
-                             where=q > 0)  # fmt: skip
-        total = (
-            attention_flops(*_padded(q, kv, table.tile), 1, 1)
-            * per_pair
-            / (table.lookup_tflops(q, kv) * 1e12)
-        )
+        per_pair = np.divide(flops, 4.0 * causal_pairs(q, kv), out=np.zeros(q.shape), where=q > 0)
+        padded = attention_flops(*_padded(q, kv, table.tile), 1, 1)
+        total = padded * per_pair / (table.lookup_tflops(q, kv) * 1e12)
         return np.where(q > 0, total / (1.0 + hw.bwd_attn_factor), 0.0)
 
     return fn
@@ -230,11 +186,7 @@ def attention_time_fn(cfg) -> AttentionTimeFn:
 
 def profiling_micro_batches(context_len: int, cp: int, n_points: int = 24) -> list[np.ndarray]:
     """Micro-batches an offline profile would time: each filled to the context length with
-    documents of ONE length d (d from 2 x CP tokens to the context length, geometric).
-
-    Full micro-batches keep the linear work near one context's worth, so the fit resolves the
-    attention term across document lengths instead of fitting fixed per-call latencies.
-    """
+    documents of ONE length (geometric up to the context), so the fit resolves the attention term."""
     lens = np.unique(np.geomspace(max(2 * cp, 128), context_len, n_points).astype(np.int64))
     out = []
     for d in lens:
@@ -245,7 +197,6 @@ def profiling_micro_batches(context_len: int, cp: int, n_points: int = 24) -> li
 
 
 def cost_model_for(cfg) -> CostModel:
-    """The packers' cost model for a simulation (see SimConfig.cost_model)."""
     m, lay = cfg.model, cfg.layout
     if cfg.cost_model == "analytic":
         return CostModel.from_model_dims(**m.dims(), tp=lay.tp, cp=lay.cp)
@@ -254,8 +205,8 @@ def cost_model_for(cfg) -> CostModel:
 
 @lru_cache(maxsize=32)
 def _profiled_cost_model(model, layout, hw, context_len: int, cp_profile: str | None) -> CostModel:
-    """Fit W(d) = a d^2 + b d to the simulated time (all layers, forward + backward, slowest CP rank,
-    per-document sharding) of profiling micro-batches: an offline profile of the simulated GPUs."""
+    """W(d) = a d^2 + b d fitted to the simulated time of profiling micro-batches (per-document
+    CP): an offline profile of the simulated GPUs."""
     cfg = SimConfig(model=model, layout=layout, context_len=context_len, hardware=hw,
                     schedule="1f1b", v=1, cost_model="analytic", cp_profile=cp_profile)  # fmt: skip
     mbs = profiling_micro_batches(context_len, layout.cp)

@@ -1,13 +1,9 @@
 """Measure per-micro-batch and per-step training times of the ``llama3_wlb`` model on this CPU.
 
     python -m torchtitan_wlb.sim.measure_cpu --out outputs/cpu_calib.json
-    python -m torchtitan_wlb.sim.calibrate --records outputs/cpu_calib.json --json
 
-Standalone micro-batches (the project's packers' outputs on the ``longtail`` workload, plus
-micro-batches of equal documents, so the attention and linear terms can be told apart) are what
-``calibrate`` fits; the measured steps (gradient accumulation plus the optimizer) are what it
-predicts without having fitted them. Each runs forward and backward on the real model
-(document-masked attention, per-document RoPE positions) with ``--threads`` threads.
+``sim.calibrate`` fits the standalone micro-batches (packer outputs, plus packs of equal documents
+so the attention and linear terms can be told apart) and predicts the measured steps from them.
 """
 
 from __future__ import annotations
@@ -24,10 +20,9 @@ import numpy as np
 def micro_batches(seq_len: int, n: int, seed: int) -> list[np.ndarray]:
     """n micro-batches of at most ``seq_len`` tokens: packer outputs and equal-length packs."""
     from torchtitan_wlb.models.catalogue import get_model
-    from torchtitan_wlb.sim.config import SimConfig
+    from torchtitan_wlb.sim.config import MODES, SimConfig
+    from torchtitan_wlb.sim.hardware import Layout
     from torchtitan_wlb.sim.integration import pack_steps
-    from torchtitan_wlb.sim.modes import MODES
-    from torchtitan_wlb.sim.presets import Layout
     from torchtitan_wlb.workloads import generate
 
     cfg = SimConfig(model=get_model("debugmodel"), layout=Layout(), context_len=seq_len, schedule="1f1b",
@@ -43,8 +38,7 @@ def micro_batches(seq_len: int, n: int, seed: int) -> list[np.ndarray]:
         k = max(1, int(seq_len * rng.uniform(0.6, 1.0)) // int(d))
         equal.append(np.full(k, d, dtype=np.int64))
     out = packed[: n - len(equal)] + equal
-    order = rng.permutation(len(out))
-    return [out[i] for i in order]
+    return [out[i] for i in rng.permutation(len(out))]
 
 
 def build_model(flavor: str, seq_len: int):
@@ -68,8 +62,9 @@ def build_model(flavor: str, seq_len: int):
 
 
 def run(a: argparse.Namespace) -> dict:
-    """The calibration file's content: ``a.micro_batches`` standalone micro-batches, then
-    ``a.steps`` steps of ``a.grad_accum`` micro-batches and the optimizer update."""
+    """The calibration file: standalone micro-batches, then steps of ``a.grad_accum`` micro-batches
+    and the optimizer update. Each time is the minimum of ``a.repeats`` runs: on a shared machine
+    other processes only ever add time."""
     import torch
 
     from torchtitan_wlb.attention.metadata import metadata_from_doc_lens
@@ -95,8 +90,6 @@ def run(a: argparse.Namespace) -> dict:
     mbs = micro_batches(a.seq_len, n_mb + a.steps * accum, a.seed)
     fwd_bwd(mbs[0])  # warm-up
     records, steps = [], []
-    # Every measurement is the minimum of `repeats` runs: on a shared machine other processes only
-    # ever add time, so the minimum is the best estimate of the uncontended time.
     for lens in mbs[:n_mb]:
         best = min(fwd_bwd(lens) for _ in range(a.repeats))
         records.append({"doc_lens": lens.tolist(), "seconds": best, "step": -1})
@@ -137,9 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(data))
-    print(
-        f"wrote {args.out}: {len(data['microbatches'])} micro-batch records, {len(data['steps'])} steps"
-    )
+    n_mb, n_steps = len(data["microbatches"]), len(data["steps"])
+    print(f"wrote {args.out}: {n_mb} micro-batch records, {n_steps} steps")
     return 0
 
 

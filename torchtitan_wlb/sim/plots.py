@@ -1,8 +1,4 @@
-"""PNG figures of simulation results: per-GPU latency heat maps, pipeline Gantt charts, speedup bars.
-
-matplotlib is an optional dependency (the ``sim`` extra); it is imported only when a figure is drawn,
-with a clear message when it is missing.
-"""
+"""PNG figures of simulation results; matplotlib (the ``sim`` extra) is imported only to draw."""
 
 from __future__ import annotations
 
@@ -28,7 +24,6 @@ def _plt():
 
 
 def _save(fig, path: str | Path, **kw) -> Path:
-    """Write ``fig`` as a PNG and release it."""
     out = Path(path)
     fig.savefig(out, dpi=110, **kw)
     _plt().close(fig)
@@ -36,27 +31,19 @@ def _save(fig, path: str | Path, **kw) -> Path:
 
 
 def latency_heatmap(results: Sequence[ModeResult], path: str | Path, max_rows: int = 48) -> Path:
-    """Per-micro-batch, per-CP-rank compute latency over its step's mean (paper Figure 4 style).
-
-    Rows are the micro-batches of the first steps (step / DP replica / micro-batch), columns the CP
-    ranks of the group that runs them; every pipeline stage of the replica sees the same row. Rows
-    that differ are PP-level imbalance (the slowest micro-batch stalls the pipeline), columns that
-    differ are CP-level imbalance (the slowest rank stalls each layer's all-gather). The colour scale
-    is shared so modes compare.
-    """
+    """Each micro-batch's compute on each CP rank over its step's mean (paper Figure 4): rows that
+    differ are PP-level imbalance, columns CP-level; one colour scale so that modes compare."""
     plt = _plt()
     n_steps, n_mb, cp = results[0].mb_rank_compute_s.shape
     steps = max(1, min(n_steps, max_rows // max(1, n_mb)))
-    # [steps, N, cp], normalised within each step: balance across steps is not the goal (WLB
-    # releases a group of outliers together), balance inside the global batch is.
+    # Normalised within each step: balance inside the global batch is the goal, not across steps.
     lats = [r.mb_rank_compute_s[:steps] for r in results]
     mats = [(lat / lat.mean(axis=(1, 2), keepdims=True)).reshape(-1, cp) for lat in lats]
     vmax = max(1.1, *(float(m.max()) for m in mats))
     vmin = min(0.9, *(float(m.min()) for m in mats))
     n_rows = mats[0].shape[0]
-    fig, axes = plt.subplots(
-        1, len(results), figsize=(2.2 * len(results) + 1.5, 1.6 + 0.16 * n_rows), squeeze=False
-    )
+    size = (2.2 * len(results) + 1.5, 1.6 + 0.16 * n_rows)
+    fig, axes = plt.subplots(1, len(results), figsize=size, squeeze=False)
     im = None
     dp = results[0].rank_compute_s.shape[1]
     labels = [f"s{s} dp{d} mb{j}" for s in range(steps) for d in range(dp) for j in range(n_mb // dp)]  # fmt: skip
@@ -77,11 +64,8 @@ def latency_heatmap(results: Sequence[ModeResult], path: str | Path, max_rows: i
 
 
 def gantt(results: Sequence[ModeResult], path: str | Path) -> Path:
-    """Pipeline timeline of one step (the slowest DP replica) for each mode, on a shared time axis.
-
-    Forward ops are light, backward ops dark; the colour hue is the micro-batch, so one long
-    micro-batch can be followed through the stages.
-    """
+    """One step's pipeline timeline (slowest DP replica) per mode on a shared time axis; the hue
+    is the micro-batch, so a long one can be followed through the stages."""
     plt = _plt()
     fig, axes = plt.subplots(len(results), 1, figsize=(12, 1.3 + 0.45 * results[0].gantt[0].pp
                                                        * len(results)), squeeze=False, sharex=True)  # fmt: skip
@@ -98,25 +82,17 @@ def gantt(results: Sequence[ModeResult], path: str | Path) -> Path:
         ax.set_ylim(sched.pp - 0.5, -0.5)
         ax.set_yticks(range(sched.pp))
         ax.set_yticklabels([f"PP{p}" for p in range(sched.pp)], fontsize=8)
-        ax.set_title(
-            f"{r.mode.name}: step {end.max():.2f} s, bubbles {r.bubble_fraction[0]:.0%}",
-            fontsize=10, loc="left",
-        )  # fmt: skip
+        title = f"{r.mode.name}: step {end.max():.2f} s, bubbles {r.bubble_fraction[0]:.0%}"
+        ax.set_title(title, fontsize=10, loc="left")
     axes[-1, 0].set_xlabel("time (s); light = forward, dark = backward, colour = micro-batch")
     fig.tight_layout()
     return _save(fig, path)
 
 
-def speedup_bars(
-    speedups: Mapping[str, Mapping[str, float]],
-    path: str | Path,
-    title: str = "Speedup over Plain-4D",
-    paper: Mapping[str, Mapping[str, float]] | None = None,
-) -> Path:
-    """Grouped bars: for each configuration (outer key) the speedup of each mode (inner key).
-
-    ``paper`` (same keys) adds the paper's values as black ticks over the bars.
-    """
+def speedup_bars(speedups: Mapping[str, Mapping[str, float]], path: str | Path,
+                 title: str = "Speedup over Plain-4D", paper: Mapping | None = None) -> Path:  # fmt: skip
+    """Grouped bars: per configuration (outer key) each mode's speedup; ``paper`` (same keys)
+    adds the paper's values as black ticks."""
     plt = _plt()
     configs = list(speedups)
     modes = list(dict.fromkeys(m for c in configs for m in speedups[c]))
@@ -149,8 +125,7 @@ def speedup_bars(
 
 
 def length_histogram(hist: Sequence[Mapping], context_len: int, path: str | Path) -> Path:
-    """Documents per power-of-two length bucket, and each bucket's share of the tokens (buckets of
-    documents at least half the context long in red): ``wlb-analyze --plot``."""
+    """Documents per length bucket and each bucket's token share: ``wlb-analyze --plot``."""
     plt = _plt()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.4))
     x = np.arange(len(hist))

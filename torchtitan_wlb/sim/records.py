@@ -1,11 +1,5 @@
-"""Measured micro-batch times: the calibration file format, read and regrouped.
-
-The format (docs/simulator.md#calibration) is written by a training run's profiler,
-``e2e_bench --records-out`` or ``sim.measure_cpu``: micro-batch records ``{doc_lens, seconds,
-step}`` (or a bare list of them), optional measured ``steps``, ``model`` and ``layout``.
-Pipeline-parallel runs write one record per micro-batch *and stage*, with that stage's ``fwd_s``
-and ``bwd_s`` and the micro-batch's index ``mb`` in its step.
-"""
+"""Measured micro-batch times: the calibration file format (docs/simulator.md#calibration), read
+and regrouped. Pipeline runs write one record per micro-batch *and stage*."""
 
 from __future__ import annotations
 
@@ -18,19 +12,9 @@ import numpy as np
 
 @dataclass(frozen=True)
 class MicroBatchRecord:
-    """One measured micro-batch.
-
-    Attributes:
-        doc_lens: Document lengths packed in it.
-        seconds: Measured forward + backward time (s).
-        step: Optimizer step it belongs to (-1: a standalone micro-batch, or unknown).
-        rank: Data-parallel rank that ran it: ranks run their micro-batches concurrently, so a
-            step's predicted time is the slowest rank's.
-        stage: Pipeline (virtual) stage the times are for; -1: the whole model (no pipeline).
-        mb: Index of the micro-batch in its step (schedule order); -1 when unknown.
-        fwd_s: Forward time of this stage (pipeline records).
-        bwd_s: Backward time of this stage (pipeline records).
-    """
+    """One measured micro-batch: its documents and forward + backward seconds; the step (-1:
+    standalone) and DP rank that ran it; for pipeline records the (virtual) stage (-1: whole
+    model), its index in the step and that stage's forward and backward seconds."""
 
     doc_lens: np.ndarray
     seconds: float
@@ -54,8 +38,8 @@ def parse_records(raw: list, source: str) -> list[MicroBatchRecord]:
             if "doc_lens" not in item or "seconds" not in item:
                 raise ValueError(f"{source}: micro-batch record {i} needs 'doc_lens' and 'seconds'")
             lens, secs = item["doc_lens"], item["seconds"]
-            extra = {k: int(item.get(k, d)) for k, d in (("step", -1), ("rank", 0), ("stage", -1),
-                                                          ("mb", -1))}  # fmt: skip
+            ints = {"step": -1, "rank": 0, "stage": -1, "mb": -1}
+            extra = {k: int(item.get(k, d)) for k, d in ints.items()}
             extra |= {
                 k: None if item.get(k) is None else float(item[k]) for k in ("fwd_s", "bwd_s")
             }
@@ -70,11 +54,8 @@ def parse_records(raw: list, source: str) -> list[MicroBatchRecord]:
             (lens, secs), extra = item, {}
         else:
             raise ValueError(f"{source}: micro-batch record {i} must be {{doc_lens, seconds}}")
-        if (
-            not isinstance(lens, list)
-            or not lens
-            or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in lens)
-        ):
+        ok = isinstance(lens, list) and all(isinstance(d, int) and _positive(d) for d in lens)
+        if not (ok and lens):
             raise ValueError(
                 f"{source}: micro-batch record {i} doc_lens = {lens!r} must be positive integers"
             )
@@ -105,12 +86,11 @@ def load_records(path: str | Path) -> tuple[list[MicroBatchRecord], dict[int, fl
 
 
 def is_pipeline(records: list[MicroBatchRecord]) -> bool:
-    """Whether the records are per-stage pipeline actions (``e2e_bench --parallel pp2``)."""
     return any(r.stage >= 0 for r in records)
 
 
 def whole_model_records(records: list[MicroBatchRecord]) -> list[MicroBatchRecord]:
-    """Per-stage records summed over the stages: each micro-batch's whole forward + backward."""
+    """Per-stage records summed over the stages (each micro-batch's whole time)."""
     by_mb: dict[tuple[int, int], list[MicroBatchRecord]] = {}
     for r in records:
         by_mb.setdefault((r.step, r.mb), []).append(r)
@@ -123,8 +103,8 @@ def whole_model_records(records: list[MicroBatchRecord]) -> list[MicroBatchRecor
 
 
 def pipeline_steps(records: list[MicroBatchRecord]) -> dict[int, dict]:
-    """step -> {"lens": [doc_lens per mb], "fwd": [n_stages, m], "bwd": [n_stages, m]} (measured);
-    steps with a missing action (a rank's log is incomplete) are left out."""
+    """step -> {"lens": [doc_lens per mb], "fwd", "bwd": measured [n_stages, m]}; steps missing
+    an action (a rank's log is incomplete) are left out."""
     row = {k: i for i, k in enumerate(sorted({r.stage for r in records if r.stage >= 0}))}
     by_step: dict[int, list[MicroBatchRecord]] = {}
     for r in records:

@@ -1,13 +1,9 @@
 """Regenerate docs/reproduction.md: the paper's Table 2 and Figures 12-15 beside the simulator's.
 
-    python -m torchtitan_wlb.sim.reproduce --workload dist_wlbllm.json \\
-        --out docs/reproduction.md --figures docs/figures/sim
+    python -m torchtitan_wlb.sim.reproduce --workload dist_wlbllm.json --out docs/reproduction.md
 
-The page is ``reproduction_template.md`` (beside this module) with every number filled in from one
-run on the given workload with the default hardware profile: the simulator's figures, the workload's
-statistics and the paper's published values (the PAPER_* tables below); no per-figure constants.
-Table 2 comes from the packing benchmark, run as its own command. ``--quick`` runs fewer steps and
-a short Table 2.
+The page is ``reproduction_template.md`` with every number computed from one run on the workload
+(the paper's published values are the PAPER_* tables); Table 2 comes from ``pack_bench --table2``.
 """
 
 from __future__ import annotations
@@ -21,13 +17,14 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 from torchtitan_wlb.models.catalogue import get_model
-from torchtitan_wlb.sim.config import SimConfig, epoch_steps, layout_label
+from torchtitan_wlb.sim.config import MODES, SimConfig, epoch_steps, layout_label
 from torchtitan_wlb.sim.engine import ModeResult, simulate_mode, speedup
-from torchtitan_wlb.sim.hardware import HardwareProfile
+from torchtitan_wlb.sim.hardware import HardwareProfile, Layout
 from torchtitan_wlb.sim.integration import (
     cost_model_for,
     cp_shards,
@@ -35,12 +32,24 @@ from torchtitan_wlb.sim.integration import (
     profiling_micro_batches,
     shard_costs,
 )
-from torchtitan_wlb.sim.modes import MODES
-from torchtitan_wlb.sim.presets import PAPER_TABLE1, Layout
 from torchtitan_wlb.sim.timing import TILE
 from torchtitan_wlb.workloads import cut_stream, load_lengths, split_long, steps_arg
 
 K = 1024
+
+
+class PaperConfig(NamedTuple):
+    """One row of the paper's Table 1: model (of models.catalogue), context, (TP, CP, PP, DP)."""
+
+    model: str
+    context_len: int
+    layout: Layout
+
+
+PAPER_TABLE1 = tuple(PaperConfig(m, c * K, Layout(*lay)) for m, c, lay in (
+    ("550M", 64, (2, 2, 4, 2)), ("550M", 128, (2, 4, 4, 1)), ("7B", 64, (4, 2, 4, 1)),
+    ("7B", 128, (8, 2, 4, 1)), ("30B", 64, (8, 2, 4, 1)), ("30B", 128, (8, 4, 4, 1)),
+    ("70B", 64, (16, 4, 4, 1)), ("70B", 128, (16, 4, 4, 1))))  # fmt: skip
 TOL = 0.05  # a figure meets the paper's when within +-TOL
 WARMUP = 4
 # The paper's published numbers (WLB-LLM, OSDI '25).
@@ -247,12 +256,7 @@ def fig13(lengths, steps: int | None) -> tuple[dict, dict[str, ModeResult]]:
 
 
 def sensitivity(lengths, steps: int | None) -> dict:
-    """Figure 13's rows under other hardware constants: which ones could close the CP-only gap.
-
-    Every constant that changes attention's share of a micro-batch moves the CP-only gains and the
-    packing gains together; their ratio (log of one over log of the other) is set by the workload
-    and the shardings, not by the hardware. The paper's ratios are printed beside ours.
-    """
+    """Figure 13's rows under other hardware constants: could one close the CP-only gap?"""
     hw = HardwareProfile()
     variants = [("default H100 profile", {})] + [
         (f"attention {f * hw.attn_tflops:.0f} TFLOP/s ({f}x)", {"attn_tflops": f * hw.attn_tflops})
@@ -286,11 +290,8 @@ def sensitivity(lengths, steps: int | None) -> dict:
 
 
 def spread(lengths, windows: int, steps: int, whole: dict) -> dict:
-    """Figure 12's average and Figure 13's rows on disjoint ``steps``-step windows of the stream.
-
-    The workload's long documents are few, so which window a run sees moves the speedups; this
-    section says by how much, beside the whole-pass figures (``whole``).
-    """
+    """Figure 12's average and Figure 13's rows on disjoint ``steps``-step windows of the stream
+    (long documents are few, so the window moves the speedups), beside the whole pass's."""
     w: dict[str, list[float]] = {"avg": []} | {m: [] for m in FIG13_CORE[1:]}
     for k in range(windows):
         part = np.roll(lengths, -(k * len(lengths) // windows))
@@ -423,8 +424,7 @@ def figures(fig_dir: Path, bars: dict, f13: dict[str, ModeResult], f14: dict[int
 
 
 def fixed_values(lengths: np.ndarray, cfg: SimConfig) -> dict:
-    """The workload's statistics, the hardware profile and profiled cost model of ``cfg`` (Table 2
-    and Figures 13-15's configuration), and the paper's values the prose quotes."""
+    """The workload's statistics, ``cfg``'s hardware and profiled cost model, the paper's values."""
     hw, cm, lay, p15 = cfg.hardware, cost_model_for(cfg), cfg.layout, PAPER_FIG15
     long = cfg.context_len // 2
     return {
@@ -444,7 +444,6 @@ def fixed_values(lengths: np.ndarray, cfg: SimConfig) -> dict:
 
 
 def render(values: dict, skip: Iterable[str] = ()) -> str:
-    """The template's sections, those in ``skip`` left out, with every placeholder filled."""
     text = Path(__file__).with_name("reproduction_template.md").read_text()
     parts = re.split(r"^<!-- section: (\w+) -->\n", text, flags=re.M)[1:]
     return "".join(body.format_map(values) for name, body in zip(parts[::2], parts[1::2], strict=True)

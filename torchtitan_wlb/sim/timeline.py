@@ -1,15 +1,9 @@
-"""Pipeline timelines for 1F1B and interleaved 1F1B with per-micro-batch operation times.
+"""Pipeline timelines of 1F1B and interleaved 1F1B with per-micro-batch operation times.
 
-A pipeline step is a fixed set of operations (forward / backward of one micro-batch on one virtual
-stage) whose order on each physical stage is fixed by the schedule. Given every operation's duration, the
-start time of an operation is the later of "its stage is free" and "its input has arrived". That is why
-one slow micro-batch costs more than its own extra time: its delay propagates down the pipeline and
-back (the paper's latency propagation chain).
-
-The schedule's order, and a global order consistent with all dependencies, depend only on
-(PP, v, micro-batches); they are computed once and cached. Timing is then one pass over the operations,
-vectorised with NumPy over a batch axis (steps x DP replicas), so thousands of pipelines cost the same
-Python work as one.
+An operation starts when its stage is free and its input has arrived, so one slow micro-batch
+delays the pipeline down and back (the paper's latency propagation chain). The schedule's order
+depends only on (PP, v, m) and is cached; timing is one pass over the operations, vectorised over
+a batch of pipelines (steps x DP replicas).
 """
 
 from __future__ import annotations
@@ -50,15 +44,9 @@ def _rank_order(pp: int, v: int, m: int, rank: int) -> list[Op]:
 
 @dataclass(frozen=True)
 class Schedule:
-    """A pipeline schedule unrolled into arrays, in an order that respects every dependency.
-
-    Attributes:
-        pp, v, m: Physical stages, model chunks per stage (1 for plain 1F1B), micro-batches per step.
-        rank, vstage, mb, is_fwd: [n_ops] each op's physical stage, virtual stage, micro-batch and
-            direction, in topological order.
-        dep: [n_ops] index (in this order) of the op whose output this op consumes, or -1.
-        prev_same_rank: [n_ops] index of the previous op on the same stage, or -1.
-    """
+    """A schedule unrolled into [n_ops] arrays in topological order: each op's stage, virtual
+    stage, micro-batch, direction, the op it consumes (``dep``) and the previous op on its stage
+    (``prev_same_rank``), -1 for none."""
 
     pp: int
     v: int
@@ -110,21 +98,14 @@ def build_schedule(pp: int, m: int, v: int = 1) -> Schedule:
         last[op.rank] = i
     rank, vstage, mb = (np.array([op[j] for op in topo], dtype=np.int64) for j in range(3))
     is_fwd = np.array([op.is_fwd for op in topo], dtype=bool)
-    return Schedule(
-        pp, v, m, rank, vstage, mb, is_fwd, *(np.array(x, dtype=np.int64) for x in (dep, prev))
-    )
+    deps = (np.array(x, dtype=np.int64) for x in (dep, prev))
+    return Schedule(pp, v, m, rank, vstage, mb, is_fwd, *deps)
 
 
 @dataclass
 class TimelineResult:
-    """Result of timing a batch of B pipelines.
-
-    Attributes:
-        makespan: [B] time from the first operation's start to the last one's end.
-        busy: [B, pp] compute time of each physical stage.
-        bubble_fraction: [B] 1 - sum(busy) / (pp * makespan): the share of stage-time spent idle.
-        start, end: [B, n_ops] start and end time of each op (schedule's topological order).
-    """
+    """B timed pipelines: [B] makespan, [B, pp] busy time per stage, [B] idle share of
+    stage-time, [B, n_ops] start and end of each op (the schedule's order)."""
 
     makespan: np.ndarray
     busy: np.ndarray
@@ -136,17 +117,9 @@ class TimelineResult:
 def simulate_pipeline(
     schedule: Schedule, fwd: np.ndarray, bwd: np.ndarray, p2p: np.ndarray | float = 0.0
 ) -> TimelineResult:
-    """Time a batch of pipelines.
-
-    Args:
-        schedule: From ``build_schedule``.
-        fwd, bwd: [B, pp * v, m] forward / backward time of micro-batch j on virtual stage k (B
-            independent pipelines, e.g. steps x DP replicas).
-        p2p: transfer time added when an op's input comes from another stage: a scalar or [B, m]
-            (activations and their gradients have the same size).
-    """
-    fwd = np.asarray(fwd, dtype=np.float64)
-    bwd = np.asarray(bwd, dtype=np.float64)
+    """Time B pipelines: ``fwd``, ``bwd`` [B, pp * v, m] per virtual stage and micro-batch;
+    ``p2p`` (scalar or [B, m]) is added when an op's input comes from another stage."""
+    fwd, bwd = np.asarray(fwd, dtype=np.float64), np.asarray(bwd, dtype=np.float64)
     s, n_v = schedule, schedule.pp * schedule.v
     if fwd.ndim != 3 or fwd.shape[1:] != (n_v, s.m) or bwd.shape != fwd.shape:
         raise ValueError(
@@ -174,9 +147,5 @@ def simulate_pipeline(
 
 
 def ideal_makespan(pp: int, m: int, v: int, f: float, b: float) -> float:
-    """Closed form for equal micro-batches without transfers: m(f+b) + (pp-1)(f+b)/v.
-
-    ``f`` and ``b`` are one micro-batch's forward / backward time on one *physical* stage (all its
-    chunks). For v = 1 this is (m + pp - 1)(f + b), the classic 1F1B bubble.
-    """
+    """Equal micro-batches, no transfers (``f``, ``b``: one micro-batch on one physical stage)."""
     return m * (f + b) + (pp - 1) * (f + b) / v

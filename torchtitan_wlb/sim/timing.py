@@ -1,11 +1,9 @@
 """Per-layer compute and communication time of packed micro-batches on a 4D layout.
 
-Everything here is counted, not fitted: FLOPs and bytes come from the model's dimensions and the
-micro-batch's document lengths (the formulas are in docs/simulator.md and beside the code below),
-times from the hardware profile's achieved throughputs and bandwidths. CP ranks meet at every
-layer's all-gather, so a layer costs the *slowest* CP rank's compute plus the exposed
-communication (under hybrid sharding the all-gather moves only the split documents'
-K/V); that is how per-rank attention imbalance turns into step time.
+Counted, not fitted: FLOPs and bytes from the model's dimensions and the document lengths, times
+from the hardware profile (docs/simulator.md). CP ranks meet at every layer's all-gather, so a layer
+costs the *slowest* CP rank's compute plus the exposed communication: that is how per-rank
+attention imbalance turns into step time.
 """
 
 from __future__ import annotations
@@ -17,8 +15,7 @@ import numpy as np
 
 from torchtitan_wlb.cp.plan import causal_pairs
 from torchtitan_wlb.models.catalogue import ModelSpec
-from torchtitan_wlb.sim.hardware import HardwareProfile
-from torchtitan_wlb.sim.presets import Layout
+from torchtitan_wlb.sim.hardware import HardwareProfile, Layout
 
 BF16_BYTES = 2
 TILE = 128
@@ -28,13 +25,9 @@ AttentionTimeFn = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
 
 
 def tile_padded_time_fn(hw: HardwareProfile, tile: int = TILE) -> AttentionTimeFn:
-    """Forward attention time of the simulated kernel.
-
-    Every chunk's queries are padded up to the kernel tile (keys shift with them, bottom-right
-    aligned), and the achieved throughput grows with the mean key-loop length of a query row,
-    ``kbar / (kbar + attn_kv_half)`` of ``attn_tflops``: tiny per-document chunks pay both, which is why
-    per-document sharding can lose to per-sequence sharding on short documents.
-    """
+    """Forward attention time of the simulated kernel: queries padded up to the tile (keys shift
+    with them), throughput ``kbar / (kbar + attn_kv_half)`` of ``attn_tflops`` for a mean key loop
+    ``kbar``. Tiny per-document chunks pay both: why per-document CP can lose on short documents."""
 
     def fn(q_len: np.ndarray, kv_len: np.ndarray, flops: np.ndarray) -> np.ndarray:
         q = np.asarray(q_len, dtype=np.float64)
@@ -52,14 +45,9 @@ def tile_padded_time_fn(hw: HardwareProfile, tile: int = TILE) -> AttentionTimeF
 
 @dataclass
 class LayerCosts:
-    """Forward and backward time (s) of ONE transformer layer per micro-batch, on one GPU.
-
-    Attributes:
-        compute_fwd, compute_bwd: [n_mb, cp] per CP rank: attention + GEMM + element-wise.
-        attn_fwd: [n_mb, cp] the attention part of compute_fwd.
-        comm_fwd, comm_bwd: [n_mb] exposed TP + CP communication.
-        local_tokens: [n_mb, cp] tokens each CP rank holds.
-    """
+    """Seconds of ONE layer per micro-batch on one GPU: ``compute_*`` and ``attn_fwd`` (its
+    attention part) [n_mb, cp] per CP rank, ``comm_*`` [n_mb] exposed TP + CP communication,
+    ``local_tokens`` [n_mb, cp]."""
 
     compute_fwd: np.ndarray
     compute_bwd: np.ndarray
@@ -70,36 +58,22 @@ class LayerCosts:
 
 
 def _collective_seconds(bytes_per_gpu: np.ndarray, group: int, span: int, hw: HardwareProfile):
-    """Ring all-gather / reduce-scatter: each GPU moves (g-1)/g of the full buffer, plus latency."""
+    """Ring all-gather / reduce-scatter: each GPU moves (g-1)/g of the buffer, plus latency."""
     if group <= 1:
         return np.zeros_like(np.asarray(bytes_per_gpu, dtype=np.float64))
     bw = hw.link_gbps(span) * 1e9
     return (group - 1) / group * bytes_per_gpu / bw + hw.collective_latency_us * 1e-6
 
 
-def layer_costs(
-    model: ModelSpec,
-    layout: Layout,
-    hw: HardwareProfile,
-    seg_mb: np.ndarray,
-    seg_rank: np.ndarray,
-    seg_q: np.ndarray,
-    seg_kv: np.ndarray,
-    local_tokens: np.ndarray,
-    attention_time: AttentionTimeFn | None = None,
-    gathered_tokens: np.ndarray | None = None,
-) -> LayerCosts:
-    """One layer's per-GPU costs for a batch of micro-batches, from their CP attention segments.
+def layer_costs(model: ModelSpec, layout: Layout, hw: HardwareProfile, seg_mb, seg_rank, seg_q,
+                seg_kv, local_tokens, attention_time: AttentionTimeFn | None = None,
+                gathered_tokens=None) -> LayerCosts:  # fmt: skip
+    """One layer's per-GPU costs of micro-batches, from their CP attention segments.
 
-    Args:
-        model, layout, hw: What runs where.
-        seg_mb, seg_rank, seg_q, seg_kv: flat arrays, one entry per local attention segment (a query
-            chunk of one document on one CP rank): micro-batch index, CP rank, query length and key
-            length (the document's prefix up to the chunk's end).
-        local_tokens: [n_mb, cp] tokens each CP rank holds (padding included).
-        attention_time: fwd attention seconds for (q, kv, flops); default: tile-padded at attn_tflops.
-        gathered_tokens: [n_mb] tokens whose K/V the CP all-gather moves; default: every token
-            (hybrid sharding gathers its split documents only).
+    ``seg_*`` are flat, one entry per query chunk of one document on one CP rank: micro-batch, CP
+    rank, query length, key length (the document's prefix up to the chunk's end).
+    ``local_tokens`` [n_mb, cp] counts padding; ``gathered_tokens`` [n_mb] are the tokens whose K/V
+    the all-gather moves (default: all; hybrid sharding gathers its split documents only).
     """
     local_tokens = np.asarray(local_tokens, dtype=np.float64)
     n_mb, cp = local_tokens.shape
@@ -125,26 +99,20 @@ def layer_costs(
     tp_comm = 4.0 * _collective_seconds(act_bytes, tp, tp, hw) * (1.0 - hw.tp_overlap)
     # CP: all-gather K and V of the whole micro-batch (local KV heads), reduce-scatter in backward.
     gathered = local_tokens.sum(axis=1) if gathered_tokens is None else gathered_tokens
-    kv_bytes = (
-        np.asarray(gathered, dtype=np.float64)
-        * 2.0
-        * kv_heads_per_gpu
-        * model.head_dim
-        * BF16_BYTES
+    kv_bytes = np.asarray(gathered, dtype=np.float64) * (
+        2.0 * kv_heads_per_gpu * model.head_dim * BF16_BYTES
     )
     cp_comm = _collective_seconds(kv_bytes, layout.cp, layout.cp * tp, hw) * (1.0 - hw.cp_overlap)
     comm = tp_comm + cp_comm
     return LayerCosts(attn + gemm + elem, compute_bwd, attn, comm, comm, local_tokens)
 
 
-def stage_times(
-    model: ModelSpec, layout: Layout, hw: HardwareProfile, chunks: int, costs: LayerCosts
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """[n_mb, PP x chunks] forward / backward time per virtual stage and [n_mb] point-to-point time.
+def stage_times(model: ModelSpec, layout: Layout, hw: HardwareProfile, chunks: int,
+                costs: LayerCosts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    """[n_mb, PP x chunks] forward / backward time per virtual stage, [n_mb] point-to-point time.
 
-    A virtual stage costs its layers, each the slowest CP rank's compute plus the exposed
-    communication; the last one adds the output projection and loss. A send to the next stage moves
-    each GPU's own (sequence-parallel) shard, n / t tokens x dim, between stages tp*cp GPUs apart.
+    A layer costs the slowest CP rank plus exposed communication; the last stage adds the output
+    layer and loss. A send moves each GPU's sequence-parallel shard to a stage tp*cp GPUs away.
     """
     layers = layers_per_vstage(model.n_layers, layout.pp * chunks)
     fwd = (costs.compute_fwd.max(axis=1) + costs.comm_fwd)[:, None] * layers[None, :]
@@ -156,15 +124,12 @@ def stage_times(
     if layout.pp == 1:
         return fwd, bwd, np.zeros(n.shape[0])
     p2p_bw = hw.link_gbps(2 * layout.tp * layout.cp) * 1e9
-    return (
-        fwd,
-        bwd,
-        n * model.dim * BF16_BYTES / layout.tp / p2p_bw + hw.collective_latency_us * 1e-6,
-    )
+    p2p = n * model.dim * BF16_BYTES / layout.tp / p2p_bw + hw.collective_latency_us * 1e-6
+    return fwd, bwd, p2p
 
 
 def layers_per_vstage(n_layers: int, n_vstages: int) -> np.ndarray:
-    """Split the layers over virtual stages as evenly as possible (earlier stages get the extra ones)."""
+    """The layers split over virtual stages as evenly as possible (extra ones go first)."""
     if n_vstages > n_layers:
         raise ValueError(
             f"{n_vstages} pipeline (virtual) stages need at least as many layers, model has {n_layers}"
@@ -174,11 +139,8 @@ def layers_per_vstage(n_layers: int, n_vstages: int) -> np.ndarray:
 
 
 def dp_exposed_seconds(model: ModelSpec, layout: Layout, hw: HardwareProfile) -> float:
-    """Per-step exposed FSDP time: parameter all-gather + gradient reduce-scatter over DP x CP.
-
-    FSDP shards a stage's weights over the DP x CP ranks that hold the same TP shard; most of the
-    traffic overlaps compute (``dp_overlap``), the rest (the last chunk's reduce-scatter) is exposed.
-    """
+    """Exposed FSDP time per step: parameter all-gather + gradient reduce-scatter over DP x CP
+    (the ranks holding one TP shard), of which ``dp_overlap`` hides behind compute."""
     group = layout.dp * layout.cp
     if group <= 1:
         return 0.0
