@@ -19,7 +19,6 @@ from torchtitan_wlb.sim.fit import Calibration, PipelineCalibration, fit, fit_pi
 from torchtitan_wlb.sim.hardware import Layout
 from torchtitan_wlb.sim.records import (
     MicroBatchRecord,
-    is_pipeline,
     load_records,
     pipeline_steps,
     whole_model_records,
@@ -34,18 +33,9 @@ def play_pipeline(fwd: np.ndarray, bwd: np.ndarray, pp: int) -> float:
     return float(simulate_pipeline(sched, fwd[None], bwd[None]).makespan[0])
 
 
-def predict_step_times(calib: Calibration, steps: dict[int, list], pp: int = 1) -> dict[int, float]:
-    """Each step's time from its micro-batches' fitted times: their sum (PP = 1), or with PP > 1
-    each split evenly over the stages (forward 1/3, backward 2/3) and played through 1F1B."""
-    out: dict[int, float] = {}
-    for step, mbs in sorted(steps.items()):
-        t = calib.predict(mbs)
-        if pp == 1:
-            out[step] = float(t.sum())
-        else:
-            per_stage = np.broadcast_to(t[None, :] / pp, (pp, len(mbs)))
-            out[step] = play_pipeline(per_stage / 3.0, per_stage * 2.0 / 3.0, pp)
-    return out
+def _need_two(steps: list[int], what: str) -> None:
+    if len(steps) < 2:
+        raise ValueError(f"step-time check needs >= 2 {what}, got {len(steps)}")
 
 
 def _errors(pred: np.ndarray, meas: np.ndarray) -> dict:
@@ -61,18 +51,21 @@ def _holdout(pred: np.ndarray, meas: np.ndarray) -> dict:
 
 
 def _predicted_steps(calib: Calibration, records: list[MicroBatchRecord], measured: dict, pp: int):
-    """Steps with records and a measured time, their predicted times (the slowest DP rank's) and
-    measured ones."""
+    """Steps with records and a measured time, their predicted and measured times. A rank's step is
+    its micro-batches' fitted times summed (PP = 1), or with PP > 1 each split evenly over the
+    stages (forward 1/3, backward 2/3) and played through 1F1B; a step takes its slowest rank's."""
     by_rank_step: dict[tuple[int, int], list[np.ndarray]] = {}
     for r in records:
         if r.step >= 0:
             by_rank_step.setdefault((r.rank, r.step), []).append(r.doc_lens)
-    common = sorted({s for _, s in by_rank_step} & set(measured))
-    ranks = sorted({k for k, _ in by_rank_step})
-    per_rank = [predict_step_times(calib, {s: by_rank_step[(k, s)] for s in common
-                                           if (k, s) in by_rank_step}, pp=pp) for k in ranks]  # fmt: skip
-    pred = np.array([max(pr.get(s, 0.0) for pr in per_rank) for s in common])
-    return common, pred, np.array([measured[s] for s in common])
+    pred = {s: 0.0 for s in sorted({s for _, s in by_rank_step} & set(measured))}
+    for (_, step), mbs in by_rank_step.items():
+        if step in pred:
+            t = calib.predict(mbs)
+            per_stage = np.broadcast_to(t[None, :] / pp, (pp, len(mbs)))
+            t = float(t.sum()) if pp == 1 else play_pipeline(per_stage / 3, per_stage * 2 / 3, pp)
+            pred[step] = max(pred[step], t)
+    return list(pred), np.array(list(pred.values())), np.array([measured[s] for s in pred])
 
 
 def _cross(predict, own: tuple, others: list[tuple]) -> list[dict]:
@@ -95,11 +88,7 @@ def step_prediction(calib: Calibration, records: list[MicroBatchRecord], measure
                     pp: int = 1, others: list[tuple] = ()) -> dict:  # fmt: skip
     """The steps' times predicted from their micro-batches against the measured ones."""
     common, p, m = _predicted_steps(calib, records, measured, pp)
-    if len(common) < 2:
-        raise ValueError(
-            f"step-time check needs >= 2 steps with both micro-batch records and a measured time, "
-            f"got {len(common)}"
-        )
+    _need_two(common, "steps with both micro-batch records and a measured time")
     out = {"steps_compared": len(common) - len(common) // 2, **_holdout(p, m),
            "mean_abs_rel_error_no_overhead": _errors(p, m)["mean_abs_rel_error"]}  # fmt: skip
     if others:
@@ -117,11 +106,7 @@ def pipeline_step_prediction(records: list[MicroBatchRecord], measured: dict[int
     """
     steps = pipeline_steps(records)
     common = sorted(set(steps) & set(measured))
-    if len(common) < 2:
-        raise ValueError(
-            f"step-time check needs >= 2 complete pipeline steps with a measured time, "
-            f"got {len(common)}"
-        )
+    _need_two(common, "complete pipeline steps with a measured time")
     half = len(common) // 2
     first, second = set(common[:half]), set(common[half:])
 
@@ -156,19 +141,20 @@ def pipeline_step_prediction(records: list[MicroBatchRecord], measured: dict[int
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m torchtitan_wlb.sim.calibrate",
-        description="Fit cost-model coefficients and achieved throughputs to measured micro-batch "
-        "times, and check the step-time prediction.")  # fmt: skip
+    p = argparse.ArgumentParser(prog="python -m torchtitan_wlb.sim.calibrate", description="Fit "
+                                "measured micro-batch times and check the step-time prediction.")  # fmt: skip
     p.add_argument("--records", required=True, help="calibration JSON (see sim.records)")
     p.add_argument("--model", default=None, help="model preset, to derive achieved TFLOP/s")
     for dim in ("tp", "cp", "pp"):
         p.add_argument(f"--{dim}", type=int, default=None)
     p.add_argument("--no-overhead", action="store_true", help="fit without the constant c")
-    p.add_argument("--predict-records", action="append", default=[], metavar="FILE",
-                   help="another run's calibration JSON (e.g. another mode) whose step times are "
-                   "predicted from this file's fit (repeatable); reported under "
-                   "step_prediction.cross")  # fmt: skip
+    p.add_argument(
+        "--predict-records",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="another run's records, whose steps this fit predicts (step_prediction.cross)",
+    )
     p.add_argument("--hardware-out", default=None, help="write the fitted HardwareProfile JSON")
     p.add_argument("--json", action="store_true", help="print one JSON object last")
     return p
@@ -177,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> dict:
     records, steps, meta = load_records(args.records)
     others = [load_records(path)[:2] for path in args.predict_records]
-    pipeline_records = records if is_pipeline(records) else None
+    pipeline_records = records if any(r.stage >= 0 for r in records) else None
     if pipeline_records is not None:
         # Per-stage actions: the top-level fit is of the whole micro-batch (all stages).
         records = whole_model_records(pipeline_records)

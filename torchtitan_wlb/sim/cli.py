@@ -16,14 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from torchtitan_wlb.models.catalogue import DIM_FIELDS, MODELS, ModelSpec, get_model
-from torchtitan_wlb.sim.config import (
-    MODES,
-    REQUIRED_MODES,
-    SimConfig,
-    epoch_steps,
-    get_mode,
-    layout_label,
-)
+from torchtitan_wlb.sim.config import MODES, REQUIRED_MODES, SimConfig, epoch_steps, get_mode
 from torchtitan_wlb.sim.engine import ModeResult, simulate_mode, speedup
 from torchtitan_wlb.sim.hardware import get_hardware, resolve_layout
 from torchtitan_wlb.workloads import DEFAULT_NUM_DOCS, GENERATORS, generate, load_lengths, steps_arg
@@ -149,14 +142,14 @@ def main(argv: list[str] | None = None) -> int:
             d.mkdir(parents=True, exist_ok=True)
             plots.latency_heatmap(list(results.values()), d / "latency_heatmap.png")
             plots.gantt(list(results.values()), d / "pipeline_gantt.png")
-            label = f"{cfg.model.name} {cfg.context_len // 1024}K {layout_label(cfg.layout)}"
+            label = f"{cfg.model.name} {cfg.context_len // 1024}K {cfg.layout.label}"
             speedups = {n: out[f"speedup_{n}_vs_plain"] for n in results if n != "plain_4d"}
             plots.speedup_bars({label: speedups}, d / "speedup.png")
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     out["sim_seconds"] = time.perf_counter() - t0
-    print(f"{cfg.model.name}  context {cfg.context_len}  {layout_label(cfg.layout)}  {cfg.schedule} "
+    print(f"{cfg.model.name}  context {cfg.context_len}  {cfg.layout.label}  {cfg.schedule} "
           f"(v={cfg.chunks})  {cfg.steps} steps  hardware {cfg.hardware.name}")  # fmt: skip
     w = max(16, *(len(n) + 2 for n in results))
     print(f"{'mode':<{w}}{'step_s':>9}{'imbal':>8}{'bubble':>8}{'speedup':>9}")

@@ -112,10 +112,6 @@ def epoch_steps(total_tokens: int, n_global: int, context_len: int, warmup_steps
     return int(total_tokens // per_step) - warmup_steps
 
 
-def layout_label(layout: Layout) -> str:
-    return f"TP{layout.tp} CP{layout.cp} PP{layout.pp} DP{layout.dp}"
-
-
 @dataclass(frozen=True)
 class ModeSpec:
     """One way to pack and shard a step.

@@ -124,6 +124,11 @@ class Layout:
     def as_tuple(self) -> tuple[int, int, int, int]:
         return (self.tp, self.cp, self.pp, self.dp)
 
+    @property
+    def label(self) -> str:
+        """``TP8 CP2 PP4 DP1``: the layout as tables and plots name it."""
+        return f"TP{self.tp} CP{self.cp} PP{self.pp} DP{self.dp}"
+
 
 def resolve_layout(tp: int, cp: int, pp: int, dp: int | None, gpus: int | None) -> Layout:
     """A layout, with DP inferred from the GPU count when not given (which it must then match)."""

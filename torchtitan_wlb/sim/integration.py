@@ -12,20 +12,13 @@ from functools import lru_cache
 import numpy as np
 
 from torchtitan_wlb.cost_model import CostModel
+from torchtitan_wlb.cp.plan import causal_pairs
 from torchtitan_wlb.packing import LengthStream, build_packer, drive, packing_config
 from torchtitan_wlb.packing.placement import dp_order
+from torchtitan_wlb.sim import timing
 from torchtitan_wlb.sim.config import SimConfig
 from torchtitan_wlb.sim.fit import fit
 from torchtitan_wlb.sim.records import MicroBatchRecord
-from torchtitan_wlb.sim.timing import (
-    TILE,
-    AttentionTimeFn,
-    LayerCosts,
-    causal_pairs,
-    layer_costs,
-    stage_times,
-    tile_padded_time_fn,
-)
 from torchtitan_wlb.workloads import cut_stream, cycle_to, split_long
 
 
@@ -122,11 +115,11 @@ def cp_shards(micro_batches: list[np.ndarray], cfg, strategy: str,
                     gathered_tokens=gathered, chose_hybrid=chose_hybrid)  # fmt: skip
 
 
-def shard_costs(shards: CPShards, cfg: SimConfig) -> LayerCosts:
-    return layer_costs(cfg.model, cfg.layout, cfg.hardware, shards.seg_mb, shards.seg_rank,
-                       shards.seg_q, shards.seg_kv, shards.local_tokens,
-                       attention_time=attention_time_fn(cfg),
-                       gathered_tokens=shards.gathered_tokens)  # fmt: skip
+def shard_costs(shards: CPShards, cfg: SimConfig) -> timing.LayerCosts:
+    segs = (shards.seg_mb, shards.seg_rank, shards.seg_q, shards.seg_kv, shards.local_tokens)
+    return timing.layer_costs(cfg.model, cfg.layout, cfg.hardware, *segs,
+                              attention_time=attention_time_fn(cfg),
+                              gathered_tokens=shards.gathered_tokens)  # fmt: skip
 
 
 @lru_cache(maxsize=8)
@@ -137,15 +130,14 @@ def simulated_cp_profile(hw):
 
     grid = np.unique(np.round(2.0 ** np.arange(3, 18.01, 0.25)).astype(np.int64))
     q, kv = np.meshgrid(grid, grid, indexing="ij")
-    fn = tile_padded_time_fn(hw)
-    head_dim = 128
+    fn, tile, head_dim = timing.tile_padded_time_fn(hw), timing.TILE, 128
     valid = q <= kv
     kv_v = np.where(valid, kv, q)  # cells with q > kv are never looked up (NaN in the table)
     fwd_flops = 4.0 * head_dim * causal_pairs(q, kv_v)
     seconds = fn(q, kv_v, fwd_flops) * (1.0 + hw.bwd_attn_factor)
-    tflops = np.where(valid, attention_flops(*_padded(q, kv_v, TILE), 1, head_dim) / seconds / 1e12,
+    tflops = np.where(valid, attention_flops(*_padded(q, kv_v, tile), 1, head_dim) / seconds / 1e12,
                       np.nan)  # fmt: skip
-    return CPProfile(lengths=tuple(int(x) for x in grid), tile=TILE, device=f"simulated-{hw.name}",
+    return CPProfile(lengths=tuple(int(x) for x in grid), tile=tile, device=f"simulated-{hw.name}",
                      tflops=tuple(tuple(float(x) for x in row) for row in tflops),
                      backend="simulated", n_heads=1, n_kv_heads=1, head_dim=head_dim,
                      dtype="bfloat16")  # fmt: skip
@@ -163,11 +155,11 @@ def _measured_profile(path: str):
     return resolve_profile(path)
 
 
-def attention_time_fn(cfg) -> AttentionTimeFn:
+def attention_time_fn(cfg) -> timing.AttentionTimeFn:
     """Forward attention time: the kernel model, or a measured CP profile's forward + backward
     time over (1 + bwd_attn_factor), so that the profile's total is reproduced."""
     if not cfg.cp_profile:
-        return tile_padded_time_fn(cfg.hardware)
+        return timing.tile_padded_time_fn(cfg.hardware)
     from torchtitan_wlb.cp.profile import attention_flops
 
     table = _measured_profile(cfg.cp_profile)
@@ -212,7 +204,7 @@ def _profiled_cost_model(model, layout, hw, context_len: int, cp_profile: str | 
     mbs = profiling_micro_batches(context_len, layout.cp)
     shards = cp_shards(mbs, cfg, "per_document")
     costs = shard_costs(shards, cfg)
-    fwd, bwd, _ = stage_times(model, layout, hw, 1, costs)
+    fwd, bwd, _ = timing.stage_times(model, layout, hw, 1, costs)
     seconds = (fwd + bwd).sum(axis=1)
     records = [MicroBatchRecord(mb, float(s)) for mb, s in zip(mbs, seconds, strict=True)]
     return fit(records, overhead=False).cost_model()

@@ -41,7 +41,10 @@ def micro_batches(seq_len: int, n: int, seed: int) -> list[np.ndarray]:
     return [out[i] for i in rng.permutation(len(out))]
 
 
-def build_model(flavor: str, seq_len: int):
+def run(a: argparse.Namespace) -> dict:
+    """The calibration file: standalone micro-batches, then steps of ``a.grad_accum`` micro-batches
+    and the optimizer update. Each time is the minimum of ``a.repeats`` runs: on a shared machine
+    other processes only ever add time."""
     import dataclasses
 
     import torch
@@ -49,36 +52,24 @@ def build_model(flavor: str, seq_len: int):
     from torchtitan_wlb import cpu_support
 
     cpu_support.activate()  # before torchtitan is imported (below)
+    from torchtitan_wlb.attention.metadata import metadata_from_doc_lens
+    from torchtitan_wlb.data.collate import document_positions
     from torchtitan_wlb.models.llama3_wlb import WLBTransformer, llama3_wlb_args
 
-    if flavor not in llama3_wlb_args:
-        raise ValueError(f"unknown flavor {flavor!r}; accepted: {', '.join(llama3_wlb_args)}")
-    args = dataclasses.replace(llama3_wlb_args[flavor], max_seq_len=seq_len)
+    if a.flavor not in llama3_wlb_args:
+        raise ValueError(f"unknown flavor {a.flavor!r}; accepted: {', '.join(llama3_wlb_args)}")
+    args = dataclasses.replace(llama3_wlb_args[a.flavor], max_seq_len=int(a.seq_len * 1.25))
+    torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     model = WLBTransformer(args)
     with torch.no_grad():
         model.init_weights()
-    return model, args
-
-
-def run(a: argparse.Namespace) -> dict:
-    """The calibration file: standalone micro-batches, then steps of ``a.grad_accum`` micro-batches
-    and the optimizer update. Each time is the minimum of ``a.repeats`` runs: on a shared machine
-    other processes only ever add time."""
-    import torch
-
-    from torchtitan_wlb.attention.metadata import metadata_from_doc_lens
-
-    torch.set_num_threads(a.threads)
-    model, args = build_model(a.flavor, int(a.seq_len * 1.25))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     rng = np.random.default_rng(a.seed)
 
     def fwd_bwd(lens: np.ndarray) -> float:
-        total = int(lens.sum())
-        tokens = torch.from_numpy(rng.integers(0, args.vocab_size, size=(1, total + 1)))
-        starts = np.repeat(np.cumsum(lens) - lens, lens)
-        pos = torch.from_numpy(np.arange(total) - starts).view(1, -1)
+        tokens = torch.from_numpy(rng.integers(0, args.vocab_size, size=(1, int(lens.sum()) + 1)))
+        pos = torch.from_numpy(document_positions(lens)).view(1, -1)
         meta = metadata_from_doc_lens(lens, backend="cpu")
         t0 = time.perf_counter()
         logits = model(tokens[:, :-1], attention_masks=meta, positions=pos)

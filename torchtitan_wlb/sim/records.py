@@ -85,10 +85,6 @@ def load_records(path: str | Path) -> tuple[list[MicroBatchRecord], dict[int, fl
     return parse_records(raw, str(path)), steps, meta
 
 
-def is_pipeline(records: list[MicroBatchRecord]) -> bool:
-    return any(r.stage >= 0 for r in records)
-
-
 def whole_model_records(records: list[MicroBatchRecord]) -> list[MicroBatchRecord]:
     """Per-stage records summed over the stages (each micro-batch's whole time)."""
     by_mb: dict[tuple[int, int], list[MicroBatchRecord]] = {}

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import numpy as np
 
 from torchtitan_wlb.models.catalogue import get_model
-from torchtitan_wlb.sim.config import MODES, SimConfig, epoch_steps, layout_label
+from torchtitan_wlb.sim.config import MODES, SimConfig, epoch_steps
 from torchtitan_wlb.sim.engine import ModeResult, simulate_mode, speedup
 from torchtitan_wlb.sim.hardware import HardwareProfile, Layout
 from torchtitan_wlb.sim.integration import (
@@ -384,7 +384,7 @@ def scale(lengths, steps: int) -> dict:
         "secs": secs, "sp": sweep[lay][0], "scale_steps": steps, "scale_model": model,
         "scale_timed": SCALE_TIMED_STEPS, "scale_target": SCALE_TARGET_S,
         "scale_gpus": lay.world_size, "scale_gpus_k": lay.world_size // K,
-        "scale_label": f"{layout_label(lay)}, {ctx // K}K", "scale_cp": lay.cp, "scale_dp": lay.dp,
+        "scale_label": f"{lay.label}, {ctx // K}K", "scale_cp": lay.cp, "scale_dp": lay.dp,
         "dp_degrees": ", ".join(map(str, dps)), "cp_degrees": ", ".join(map(str, cps)),
         "dp_trend": _trend(dp_sp), "cp_trend": _trend(cp_sp),
         "dp": " / ".join(map(x3, dp_sp)), "cp": " / ".join(map(x3, cp_sp)),
@@ -435,9 +435,9 @@ def fixed_values(lengths: np.ndarray, cfg: SimConfig) -> dict:
         "peak": H100_BF16_PEAK_TFLOPS, "fsdp_exposed": 100 * (1 - hw.dp_overlap),
         "prof_min": int(profiling_micro_batches(cfg.context_len, lay.cp)[0][0]),
         "cm_label": f"{cfg.model.name} / TP{lay.tp} / CP{lay.cp}", "be": cm.break_even_length / K,
-        "main_label": f"{cfg.model.name} / {cfg.context_len // K}K ({layout_label(lay)})",
+        "main_label": f"{cfg.model.name} / {cfg.context_len // K}K ({lay.label})",
         "main_short": f"{cfg.model.name} / {cfg.context_len // K}K", "ctx13": cfg.context_len // K,
-        "layout13": layout_label(lay), "below_tile": 2 * lay.cp * TILE, "p_t2_orig": PAPER_T2_ORIGINAL,
+        "layout13": lay.label, "below_tile": 2 * lay.cp * TILE, "p_t2_orig": PAPER_T2_ORIGINAL,
         "p13_cp_gain": PAPER_FIG13["wlb"] / PAPER_FIG13["varlen_packing"],
         "p15_seq": 100 * p15["adaptive_vs_per_sequence"], "p15_doc": 100 * p15["adaptive_vs_per_document"],
     }  # fmt: skip
