@@ -22,16 +22,10 @@ from typing import NamedTuple
 import numpy as np
 
 from torchtitan_wlb.models.catalogue import get_model
+from torchtitan_wlb.sim import integration as sim
 from torchtitan_wlb.sim.config import MODES, SimConfig, epoch_steps
 from torchtitan_wlb.sim.engine import ModeResult, simulate_mode, speedup
 from torchtitan_wlb.sim.hardware import HardwareProfile, Layout
-from torchtitan_wlb.sim.integration import (
-    cost_model_for,
-    cp_shards,
-    pack_steps,
-    profiling_micro_batches,
-    shard_costs,
-)
 from torchtitan_wlb.sim.timing import TILE
 from torchtitan_wlb.workloads import cut_stream, load_lengths, split_long, steps_arg
 
@@ -100,7 +94,7 @@ def md_table(header: Sequence[str], rows: Iterable[Sequence | str]) -> str:
 # ---------------------------------------------------------------------------------- sections
 def table2(workload: str, quick: bool, cfg: SimConfig) -> dict:
     """Table 2 through the packing benchmark (``pack_bench --table2``) with the profiled cost model."""
-    cm = cost_model_for(cfg)
+    cm = sim.cost_model_for(cfg)
     argv = ["--lengths", workload, "--context-len", str(cfg.context_len), "--micro-batches",
             str(cfg.n_global), "--steps", "40" if quick else "100", "--table2",
             "--attn-coef", repr(cm.attn_coef), "--linear-coef", repr(cm.linear_coef),
@@ -154,7 +148,7 @@ def fig12(lengths, steps: int | None) -> dict:
         fixed.append(speedup(plain, res["fixed_4d"]))
         spf.append(speedup(res["fixed_4d"], wlb))
         tt.append(speedup(res["plain_4d_torchtitan"], wlb))
-        be.setdefault(pc.model, []).append(cost_model_for(cfg).break_even_length / K)
+        be.setdefault(pc.model, []).append(sim.cost_model_for(cfg).break_even_length / K)
         bars[f"{pc.model}\n{pc.context_len // K}K"] = {"fixed_4d": fixed[-1], "wlb": sp[-1]}
         rows.append([pc.model, f"{pc.context_len // K}K", pc.layout.as_tuple(),
                      f"{plain.imbalance.mean():.2f}", x3(fixed[-1]), f"**{x3(sp[-1])}**", x3(spf[-1]),
@@ -203,7 +197,7 @@ def _span(docs: np.ndarray) -> float:
 def shuffled_pack(mode, lengths, cfg: SimConfig, n_steps: int):
     """Diagnostic: the mode's packed micro-batches with their documents in random order, to separate
     the effect of *where* long documents sit in a sequence from per-sequence sharding itself."""
-    steps, stats = pack_steps(mode, lengths, cfg, n_steps)
+    steps, stats = sim.pack_steps(mode, lengths, cfg, n_steps)
     rng = np.random.default_rng(cfg.seed)
     return [[rng.permutation(mb) for mb in step] for step in steps], stats
 
@@ -246,7 +240,7 @@ def fig13(lengths, steps: int | None) -> tuple[dict, dict[str, ModeResult]]:
     ctx = cfg.context_len
     ex_long, ex_short = 3 * ctx // 4, 2 * K
     ex = np.array([ex_long] + [ex_short] * ((ctx - ex_long) // ex_short))
-    attn = shard_costs(cp_shards([ex], cfg, "per_sequence"), cfg).attn_fwd[0]
+    attn = sim.shard_costs(sim.cp_shards([ex], cfg, "per_sequence"), cfg).attn_fwd[0]
     return v | {f"tt_{k}": s for k, s in tt.items()} | {
         "f13_table": md_table(["configuration", "paper", "ours", "imbalance", "per-document share"], rows),
         "tt_span_drop": 100.0 * (1.0 - _span(cut_stream(lengths, ctx)) / _span(split_long(lengths, ctx))),
@@ -343,9 +337,9 @@ def fig15(lengths, steps: int | None) -> dict:
     for packer_mode in ("plain_4d", "wlb"):
         for cp in (2, 4, 8):
             cfg = _cfg(model, ctx, replace(lay, cp=cp), steps, lengths)
-            packed, _ = pack_steps(MODES[packer_mode], lengths, cfg, cfg.steps)
+            packed, _ = sim.pack_steps(MODES[packer_mode], lengths, cfg, cfg.steps)
             flat = [mb for s in packed for mb in s]
-            per_mb = {s: shard_costs(cp_shards(flat, cfg, s), cfg).attn_fwd.max(axis=1)
+            per_mb = {s: sim.shard_costs(sim.cp_shards(flat, cfg, s), cfg).attn_fwd.max(axis=1)
                       for s in ("per_sequence", "per_document", "adaptive")}  # fmt: skip
             t = {s: float(x.sum()) for s, x in per_mb.items()}
             t["oracle"] = float(np.minimum(per_mb["per_sequence"], per_mb["per_document"]).sum())
@@ -425,7 +419,7 @@ def figures(fig_dir: Path, bars: dict, f13: dict[str, ModeResult], f14: dict[int
 
 def fixed_values(lengths: np.ndarray, cfg: SimConfig) -> dict:
     """The workload's statistics, ``cfg``'s hardware and profiled cost model, the paper's values."""
-    hw, cm, lay, p15 = cfg.hardware, cost_model_for(cfg), cfg.layout, PAPER_FIG15
+    hw, cm, lay, p15 = cfg.hardware, sim.cost_model_for(cfg), cfg.layout, PAPER_FIG15
     long = cfg.context_len // 2
     return {
         "main": cfg, "hw": hw, "cm": cm, "p12": PAPER_FIG12, "p13": PAPER_FIG13, "p15": p15, "tol": TOL,
@@ -433,7 +427,7 @@ def fixed_values(lengths: np.ndarray, cfg: SimConfig) -> dict:
         "long_share": 100.0 * float(lengths[lengths > long].sum() / lengths.sum()),
         "hw_name": hw.name.upper(), "gemm_share": 100 * hw.gemm_tflops / H100_BF16_PEAK_TFLOPS,
         "peak": H100_BF16_PEAK_TFLOPS, "fsdp_exposed": 100 * (1 - hw.dp_overlap),
-        "prof_min": int(profiling_micro_batches(cfg.context_len, lay.cp)[0][0]),
+        "prof_min": int(sim.profiling_micro_batches(cfg.context_len, lay.cp)[0][0]),
         "cm_label": f"{cfg.model.name} / TP{lay.tp} / CP{lay.cp}", "be": cm.break_even_length / K,
         "main_label": f"{cfg.model.name} / {cfg.context_len // K}K ({lay.label})",
         "main_short": f"{cfg.model.name} / {cfg.context_len // K}K", "ctx13": cfg.context_len // K,
