@@ -87,13 +87,6 @@ def recommend(lengths, cfg) -> dict:
             "break_even_length": float(cm.break_even_length), "trials": trials}  # fmt: skip
 
 
-def toml_snippet(rec: dict) -> str:
-    th = ", ".join(str(t) for t in rec["queue_thresholds"])
-    return (f'[wlb]\nmode = "wlb"\nqueue_thresholds = [{th}]\nmicro_batch_max_len = '
-            f"{rec['micro_batch_max_len']}  # S_max: check it fits activation memory\n"
-            f"max_delay_steps = {rec['max_delay_steps']}\n")  # fmt: skip
-
-
 def lengths_from_dataset(path: str, limit: int) -> np.ndarray:
     from torchtitan_wlb.data.sources import TextSource
     from torchtitan_wlb.data.tokenizer import ByteTokenizer
@@ -177,7 +170,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{sp['speedup_wlb_hybrid_vs_plain']:.3f}x vs Plain-4D "
               f"({sp['speedup_wlb_hybrid_vs_wlb']:.3f}x vs WLB, hybrid on "
               f"{100 * sp['wlb_hybrid_share']:.0f} % of micro-batches)")  # fmt: skip
-    print("recommended settings:\n" + toml_snippet(out["recommended"]))
+    rec = out["recommended"]
+    print(f'recommended settings:\n[wlb]\nmode = "wlb"\nqueue_thresholds = '
+          f'[{", ".join(str(t) for t in rec["queue_thresholds"])}]\nmicro_batch_max_len = '
+          f"{rec['micro_batch_max_len']}  # S_max: check it fits activation memory\n"
+          f"max_delay_steps = {rec['max_delay_steps']}\n")  # fmt: skip
     if args.json:
         print(json.dumps(out))
     return 0

@@ -48,17 +48,14 @@ class ModeResult:
         per_step = self.rank_compute_s.reshape(self.rank_compute_s.shape[0], -1)
         gpu_imbalance = per_step.max(axis=1) / per_step.mean(axis=1)
         return {
-            "step_time_s": float(self.step_time_s.mean()),
-            "imbalance": float(self.imbalance.mean()),
+            "step_time_s": float(self.step_time_s.mean()), "imbalance": float(self.imbalance.mean()),
             "bubble_fraction": float(self.bubble_fraction.mean()),
             "tokens_per_step": float(self.tokens.mean()),
             "tokens_per_s": float(1.0 / self.seconds_per_token),
-            "gpu_latency_max_over_mean": float(gpu_imbalance.mean()),
-            "packer": self.mode.packer,
-            "cp_strategy": self.mode.cp_strategy,
-            "per_document_share": self.per_document_share,
+            "gpu_latency_max_over_mean": float(gpu_imbalance.mean()), "packer": self.mode.packer,
+            "cp_strategy": self.mode.cp_strategy, "per_document_share": self.per_document_share,
             "hybrid_share": self.hybrid_share,
-        }
+        }  # fmt: skip
 
 
 def simulate_mode(mode: ModeSpec, lengths, cfg: SimConfig, pack: PackFn = pack_steps) -> ModeResult:
