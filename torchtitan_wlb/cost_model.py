@@ -213,7 +213,8 @@ class CostModel:
 def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Non-negative least squares for a few columns: the best over all active sets (exact).
 
-    The one NNLS of the package: ``from_profile`` and the simulator's calibration fit with it.
+    ``from_profile`` and the simulator's calibration fit with it (``cost_fit`` solves its online
+    fit from running sums instead).
     """
     n_col = x.shape[1]
     best, best_err = np.zeros(n_col), float(np.sum(y * y))
