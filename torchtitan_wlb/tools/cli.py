@@ -68,8 +68,8 @@ def require_at_least(
 ) -> None:
     """``parser.error`` naming the first of the flags ``names`` (argparse dests) below ``minimum``."""
     for name in names:
-        if getattr(args, name) < minimum:
-            parser.error(f"--{name.replace('_', '-')} = {getattr(args, name)} must be >= {minimum}")
+        if (value := getattr(args, name)) < minimum:
+            parser.error(f"--{name.replace('_', '-')} = {value} must be >= {minimum}")
 
 
 def progress(iterable: Iterable[Any] | None = None, **kwargs: Any) -> tqdm:
