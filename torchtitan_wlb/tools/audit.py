@@ -133,7 +133,7 @@ def _collect(
 ) -> tuple[np.ndarray, np.ndarray]:
     """All trained document ids of steps 1..last_step and their (step, dp_rank, micro-batch)."""
     ids: list[list[int]] = []
-    locs: list[tuple[int, int, int, int]] = []
+    locs: list[tuple[int, int, int]] = []
     for step in range(1, last_step + 1):
         recs = steps.get(step)
         if not recs:
@@ -151,14 +151,10 @@ def _collect(
             mbs = _same(by_dp[dp_rank], "micro_batches", f"the documents of step {step}")
             for mb, doc_ids in enumerate(mbs):
                 ids.append(doc_ids)
-                locs.append((step, dp_rank, mb, len(doc_ids)))
+                locs.append((step, dp_rank, mb))
     flat = np.fromiter((i for group in ids for i in group), np.int64)
-    where = np.repeat(
-        np.asarray([loc[:3] for loc in locs], np.int64).reshape(-1, 3),
-        np.asarray([loc[3] for loc in locs], np.int64),
-        axis=0,
-    )
-    return flat, where
+    counts = np.asarray([len(group) for group in ids], np.int64)
+    return flat, np.repeat(np.asarray(locs, np.int64).reshape(-1, 3), counts, axis=0)
 
 
 def _neighbours(doc: int, trained: np.ndarray, where: np.ndarray) -> str:

@@ -42,22 +42,9 @@ class ToolParser(argparse.ArgumentParser):
 def examples(doc: str) -> list[str]:
     """The example commands of a tool's docstring: its indented lines starting ``python -m``,
     with backslash-continued lines joined (a trailing ``# comment`` kept)."""
-    out: list[str] = []
-    pending = ""
-    for raw in doc.splitlines():
-        line = raw.strip()
-        if pending:
-            pending += " " + line
-        elif raw.startswith("    python -m "):
-            pending = line
-        else:
-            continue
-        if pending.endswith("\\"):
-            pending = pending[:-1].rstrip()
-            continue
-        out.append(re.sub(r"\s+", " ", pending))
-        pending = ""
-    return out
+    joined = re.sub(r"[ \t]*\\[ \t]*\n[ \t]*", " ", doc)
+    lines = [line for line in joined.splitlines() if line.startswith("    python -m ")]
+    return [re.sub(r"\s+", " ", line.strip()) for line in lines]
 
 
 def require_at_least(

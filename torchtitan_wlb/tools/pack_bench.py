@@ -30,6 +30,7 @@ from torchtitan_wlb.models.catalogue import MODELS, get_model
 from torchtitan_wlb.packing import (
     PACKERS,
     LengthStream,
+    Packer,
     PackingConfig,
     build_packer,
     drain,
@@ -68,14 +69,10 @@ def build_cost_model(args: argparse.Namespace) -> CostModel:
 
 
 class _TokenSource(BaseNode[dict]):
-    """Documents of the given lengths as the document node yields them (ids and int32 tokens).
-
-    The benchmark times the packing node, not a tokenizer, so the tokens already exist: views of
-    one arena of ``arena_tokens`` tokens, laid out one after the other and wrapping around, so
-    that the documents of a few steps occupy distinct memory (more than the caches hold, as
-    freshly tokenized documents would). Like the document node it offers ``read_documents``, the
-    batched read the packing node uses.
-    """
+    """Documents of the given lengths as the document node yields them (ids and int32 tokens, and
+    the batched ``read_documents``), without a tokenizer: views of an arena of ``arena_tokens``
+    tokens, laid out one after the other and wrapping around, so that a few steps' documents occupy
+    more memory than the caches hold, as freshly tokenized ones would."""
 
     def __init__(self, lengths: np.ndarray, arena_tokens: int = 0) -> None:
         super().__init__()
@@ -112,27 +109,15 @@ class _TokenSource(BaseNode[dict]):
         return {"pos": self._pos}
 
 
-def node_step_ms(
-    packer_name: str,
-    lengths: np.ndarray,
-    config: PackingConfig,
-    cost_model: CostModel,
-    steps: int | None,
-    dp: int,
-) -> tuple[list[float], list[float]]:
-    """Wall and CPU milliseconds of every step of the data node (DP rank 0 of ``dp``).
-
-    CPU time is the node's thread's own: on a machine whose cores are shared, wall time also
-    counts other processes' time slices, CPU time only the node's work (still slowed by their
-    use of the caches and memory bandwidth).
-    """
-    packer = build_packer(packer_name, config, cost_model)
-    arena = 4 * config.micro_batches * config.context_len  # four global batches
+def node_step_ms(packer: Packer, lengths: np.ndarray, steps: int, dp: int) -> tuple[list, list]:
+    """Wall and CPU milliseconds of every step of the data node (DP rank 0 of ``dp``). CPU time is
+    the node's thread's own: on shared cores wall time also counts other processes' slices."""
+    arena = 4 * packer.config.micro_batches * packer.config.context_len  # four global batches
     node = WLBPackingNode(_TokenSource(lengths, arena), packer, dp_rank=0, dp_degree=dp)
     node.reset()
     wall: list[float] = []
     cpu: list[float] = []
-    while steps is None or len(wall) < steps:
+    while len(wall) < steps:
         start, start_cpu = time.perf_counter(), time.thread_time()
         try:
             next(node)
@@ -174,7 +159,8 @@ def run(
     if config.window > 1 and packer_name in ("fixed_greedy", "solver"):
         g = config.window  # one plan per window of G steps: amortise it over the window
         plan_ms = [sum(plan_ms[i : i + g]) / g for i in range(0, len(plan_ms), g)]
-    node_ms, node_cpu_ms = node_step_ms(packer_name, lengths, config, cost_model, len(scored), dp)
+    fresh = build_packer(packer_name, config, cost_model)
+    node_ms, node_cpu_ms = node_step_ms(fresh, lengths, len(scored), dp)
     ratio = np.array([s["imbalance"] for s in per_step]) if per_step else np.ones(1)
     top = np.array([s["max_workload"] for s in per_step])
     mean = np.array([s["mean_workload"] for s in per_step])
@@ -374,12 +360,9 @@ def table2(args: argparse.Namespace, cost_model: CostModel) -> list[dict[str, An
 def solver_gap(
     lengths: np.ndarray, config: PackingConfig, cost_model: CostModel, steps: int, limit: float
 ) -> dict[str, Any]:
-    """Re-solve the documents ``wlb`` emitted in each of its first ``steps`` steps exactly.
-
-    Same documents, same N, same S_max: the ratio of wlb's heaviest micro-batch to the optimum
-    isolates the placement quality from the release decisions. Windows the solver does not
-    finish within ``limit`` seconds are reported against its proven lower bound.
-    """
+    """Re-solve the documents ``wlb`` emitted in each of its first ``steps`` steps exactly (same
+    N and S_max), isolating its placement quality from its release decisions; windows the solver
+    does not finish within ``limit`` seconds are compared with its proven lower bound."""
     from torchtitan_wlb.packing.solver import solve_minmax
 
     packer = build_packer("wlb", config, cost_model)

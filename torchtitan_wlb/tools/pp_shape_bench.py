@@ -78,13 +78,8 @@ def _worker(rank: int, args: argparse.Namespace, init_file: str, out_file: str) 
     from torchtitan_wlb.pipeline import VarlenPipelineRunner
 
     torch.set_num_threads(args.threads)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=2,
-        timeout=timedelta(seconds=300),
-    )
+    url, timeout = f"file://{init_file}", timedelta(seconds=300)
+    dist.init_process_group("gloo", init_method=url, rank=rank, world_size=2, timeout=timeout)
     try:
         mesh = dist.init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
         runner = VarlenPipelineRunner(_build_pipeline(args, mesh))
@@ -124,18 +119,19 @@ def _worker(rank: int, args: argparse.Namespace, init_file: str, out_file: str) 
         # Shape exchange alternatives, rank 0 (stage 0) -> rank 1 (stage 1).
         lens_t = torch.tensor(alt[0], dtype=torch.int64)
 
-        def exchange_batched() -> None:
+        def p2p(tensor: torch.Tensor) -> None:
+            """Rank 0 sends ``tensor``, rank 1 receives into it."""
             if rank == 0:
-                dist.send(lens_t, dst=1)
+                dist.send(tensor, dst=1)
             else:
-                dist.recv(torch.empty_like(lens_t), src=0)
+                dist.recv(tensor, src=0)
+
+        def exchange_batched() -> None:
+            p2p(lens_t if rank == 0 else torch.empty_like(lens_t))
 
         def exchange_per_mb_tensor() -> None:
             for i in range(args.n_mb):
-                if rank == 0:
-                    dist.send(lens_t[i : i + 1].clone(), dst=1)
-                else:
-                    dist.recv(torch.empty(1, dtype=torch.int64), src=0)
+                p2p(lens_t[i : i + 1].clone() if rank == 0 else torch.empty(1, dtype=torch.int64))
 
         def exchange_per_mb_object() -> None:
             for i in range(args.n_mb):
