@@ -177,14 +177,17 @@ def _worker(rank: int, args: argparse.Namespace, init_file: str, out_file: str) 
 
 def parser() -> ToolParser:
     p = ToolParser.from_doc("torchtitan_wlb.tools.pp_shape_bench", __doc__)
-    p.add_argument("--n-mb", type=int, default=4, help="micro-batches per step")
-    p.add_argument("--min-len", type=int, default=64, help="shortest micro-batch (tokens)")
-    p.add_argument("--max-len", type=int, default=1024, help="longest micro-batch (tokens)")
-    p.add_argument("--dim", type=int, default=128, help="model width")
-    p.add_argument("--layers", type=int, default=2, help="transformer layers")
-    p.add_argument("--vocab", type=int, default=512, help="vocabulary size")
-    p.add_argument("--reps", type=int, default=10, help="timed steps per measurement")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    for flag, default, text in (
+        ("--n-mb", 4, "micro-batches per step"),
+        ("--min-len", 64, "shortest micro-batch (tokens)"),
+        ("--max-len", 1024, "longest micro-batch (tokens)"),
+        ("--dim", 128, "model width"),
+        ("--layers", 2, "transformer layers"),
+        ("--vocab", 512, "vocabulary size"),
+        ("--reps", 10, "timed steps per measurement"),
+        ("--threads", 1, "torch threads per rank"),
+    ):
+        p.add_argument(flag, type=int, default=default, help=text)
     p.add_argument("--json", action="store_true", help="print one JSON object last")
     return p
 
