@@ -53,7 +53,7 @@ def require_at_least(
     names: Iterable[str],
     minimum: int = 1,
 ) -> None:
-    """``parser.error`` naming the first of the flags ``names`` (argparse dests) below ``minimum``."""
+    """``parser.error`` naming the first flag of ``names`` (argparse dests) below ``minimum``."""
     for name in names:
         if (value := getattr(args, name)) < minimum:
             parser.error(f"--{name.replace('_', '-')} = {value} must be >= {minimum}")

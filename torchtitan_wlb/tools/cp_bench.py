@@ -31,6 +31,7 @@ from torchtitan_wlb.cp.torch_lb import (
     torch_assignment,
 )
 from torchtitan_wlb.packing import OriginalPacker, PackingConfig
+from torchtitan_wlb.packing.driver import take_until
 from torchtitan_wlb.tools.cli import ToolParser, require_at_least
 from torchtitan_wlb.workloads import GENERATORS, generate, load_lengths, split_long
 
@@ -38,15 +39,14 @@ STRATEGY_NAMES = ("per_sequence", "per_document", "hybrid", "adaptive")
 
 
 def pack_micro_batches(lens: np.ndarray, context_len: int, micro_batches: int) -> list[np.ndarray]:
-    """``micro_batches`` micro-batches with the packing engineer's "original" packer."""
+    """``micro_batches`` micro-batches of one step of TorchTitan's sequential fill ("original")."""
     lens = split_long(lens, context_len)
     packer = OriginalPacker(
         PackingConfig(micro_batches=micro_batches, context_len=context_len),
         CostModel.from_coefficients(1.0, 1.0),
     )
-    need = packer.tokens_wanted()
-    take = int(np.searchsorted(np.cumsum(lens), need)) + 1
-    if take > len(lens):
+    take, ran_out = take_until(packer.tokens_wanted(), np.cumsum(lens), 0)
+    if ran_out:
         raise ValueError(
             f"{int(lens.sum())} tokens of documents cannot fill {micro_batches} micro-batches of "
             f"{context_len} tokens"
@@ -84,12 +84,11 @@ def _rank_step(plan: CPPlan, rank: int, heads: int, kv_heads: int, head_dim: int
     q = rand(n_local, heads)
     k, v = rand(plan.gathered_len, kv_heads), rand(plan.gathered_len, kv_heads)
     k_whole, v_whole = rand(n_whole, kv_heads), rand(n_whole, kv_heads)
-    calls = [
-        (q[: spec.n_head_tokens], k, v, spec.cu_seqlens_q[0], spec.cu_seqlens_k[0],
-         spec.max_seqlen_q[0], spec.max_seqlen_k[0]),
-        (q[spec.n_head_tokens : n_gather], k, v, spec.cu_seqlens_q[1], spec.cu_seqlens_k[1],
-         spec.max_seqlen_q[1], spec.max_seqlen_k[1]),
-    ]  # fmt: skip
+    halves = (q[: spec.n_head_tokens], q[spec.n_head_tokens : n_gather])
+    calls = []
+    for h, qs in enumerate(halves):
+        cu_q, cu_k = spec.cu_seqlens_q[h], spec.cu_seqlens_k[h]
+        calls.append((qs, k, v, cu_q, cu_k, spec.max_seqlen_q[h], spec.max_seqlen_k[h]))
     if n_whole:
         cu, m = spec.cu_seqlens_whole, spec.max_seqlen_whole
         calls.append((q[n_gather:], k_whole, v_whole, cu, cu, m, m))

@@ -2,7 +2,8 @@
 
     python -m torchtitan_wlb.tools.dry_run train_configs/paper/*.toml
     python -m torchtitan_wlb.tools.dry_run train_configs/llama3_70b_128k.toml --verbose
-    python -m torchtitan_wlb.tools.dry_run train_configs/debug_cpu.toml --ngpu 4 -- --parallelism.tensor_parallel_degree 2
+    python -m torchtitan_wlb.tools.dry_run train_configs/debug_cpu.toml --ngpu 4 \\
+        -- --parallelism.tensor_parallel_degree 2
 
 The WLBTrainer is constructed as rank 0 of TorchTitan's fake process group would build it (device
 mesh, model, pipeline split and schedule, TP/FSDP plans, optimizer, data pipeline), so what fails on
@@ -63,7 +64,8 @@ def _layout_trainer_class() -> type:
     class LayoutTrainer(WLBTrainer):
         """WLBTrainer whose model stays on the meta device: TorchTitan's Trainer assigns
         ``self.train_spec`` inside ``__init__``, and this property wraps the spec's
-        ``parallelize_fn`` as it is assigned (the pipeline split parallelises each stage with it)."""
+        ``parallelize_fn`` as it is assigned (the pipeline split parallelises each stage with
+        it)."""
 
         @property
         def train_spec(self) -> Any:
