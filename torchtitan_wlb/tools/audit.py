@@ -23,8 +23,6 @@ import numpy as np
 from torchtitan_wlb.audit_log import AuditLogError, read_audit_logs
 from torchtitan_wlb.tools.cli import ToolParser
 
-__all__ = ["AuditReport", "audit", "main"]
-
 
 @dataclass
 class AuditReport:
