@@ -114,12 +114,9 @@ def run_mode(
     figures, read from every rank's metrics log."""
     label = f"{mode}+{cp_sharding}" if cp_sharding else mode
     dump = workdir / label
-    if mode == FLOOR:
-        steps = ["--training.steps", str(args.floor_steps)]
-    elif args.steps == "epoch":
-        steps = ["--training.steps", "100000", "--wlb.epochs", "1"]
-    else:
-        steps = ["--training.steps", str(args.steps)]
+    n_steps = args.floor_steps if mode == FLOOR else args.steps
+    epoch = ["--training.steps", "100000", "--wlb.epochs", "1"]
+    steps = epoch if n_steps == "epoch" else ["--training.steps", str(n_steps)]
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
         "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", "--role", "rank",
@@ -142,9 +139,8 @@ def run_mode(
     wall = time.perf_counter() - start
     if status != 0:
         raise RuntimeError(f"mode {label} failed:\n{output[-6000:]}")
-    per_rank = []
-    for log in sorted((dump / "wlb_metrics").glob("rank_*.jsonl")):
-        per_rank.append({rec["step"]: rec for rec in map(json.loads, log.open())})
+    logs = sorted((dump / "wlb_metrics").glob("rank_*.jsonl"))
+    per_rank = [{rec["step"]: rec for rec in map(json.loads, log.open())} for log in logs]
     steps_done = sorted(set.intersection(*(set(r) for r in per_rank)))
     timed = [s for s in steps_done if s > args.warmup] or steps_done
     step_times = [max(r[s]["wlb/step_time_s"] for r in per_rank) for s in steps_done]
