@@ -2,27 +2,13 @@
 
     python -m torchtitan_wlb.tools.audit outputs/debug_cpu --require-complete
 
-The directory is the run's ``[job] dump_folder``; every rank wrote ``wlb_audit/rank_<N>.jsonl``
-(:mod:`torchtitan_wlb.audit_log`). The run may have been killed and resumed any number of times:
-launches are replayed in order, and a launch that resumed from the checkpoint of step ``c``
-supersedes every record of earlier launches for steps after ``c`` (it re-trained them; the model
-those steps had produced was lost with the kill).
-
-What is proven, over the steps that count:
-  - every step has a record from every DP rank, and the ranks of one DP rank (its CP, TP and PP
-    peers) trained the same documents;
-  - no document was trained twice (across steps, DP ranks and micro-batches), and none is both
-    trained and still waiting in the packer;
-  - no document was lost: every document below the highest one trained was trained or is still
-    waiting in the packer; once the data has ended, every document of the pass was trained.
-
-Which steps count: all of them up to the last launch's end if it ended normally; if it did not (a
-kill, or still running), up to the last checkpoint that was complete -- what a resume continues
-from -- and the steps after it are reported as "to be re-trained".
-
-Prints one line. Exit status 0: proven (``--require-complete``: and the pass is complete); 1: a
-document lost or repeated (the first one is named with the steps involved), an incomplete log, or
-with ``--require-complete`` a pass that is not over; 2: logs that cannot be read.
+The directory is the run's ``[job] dump_folder`` (every rank wrote ``wlb_audit/rank_<N>.jsonl``,
+:mod:`torchtitan_wlb.audit_log`). Launches are replayed in order: one that resumed from the
+checkpoint of step ``c`` supersedes earlier launches' records after ``c``. If the last launch did
+not end, the steps up to its last complete checkpoint count. Proven: every step has a record from
+every DP rank, whose peers agree; no document trained twice or both trained and waiting; none
+lost. Exit status: 0 proven, 1 not (or, with ``--require-complete``, a pass not over), 2 unreadable
+logs. More in docs/data.md.
 """
 
 from __future__ import annotations
@@ -36,8 +22,6 @@ import numpy as np
 
 from torchtitan_wlb.audit_log import AuditLogError, read_audit_logs
 from torchtitan_wlb.tools.cli import ToolParser
-
-__all__ = ["AuditReport", "audit", "main"]
 
 
 @dataclass
@@ -99,8 +83,7 @@ def _replay(records: list[dict[str, Any]]) -> _Timeline:
     by_launch: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for rec in records:
         by_launch[rec["launch"]].append(rec)
-    steps: dict[int, list[dict]] = {}
-    ckpts: dict[int, list[dict]] = {}
+    kept: dict[str, dict[int, list[dict]]] = {"step": {}, "checkpoint": {}}  # by event, step
     superseded: list[tuple[int, int]] = []
     dp_degree: int | None = None
     order = _launch_order(records)
@@ -121,18 +104,18 @@ def _replay(records: list[dict[str, Any]]) -> _Timeline:
                 f"launch {launch} ran with DP degree {degree}, an earlier one with {dp_degree}"
             )
         dp_degree = degree
-        later = sorted(s for s in steps if s > c)
+        later = sorted(s for s in kept["step"] if s > c)
         if later:
             superseded.append((later[0], later[-1]))
-        steps = {s: r for s, r in steps.items() if s <= c}
-        ckpts = {s: r for s, r in ckpts.items() if s <= c}
+        kept = {
+            event: {s: r for s, r in by_step.items() if s <= c} for event, by_step in kept.items()
+        }
         for rec in recs:
-            if rec["event"] == "step":
-                steps.setdefault(int(rec["step"]), []).append(rec)
-            elif rec["event"] == "checkpoint":
-                ckpts.setdefault(int(rec["step"]), []).append(rec)
+            if rec["event"] in kept:
+                kept[rec["event"]].setdefault(int(rec["step"]), []).append(rec)
     ends = [r for r in by_launch[order[-1]] if r["event"] == "end"]
-    return _Timeline(steps, ckpts, superseded, len(order), int(dp_degree or 1), ends)
+    degree = int(dp_degree or 1)
+    return _Timeline(kept["step"], kept["checkpoint"], superseded, len(order), degree, ends)
 
 
 def _same(records: list[dict], key: str, what: str) -> Any:
@@ -148,7 +131,7 @@ def _collect(
 ) -> tuple[np.ndarray, np.ndarray]:
     """All trained document ids of steps 1..last_step and their (step, dp_rank, micro-batch)."""
     ids: list[list[int]] = []
-    locs: list[tuple[int, int, int, int]] = []
+    locs: list[tuple[int, int, int]] = []
     for step in range(1, last_step + 1):
         recs = steps.get(step)
         if not recs:
@@ -166,14 +149,10 @@ def _collect(
             mbs = _same(by_dp[dp_rank], "micro_batches", f"the documents of step {step}")
             for mb, doc_ids in enumerate(mbs):
                 ids.append(doc_ids)
-                locs.append((step, dp_rank, mb, len(doc_ids)))
+                locs.append((step, dp_rank, mb))
     flat = np.fromiter((i for group in ids for i in group), np.int64)
-    where = np.repeat(
-        np.asarray([loc[:3] for loc in locs], np.int64).reshape(-1, 3),
-        np.asarray([loc[3] for loc in locs], np.int64),
-        axis=0,
-    )
-    return flat, where
+    counts = np.asarray([len(group) for group in ids], np.int64)
+    return flat, np.repeat(np.asarray(locs, np.int64).reshape(-1, 3), counts, axis=0)
 
 
 def _neighbours(doc: int, trained: np.ndarray, where: np.ndarray) -> str:
@@ -205,13 +184,9 @@ def _span(timeline: _Timeline) -> _Span:
         last_step = int(_same(ends, "step", "the last step"))
         complete = _same(ends, "reason", "why the run ended") == "end of data"
         note = "" if complete else f"; stopped by training.steps at step {last_step}"
-        return _Span(
-            last_step,
-            _same(ends, "pending", "the documents still waiting"),
-            _same(ends, "documents", "how many documents the data held"),
-            complete,
-            note,
-        )
+        pending = _same(ends, "pending", "the documents still waiting")
+        documents = _same(ends, "documents", "how many documents the data held")
+        return _Span(last_step, pending, documents, complete, note)
     logged = max(timeline.steps, default=0)
     if not ckpts:
         note = (
@@ -219,14 +194,12 @@ def _span(timeline: _Timeline) -> _Span:
             "be ruled out"
         )
         return _Span(logged, None, None, False, note)
-    last_step = max(ckpts)
-    pending = _same(ckpts[last_step], "pending", f"the checkpoint of step {last_step}")
-    note = (
-        f"; the last launch did not end (killed?): counted up to its checkpoint of step {last_step}"
-    )
-    if logged > last_step:
-        note += f", steps {last_step + 1}-{logged} will be re-trained on resume"
-    return _Span(last_step, pending, None, False, note)
+    last = max(ckpts)
+    pending = _same(ckpts[last], "pending", f"the checkpoint of step {last}")
+    note = f"; the last launch did not end (killed?): counted up to its checkpoint of step {last}"
+    if logged > last:
+        note += f", steps {last + 1}-{logged} will be re-trained on resume"
+    return _Span(last, pending, None, False, note)
 
 
 def _first_problem(trained: np.ndarray, where: np.ndarray, span: _Span) -> str | None:
@@ -260,12 +233,9 @@ def _first_problem(trained: np.ndarray, where: np.ndarray, span: _Span) -> str |
         lost = np.zeros(0, np.int64)
     if lost.size:
         doc = int(lost[0])
+        near = _neighbours(doc, trained, where)
         problems.append(
-            (
-                doc,
-                f"document {doc} was never trained{_neighbours(doc, trained, where)} and is not "
-                "waiting in the packer",
-            )
+            (doc, f"document {doc} was never trained{near} and is not waiting in the packer")
         )
     return min(problems)[1] if problems else None
 
@@ -299,24 +269,13 @@ def audit(output_dir: str) -> AuditReport:
         f"{'the pass is complete (end of data)' if span.complete else 'the pass is not over'}"
         f"{span.note}; {history}"
     )
-    return AuditReport(
-        ok=True,
-        complete=span.complete,
-        message=message,
-        steps=span.last_step,
-        documents=n,
-        superseded=timeline.superseded,
-    )
+    return AuditReport(True, span.complete, message, span.last_step, n, timeline.superseded)
 
 
 def parser() -> ToolParser:
     p = ToolParser.from_doc("torchtitan_wlb.tools.audit", __doc__)
     p.add_argument("output_dir", help="the run's dump folder ([job] dump_folder)")
-    p.add_argument(
-        "--require-complete",
-        action="store_true",
-        help="also fail (exit 1) unless the data ended and the whole pass is proven",
-    )
+    p.add_argument("--require-complete", action="store_true", help="fail unless the pass is over")
     return p
 
 
@@ -328,9 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"audit: {e}", file=sys.stderr)
         return 2
     print(report.message)
-    if not report.ok or (args.require_complete and not report.complete):
-        return 1
-    return 0
+    return 1 if not report.ok or (args.require_complete and not report.complete) else 0
 
 
 if __name__ == "__main__":

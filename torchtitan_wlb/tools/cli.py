@@ -1,13 +1,7 @@
-"""What every tool's command line shares: one error style, examples in ``--help``, one progress bar.
-
-- :class:`ToolParser` is argparse's parser with two changes: a bad command line (an unknown flag, a
-  value out of range, an unreadable lengths file reported through ``parser.error``) is one line,
-  ``<prog>: error: <message>``, on stderr and exit status 2 -- not argparse's usage block; and
-  :meth:`ToolParser.from_doc` takes the description and the ``--help`` examples from the tool's
-  module docstring, whose indented ``python -m ...`` lines are the examples (a test parses each
-  one with the tool's parser, so they stay runnable).
-- :func:`progress` is tqdm's bar on stderr, shown only when stderr is a terminal, so piped or
-  captured output (CI, ``--json`` consumers) stays clean.
+"""What every tool's command line shares: one-line errors (``<prog>: error: <message>``, exit
+status 2, not argparse's usage block), ``--help`` examples taken from the module docstring (a test
+parses each one, so they stay runnable), range checks, and a progress bar that shows only on a
+terminal, so piped ``--json`` output stays clean.
 """
 
 from __future__ import annotations
@@ -48,22 +42,21 @@ class ToolParser(argparse.ArgumentParser):
 def examples(doc: str) -> list[str]:
     """The example commands of a tool's docstring: its indented lines starting ``python -m``,
     with backslash-continued lines joined (a trailing ``# comment`` kept)."""
-    out: list[str] = []
-    pending = ""
-    for raw in doc.splitlines():
-        line = raw.strip()
-        if pending:
-            pending += " " + line
-        elif raw.startswith("    python -m "):
-            pending = line
-        else:
-            continue
-        if pending.endswith("\\"):
-            pending = pending[:-1].rstrip()
-            continue
-        out.append(re.sub(r"\s+", " ", pending))
-        pending = ""
-    return out
+    joined = re.sub(r"[ \t]*\\[ \t]*\n[ \t]*", " ", doc)
+    lines = [line for line in joined.splitlines() if line.startswith("    python -m ")]
+    return [re.sub(r"\s+", " ", line.strip()) for line in lines]
+
+
+def require_at_least(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    names: Iterable[str],
+    minimum: int = 1,
+) -> None:
+    """``parser.error`` naming the first flag of ``names`` (argparse dests) below ``minimum``."""
+    for name in names:
+        if (value := getattr(args, name)) < minimum:
+            parser.error(f"--{name.replace('_', '-')} = {value} must be >= {minimum}")
 
 
 def progress(iterable: Iterable[Any] | None = None, **kwargs: Any) -> tqdm:

@@ -1,36 +1,13 @@
-"""Compare CP sharding strategies on packed micro-batches.
+"""Compare CP sharding strategies (and torch's own load balancers) on packed micro-batches:
+FLOPs and token balance, K/V gathered, small chunks, plan time; ``--measure`` also times every
+rank's local attention on this machine.
 
     python -m torchtitan_wlb.tools.cp_bench --generator longtail_scaled --context-len 131072 \\
         --cp 8 --micro-batches 16 --json
     python -m torchtitan_wlb.tools.cp_bench --generator short --context-len 8192 --cp 2 \\
         --micro-batches 4 --measure --json
 
-Packs ``M`` micro-batches of at most ``L`` tokens from the document lengths (TorchTitan's sequential
-"original" fill, documents longer than ``L`` split into ``L``-token pieces first), plans each one with
-``per_sequence``, ``per_document``, ``hybrid`` and ``adaptive``, runs torch's own load balancers
-(``torch_head_tail``, ``torch_per_document``, ``torch_ptrr``: :mod:`torchtitan_wlb.cp.torch_lb`) on
-the same micro-batches, and prints, last, one JSON object::
-
-    {"per_sequence": {...}, "per_document": {...}, "hybrid": {...}, "adaptive": {...},
-     "torch_head_tail": {...}, "torch_per_document": {...}, "torch_ptrr": {...}, "config": {...}}
-
-Each strategy reports ``flops_imbalance`` (mean over micro-batches of max/mean per-rank attention
-FLOPs, document-masked), ``token_imbalance`` (the same for tokens), ``kv_gather_bytes`` (K/V bytes
-each rank receives in one layer's forward all-gather, for ``--kv-heads`` x ``--head-dim`` x
-``--kv-dtype-bytes``; ``kv_gather_tokens`` the rows), ``small_chunks`` (mean per micro-batch of the
-pieces under 128 tokens cut out of documents: runs of one document's tokens on one rank, whole
-documents not counted; ``small_chunks_short_docs`` the total from documents up to hybrid's threshold
-of the micro-batch),
-``plan_ms`` (median time to build one micro-batch's plan plus one rank's index arrays and attention
-metadata arrays; for torch's balancers, their rearrange and restore indices), and adaptive the shares
-of micro-batches that chose per-document and hybrid. torch's balancers get the padding they require
-(``pad_tokens``).
-``--measure`` also runs every rank's local attention (forward + backward, CPU backend, one thread)
-and reports the measured max/mean per-rank CPU time. ``--lengths FILE`` reads your own document
-lengths (the same files as every tool: :func:`torchtitan_wlb.workloads.load_lengths`). Without
-``--lengths``, ``--generator NAME``
-synthesises the lengths with one of :data:`torchtitan_wlb.workloads.GENERATORS` (default
-``longtail_scaled``, a long-tailed stream; ``short``: about 1,000 documents per 128K micro-batch).
+What is measured and every JSON key: docs/benchmarks_cp.md.
 """
 
 from __future__ import annotations
@@ -54,22 +31,22 @@ from torchtitan_wlb.cp.torch_lb import (
     torch_assignment,
 )
 from torchtitan_wlb.packing import OriginalPacker, PackingConfig
-from torchtitan_wlb.tools.cli import ToolParser
+from torchtitan_wlb.packing.driver import take_until
+from torchtitan_wlb.tools.cli import ToolParser, require_at_least
 from torchtitan_wlb.workloads import GENERATORS, generate, load_lengths, split_long
 
 STRATEGY_NAMES = ("per_sequence", "per_document", "hybrid", "adaptive")
 
 
 def pack_micro_batches(lens: np.ndarray, context_len: int, micro_batches: int) -> list[np.ndarray]:
-    """``micro_batches`` micro-batches with the packing engineer's "original" packer."""
+    """``micro_batches`` micro-batches of one step of TorchTitan's sequential fill ("original")."""
     lens = split_long(lens, context_len)
     packer = OriginalPacker(
         PackingConfig(micro_batches=micro_batches, context_len=context_len),
         CostModel.from_coefficients(1.0, 1.0),
     )
-    need = packer.tokens_wanted()
-    take = int(np.searchsorted(np.cumsum(lens), need)) + 1
-    if take > len(lens):
+    take, ran_out = take_until(packer.tokens_wanted(), np.cumsum(lens), 0)
+    if ran_out:
         raise ValueError(
             f"{int(lens.sum())} tokens of documents cannot fill {micro_batches} micro-batches of "
             f"{context_len} tokens"
@@ -107,15 +84,14 @@ def _rank_step(plan: CPPlan, rank: int, heads: int, kv_heads: int, head_dim: int
     q = rand(n_local, heads)
     k, v = rand(plan.gathered_len, kv_heads), rand(plan.gathered_len, kv_heads)
     k_whole, v_whole = rand(n_whole, kv_heads), rand(n_whole, kv_heads)
-    calls = [
-        (q[: spec.n_head_tokens], k, v, spec.cu_seqlens_q[0], spec.cu_seqlens_k[0],
-         spec.max_seqlen_q[0], spec.max_seqlen_k[0]),
-        (q[spec.n_head_tokens : n_gather], k, v, spec.cu_seqlens_q[1], spec.cu_seqlens_k[1],
-         spec.max_seqlen_q[1], spec.max_seqlen_k[1]),
-    ]  # fmt: skip
+    halves = (q[: spec.n_head_tokens], q[spec.n_head_tokens : n_gather])
+    calls = []
+    for h, qs in enumerate(halves):
+        cu_q, cu_k = spec.cu_seqlens_q[h], spec.cu_seqlens_k[h]
+        calls.append((qs, k, v, cu_q, cu_k, spec.max_seqlen_q[h], spec.max_seqlen_k[h]))
     if n_whole:
-        cu = spec.cu_seqlens_whole
-        calls.append((q[n_gather:], k_whole, v_whole, cu, cu, spec.max_seqlen_whole, spec.max_seqlen_whole))  # fmt: skip
+        cu, m = spec.cu_seqlens_whole, spec.max_seqlen_whole
+        calls.append((q[n_gather:], k_whole, v_whole, cu, cu, m, m))
 
     def step():
         outs = []
@@ -168,10 +144,8 @@ def run(args: argparse.Namespace) -> dict:
         for m in micro_batches
     ]
     for strategy in STRATEGY_NAMES:
-        extra = []
-        imb, plan_ms, plan_ms_min, chose_doc, est = [], [], [], [], []
-        chose_hybrid = []
-        meas_imb, meas_max, meas_mean = [], [], []
+        extra, imb, plan_ms, plan_ms_min, chosen, est = [], [], [], [], [], []
+        measured = []  # (max / mean, max, mean) of the ranks' times, per measured micro-batch
         for i, doc_lens in enumerate(micro_batches):
             times = []
             for _ in range(args.plan_repeats):
@@ -182,16 +156,13 @@ def run(args: argparse.Namespace) -> dict:
             plan_ms_min.append(float(np.min(times)))
             imb.append(plan.flops_imbalance())
             extra.append(assignment_stats(plan_assignment(plan), kv_bytes, short_doc_len=short[i]))
-            chose_doc.append(plan.strategy == "per_document")
-            chose_hybrid.append(plan.strategy == "hybrid")
+            chosen.append(plan.strategy)
             est.append(profile.estimate_plan_seconds(plan) * 1e3)
             if args.measure and i < args.measure_micro_batches:
-                rank_ms = measure_ranks_ms(
+                ms = measure_ranks_ms(
                     plan, args.heads, args.kv_heads, args.head_dim, args.measure_repeats
                 )
-                meas_imb.append(float(rank_ms.max() / rank_ms.mean()))
-                meas_max.append(float(rank_ms.max()))
-                meas_mean.append(float(rank_ms.mean()))
+                measured.append((float(ms.max() / ms.mean()), float(ms.max()), float(ms.mean())))
         entry = {
             "flops_imbalance": float(np.mean(imb)),
             "flops_imbalance_max": float(np.max(imb)),
@@ -202,27 +173,26 @@ def run(args: argparse.Namespace) -> dict:
             **_mean_stats(extra),
         }
         if strategy == "adaptive":
-            entry["per_document_share"] = float(np.mean(chose_doc))
-            entry["hybrid_share"] = float(np.mean(chose_hybrid))
+            entry["per_document_share"] = float(np.mean([c == "per_document" for c in chosen]))
+            entry["hybrid_share"] = float(np.mean([c == "hybrid" for c in chosen]))
         if args.measure:
-            n_meas = len(meas_imb)
-            entry["measured_micro_batches"] = n_meas
-            entry["measured_max_ms"] = float(np.mean(meas_max))
-            entry["measured_mean_ms"] = float(np.mean(meas_mean))
-            entry["measured_imbalance"] = float(np.mean(meas_imb))
-            entry["flops_imbalance_measured_subset"] = float(np.mean(imb[:n_meas]))
+            ratio, top, mean = ([m[k] for m in measured] for k in range(3))
+            entry["measured_micro_batches"] = len(measured)
+            entry["measured_max_ms"] = float(np.mean(top))
+            entry["measured_mean_ms"] = float(np.mean(mean))
+            entry["measured_imbalance"] = float(np.mean(ratio))
+            entry["flops_imbalance_measured_subset"] = float(np.mean(imb[: len(measured)]))
         results[strategy] = entry
-    if args.torch_balancers:
-        for name in TORCH_BALANCERS:
-            stats = [
-                assignment_stats(
-                    torch_assignment(name, m, args.cp, repeats=args.plan_repeats),
-                    kv_bytes,
-                    short_doc_len=max_len,
-                )
-                for m, max_len in zip(micro_batches, short, strict=True)
-            ]
-            results[name] = _mean_stats(stats, with_flops=True)
+    for name in TORCH_BALANCERS if args.torch_balancers else ():
+        stats = [
+            assignment_stats(
+                torch_assignment(name, m, args.cp, repeats=args.plan_repeats),
+                kv_bytes,
+                short_doc_len=max_len,
+            )
+            for m, max_len in zip(micro_batches, short, strict=True)
+        ]
+        results[name] = _mean_stats(stats, with_flops=True)
     results["config"] = {
         "lengths": args.lengths or f"generator:{args.generator}(seed={args.seed})",
         "context_len": args.context_len,
@@ -240,9 +210,8 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _mean_stats(stats: list[dict], with_flops: bool = False) -> dict:
-    """Per-micro-batch :func:`assignment_stats` summarised: means, the worst micro-batch and the
-    small-chunk total. ``with_flops``: also the FLOPs / plan-time keys (for torch's balancers;
-    this project's plans report those from the plan itself)."""
+    """Per-micro-batch :func:`assignment_stats` summarised; ``with_flops`` (torch's balancers):
+    also the FLOPs and plan-time keys, which this project's plans report themselves."""
     col = {k: np.array([s[k] for s in stats], dtype=np.float64) for k in stats[0]}
     out = {
         "token_imbalance": float(col["token_imbalance"].mean()),
@@ -268,45 +237,24 @@ def _mean_stats(stats: list[dict], with_flops: bool = False) -> dict:
 
 def parser() -> ToolParser:
     p = ToolParser.from_doc("torchtitan_wlb.tools.cp_bench", __doc__)
-    p.add_argument(
-        "--lengths", default=None, help="JSON list / .npy / one integer per line of doc lengths"
-    )
-    p.add_argument(
-        "--generator",
-        default="longtail_scaled",
-        choices=list(GENERATORS),
-        help="synthetic lengths when --lengths is not given",
-    )
+    p.add_argument("--lengths", default=None, help="JSON list / .npy / text file of doc lengths")
+    p.add_argument("--generator", default="longtail_scaled", choices=list(GENERATORS))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--context-len", type=int, default=131072)
     p.add_argument("--cp", type=int, default=8)
     p.add_argument("--micro-batches", type=int, default=16)
-    p.add_argument(
-        "--hybrid-max-len",
-        type=int,
-        default=0,
-        help="hybrid: longest document kept whole on one rank (0: chosen per micro-batch)",
-    )
+    p.add_argument("--hybrid-max-len", type=int, default=0, help="hybrid's threshold; 0: auto")
     p.add_argument("--profile", default=None, help="CP profile JSON (default: packaged CPU table)")
     p.add_argument("--plan-repeats", type=int, default=5, help="timings per micro-batch plan")
     p.add_argument("--measure", action="store_true", help="time every rank's local attention")
     p.add_argument("--measure-micro-batches", type=int, default=4, help="micro-batches measured")
     p.add_argument("--measure-repeats", type=int, default=5, help="rounds per rank (fastest kept)")
     p.add_argument("--heads", type=int, default=2, help="query heads for --measure")
+    p.add_argument("--kv-heads", type=int, default=1, help="KV heads (--measure, K/V bytes)")
+    p.add_argument("--head-dim", type=int, default=16, help="head dim (--measure, K/V bytes)")
+    p.add_argument("--kv-dtype-bytes", type=int, default=2, help="bytes per K/V element")
     p.add_argument(
-        "--kv-heads", type=int, default=1, help="KV heads for --measure and kv_gather_bytes"
-    )
-    p.add_argument(
-        "--head-dim", type=int, default=16, help="head dim for --measure and kv_gather_bytes"
-    )
-    p.add_argument(
-        "--kv-dtype-bytes", type=int, default=2, help="bytes per K/V element (kv_gather_bytes)"
-    )
-    p.add_argument(
-        "--no-torch-balancers",
-        dest="torch_balancers",
-        action="store_false",
-        help="skip the rows of torch's own load balancers",
+        "--no-torch-balancers", dest="torch_balancers", action="store_false", help="skip torch's"
     )
     p.add_argument("--json", action="store_true", help="print the JSON result last")
     return p
@@ -315,9 +263,7 @@ def parser() -> ToolParser:
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
-    for name in ("context_len", "cp", "micro_batches", "plan_repeats"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} = {getattr(args, name)} must be >= 1")
+    require_at_least(p, args, ("context_len", "cp", "micro_batches", "plan_repeats"))
     if args.hybrid_max_len < 0:
         p.error(f"--hybrid-max-len = {args.hybrid_max_len} must be >= 0 (0: automatic)")
     import torch

@@ -4,15 +4,13 @@
     python -m torchtitan_wlb.tools.cp_profile --device cpu --out cpu_profile.json
     python -m torchtitan_wlb.tools.cp_profile --device cpu --lengths 16,32,64 --out small.json
 
-The shipped CPU table (``torchtitan_wlb/cp/profiles/cpu_default.json``) was made with the second
-command.
-Use the attention shape of your model (``--heads/--kv-heads/--head-dim``, ``--dtype bfloat16`` on GPU)
-and point ``[wlb] cp_profile`` at the output file.
+The shipped CPU table (``cp/profiles/cpu_default.json``) was made with the second command. Use
+your model's attention shape (``--heads/--kv-heads/--head-dim``, ``--dtype bfloat16`` on GPU) and
+point ``[wlb] cp_profile`` at the output file.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -27,17 +25,13 @@ def parser() -> ToolParser:
     p = ToolParser.from_doc("torchtitan_wlb.tools.cp_profile", __doc__)
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--backend", default="auto", help="auto | cpu | flash | torch_varlen")
-    p.add_argument(
-        "--lengths", default=None, help="comma-separated grid (default depends on the device)"
-    )
+    p.add_argument("--lengths", default=None, help="comma-separated grid (default by device)")
     p.add_argument("--heads", type=int, default=None, help="query heads (cpu 4, cuda 32)")
     p.add_argument("--kv-heads", type=int, default=None, help="KV heads (cpu 2, cuda 8)")
     p.add_argument("--head-dim", type=int, default=None, help="head dim (cpu 32, cuda 128)")
     p.add_argument("--dtype", default=None, help="float32 (cpu) / bfloat16 (cuda)")
     p.add_argument("--tile", type=int, default=None, help="FLOP padding tile (cpu 16, cuda 128)")
-    p.add_argument(
-        "--pairs-per-cell", type=int, default=None, help="(q, k) pairs timed per grid cell"
-    )
+    p.add_argument("--pairs-per-cell", type=int, default=None, help="(q, k) pairs per grid cell")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", required=True, help="output JSON path")
     return p
@@ -64,28 +58,24 @@ def main(argv: list[str] | None = None) -> int:
         # One thread: the CPU table is timed in process CPU time, like cp_bench --measure.
         torch.set_num_threads(1)
     try:
-        return _measure_and_write(args, grid, cuda)
+        profile = measure_profile(
+            grid,
+            device=args.device,
+            backend=args.backend,
+            n_heads=args.heads or (32 if cuda else 4),
+            n_kv_heads=args.kv_heads or (8 if cuda else 2),
+            head_dim=args.head_dim or (128 if cuda else 32),
+            dtype=args.dtype or ("bfloat16" if cuda else "float32"),
+            tile=args.tile,
+            pairs_per_cell=args.pairs_per_cell or ((1 << 30) if cuda else (1 << 19)),
+            repeats=args.repeats,
+            log=lambda line: print(line, file=sys.stderr, flush=True),
+        )
+        Path(args.out).write_text(profile.to_json() + "\n")
     except (ValueError, RuntimeError, OSError) as exc:  # e.g. no such device or backend
         p.error(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     finally:
         torch.set_num_threads(threads)
-
-
-def _measure_and_write(args: argparse.Namespace, grid: list[int], cuda: bool) -> int:
-    profile = measure_profile(
-        grid,
-        device=args.device,
-        backend=args.backend,
-        n_heads=args.heads or (32 if cuda else 4),
-        n_kv_heads=args.kv_heads or (8 if cuda else 2),
-        head_dim=args.head_dim or (128 if cuda else 32),
-        dtype=args.dtype or ("bfloat16" if cuda else "float32"),
-        tile=args.tile,
-        pairs_per_cell=args.pairs_per_cell or ((1 << 30) if cuda else (1 << 19)),
-        repeats=args.repeats,
-        log=lambda line: print(line, file=sys.stderr, flush=True),
-    )
-    Path(args.out).write_text(profile.to_json() + "\n")
     print(f"wrote {args.out}: {len(grid)}x{len(grid)} grid, backend {profile.backend}")
     return 0
 

@@ -2,22 +2,14 @@
 
     python -m torchtitan_wlb.tools.dry_run train_configs/paper/*.toml
     python -m torchtitan_wlb.tools.dry_run train_configs/llama3_70b_128k.toml --verbose
-    python -m torchtitan_wlb.tools.dry_run train_configs/debug_cpu.toml --ngpu 4 -- --parallelism.tensor_parallel_degree 2
+    python -m torchtitan_wlb.tools.dry_run train_configs/debug_cpu.toml --ngpu 4 \\
+        -- --parallelism.tensor_parallel_degree 2
 
-For every config this creates TorchTitan's fake process group with as many ranks as the layout
-needs, then constructs the WLBTrainer as rank 0 would: device mesh, the model, pipeline split and
-schedule (with the variable-length runner), TP/FSDP plans, optimizer and the data pipeline. What
-fails on a cluster because of the layout (degrees that do not divide heads or layers, too few
-micro-batches for the schedule, an unknown flavor) fails here in seconds.
-
-The model stays on the meta device: no weight is allocated or initialised and the optimizer holds
-no state, so a 70B layout is checked in well under 2 GB. Nothing is computed (for a one-step run of
-a layout small enough to compute on a CPU, use ``COMM_MODE=fake_backend ./run_train.sh``).
-
-Output: one line per config (``OK`` with the process's peak memory so far, or ``FAIL`` with the
-reason); ``--verbose`` adds TorchTitan's log; on a terminal a progress bar counts the configs.
-Tokenizer and data are swapped for the built-in ones so that no cluster assets are needed. Exit
-status: 0 when every config builds, 1 when one fails, 2 for a bad command line.
+The WLBTrainer is constructed as rank 0 of TorchTitan's fake process group would build it (device
+mesh, model, pipeline split and schedule, TP/FSDP plans, optimizer, data pipeline), so what fails on
+a cluster because of the layout fails here in seconds. The model stays on the meta device (a 70B
+layout needs well under 2 GB); the built-in tokenizer and data replace the cluster's. One line per
+config, OK (with peak memory) or FAIL (with the reason); exit status 1 when one fails.
 """
 
 from __future__ import annotations
@@ -43,14 +35,8 @@ from torchtitan_wlb.tools.cli import ToolParser, progress  # noqa: E402
 def layout_world_size(job_config: Any) -> int:
     """Processes the config's parallel degrees need (dp_shard = -1 counts as 1)."""
     p = job_config.parallelism
-    shard = max(p.data_parallel_shard_degree, 1)
-    return (
-        p.data_parallel_replicate_degree
-        * shard
-        * p.context_parallel_degree
-        * p.tensor_parallel_degree
-        * p.pipeline_parallel_degree
-    )
+    dp = p.data_parallel_replicate_degree * max(p.data_parallel_shard_degree, 1)
+    return dp * p.context_parallel_degree * p.tensor_parallel_degree * p.pipeline_parallel_degree
 
 
 def peak_rss_gib() -> float:
@@ -59,13 +45,9 @@ def peak_rss_gib() -> float:
 
 
 def _keep_on_meta(parallelize_fn: Any) -> Any:
-    """``parallelize_fn`` whose model parts ignore the trainer's ``to_empty`` and ``init_weights``.
-
-    TorchTitan's Trainer moves every parallelised model part from the meta device to the real one
-    and initialises its weights; for a 70B layout that is gigabytes on rank 0 alone, and none of it
-    is needed to check the layout. Parallelising (TP plans, FSDP wrapping, activation checkpointing)
-    happens on the meta model as usual; only the two materialising calls become no-ops.
-    """
+    """``parallelize_fn`` whose model parts ignore the trainer's ``to_empty`` and ``init_weights``:
+    parallelising happens on the meta model as usual, but materialising a 70B layout's weights
+    (gigabytes on rank 0 alone) is not needed to check it."""
 
     def parallelize(model: Any, *args: Any, **kwargs: Any) -> Any:
         model = parallelize_fn(model, *args, **kwargs)
@@ -80,12 +62,10 @@ def _layout_trainer_class() -> type:
     from torchtitan_wlb.trainer import WLBTrainer
 
     class LayoutTrainer(WLBTrainer):
-        """WLBTrainer whose model stays on the meta device (see :func:`_keep_on_meta`).
-
-        TorchTitan's Trainer looks its train spec up and assigns ``self.train_spec`` inside
-        ``__init__``; this property wraps the spec's ``parallelize_fn`` as it is assigned, which
-        covers the pipeline path too (the pipeline split parallelises each stage with it).
-        """
+        """WLBTrainer whose model stays on the meta device: TorchTitan's Trainer assigns
+        ``self.train_spec`` inside ``__init__``, and this property wraps the spec's
+        ``parallelize_fn`` as it is assigned (the pipeline split parallelises each stage with
+        it)."""
 
         @property
         def train_spec(self) -> Any:
@@ -169,21 +149,16 @@ def main(argv: list[str] | None = None) -> int:
     bar = progress(args.configs, desc="dry run", unit="config")
     for config in bar:
         bar.set_postfix_str(os.path.basename(config))
-        if not os.path.isfile(config):
-            bar.write(f"FAIL {config}: no such file", file=sys.stdout)
-            failed += 1
-            continue
-        try:
-            description, seconds = dry_run(config, args.ngpu, overrides)
-        except Exception as e:  # report every config, then exit non-zero
-            bar.write(f"FAIL {config}: {type(e).__name__}: {e}", file=sys.stdout)
-            failed += 1
-        else:
-            bar.write(
-                f"OK   {config}: {description}, built in {seconds:.1f}s, "
-                f"peak memory {peak_rss_gib():.2f} GiB",
-                file=sys.stdout,
-            )
+        line = f"FAIL {config}: no such file"
+        if os.path.isfile(config):
+            try:
+                description, seconds = dry_run(config, args.ngpu, overrides)
+                line = f"OK   {config}: {description}, built in {seconds:.1f}s, peak memory "
+                line += f"{peak_rss_gib():.2f} GiB"
+            except Exception as e:  # report every config, then exit non-zero
+                line = f"FAIL {config}: {type(e).__name__}: {e}"
+        failed += line.startswith("FAIL")
+        bar.write(line, file=sys.stdout)
     return 1 if failed else 0
 
 

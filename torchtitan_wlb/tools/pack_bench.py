@@ -6,34 +6,8 @@
         --micro-batches 8 --packer fixed_greedy --window 4 --steps 200 --json
     python -m torchtitan_wlb.tools.pack_bench --generator longtail --table2
 
-``--lengths FILE`` takes your own documents instead of a generator: FILE is a JSON list of token counts, a ``.npy`` array, or one integer per line. Documents longer
-than ``--max-doc-len`` (default: the packer's micro-batch cap) are split into pieces first, as the
-loader does, and counted.
-
-``--steps epoch`` is one whole pass over the documents: every step to the end of the data, the
-balanced drain of the outlier queues included (``whole_pass: true``). ``--steps S`` packs the first
-S steps only and then flushes what the packer still holds without scoring it: a partial window
-(``whole_pass: false``), which never sees the end of the data.
-
-The last line printed is one JSON object (with ``--json``) holding:
-
-* balance: ``imbalance`` (mean over steps of max/mean micro-batch workload), ``imbalance_p95``,
-  ``imbalance_time_weighted`` (sum over steps of the heaviest micro-batch over the sum of the
-  mean: what the slowest micro-batch costs the run), ``imbalance_worst_step``, and
-  ``lower_bound_time_weighted``, the same measure for the best placement of each step's
-  documents (per step max(largest document, total / N)): the distance to optimal;
-* delay: ``avg_delay_iters`` (token-weighted), ``max_delay_iters``; ``drain_steps``, the steps
-  from the one the data ended in (the read-ahead sees the end one step early) to the last;
-* cost: ``overhead_ms``, ``overhead_ms_p95`` and ``overhead_ms_max``: wall time of one whole step
-  of the data node on one DP rank (``--dp``): reading the documents from an in-memory token source
-  (int32 tokens, batched reads, as from the document node), the plan, gathering this rank's tokens,
-  dealing micro-batches to DP ranks; ``overhead_cpu_ms`` and ``overhead_cpu_ms_p95``: the same
-  step's CPU time on its thread (what the step costs one core when other processes share the
-  machine and stretch its wall time); ``plan_ms`` and
-  ``plan_ms_p95``: CPU time of the plan alone. Tokenization is not included (the source holds
-  tokens); it is the same for every packer;
-* exactly-once: ``tokens_in`` and ``tokens_out`` (equal unless documents were lost),
-  ``max_tokens_per_microbatch``.
+``--steps epoch`` scores one whole pass, the drain of the outlier queues included; ``--steps S``
+a partial window. Options and every JSON key: docs/packing.md.
 """
 
 from __future__ import annotations
@@ -49,12 +23,14 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
+from torchtitan_wlb import workloads
 from torchtitan_wlb.cost_model import CostModel
 from torchtitan_wlb.data.wlb_node import TOKEN_DTYPE, WLBPackingNode
 from torchtitan_wlb.models.catalogue import MODELS, get_model
 from torchtitan_wlb.packing import (
     PACKERS,
     LengthStream,
+    Packer,
     PackingConfig,
     build_packer,
     drain,
@@ -64,14 +40,6 @@ from torchtitan_wlb.packing import (
 from torchtitan_wlb.packing.driver import take_until
 from torchtitan_wlb.packing.tuning import tune_queues
 from torchtitan_wlb.tools.cli import ToolParser, progress
-from torchtitan_wlb.workloads import (
-    DEFAULT_NUM_DOCS,
-    GENERATORS,
-    generate,
-    load_lengths,
-    split_long,
-    steps_arg,
-)
 
 # The paper's Table 2 (7B, 128K context): (method, config, imbalance, overhead).
 PAPER_TABLE2 = [
@@ -101,14 +69,10 @@ def build_cost_model(args: argparse.Namespace) -> CostModel:
 
 
 class _TokenSource(BaseNode[dict]):
-    """Documents of the given lengths as the document node yields them (ids and int32 tokens).
-
-    The benchmark times the packing node, not a tokenizer, so the tokens already exist: views of
-    one arena of ``arena_tokens`` tokens, laid out one after the other and wrapping around, so
-    that the documents of a few steps occupy distinct memory (more than the caches hold, as
-    freshly tokenized documents would). Like the document node it offers ``read_documents``, the
-    batched read the packing node uses.
-    """
+    """Documents of the given lengths as the document node yields them (ids and int32 tokens, and
+    the batched ``read_documents``), without a tokenizer: views of an arena of ``arena_tokens``
+    tokens, laid out one after the other and wrapping around, so that a few steps' documents occupy
+    more memory than the caches hold, as freshly tokenized ones would."""
 
     def __init__(self, lengths: np.ndarray, arena_tokens: int = 0) -> None:
         super().__init__()
@@ -145,27 +109,15 @@ class _TokenSource(BaseNode[dict]):
         return {"pos": self._pos}
 
 
-def node_step_ms(
-    packer_name: str,
-    lengths: np.ndarray,
-    config: PackingConfig,
-    cost_model: CostModel,
-    steps: int | None,
-    dp: int,
-) -> tuple[list[float], list[float]]:
-    """Wall and CPU milliseconds of every step of the data node (DP rank 0 of ``dp``).
-
-    CPU time is the node's thread's own: on a machine whose cores are shared, wall time also
-    counts other processes' time slices, CPU time only the node's work (still slowed by their
-    use of the caches and memory bandwidth).
-    """
-    packer = build_packer(packer_name, config, cost_model)
-    arena = 4 * config.micro_batches * config.context_len  # four global batches
+def node_step_ms(packer: Packer, lengths: np.ndarray, steps: int, dp: int) -> tuple[list, list]:
+    """Wall and CPU milliseconds of every step of the data node (DP rank 0 of ``dp``). CPU time is
+    the node's thread's own: on shared cores wall time also counts other processes' slices."""
+    arena = 4 * packer.config.micro_batches * packer.config.context_len  # four global batches
     node = WLBPackingNode(_TokenSource(lengths, arena), packer, dp_rank=0, dp_degree=dp)
     node.reset()
     wall: list[float] = []
     cpu: list[float] = []
-    while steps is None or len(wall) < steps:
+    while len(wall) < steps:
         start, start_cpu = time.perf_counter(), time.thread_time()
         try:
             next(node)
@@ -202,11 +154,13 @@ def run(
     emitted = sum(x.size for plan in plans for x in plan.doc_ids)
     max_mb_tokens = max((plan.stats["max_tokens"] for plan in plans), default=0)
     n_tok = sum(s["tokens"] for s in per_step)
+    delay = sum(s["mean_delay"] * s["tokens"] for s in per_step)
     plan_ms = [s["pack_ms"] for s in per_step]
     if config.window > 1 and packer_name in ("fixed_greedy", "solver"):
         g = config.window  # one plan per window of G steps: amortise it over the window
         plan_ms = [sum(plan_ms[i : i + g]) / g for i in range(0, len(plan_ms), g)]
-    node_ms, node_cpu_ms = node_step_ms(packer_name, lengths, config, cost_model, len(scored), dp)
+    fresh = build_packer(packer_name, config, cost_model)
+    node_ms, node_cpu_ms = node_step_ms(fresh, lengths, len(scored), dp)
     ratio = np.array([s["imbalance"] for s in per_step]) if per_step else np.ones(1)
     top = np.array([s["max_workload"] for s in per_step])
     mean = np.array([s["mean_workload"] for s in per_step])
@@ -223,17 +177,11 @@ def run(
         "imbalance_worst_step": float(ratio.max()),
         "lower_bound_time_weighted": float(best.sum() / total) if total else 1.0,
         "drain_steps": int(sum(ended)) if whole else 0,
-        "overhead_ms": float(np.mean(node_ms)) if node_ms else 0.0,
-        "overhead_ms_p95": float(np.percentile(node_ms, 95)) if node_ms else 0.0,
-        "overhead_ms_max": float(np.max(node_ms)) if node_ms else 0.0,
-        "overhead_cpu_ms": float(np.mean(node_cpu_ms)) if node_cpu_ms else 0.0,
-        "overhead_cpu_ms_p95": float(np.percentile(node_cpu_ms, 95)) if node_cpu_ms else 0.0,
-        "plan_ms": float(np.mean(plan_ms)) if plan_ms else 0.0,
-        "plan_ms_p95": float(np.percentile(plan_ms, 95)) if plan_ms else 0.0,
+        **_spread("overhead_ms", node_ms, with_max=True),
+        **_spread("overhead_cpu_ms", node_cpu_ms),
+        **_spread("plan_ms", plan_ms),
         "dp": dp,
-        "avg_delay_iters": float(sum(s["mean_delay"] * s["tokens"] for s in per_step) / n_tok)
-        if n_tok
-        else 0.0,
+        "avg_delay_iters": float(delay / n_tok) if n_tok else 0.0,
         "max_delay_iters": max((s["max_delay"] for s in per_step), default=0),
         "max_tokens_per_microbatch": int(max_mb_tokens),
         "tokens_in": int(lengths[: stream.pos].sum()),
@@ -248,6 +196,16 @@ def run(
         "final_wait": getattr(packer, "k_eff", config.max_wait),
         "queues": [int(x) for x in getattr(packer, "thresholds", [])],
     }
+
+
+def _spread(name: str, values: list[float], with_max: bool = False) -> dict[str, float]:
+    """Mean, 95th percentile (and maximum) of ``values`` as ``name``, ``name_p95``
+    (``name_max``); zeros when there are none."""
+    v = np.asarray(values or [0.0], np.float64)
+    out = {name: float(v.mean()), f"{name}_p95": float(np.percentile(v, 95))}
+    if with_max:
+        out[f"{name}_max"] = float(v.max())
+    return out
 
 
 # The flags named after PackingConfig fields (argparse dest = field name), defaults from it.
@@ -296,11 +254,9 @@ def _queues(text: str) -> tuple[int, ...]:
     try:
         out = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--queues expects comma-separated integers, got {text!r}"
-        ) from None
+        out = ()
     if not out:
-        raise argparse.ArgumentTypeError("--queues needs at least one threshold")
+        raise argparse.ArgumentTypeError(f"--queues expects comma-separated integers, got {text!r}")
     return out
 
 
@@ -311,11 +267,8 @@ KNOBS = {
     "solver_time_limit": (float, "seconds per window"),
     "balance_target": (float, "wlb release target"),
     "release_slack": (float, "wlb: target growth with age / K"),
-    "adaptive_max_wait": (
-        _nonneg_int,
-        "wlb: K may grow up to this while the delay is under --delay-target (<= K: fixed K)",
-    ),
-    "delay_target": (float, "wlb: adaptive K's target"),
+    "adaptive_max_wait": (_nonneg_int, "wlb: K may grow up to this (<= K: fixed K)"),
+    "delay_target": (float, "wlb: adaptive K's delay target"),
 }
 
 
@@ -323,39 +276,21 @@ def parser() -> ToolParser:
     p = ToolParser.from_doc("torchtitan_wlb.tools.pack_bench", __doc__)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--lengths", help="JSON list / .npy / one integer per line of doc lengths")
-    src.add_argument("--generator", choices=list(GENERATORS), help="built-in synthetic workload")
-    p.add_argument(
-        "--num-docs", type=_positive_int, default=DEFAULT_NUM_DOCS, help="docs to generate"
-    )
+    src.add_argument("--generator", choices=list(workloads.GENERATORS), help="synthetic lengths")
+    p.add_argument("--num-docs", type=_positive_int, default=workloads.DEFAULT_NUM_DOCS)
     p.add_argument("--seed", type=_nonneg_int, default=0, help="generator seed")
     p.add_argument("--context-len", type=_positive_int, default=131072)
     p.add_argument("--micro-batches", type=_positive_int, default=4, help="N per step")
     p.add_argument("--packer", choices=PACKERS, default="wlb")
-    p.add_argument(
-        "--steps",
-        type=steps_arg,
-        default=100,
-        help="steps to pack, or 'epoch' for one whole pass (end of the data included)",
-    )
-    p.add_argument(
-        "--dp", type=_positive_int, default=1, help="DP ranks the node deals micro-batches to"
-    )
+    p.add_argument("--steps", type=workloads.steps_arg, default=100, help="a count, or 'epoch'")
+    p.add_argument("--dp", type=_positive_int, default=1, help="DP ranks of the data node")
     p.add_argument("--queues", type=_queues, default=None, help="thresholds, e.g. 32768,65536")
     p.add_argument("--smax", type=_positive_int, default=None, help="micro-batch token cap")
     for knob, (kind, text) in KNOBS.items():
         p.add_argument(f"--{knob.replace('_', '-')}", type=kind, default=DEFAULTS[knob], help=text)
-    p.add_argument(
-        "--max-doc-len",
-        type=_positive_int,
-        default=None,
-        help="split longer documents into pieces (default: the context length)",
-    )
-    p.add_argument(
-        "--model",
-        type=_model_name,
-        default="7B",
-        help=f"analytic cost model of a catalogue model: {', '.join(MODELS)} (any case)",
-    )
+    p.add_argument("--max-doc-len", type=_positive_int, default=None, help="split longer docs")
+    models = ", ".join(MODELS)
+    p.add_argument("--model", type=_model_name, default="7B", help=f"cost model of: {models}")
     p.add_argument("--tp", type=_positive_int, default=1)
     p.add_argument("--cp", type=_positive_int, default=1)
     p.add_argument("--attn-coef", type=float, default=None)
@@ -363,21 +298,9 @@ def parser() -> ToolParser:
     p.add_argument("--profile", default=None, help="JSON (length, seconds) table")
     p.add_argument("--table2", action="store_true", help="print the paper's Table 2 comparison")
     p.add_argument("--solver-steps", type=_positive_int, default=8, help="steps for solver rows")
-    p.add_argument(
-        "--solver-gap",
-        type=_nonneg_int,
-        default=0,
-        help="also re-solve wlb's first STEPS steps exactly (HiGHS) and report wlb / optimum",
-    )
-    p.add_argument(
-        "--tune",
-        type=_fraction,
-        default=None,
-        help="choose queues and K on this fraction of the documents (the tail), run on the rest",
-    )
-    p.add_argument(
-        "--delay-budget", type=float, default=0.5, help="--tune: max token-weighted mean delay"
-    )
+    p.add_argument("--solver-gap", type=_nonneg_int, default=0, help="wlb vs optimum over STEPS")
+    p.add_argument("--tune", type=_fraction, default=None, help="tune on this share of the docs")
+    p.add_argument("--delay-budget", type=float, default=0.5, help="--tune: max mean delay")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON line")
     return p
 
@@ -392,15 +315,15 @@ def _config(args: argparse.Namespace, packer: str, **over: Any) -> PackingConfig
 def _prepare(args: argparse.Namespace, cap: int) -> tuple[np.ndarray, int]:
     if args.lengths:
         try:
-            lengths = load_lengths(args.lengths)
+            lengths = workloads.load_lengths(args.lengths)
         except ValueError as exc:
             raise ValueError(f"--lengths: {exc}") from None
     else:
-        lengths = generate(args.generator, args.num_docs, args.context_len, args.seed)
+        lengths = workloads.generate(args.generator, args.num_docs, args.context_len, args.seed)
     max_len = args.max_doc_len or min(cap, args.context_len)
     if max_len > cap:
         raise ValueError(f"--max-doc-len {max_len} exceeds the micro-batch cap {cap}")
-    return split_long(lengths, max_len), int((lengths > max_len).sum())
+    return workloads.split_long(lengths, max_len), int((lengths > max_len).sum())
 
 
 def table2(args: argparse.Namespace, cost_model: CostModel) -> list[dict[str, Any]]:
@@ -421,15 +344,14 @@ def table2(args: argparse.Namespace, cost_model: CostModel) -> list[dict[str, An
         if method.startswith("wlb"):
             over["queue_thresholds"] = args.queues or paper_q[int(cfg.split()[0])]
         res = run(method, lengths, _config(args, method, **over), cost_model, steps)
-        res.update(config=cfg, paper_imbalance=paper_imb, paper_overhead=paper_ms)
-        res["docs_split"] = n_split
+        res.update(
+            config=cfg, paper_imbalance=paper_imb, paper_overhead=paper_ms, docs_split=n_split
+        )
         rows.append(res)
         bar.write(
-            f"{method:13s} {cfg:9s} imbalance {res['imbalance']:.3f} "
-            f"(paper {paper_imb if paper_imb is not None else '-'})  "
+            f"{method:13s} {cfg:9s} imbalance {res['imbalance']:.3f} (paper {paper_imb or '-'})  "
             f"plan {res['plan_ms']:8.2f} ms (paper {paper_ms}), node step "
-            f"{res['overhead_ms']:6.2f} ms  "
-            f"delay {res['avg_delay_iters']:.2f}",
+            f"{res['overhead_ms']:6.2f} ms  delay {res['avg_delay_iters']:.2f}",
             file=sys.stdout,
         )
     return rows
@@ -438,12 +360,9 @@ def table2(args: argparse.Namespace, cost_model: CostModel) -> list[dict[str, An
 def solver_gap(
     lengths: np.ndarray, config: PackingConfig, cost_model: CostModel, steps: int, limit: float
 ) -> dict[str, Any]:
-    """Re-solve the documents ``wlb`` emitted in each of its first ``steps`` steps exactly.
-
-    Same documents, same N, same S_max: the ratio of wlb's heaviest micro-batch to the optimum
-    isolates the placement quality from the release decisions. Windows the solver does not
-    finish within ``limit`` seconds are reported against its proven lower bound.
-    """
+    """Re-solve the documents ``wlb`` emitted in each of its first ``steps`` steps exactly (same
+    N and S_max), isolating its placement quality from its release decisions; windows the solver
+    does not finish within ``limit`` seconds are compared with its proven lower bound."""
     from torchtitan_wlb.packing.solver import solve_minmax
 
     packer = build_packer("wlb", config, cost_model)
@@ -467,6 +386,22 @@ def solver_gap(
     }
 
 
+def _tune(
+    args: argparse.Namespace, lengths: np.ndarray, config: PackingConfig, cost_model: CostModel
+) -> tuple[np.ndarray, PackingConfig, Any]:
+    """Queue thresholds and K tuned on the tail of the documents; the rest is what is packed."""
+    if args.packer not in ("wlb", "wlb_paper"):
+        raise ValueError("--tune chooses queue thresholds and K: use --packer wlb or wlb_paper")
+    cut = int(round(lengths.size * (1 - args.tune)))
+    if cut < 1 or cut >= lengths.size:
+        raise ValueError(f"--tune {args.tune} leaves no documents to tune or to evaluate")
+    tuned = tune_queues(
+        lengths[cut:], config, cost_model, packer=args.packer, delay_budget=args.delay_budget
+    )
+    config = replace(config, queue_thresholds=tuned.queue_thresholds, max_wait=tuned.max_wait)
+    return lengths[:cut], config, tuned
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
@@ -478,29 +413,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps({"table2": rows}))
             return 0
         config = _config(args, args.packer)
-        packer = build_packer(args.packer, config, cost_model)
-        lengths, n_split = _prepare(args, packer.cap)
+        lengths, n_split = _prepare(args, build_packer(args.packer, config, cost_model).cap)
         tuned = None
         if args.tune:
-            if args.packer not in ("wlb", "wlb_paper"):
-                raise ValueError(
-                    "--tune chooses queue thresholds and K: use --packer wlb or wlb_paper"
-                )
-            # Tune on the held-out tail of the document list, evaluate on the rest.
-            cut = int(round(lengths.size * (1 - args.tune)))
-            if cut < 1 or cut >= lengths.size:
-                raise ValueError(f"--tune {args.tune} leaves no documents to tune or to evaluate")
-            tuned = tune_queues(
-                lengths[cut:],
-                config,
-                cost_model,
-                packer=args.packer,
-                delay_budget=args.delay_budget,
-            )
-            config = replace(
-                config, queue_thresholds=tuned.queue_thresholds, max_wait=tuned.max_wait
-            )
-            lengths = lengths[:cut]
+            lengths, config, tuned = _tune(args, lengths, config, cost_model)
         if args.micro_batches % args.dp:
             raise ValueError(
                 f"--micro-batches {args.micro_batches} is not divisible by --dp {args.dp}"
@@ -511,16 +427,12 @@ def main(argv: list[str] | None = None) -> int:
         res["break_even_length"] = cost_model.break_even_length
         if tuned is not None:
             res["tuned_on_docs"] = int(round(len(lengths) * args.tune / (1 - args.tune)))
-            res["tuned_sample_imbalance"] = tuned.imbalance
-            res["tuned_sample_delay"] = tuned.mean_delay
+            res.update(tuned_sample_imbalance=tuned.imbalance, tuned_sample_delay=tuned.mean_delay)
         if args.solver_gap:
             if args.packer != "wlb":
-                raise ValueError(
-                    "--solver-gap compares the wlb packer with the optimum: use --packer wlb"
-                )
-            res.update(
-                solver_gap(lengths, config, cost_model, args.solver_gap, args.solver_time_limit)
-            )
+                raise ValueError("--solver-gap compares wlb with the optimum: use --packer wlb")
+            gap = solver_gap(lengths, config, cost_model, args.solver_gap, args.solver_time_limit)
+            res.update(gap)
     except ValueError as exc:
         p.error(str(exc))
     if not args.json:

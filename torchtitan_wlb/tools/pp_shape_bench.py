@@ -1,23 +1,12 @@
 """Micro-benchmark: receive shapes from the packing plan vs a shape exchange, on 2 PP ranks.
 
-The varlen runner (``torchtitan_wlb.pipeline.varlen``) sizes every micro-batch's receive buffers
-from the per-micro-batch lengths that every pipeline rank already knows, so it sends nothing
-extra. The alternative is to exchange shapes at run time. This tool measures, on gloo with two
-processes (PP = 2, 1F1B, a tiny torchtitan llama3):
-
-* ``step_ms``: a full varlen pipeline step (forward + backward of all micro-batches), for scale;
-* ``stock_step_ms`` / ``runner_equal_step_ms``: torch's own ``schedule.step`` and the runner on
-  the same equal-length micro-batches (the runner's overhead where torch needs none);
-* ``resize_us``: the runner's buffer re-sizing per step (what the plan-based approach costs);
-* ``exchange_batched_us``: one P2P message with all lengths of the step (cheapest exchange);
-* ``exchange_per_mb_tensor_us``: one small tensor message per micro-batch (shape before data);
-* ``exchange_per_mb_object_us``: one pickled ``send_object_list`` per micro-batch, as torch's own
-  metadata inference does.
-
-Exchange figures are per pipeline boundary and per step; they sit on the critical path of the
-pipeline because a stage cannot post its receive before it knows the size.
-
     python -m torchtitan_wlb.tools.pp_shape_bench --json
+
+The varlen runner (``torchtitan_wlb.pipeline.varlen``) sizes every micro-batch's receive buffers
+from lengths every pipeline rank already knows, so it sends nothing extra; a stage that exchanged
+shapes could not post its receive before the message came. Measured on gloo (PP = 2, 1F1B, a tiny
+torchtitan llama3): a full varlen step, the runner against torch's own step on equal lengths, the
+runner's buffer re-sizing, and three ways to exchange shapes. Keys: docs/pipeline.md.
 """
 
 from __future__ import annotations
@@ -35,10 +24,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from torchtitan_wlb.tools.cli import ToolParser
+from torchtitan_wlb.tools.cli import ToolParser, require_at_least
 
 
-def _build_pipeline(args: argparse.Namespace, mesh: Any) -> tuple[Any, list, Any]:
+def _build_pipeline(args: argparse.Namespace, mesh: Any) -> Any:
+    """torch's 1F1B schedule of a tiny llama3 split into 2 stages."""
     from torchtitan.components.loss import cross_entropy_loss
     from torchtitan.config import JobConfig
     from torchtitan.distributed.pipeline_parallel import (
@@ -62,20 +52,13 @@ def _build_pipeline(args: argparse.Namespace, mesh: Any) -> tuple[Any, list, Any
     with torch.no_grad():
         model.init_weights()
     fqns = generate_llm_fqn_per_model_part(2, args.layers, 1, 1)
-    stages, parts = pipeline_module_split(model, mesh, "1F1B", torch.device("cpu"), fqns)
+    stages, _ = pipeline_module_split(model, mesh, "1F1B", torch.device("cpu"), fqns)
     job = JobConfig()
     job.parallelism.pipeline_parallel_schedule = "1F1B"
     job.parallelism.pipeline_parallel_degree = 2
     job.parallelism.pipeline_parallel_microbatch_size = 1
     job.training.local_batch_size = args.n_mb
-    schedule = build_pipeline_schedule(job, stages, cross_entropy_loss)
-    return schedule, parts, stages
-
-
-def _max_over_ranks(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
+    return build_pipeline_schedule(job, stages, cross_entropy_loss)
 
 
 def _timed(fn, reps: int) -> float:
@@ -86,24 +69,20 @@ def _timed(fn, reps: int) -> float:
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return _max_over_ranks(statistics.median(times))
+    t = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
 
 
 def _worker(rank: int, args: argparse.Namespace, init_file: str, out_file: str) -> None:
     from torchtitan_wlb.pipeline import VarlenPipelineRunner
 
     torch.set_num_threads(args.threads)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=2,
-        timeout=timedelta(seconds=300),
-    )
+    url, timeout = f"file://{init_file}", timedelta(seconds=300)
+    dist.init_process_group("gloo", init_method=url, rank=rank, world_size=2, timeout=timeout)
     try:
         mesh = dist.init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
-        schedule, _, _ = _build_pipeline(args, mesh)
-        runner = VarlenPipelineRunner(schedule)
+        runner = VarlenPipelineRunner(_build_pipeline(args, mesh))
         g = torch.Generator().manual_seed(0)
 
         def random_lengths() -> list[int]:
@@ -140,18 +119,19 @@ def _worker(rank: int, args: argparse.Namespace, init_file: str, out_file: str) 
         # Shape exchange alternatives, rank 0 (stage 0) -> rank 1 (stage 1).
         lens_t = torch.tensor(alt[0], dtype=torch.int64)
 
-        def exchange_batched() -> None:
+        def p2p(tensor: torch.Tensor) -> None:
+            """Rank 0 sends ``tensor``, rank 1 receives into it."""
             if rank == 0:
-                dist.send(lens_t, dst=1)
+                dist.send(tensor, dst=1)
             else:
-                dist.recv(torch.empty_like(lens_t), src=0)
+                dist.recv(tensor, src=0)
+
+        def exchange_batched() -> None:
+            p2p(lens_t if rank == 0 else torch.empty_like(lens_t))
 
         def exchange_per_mb_tensor() -> None:
             for i in range(args.n_mb):
-                if rank == 0:
-                    dist.send(lens_t[i : i + 1].clone(), dst=1)
-                else:
-                    dist.recv(torch.empty(1, dtype=torch.int64), src=0)
+                p2p(lens_t[i : i + 1].clone() if rank == 0 else torch.empty(1, dtype=torch.int64))
 
         def exchange_per_mb_object() -> None:
             for i in range(args.n_mb):
@@ -167,7 +147,7 @@ def _worker(rank: int, args: argparse.Namespace, init_file: str, out_file: str) 
         results["exchange_per_mb_object_us"] = 1e6 * _timed(exchange_per_mb_object, reps)
 
         # Runner vs torch's own step on equal-length micro-batches (fresh pipeline for torch).
-        stock_schedule, _, _ = _build_pipeline(args, mesh)
+        stock_schedule = _build_pipeline(args, mesh)
         length = (args.min_len + args.max_len) // 2
         eq_lens = [length] * args.n_mb
         eq_tokens, eq_labels = make(eq_lens)
@@ -197,14 +177,17 @@ def _worker(rank: int, args: argparse.Namespace, init_file: str, out_file: str) 
 
 def parser() -> ToolParser:
     p = ToolParser.from_doc("torchtitan_wlb.tools.pp_shape_bench", __doc__)
-    p.add_argument("--n-mb", type=int, default=4, help="micro-batches per step")
-    p.add_argument("--min-len", type=int, default=64, help="shortest micro-batch (tokens)")
-    p.add_argument("--max-len", type=int, default=1024, help="longest micro-batch (tokens)")
-    p.add_argument("--dim", type=int, default=128, help="model width")
-    p.add_argument("--layers", type=int, default=2, help="transformer layers")
-    p.add_argument("--vocab", type=int, default=512, help="vocabulary size")
-    p.add_argument("--reps", type=int, default=10, help="timed steps per measurement")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    for flag, default, text in (
+        ("--n-mb", 4, "micro-batches per step"),
+        ("--min-len", 64, "shortest micro-batch (tokens)"),
+        ("--max-len", 1024, "longest micro-batch (tokens)"),
+        ("--dim", 128, "model width"),
+        ("--layers", 2, "transformer layers"),
+        ("--vocab", 512, "vocabulary size"),
+        ("--reps", 10, "timed steps per measurement"),
+        ("--threads", 1, "torch threads per rank"),
+    ):
+        p.add_argument(flag, type=int, default=default, help=text)
     p.add_argument("--json", action="store_true", help="print one JSON object last")
     return p
 
@@ -216,9 +199,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         p.error(f"--n-mb must be >= 2 (1F1B on 2 stages), got {args.n_mb}")
     if not 1 <= args.min_len <= args.max_len:
         p.error(f"need 1 <= --min-len <= --max-len, got {args.min_len} and {args.max_len}")
-    for name in ("dim", "layers", "vocab", "reps", "threads"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} = {getattr(args, name)} must be >= 1")
+    require_at_least(p, args, ("dim", "layers", "vocab", "reps", "threads"))
     with tempfile.TemporaryDirectory() as tmp:
         init_file, out_file = os.path.join(tmp, "init"), os.path.join(tmp, "out.json")
         mp.spawn(_worker, args=(args, init_file, out_file), nprocs=2, join=True)
