@@ -112,22 +112,14 @@ def ffn_hidden_dim(args: TransformerModelArgs) -> int:
 def model_args(spec: ModelSpec) -> WLBModelArgs:
     """TorchTitan's Llama 3 arguments for a catalogue model (RoPE theta 500,000, as Llama 3).
 
-    TorchTitan derives the SwiGLU width from ``multiple_of`` and ``ffn_dim_multiplier`` (see
-    :func:`ffn_hidden_dim`) instead of taking it. With ``multiple_of`` set to the catalogue's width,
-    and the multiplier bringing TorchTitan's ``8/3 dim`` down to at most that width where it is
-    larger, the derived width is exactly the catalogue's.
+    TorchTitan derives the SwiGLU width (:func:`ffn_hidden_dim`); ``multiple_of`` and the
+    multiplier are chosen so that it derives the catalogue's (docs/models.md).
     """
+    ffn = spec.ffn_hidden_dim
+    shape = {k: v for k, v in spec.dims().items() if k != "ffn_hidden_dim"}
     base = int(2 * (4 * spec.dim) / 3)
-    return WLBModelArgs(
-        dim=spec.dim,
-        n_layers=spec.n_layers,
-        n_heads=spec.n_heads,
-        n_kv_heads=spec.n_kv_heads,
-        vocab_size=spec.vocab_size,
-        multiple_of=spec.ffn_hidden_dim,
-        ffn_dim_multiplier=None if base <= spec.ffn_hidden_dim else spec.ffn_hidden_dim / base,
-        rope_theta=500000,
-    )
+    multiplier = None if base <= ffn else ffn / base
+    return WLBModelArgs(**shape, multiple_of=ffn, ffn_dim_multiplier=multiplier, rope_theta=500000)
 
 
 FLAVORS: dict[str, str] = {
@@ -137,9 +129,7 @@ FLAVORS: dict[str, str] = {
     "70B": "llama3_70B",
     **{f"paper_{name}": name for name in PAPER_MODELS},
 }
-"""Flavor name -> :mod:`~torchtitan_wlb.models.catalogue` model. "debugmodel" and "tiny" run on CPU
-with the built-in byte tokenizer; "8B" and "70B" are Llama 3.1 8B / 70B; "paper_*" are the
-Llama-like models of the WLB-LLM paper's Table 1."""
+"""Flavor name -> :mod:`~torchtitan_wlb.models.catalogue` model (docs/models.md)."""
 
 llama3_wlb_args: dict[str, WLBModelArgs] = {
     flavor: model_args(get_model(name)) for flavor, name in FLAVORS.items()
@@ -162,10 +152,6 @@ class _TorchTitanCPView:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._parallel_dims, name)
-
-    @property
-    def fsdp_enabled(self) -> bool:
-        return self._parallel_dims.fsdp_enabled
 
 
 def parallelize_llama_wlb(model: nn.Module, parallel_dims: Any, job_config: JobConfig) -> nn.Module:

@@ -18,8 +18,6 @@ import numpy as np
 
 from torchtitan_wlb.cost_model import CostModel
 
-__all__ = ["PackingConfig", "PackedStep", "Packer", "DocPool", "validate_lengths"]
-
 
 @dataclass(frozen=True)
 class PackingConfig:

@@ -15,8 +15,6 @@ import numpy as np
 
 from torchtitan_wlb.packing.placement import fill_rounds
 
-__all__ = ["DrainPlan", "plan_drain"]
-
 
 @dataclass(frozen=True)
 class DrainPlan:

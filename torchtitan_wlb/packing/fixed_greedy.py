@@ -15,8 +15,6 @@ import numpy as np
 from torchtitan_wlb.packing.base import DocPool, Packer
 from torchtitan_wlb.packing.placement import fill_rounds
 
-__all__ = ["FixedGreedyPacker"]
-
 
 class FixedGreedyPacker(Packer):
     """Attention-aware greedy over ``G`` global batches, cap ``context_len`` per sequence; the

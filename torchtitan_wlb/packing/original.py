@@ -12,8 +12,6 @@ import numpy as np
 
 from torchtitan_wlb.packing.base import DocPool, Packer
 
-__all__ = ["OriginalPacker"]
-
 
 class OriginalPacker(Packer):
     """Sequential next-fit into ``N`` sequences of ``context_len`` tokens (workload-blind)."""

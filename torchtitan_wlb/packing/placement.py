@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["water_level", "lpt_place", "fill_rounds", "dp_order"]
-
 # Share of its deficit a micro-batch receives per round: large enough for few rounds, small
 # enough that the last rounds still hold small documents to even out the loads.
 _RUN_FRACTION = 0.7

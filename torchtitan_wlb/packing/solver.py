@@ -16,8 +16,6 @@ from torchtitan_wlb.cost_model import CostModel
 from torchtitan_wlb.packing.base import DocPool
 from torchtitan_wlb.packing.fixed_greedy import FixedGreedyPacker
 
-__all__ = ["SolveResult", "solve_minmax", "SolverPacker"]
-
 
 @dataclass
 class SolveResult:

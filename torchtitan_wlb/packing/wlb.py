@@ -3,10 +3,10 @@
 ``wlb_paper`` is the paper's Algorithm 1 as published, placing documents one by one in a Python
 loop: the reference for comparison. ``wlb`` keeps its queues, carry-over, max wait K and flush and
 changes how outliers enter a step (admission and release by cost, across queues, relaxed with
-age), K (adaptive), the placement (vectorised :func:`~torchtitan_wlb.packing.placement.fill_rounds`),
-the overflow (back-pressure: a stream suffix is handed back instead of carried) and the end of the
-data (a balanced drain, :mod:`~torchtitan_wlb.packing.end_of_data`). docs/packing.md describes
-each change and what it buys; the comments below say where each happens.
+age), K (adaptive), the placement (vectorised ``fill_rounds``), the overflow (back-pressure: a
+stream suffix is handed back instead of carried) and the end of the data (a balanced drain,
+:mod:`~torchtitan_wlb.packing.end_of_data`). docs/packing.md describes each change and what it
+buys; the comments below say where each happens.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ from torchtitan_wlb.cost_model import CostModel
 from torchtitan_wlb.packing.base import DocPool, Packer, PackingConfig
 from torchtitan_wlb.packing.end_of_data import plan_drain
 from torchtitan_wlb.packing.placement import fill_rounds, lpt_place
-
-__all__ = ["WLBPacker", "WLBPaperPacker", "default_thresholds", "default_smax"]
 
 _TOKEN_FILL = 0.98  # admission keeps 2 % of the step's token capacity for regular documents
 
