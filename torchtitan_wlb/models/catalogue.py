@@ -5,7 +5,7 @@ NumPy-only tools import it for free. The shapes and why they are these: docs/mod
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 DIM_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim", "vocab_size")
 """The shape fields of :class:`ModelSpec`, in order (the keyword arguments of
@@ -14,25 +14,15 @@ DIM_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim", "voc
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Dimensions of a decoder-only Llama-style transformer.
+    """Dimensions of a decoder-only Llama-style transformer."""
 
-    Attributes:
-        name: Catalogue name, or a caller's label for custom dimensions.
-        dim: Hidden size (model width).
-        n_layers: Number of transformer blocks.
-        n_heads: Number of query heads.
-        n_kv_heads: Number of key/value heads (grouped-query attention when smaller than n_heads).
-        ffn_hidden_dim: Inner size of the SwiGLU MLP (three dim x ffn matrices).
-        vocab_size: Vocabulary size (embedding and output projection).
-    """
-
-    name: str
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    ffn_hidden_dim: int
-    vocab_size: int
+    name: str  # catalogue name, or a caller's label for custom dimensions
+    dim: int  # hidden size (model width)
+    n_layers: int  # transformer blocks
+    n_heads: int  # query heads
+    n_kv_heads: int  # key/value heads (grouped-query attention when fewer than n_heads)
+    ffn_hidden_dim: int  # inner size of the SwiGLU MLP (three dim x ffn matrices)
+    vocab_size: int  # rows of the embedding and of the output projection
 
     def __post_init__(self) -> None:
         for field_name in DIM_FIELDS:
@@ -66,7 +56,7 @@ class ModelSpec:
 
     def dims(self) -> dict[str, int]:
         """The shape fields by name (``CostModel.from_model_dims(**spec.dims(), tp=, cp=)``)."""
-        return {k: v for k, v in asdict(self).items() if k in DIM_FIELDS}
+        return {f: getattr(self, f) for f in DIM_FIELDS}
 
 
 LLAMA3_VOCAB = 128256

@@ -1,12 +1,10 @@
 """The ``llama3_wlb`` model: TorchTitan's Llama 3 with document-masked attention.
 
-Only the attention's inner computation changes. Projections, RoPE, feed-forward, norms, weight
-init and the TP/FSDP/AC/compile plans are TorchTitan's own (subclassed or called, never copied).
-The attention receives, through TorchTitan's ``attention_masks`` keyword, a
-:class:`~torchtitan_wlb.attention.DocumentAttentionMetadata` describing the documents of the local
-packed sequence, and through ``positions`` the per-document RoPE positions. With context
-parallelism the metadata carries the rank's CP plan and the same call runs the all-gather-KV
-per-document CP op; the model code does not change.
+Only the attention's inner computation changes; everything else, parallelisation plans included,
+is TorchTitan's own (subclassed or called, never copied). The attention receives through
+TorchTitan's ``attention_masks`` keyword a :class:`~torchtitan_wlb.attention.DocumentAttentionMetadata`
+for the local packed sequence, and through ``positions`` the per-document RoPE positions. With
+context parallelism the metadata carries the rank's CP plan, and the same call runs the CP op.
 """
 
 from __future__ import annotations
@@ -74,12 +72,8 @@ class WLBAttention(Attention):
             attention_masks = metadata_from_doc_lens([seqlen] * bs, device=x.device)
         # [bs, seqlen, heads, dim] -> [bs * seqlen, heads, dim]: the varlen layout; the metadata's
         # cu_seqlens describe all rows back to back.
-        out = attention_from_metadata(
-            xq.reshape(bs * seqlen, -1, self.head_dim),
-            xk.reshape(bs * seqlen, -1, self.head_dim),
-            xv.reshape(bs * seqlen, -1, self.head_dim),
-            attention_masks,
-        )
+        q, k, v = (t.reshape(bs * seqlen, -1, self.head_dim) for t in (xq, xk, xv))
+        out = attention_from_metadata(q, k, v, attention_masks)
         return self.wo(out.reshape(bs, seqlen, -1))
 
 
@@ -190,21 +184,15 @@ def cost_model_for_job(job_config: JobConfig) -> CostModel:
 
 
 def pipeline_llama_wlb(
-    model: nn.Module,
-    parallel_dims: Any,
-    job_config: JobConfig,
-    device: torch.device,
-    model_args: Any,
-    parallelize_fn: Any,
-    loss_fn: Any,
+    model: nn.Module, parallel_dims: Any, job_config: JobConfig, *args: Any
 ) -> Any:
-    """TorchTitan's ``pipeline_llm`` with one schedule micro-batch per packed micro-batch.
+    """TorchTitan's ``pipeline_llm`` (``args``: the rest of its arguments, passed through) with
+    one schedule micro-batch per packed micro-batch.
 
     TorchTitan sizes the schedule as ``local_batch_size / pipeline_parallel_microbatch_size``
-    micro-batches and splits one ``[B, S]`` batch along dim 0. Here a micro-batch is one packed
-    sequence (``local_batch_size = 1``) and a step has ``N / DP`` of them, each of its own length,
-    so the schedule is built for ``N / DP`` micro-batches of size 1; the trainer then feeds them as
-    a list (``VarlenPipelineRunner``).
+    micro-batches and splits one ``[B, S]`` batch along dim 0. Here a step has ``N / DP`` packed
+    sequences, each of its own length, so the schedule is built for ``N / DP`` micro-batches of
+    size 1; the trainer then feeds them as a list (``VarlenPipelineRunner``).
     """
     from torchtitan.distributed.pipeline_parallel import pipeline_llm
 
@@ -214,6 +202,4 @@ def pipeline_llama_wlb(
     schedule_config = copy.deepcopy(job_config)
     schedule_config.training.local_batch_size = per_rank
     schedule_config.parallelism.pipeline_parallel_microbatch_size = 1
-    return pipeline_llm(
-        model, parallel_dims, schedule_config, device, model_args, parallelize_fn, loss_fn
-    )
+    return pipeline_llm(model, parallel_dims, schedule_config, *args)

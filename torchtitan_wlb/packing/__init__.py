@@ -7,21 +7,19 @@ See docs/packing.md.
 
 from __future__ import annotations
 
-from torchtitan_wlb.packing.base import PackedStep, Packer, PackingConfig
+from torchtitan_wlb.packing.base import Packer, PackingConfig
 from torchtitan_wlb.packing.driver import LengthStream, drain, drive, next_plan
 from torchtitan_wlb.packing.original import OriginalPacker
 from torchtitan_wlb.packing.registry import PACKERS, build_packer, packing_config
-from torchtitan_wlb.packing.tuning import TuneResult, tune_queues
+from torchtitan_wlb.packing.tuning import tune_queues
 from torchtitan_wlb.packing.wlb import default_thresholds
 
 __all__ = [
     "PACKERS",
     "LengthStream",
     "OriginalPacker",
-    "PackedStep",
     "Packer",
     "PackingConfig",
-    "TuneResult",
     "build_packer",
     "default_thresholds",
     "drain",

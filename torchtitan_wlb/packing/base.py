@@ -91,31 +91,6 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
-def validate_lengths(ids: np.ndarray, lens: np.ndarray, cap: int) -> tuple[np.ndarray, np.ndarray]:
-    """Check one batch of incoming documents; return them as int64 arrays.
-
-    A document longer than ``cap`` can never be placed: the loader must split it first, so it is
-    an error here rather than a silent drop.
-    """
-    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-    lens = np.asarray(lens, dtype=np.int64).reshape(-1)
-    if ids.shape != lens.shape:
-        raise ValueError(f"got {ids.size} document ids but {lens.size} lengths")
-    bad = np.flatnonzero(lens < 1)
-    if bad.size:
-        raise ValueError(
-            f"document {int(ids[bad[0]])} has length {int(lens[bad[0]])}; lengths must be >= 1"
-        )
-    too_long = np.flatnonzero(lens > cap)
-    if too_long.size:
-        i = too_long[0]
-        raise ValueError(
-            f"document {int(ids[i])} has {int(lens[i])} tokens, more than the micro-batch cap "
-            f"{cap}; split long documents in the loader (max_doc_len <= {cap})"
-        )
-    return ids, lens
-
-
 @dataclass
 class PackedStep:
     """One optimizer step's global plan."""
@@ -206,11 +181,7 @@ class Packer(ABC):
         self.n = config.micro_batches
         self._step = 0
         self.carry = DocPool()
-
-    @property
-    def cap(self) -> int:
-        """Token cap of one micro-batch (the longest document the packer accepts)."""
-        return self.config.context_len
+        self.cap = config.context_len  # token cap of a micro-batch: the longest document taken
 
     def tokens_wanted(self) -> int:
         """Tokens of new documents to pull before the next ``step`` (0: pull none): one global
@@ -238,8 +209,27 @@ class Packer(ABC):
         return []
 
     def step(self, ids: np.ndarray, lens: np.ndarray, *, flush: bool = False) -> PackedStep:
-        """Add this step's new documents and return the step's ``N`` micro-batches."""
-        ids, lens = validate_lengths(ids, lens, self.cap)
+        """Add this step's new documents and return the step's ``N`` micro-batches.
+
+        A document longer than ``cap`` can never be placed: the loader must split it first, so it
+        is an error here rather than a silent drop.
+        """
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        lens = np.asarray(lens, dtype=np.int64).reshape(-1)
+        if ids.shape != lens.shape:
+            raise ValueError(f"got {ids.size} document ids but {lens.size} lengths")
+        bad = np.flatnonzero(lens < 1)
+        if bad.size:
+            raise ValueError(
+                f"document {int(ids[bad[0]])} has length {int(lens[bad[0]])}; lengths must be >= 1"
+            )
+        too_long = np.flatnonzero(lens > self.cap)
+        if too_long.size:
+            i = too_long[0]
+            raise ValueError(
+                f"document {int(ids[i])} has {int(lens[i])} tokens, more than the micro-batch cap "
+                f"{self.cap}; split long documents in the loader (max_doc_len <= {self.cap})"
+            )
         # CPU time of this thread: the packing cost on one core, unaffected by other processes
         # competing for the machine (wall time would charge their time slices to the packer).
         t0 = time.thread_time()
@@ -247,9 +237,8 @@ class Packer(ABC):
         pack_ms = (time.thread_time() - t0) * 1e3
         order = np.argsort(mb, kind="stable")
         bounds = np.searchsorted(mb[order], np.arange(self.n + 1))
-        ids_sorted, lens_sorted = docs.ids[order], docs.lens[order]
-        out_ids = [ids_sorted[bounds[j] : bounds[j + 1]] for j in range(self.n)]
-        out_lens = [lens_sorted[bounds[j] : bounds[j + 1]] for j in range(self.n)]
+        out_ids = np.split(docs.ids[order], bounds[1:-1])
+        out_lens = np.split(docs.lens[order], bounds[1:-1])
         stats = self._stats(docs, mb, pack_ms)
         plan = PackedStep(step=self._step, doc_ids=out_ids, doc_lens=out_lens, stats=stats)
         self._step += 1
@@ -280,7 +269,7 @@ class Packer(ABC):
     def state_dict(self) -> dict[str, Any]:
         """Plain-Python state (ints and lists): enough to continue exactly."""
         pools = {p: getattr(self, p).state() for p in self._pools}
-        return {"packer": self.name, "step": self._step, **pools, **self._extra_state()}
+        return {"packer": self.name, "step": self._step, **pools}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("packer") != self.name:
@@ -290,13 +279,6 @@ class Packer(ABC):
         self._step = int(state["step"])
         for p in self._pools:
             setattr(self, p, DocPool.from_state(state[p]))
-        self._load_extra_state(state)
-
-    def _extra_state(self) -> dict[str, Any]:
-        return {}
-
-    def _load_extra_state(self, state: dict[str, Any]) -> None:
-        return None
 
     @property
     def steps_done(self) -> int:

@@ -80,8 +80,9 @@ class FixedGreedyPacker(Packer):
             self.window_pos = self.g
         return out, out.tag % self.n
 
-    def _extra_state(self) -> dict[str, Any]:
-        return {"window_pos": self.window_pos}
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "window_pos": self.window_pos}
 
-    def _load_extra_state(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
         self.window_pos = int(state["window_pos"])

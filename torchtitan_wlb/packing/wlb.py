@@ -24,19 +24,6 @@ from torchtitan_wlb.packing.placement import fill_rounds, lpt_place
 _TOKEN_FILL = 0.98  # admission keeps 2 % of the step's token capacity for regular documents
 
 
-def default_smax(context_len: int) -> int:
-    """Default S_max of the WLB packers: 1.25 x the context length."""
-    return int(math.floor(1.25 * context_len))
-
-
-def length_for_cost(cost_model: CostModel, cost: float) -> float:
-    """The document length whose cost ``W(d)`` equals ``cost`` (inverse of the quadratic)."""
-    a, b = cost_model.attn_coef, cost_model.linear_coef
-    if a == 0:
-        return cost / b
-    return (-b + math.sqrt(b * b + 4 * a * cost)) / (2 * a)
-
-
 def default_thresholds(cost_model: CostModel, context_len: int, levels: int = 3) -> tuple[int, ...]:
     """Queue thresholds derived from the cost model when none are configured.
 
@@ -45,12 +32,14 @@ def default_thresholds(cost_model: CostModel, context_len: int, levels: int = 3)
     at 1/2, 1 and 2 micro-batches' worth of linear work. A document below the first threshold can
     always be balanced by the others in its micro-batch.
     """
-    unit = cost_model.linear_coef * context_len
+    a, b = cost_model.attn_coef, cost_model.linear_coef
+    unit = b * context_len
     if unit == 0:  # attention-only cost: use fractions of a full-context document
         unit = cost_model.doc_cost(np.array([context_len]))[0]
     out = []
     for i in range(levels):
-        d = int(length_for_cost(cost_model, unit * 0.5 * 2**i))
+        c = unit * 0.5 * 2**i  # the length d whose cost a d^2 + b d is c:
+        d = int(c / b if a == 0 else (-b + math.sqrt(b * b + 4 * a * c)) / (2 * a))
         if d < context_len and (not out or d > out[-1]):
             out.append(max(d, 1))
     return tuple(out) or (context_len,)
@@ -66,17 +55,14 @@ class _QueuedPacker(Packer):
 
     def __init__(self, config: PackingConfig, cost_model: CostModel) -> None:
         super().__init__(config, cost_model)
-        self.smax = config.smax if config.smax is not None else default_smax(config.context_len)
+        default_smax = int(math.floor(1.25 * config.context_len))
+        self.cap = config.smax if config.smax is not None else default_smax
         th = config.queue_thresholds
-        self.thresholds = np.asarray(
-            th if th is not None else default_thresholds(cost_model, config.context_len), np.int64
-        )
+        if th is None:
+            th = default_thresholds(cost_model, config.context_len)
+        self.thresholds = np.asarray(th, np.int64)
         self.queue = DocPool()
         self.backlog = DocPool()
-
-    @property
-    def cap(self) -> int:
-        return self.smax
 
     def tokens_wanted(self) -> int:
         held = int(self.carry.lens.sum()) + int(self.backlog.lens.sum())
@@ -112,7 +98,7 @@ class WLBPaperPacker(_QueuedPacker):
     name = "wlb_paper"
 
     def _plan(self, ids, lens, flush):
-        n, cap = self.n, self.smax
+        n, cap = self.n, self.cap
         regular = self._intake(ids, lens)
         loads = np.zeros(n)
         tokens = np.zeros(n, np.int64)
@@ -198,10 +184,11 @@ class WLBPacker(_QueuedPacker):
         elif self.delay_ema < 0.9 * cfg.delay_target:
             self.k_eff = min(float(cfg.adaptive_max_wait), self.k_eff + self._WAIT_STEP)
 
-    def _extra_state(self) -> dict[str, Any]:
-        return {"k_eff": self.k_eff, "delay_ema": self.delay_ema}
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "k_eff": self.k_eff, "delay_ema": self.delay_ema}
 
-    def _load_extra_state(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
         self.k_eff = float(state["k_eff"])
         self.delay_ema = float(state["delay_ema"])
 
@@ -209,17 +196,15 @@ class WLBPacker(_QueuedPacker):
         """End of the data: emit the heaviest of the balanced final steps, hold the rest."""
         held = DocPool.concat([self.queue, regular])  # tag: queue level, 0 for regular
         cost = self.cost_model.doc_cost(held.lens)
-        plan = plan_drain(cost, held.lens, self.n, self.smax)
+        plan = plan_drain(cost, held.lens, self.n, self.cap)
         now, mb = plan.step == 0, plan.micro_batch.copy()
         # The wait bound holds through the drain: documents due now join this step if they fit.
         late = np.flatnonzero(~now & (self._step - held.arrival >= self._wait_bound()))
         if late.size:
             loads = np.bincount(mb[now], weights=cost[now], minlength=self.n)
-            tokens = np.bincount(mb[now], weights=held.lens[now], minlength=self.n)
+            tokens = np.bincount(mb[now], weights=held.lens[now], minlength=self.n).astype(np.int64)
             late = late[np.argsort(-cost[late], kind="stable")]
-            mb[late] = lpt_place(
-                loads, tokens.astype(np.int64), cost[late], held.lens[late], self.smax
-            )
+            mb[late] = lpt_place(loads, tokens, cost[late], held.lens[late], self.cap)
             now[late] = mb[late] >= 0
         rest = held.subset(np.flatnonzero(~now))
         self.queue = rest.subset(np.flatnonzero(rest.tag > 0))
@@ -227,7 +212,7 @@ class WLBPacker(_QueuedPacker):
         return held.subset(np.flatnonzero(now)), mb[now]
 
     def _plan(self, ids, lens, flush):
-        n, cap, cm = self.n, self.smax, self.cost_model
+        n, cap, cm = self.n, self.cap, self.cost_model
         regular = self._intake(ids, lens)
         if flush:
             return self._drain(regular)
@@ -325,7 +310,7 @@ class WLBPacker(_QueuedPacker):
         small documents behind later ones. A document pulled ``K`` or more steps ago is offered.
         """
         lens = regular.lens[fresh]
-        tok_room = float((self.smax - tokens).sum())
+        tok_room = float((self.cap - tokens).sum())
         cost_room = float(np.maximum(limit - loads, 0.0).sum()) if np.isfinite(limit) else np.inf
         if lens.sum() <= tok_room and r_cost[fresh].sum() <= cost_room:
             return fresh, fresh[:0]
@@ -358,7 +343,7 @@ class WLBPacker(_QueuedPacker):
         the step's fresh documents into carry-over. Returns the updated (loads, tokens, bin per
         waiting document) or ``None`` when the release would not balance.
         """
-        n, cap = self.n, self.smax
+        n, cap = self.n, self.cap
         must_balance = tau is not None
         loads, tokens = loads.copy(), tokens.copy()
         fits = costs <= level
