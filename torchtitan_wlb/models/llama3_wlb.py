@@ -1,10 +1,10 @@
 """The ``llama3_wlb`` model: TorchTitan's Llama 3 with document-masked attention.
 
 Only the attention's inner computation changes; everything else, parallelisation plans included,
-is TorchTitan's own (subclassed or called, never copied). The attention receives through
-TorchTitan's ``attention_masks`` keyword a :class:`~torchtitan_wlb.attention.DocumentAttentionMetadata`
-for the local packed sequence, and through ``positions`` the per-document RoPE positions. With
-context parallelism the metadata carries the rank's CP plan, and the same call runs the CP op.
+is TorchTitan's own (subclassed or called, never copied). The attention receives the documents of
+the local packed sequence (``DocumentAttentionMetadata``) through TorchTitan's ``attention_masks``
+keyword, and the per-document RoPE positions through ``positions``. With context parallelism the
+metadata carries the rank's CP plan, and the same call runs the CP op.
 """
 
 from __future__ import annotations
@@ -131,13 +131,9 @@ llama3_wlb_args: dict[str, WLBModelArgs] = {
 
 
 class _TorchTitanCPView:
-    """``parallel_dims`` as TorchTitan's ``parallelize_llama`` should see it for this model.
-
-    ``parallelize_llama`` would wrap every inner attention module with TorchTitan's SDPA/flex CP,
-    which cannot mask documents. Our attention does its own per-document CP (the metadata carries
-    the CP group), so here ``cp_enabled`` reads False while everything else, FSDP over the
-    dp_shard x cp mesh included, is the real ``parallel_dims``.
-    """
+    """``parallel_dims`` with ``cp_enabled`` False, for ``parallelize_llama``: it would wrap every
+    inner attention in TorchTitan's SDPA/flex CP, which cannot mask documents (our attention does
+    its own CP); everything else, FSDP over the dp_shard x cp mesh included, is the real one."""
 
     cp_enabled = False
 
@@ -158,13 +154,9 @@ def parallelize_llama_wlb(model: nn.Module, parallel_dims: Any, job_config: JobC
 
 
 def cost_model_for_job(job_config: JobConfig) -> CostModel:
-    """The workload model W(d) the packers and the CP planner use for this job.
-
-    ``[wlb] cost_model = "analytic"``: FLOPs per rank from the model flavor's dims and the TP/CP
-    degrees; "coefficients": ``attn_coef`` / ``linear_coef`` from TOML; "profile": a measured JSON
-    table (``cost_profile``). "online" starts from the profile when one is given, else from the
-    analytic model; the trainer refits it while training (:mod:`torchtitan_wlb.cost_fit`).
-    """
+    """The workload model W(d) the packers and the CP planner use for this job, as ``[wlb]
+    cost_model`` says (docs/configuration.md); "analytic" is per rank, from the flavor's dims and
+    the TP/CP degrees, and "online" starts from the profile if one is given, else from it."""
     wlb = job_config.wlb
     if wlb.cost_model == "coefficients":
         return CostModel.from_coefficients(wlb.attn_coef, wlb.linear_coef)

@@ -1,10 +1,7 @@
-"""The packer interface: a document stream (ids and lengths, no tokens) in, one global plan of
-``N`` micro-batches per optimizer step out.
-
-A packer is a deterministic function of the documents it has been given, so every data-parallel
-rank, fed the same stream, computes the same plan without communication. The driving protocol
-(budget rule, end of data, flush) is :mod:`~torchtitan_wlb.packing.driver`; see docs/packing.md.
-All state lives in NumPy arrays (``state_dict``) so that a restored packer continues bit-for-bit.
+"""The packer interface: documents (ids and lengths) in, one global plan of ``N`` micro-batches
+per optimizer step out. A packer is a deterministic function of the documents it was given, so
+every data-parallel rank computes the same plan without communication; its state is plain arrays,
+so a restored packer continues bit-for-bit. Driven by :mod:`~torchtitan_wlb.packing.driver`.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
-"""The driving protocol of every packer: a document stream in, plans out (docs/packing.md).
-
-The data node, the packing benchmark, queue tuning and the simulator all drive packers through
-this module, so the budget rule exists once: each step takes, in stream order, the fewest
-documents whose tokens reach ``packer.tokens_wanted()`` (none when it is 0). A pull that runs out
-marks the end of the data; from then on every step is planned with ``flush=True`` until the
-packer holds nothing. The end is seen one global batch early: when less than ``N * context_len``
-tokens would remain after a pull, the pull takes them too, so the final steps (the balanced
-drain) are planned over at least a full step of documents instead of a fraction of one.
+"""The driving protocol of every packer (docs/packing.md), used by the data node, the packing
+benchmark, tuning and the simulator: each step takes, in stream order, the fewest documents whose
+tokens reach ``packer.tokens_wanted()`` (none when it is 0); a pull that runs out ends the data and
+every later step flushes. The end is seen one global batch early (when less than that would remain,
+the pull takes it too), so the final steps are planned over at least a full step of documents.
 """
 
 from __future__ import annotations

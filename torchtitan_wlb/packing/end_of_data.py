@@ -1,10 +1,7 @@
-"""The end of the data: spread the documents still held over balanced final steps.
-
-Releasing every queued and carried document in one step makes it as slow as its heaviest
-micro-batch while the others idle (max/mean of 1.6-17 on real workloads). :func:`plan_drain`
-plans them over a few final steps instead (docs/packing.md, *The end of the data*). A packer
-emits only the first, heaviest planned step and plans the rest again next step, so the drain is a
-pure function of the documents held and needs no state.
+"""The end of the data: the documents still held, spread over balanced final steps instead of
+one step as slow as its heaviest micro-batch (max/mean of 1.6-17 on real workloads). A packer
+emits the first, heaviest planned step and plans the rest again next step, so the drain is a pure
+function of the documents held. See docs/packing.md.
 """
 
 from __future__ import annotations

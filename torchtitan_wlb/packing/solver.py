@@ -144,12 +144,8 @@ def solve_minmax(
 
 
 class SolverPacker(FixedGreedyPacker):
-    """``fixed_greedy``'s windows placed by the exact integer program.
-
-    With ``config.solver_node_limit`` set (training always sets it), each window's plan is a pure
-    function of its documents and the config; should the time limit stop a solve first, the
-    packer raises rather than hand out a plan other ranks may not share.
-    """
+    """``fixed_greedy``'s windows placed by the exact integer program. With a node limit (training
+    sets one) a plan cut by the time limit is an error: other ranks might not share it."""
 
     name = "solver"
 

@@ -39,9 +39,7 @@ def simulate(
     (fewer if the sample ends first); what is still pending then is not counted, as in a long run.
     """
     packer = build_packer(name, config, cost_model)
-    # A sample of a longer stream: its end is not the end of the data, so nothing is flushed,
-    # and the steps stop once it is used up.
-    stream = LengthStream(lengths, end_of_data=False)
+    stream = LengthStream(lengths, end_of_data=False)  # a sample: its end is not the data's
     imb, delay_tok, tok = [], 0.0, 0
     for plan in drive(packer, stream, steps):
         imb.append(plan.stats["imbalance"])
