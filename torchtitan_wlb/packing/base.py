@@ -103,6 +103,15 @@ class PackedStep:
     (CPU milliseconds of the packing thread)."""
 
 
+_EMPTY = np.zeros(0, np.int64)
+
+
+def _column(value: np.ndarray | int, n: int) -> np.ndarray:
+    if isinstance(value, np.ndarray):  # the hot path: subsets and concatenations of pools
+        return value.astype(np.int64, copy=False)
+    return np.full(n, value, np.int64)
+
+
 class DocPool:
     """Documents held by a packer as parallel int64 columns, so that selection and state are
     vectorised.
@@ -117,19 +126,19 @@ class DocPool:
 
     def __init__(
         self,
-        ids: np.ndarray | tuple = (),
-        lens: np.ndarray | tuple = (),
+        ids: np.ndarray = _EMPTY,
+        lens: np.ndarray = _EMPTY,
         arrival: np.ndarray | int = 0,
         tag: np.ndarray | int = 0,
         pulled: np.ndarray | int | None = None,
     ) -> None:
         """Documents ``ids`` of lengths ``lens``; scalar columns are broadcast, ``pulled``
-        defaults to ``arrival``. Every column is a copy."""
-        pulled = arrival if pulled is None else pulled
-        n = np.size(ids)
-        cols = (ids, lens, arrival, tag, pulled)
-        for f, v in zip(self.FIELDS, cols, strict=True):
-            setattr(self, f, np.array(np.broadcast_to(np.asarray(v, np.int64), (n,))))
+        defaults to ``arrival``. Array columns are kept, not copied: pools never change a column
+        in place, they replace it."""
+        n = len(ids)
+        self.ids, self.lens = _column(ids, n), _column(lens, n)
+        self.arrival, self.tag = _column(arrival, n), _column(tag, n)
+        self.pulled = _column(arrival if pulled is None else pulled, n)
 
     def __len__(self) -> int:
         return int(self.ids.size)
@@ -234,8 +243,9 @@ class Packer(ABC):
         pack_ms = (time.thread_time() - t0) * 1e3
         order = np.argsort(mb, kind="stable")
         bounds = np.searchsorted(mb[order], np.arange(self.n + 1))
-        out_ids = np.split(docs.ids[order], bounds[1:-1])
-        out_lens = np.split(docs.lens[order], bounds[1:-1])
+        ids_sorted, lens_sorted = docs.ids[order], docs.lens[order]
+        out_ids = [ids_sorted[bounds[j] : bounds[j + 1]] for j in range(self.n)]
+        out_lens = [lens_sorted[bounds[j] : bounds[j + 1]] for j in range(self.n)]
         stats = self._stats(docs, mb, pack_ms)
         plan = PackedStep(step=self._step, doc_ids=out_ids, doc_lens=out_lens, stats=stats)
         self._step += 1

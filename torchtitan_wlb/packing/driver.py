@@ -40,15 +40,14 @@ def pull_until(budget: int, pull: Callable[[], int | None]) -> bool:
 
 
 class DocumentStream(Protocol):
-    """What :func:`next_plan` pulls from: an in-memory stream or the data node's source."""
+    """What :func:`next_plan` pulls from (:class:`LengthStream`, the data node). ``pull``: ids and
+    lengths (int64) of the next documents by the budget rule, or everything left when fewer than
+    ``horizon`` tokens would remain; ``exhausted``: the data has ended (flush from then on)."""
 
     @property
-    def exhausted(self) -> bool:
-        """Whether the end of the data was reached (the packer is flushed from then on)."""
+    def exhausted(self) -> bool: ...
 
-    def pull(self, budget: int, horizon: int) -> tuple[np.ndarray, np.ndarray]:
-        """Ids and lengths (int64) of the next documents, taken by the budget rule; when fewer
-        than ``horizon`` tokens would remain after them, everything left (the data ends)."""
+    def pull(self, budget: int, horizon: int) -> tuple[np.ndarray, np.ndarray]: ...
 
 
 def next_plan(packer: Packer, stream: DocumentStream) -> PackedStep | None:

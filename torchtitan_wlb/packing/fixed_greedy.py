@@ -1,9 +1,6 @@
-"""``fixed_greedy``: workload-aware greedy over G global batches with a fixed length cap.
-
-Table 2's "fixed-length greedy" remedy: ``G`` global batches are placed, largest workload first,
-into ``G * N`` sequences of at most ``context_len`` tokens, sorted by workload and emitted ``N``
-per step, so that expensive sequences share a step. A larger ``G`` balances better but delays
-documents by up to ``G - 1`` steps.
+"""``fixed_greedy``, Table 2's "fixed-length greedy" remedy: ``G`` global batches placed, largest
+workload first, into ``G * N`` sequences of at most ``context_len`` tokens, sorted by workload and
+emitted ``N`` per step, so that expensive sequences share a step (and documents wait up to G - 1).
 """
 
 from __future__ import annotations

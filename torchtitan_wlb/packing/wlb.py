@@ -87,7 +87,7 @@ class _QueuedPacker(Packer):
         new = DocPool.concat([handed_back, DocPool(ids, lens, self._step, level)])
         self.queue = DocPool.concat([self.queue, new.take(np.flatnonzero(new.tag > 0))])
         regular = DocPool.concat([self.carry, new])
-        regular.tag[:] = 0
+        regular.tag = np.zeros(len(regular), np.int64)
         self.carry = DocPool()
         return regular
 
