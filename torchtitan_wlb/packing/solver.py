@@ -7,7 +7,6 @@ bounds it by nodes rather than time: docs/packing.md.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,8 +28,6 @@ class SolveResult:
     """Proven lower bound on the optimal max workload (equals ``max_load`` when optimal)."""
     optimal: bool
     """Whether HiGHS proved the assignment optimal within its limits."""
-    seconds: float
-    """Wall time of the solve."""
     time_limited: bool = False
     """Whether the time limit stopped HiGHS (the result then depends on the machine's load)."""
 
@@ -52,7 +49,6 @@ def solve_minmax(
     """
     import highspy  # only the solver needs it; the packer registry imports this module
 
-    t0 = time.perf_counter()
     lens = np.asarray(lens, np.int64)
     n, nb = lens.size, n_bins
     cost = cost_model.doc_cost(lens)
@@ -138,7 +134,6 @@ def solve_minmax(
         max_load=best,
         lower_bound=min(bound, best),
         optimal=bool(optimal),
-        seconds=time.perf_counter() - t0,
         time_limited=status == highspy.HighsModelStatus.kTimeLimit,
     )
 

@@ -76,10 +76,8 @@ class _QueuedPacker(Packer):
         super().load_state_dict({"backlog": DocPool().state(), **state})
 
     def _intake(self, ids: np.ndarray, lens: np.ndarray) -> DocPool:
-        """Queue the new outliers; return the regular documents (carry first, then new).
-
-        Documents handed back last step come first among the new ones: they precede this
-        step's pull in the stream, and enter the packing order now.
+        """Queue the new outliers; return the regular documents: carry, then those handed back
+        last step (they precede this pull in the stream and enter the packing order now), then new.
         """
         level = np.searchsorted(self.thresholds, lens, side="right")
         back, self.backlog = self.backlog, DocPool()
