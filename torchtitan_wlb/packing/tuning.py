@@ -82,9 +82,8 @@ def tune_queues(
     if lengths.sum() < _MIN_TUNE_STEPS * n_tune * config.context_len:
         n_tune = max(1, int(lengths.sum() // (_MIN_TUNE_STEPS * config.context_len)))
     config = replace(config, micro_batches=n_tune)
-    per_step = n_tune * config.context_len
     if steps is None:
-        batches = int(lengths.sum() // per_step)
+        batches = int(lengths.sum() // (n_tune * config.context_len))
         steps = max(1, batches - min(2 * max(waits), batches // 2))
     candidates = {default_thresholds(cost_model, config.context_len, k) for k in levels}
     if config.queue_thresholds is not None:
@@ -94,9 +93,7 @@ def tune_queues(
         for k in waits:
             cfg = replace(config, queue_thresholds=th, max_wait=k)
             imb, delay = simulate(packer, lengths, cfg, cost_model, steps)
-            results.append(
-                TuneResult(queue_thresholds=th, max_wait=k, imbalance=imb, mean_delay=delay)
-            )
+            results.append(TuneResult(th, k, imbalance=imb, mean_delay=delay))
     within = [r for r in results if r.mean_delay <= delay_budget]
     if not within:
         return min(results, key=lambda r: (r.mean_delay, r.imbalance))
