@@ -1,12 +1,10 @@
 """The ``llama3_wlb`` model: TorchTitan's Llama 3 with document-masked attention.
 
-Only the attention's inner computation changes. Projections, RoPE, feed-forward, norms, weight
-init and the TP/FSDP/AC/compile plans are TorchTitan's own (subclassed or called, never copied).
-The attention receives, through TorchTitan's ``attention_masks`` keyword, a
-:class:`~torchtitan_wlb.attention.DocumentAttentionMetadata` describing the documents of the local
-packed sequence, and through ``positions`` the per-document RoPE positions. With context
-parallelism the metadata carries the rank's CP plan and the same call runs the all-gather-KV
-per-document CP op; the model code does not change.
+Only the attention's inner computation changes; everything else, parallelisation plans included,
+is TorchTitan's own (subclassed or called, never copied). The attention receives the documents of
+the local packed sequence (``DocumentAttentionMetadata``) through TorchTitan's ``attention_masks``
+keyword, and the per-document RoPE positions through ``positions``. With context parallelism the
+metadata carries the rank's CP plan, and the same call runs the CP op.
 """
 
 from __future__ import annotations
@@ -74,12 +72,8 @@ class WLBAttention(Attention):
             attention_masks = metadata_from_doc_lens([seqlen] * bs, device=x.device)
         # [bs, seqlen, heads, dim] -> [bs * seqlen, heads, dim]: the varlen layout; the metadata's
         # cu_seqlens describe all rows back to back.
-        out = attention_from_metadata(
-            xq.reshape(bs * seqlen, -1, self.head_dim),
-            xk.reshape(bs * seqlen, -1, self.head_dim),
-            xv.reshape(bs * seqlen, -1, self.head_dim),
-            attention_masks,
-        )
+        q, k, v = (t.reshape(bs * seqlen, -1, self.head_dim) for t in (xq, xk, xv))
+        out = attention_from_metadata(q, k, v, attention_masks)
         return self.wo(out.reshape(bs, seqlen, -1))
 
 
@@ -112,22 +106,14 @@ def ffn_hidden_dim(args: TransformerModelArgs) -> int:
 def model_args(spec: ModelSpec) -> WLBModelArgs:
     """TorchTitan's Llama 3 arguments for a catalogue model (RoPE theta 500,000, as Llama 3).
 
-    TorchTitan derives the SwiGLU width from ``multiple_of`` and ``ffn_dim_multiplier`` (see
-    :func:`ffn_hidden_dim`) instead of taking it. With ``multiple_of`` set to the catalogue's width,
-    and the multiplier bringing TorchTitan's ``8/3 dim`` down to at most that width where it is
-    larger, the derived width is exactly the catalogue's.
+    TorchTitan derives the SwiGLU width (:func:`ffn_hidden_dim`); ``multiple_of`` and the
+    multiplier are chosen so that it derives the catalogue's (docs/models.md).
     """
+    ffn = spec.ffn_hidden_dim
+    shape = {k: v for k, v in spec.dims().items() if k != "ffn_hidden_dim"}
     base = int(2 * (4 * spec.dim) / 3)
-    return WLBModelArgs(
-        dim=spec.dim,
-        n_layers=spec.n_layers,
-        n_heads=spec.n_heads,
-        n_kv_heads=spec.n_kv_heads,
-        vocab_size=spec.vocab_size,
-        multiple_of=spec.ffn_hidden_dim,
-        ffn_dim_multiplier=None if base <= spec.ffn_hidden_dim else spec.ffn_hidden_dim / base,
-        rope_theta=500000,
-    )
+    multiplier = None if base <= ffn else ffn / base
+    return WLBModelArgs(**shape, multiple_of=ffn, ffn_dim_multiplier=multiplier, rope_theta=500000)
 
 
 FLAVORS: dict[str, str] = {
@@ -137,9 +123,7 @@ FLAVORS: dict[str, str] = {
     "70B": "llama3_70B",
     **{f"paper_{name}": name for name in PAPER_MODELS},
 }
-"""Flavor name -> :mod:`~torchtitan_wlb.models.catalogue` model. "debugmodel" and "tiny" run on CPU
-with the built-in byte tokenizer; "8B" and "70B" are Llama 3.1 8B / 70B; "paper_*" are the
-Llama-like models of the WLB-LLM paper's Table 1."""
+"""Flavor name -> :mod:`~torchtitan_wlb.models.catalogue` model (docs/models.md)."""
 
 llama3_wlb_args: dict[str, WLBModelArgs] = {
     flavor: model_args(get_model(name)) for flavor, name in FLAVORS.items()
@@ -147,13 +131,9 @@ llama3_wlb_args: dict[str, WLBModelArgs] = {
 
 
 class _TorchTitanCPView:
-    """``parallel_dims`` as TorchTitan's ``parallelize_llama`` should see it for this model.
-
-    ``parallelize_llama`` would wrap every inner attention module with TorchTitan's SDPA/flex CP,
-    which cannot mask documents. Our attention does its own per-document CP (the metadata carries
-    the CP group), so here ``cp_enabled`` reads False while everything else, FSDP over the
-    dp_shard x cp mesh included, is the real ``parallel_dims``.
-    """
+    """``parallel_dims`` with ``cp_enabled`` False, for ``parallelize_llama``: it would wrap every
+    inner attention in TorchTitan's SDPA/flex CP, which cannot mask documents (our attention does
+    its own CP); everything else, FSDP over the dp_shard x cp mesh included, is the real one."""
 
     cp_enabled = False
 
@@ -162,10 +142,6 @@ class _TorchTitanCPView:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._parallel_dims, name)
-
-    @property
-    def fsdp_enabled(self) -> bool:
-        return self._parallel_dims.fsdp_enabled
 
 
 def parallelize_llama_wlb(model: nn.Module, parallel_dims: Any, job_config: JobConfig) -> nn.Module:
@@ -178,13 +154,9 @@ def parallelize_llama_wlb(model: nn.Module, parallel_dims: Any, job_config: JobC
 
 
 def cost_model_for_job(job_config: JobConfig) -> CostModel:
-    """The workload model W(d) the packers and the CP planner use for this job.
-
-    ``[wlb] cost_model = "analytic"``: FLOPs per rank from the model flavor's dims and the TP/CP
-    degrees; "coefficients": ``attn_coef`` / ``linear_coef`` from TOML; "profile": a measured JSON
-    table (``cost_profile``). "online" starts from the profile when one is given, else from the
-    analytic model; the trainer refits it while training (:mod:`torchtitan_wlb.cost_fit`).
-    """
+    """The workload model W(d) the packers and the CP planner use for this job, as ``[wlb]
+    cost_model`` says (docs/configuration.md); "analytic" is per rank, from the flavor's dims and
+    the TP/CP degrees, and "online" starts from the profile if one is given, else from it."""
     wlb = job_config.wlb
     if wlb.cost_model == "coefficients":
         return CostModel.from_coefficients(wlb.attn_coef, wlb.linear_coef)
@@ -204,21 +176,15 @@ def cost_model_for_job(job_config: JobConfig) -> CostModel:
 
 
 def pipeline_llama_wlb(
-    model: nn.Module,
-    parallel_dims: Any,
-    job_config: JobConfig,
-    device: torch.device,
-    model_args: Any,
-    parallelize_fn: Any,
-    loss_fn: Any,
+    model: nn.Module, parallel_dims: Any, job_config: JobConfig, *args: Any
 ) -> Any:
-    """TorchTitan's ``pipeline_llm`` with one schedule micro-batch per packed micro-batch.
+    """TorchTitan's ``pipeline_llm`` (``args``: the rest of its arguments, passed through) with
+    one schedule micro-batch per packed micro-batch.
 
     TorchTitan sizes the schedule as ``local_batch_size / pipeline_parallel_microbatch_size``
-    micro-batches and splits one ``[B, S]`` batch along dim 0. Here a micro-batch is one packed
-    sequence (``local_batch_size = 1``) and a step has ``N / DP`` of them, each of its own length,
-    so the schedule is built for ``N / DP`` micro-batches of size 1; the trainer then feeds them as
-    a list (``VarlenPipelineRunner``).
+    micro-batches and splits one ``[B, S]`` batch along dim 0. Here a step has ``N / DP`` packed
+    sequences, each of its own length, so the schedule is built for ``N / DP`` micro-batches of
+    size 1; the trainer then feeds them as a list (``VarlenPipelineRunner``).
     """
     from torchtitan.distributed.pipeline_parallel import pipeline_llm
 
@@ -228,6 +194,4 @@ def pipeline_llama_wlb(
     schedule_config = copy.deepcopy(job_config)
     schedule_config.training.local_batch_size = per_rank
     schedule_config.parallelism.pipeline_parallel_microbatch_size = 1
-    return pipeline_llm(
-        model, parallel_dims, schedule_config, device, model_args, parallelize_fn, loss_fn
-    )
+    return pipeline_llm(model, parallel_dims, schedule_config, *args)

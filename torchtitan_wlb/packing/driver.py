@@ -1,20 +1,8 @@
-"""The driving protocol of every packer (see ``base.py``): a document stream in, plans out.
-
-The data node, the packing benchmark, queue tuning and the simulator all drive packers through
-this module, so the budget rule exists once: the step's budget is ``packer.tokens_wanted()``;
-documents are taken in stream order until their tokens reach it, the crossing document included,
-none when it is 0 (:func:`take_until` over cumulative lengths, vectorised; :func:`pull_until` over
-an iterator). A pull that runs out of documents marks the end of the data: that step and every
-later one are planned with ``flush=True`` until the packer holds nothing (:func:`next_plan`).
-
-The end of the data is seen one global batch early. A stream looks ahead by the packer's
-*horizon* (``N * context_len`` tokens, what one step consumes): when fewer tokens than that
-remain after a pull, the pull takes them too and the data ends there. Without it the last pull is
-a fraction of a step, often one long document beside a few short ones, and no placement can
-balance it; with it the packer plans its final steps (the balanced drain of
-:mod:`~torchtitan_wlb.packing.end_of_data`) over at least a full step of documents.
-The data node and :class:`LengthStream` (lengths in memory) are the two :class:`DocumentStream`
-implementations; fed the same documents they produce the same plans.
+"""The driving protocol of every packer (docs/packing.md), used by the data node, the packing
+benchmark, tuning and the simulator: each step takes, in stream order, the fewest documents whose
+tokens reach ``packer.tokens_wanted()`` (none when it is 0); a pull that runs out ends the data and
+every later step flushes. The end is seen one global batch early (when less than that would remain,
+the pull takes it too), so the final steps are planned over at least a full step of documents.
 """
 
 from __future__ import annotations
@@ -26,25 +14,10 @@ import numpy as np
 
 from torchtitan_wlb.packing.base import PackedStep, Packer
 
-__all__ = [
-    "DocumentStream",
-    "LengthStream",
-    "drain",
-    "drive",
-    "horizon",
-    "next_plan",
-    "pull_until",
-    "take_until",
-]
-
 
 def take_until(budget: int, cum: np.ndarray, start: int) -> tuple[int, bool]:
-    """Documents to take from position ``start`` of a stream with cumulative lengths ``cum``.
-
-    Returns ``(end, ran_out)``: documents ``start .. end - 1`` are taken, the fewest whose tokens
-    reach ``budget`` (none when ``budget <= 0``); ``ran_out`` is True when the stream ends before
-    the budget is reached (everything left is taken). One ``searchsorted``, no per-document loop.
-    """
+    """The budget rule over cumulative lengths ``cum`` from position ``start``: ``(end,
+    ran_out)``, documents ``start .. end - 1`` taken; ``ran_out`` when the stream ends first."""
     if budget <= 0:
         return start, False
     base = int(cum[start - 1]) if start else 0
@@ -55,11 +28,8 @@ def take_until(budget: int, cum: np.ndarray, start: int) -> tuple[int, bool]:
 
 
 def pull_until(budget: int, pull: Callable[[], int | None]) -> bool:
-    """The same rule over an iterator: call ``pull`` (one document's length, or None at the end of
-    the stream) until the pulled tokens reach ``budget``; never when ``budget <= 0``.
-
-    Returns whether the stream ran out before the budget was reached.
-    """
+    """The budget rule over an iterator: call ``pull`` (one document's length, None at the end)
+    until the pulled tokens reach ``budget``. Returns whether the stream ran out first."""
     got = 0
     while got < budget:
         n = pull()
@@ -70,26 +40,20 @@ def pull_until(budget: int, pull: Callable[[], int | None]) -> bool:
 
 
 class DocumentStream(Protocol):
-    """What :func:`next_plan` pulls from: an in-memory stream or the data node's source."""
+    """What :func:`next_plan` pulls from (:class:`LengthStream`, the data node). ``pull``: ids and
+    lengths (int64) of the next documents by the budget rule, or everything left when fewer than
+    ``horizon`` tokens would remain; ``exhausted``: the data has ended (flush from then on)."""
 
     @property
-    def exhausted(self) -> bool:
-        """Whether the end of the data was reached (the packer is flushed from then on)."""
+    def exhausted(self) -> bool: ...
 
-    def pull(self, budget: int, horizon: int) -> tuple[np.ndarray, np.ndarray]:
-        """Ids and lengths (int64) of the next documents, taken by the budget rule; when fewer
-        than ``horizon`` tokens would remain after them, everything left (the data ends)."""
-
-
-def horizon(packer: Packer) -> int:
-    """Tokens a stream looks ahead for ``packer``: one global batch, ``N * context_len``."""
-    return packer.n * packer.config.context_len
+    def pull(self, budget: int, horizon: int) -> tuple[np.ndarray, np.ndarray]: ...
 
 
 def next_plan(packer: Packer, stream: DocumentStream) -> PackedStep | None:
     """One step of the protocol: pull the packer's budget, plan the step (flushing once the data
     has ended). None when the stream gave nothing and the packer holds nothing: the data is done."""
-    ids, lens = stream.pull(packer.tokens_wanted(), horizon(packer))
+    ids, lens = stream.pull(packer.tokens_wanted(), packer.n * packer.config.context_len)
     if ids.size == 0 and not packer.has_pending():
         return None
     return packer.step(ids, lens, flush=stream.exhausted)
@@ -98,14 +62,9 @@ def next_plan(packer: Packer, stream: DocumentStream) -> PackedStep | None:
 class LengthStream:
     """Document lengths in stream order, pulled by the budget rule; document ``i`` has id ``i``.
 
-    Args:
-        lengths: token count of every document (>= 1), in stream order.
-        pos: documents already pulled (to resume a stream part-way).
-        exhausted: whether a pull has already run out (to resume a stream part-way).
-        end_of_data: whether running out of ``lengths`` is the end of the data (True: the packer
-            is flushed from then on, as the data node does at the end of its source). False for a
-            sample of a longer stream (tuning, the simulator's window): its end is not the data's
-            end, so queued documents are not forced out.
+    ``pos`` and ``exhausted`` resume a stream part-way. ``end_of_data=False``: a sample of a
+    longer stream (tuning, the simulator's window), whose end is not the data's end, so the
+    packer is never flushed.
     """
 
     def __init__(

@@ -1,19 +1,7 @@
-"""The end of the data: spread the documents still held over balanced final steps.
-
-When the stream runs out, a packer may still hold outliers in its queues and regular documents it
-carried. Releasing them all in one step makes that step as slow as its heaviest micro-batch while
-the others idle (max/mean of 1.6-17 on real workloads), and a step can hold only ``N * S_max``
-tokens anyway. :func:`plan_drain` instead treats the held documents as one multiway-partition
-problem: place them (largest cost first, vectorised rounds) into ``S * N`` micro-batches, sort the
-micro-batches by workload and cut the sorted list into ``S`` steps of ``N``. Documents of similar
-cost then share a step, so each final step is as balanced as its documents allow. ``S`` is the
-fewest steps whose micro-batches hold the documents under the token cap, or up to
-``extra_steps`` more when that lowers the predicted time of the drain (the sum over its steps of
-the heaviest micro-batch); ties go to fewer steps.
-
-A packer calls it on every flushing step and emits the first (heaviest) planned step only; the
-rest stays pending and is planned again next step, so the drain is a pure function of the
-documents held and needs no state of its own.
+"""The end of the data: the documents still held, spread over balanced final steps instead of
+one step as slow as its heaviest micro-batch (max/mean of 1.6-17 on real workloads). A packer
+emits the first, heaviest planned step and plans the rest again next step, so the drain is a pure
+function of the documents held. See docs/packing.md.
 """
 
 from __future__ import annotations
@@ -23,8 +11,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from torchtitan_wlb.packing.placement import fill_rounds
-
-__all__ = ["DrainPlan", "plan_drain"]
 
 
 @dataclass(frozen=True)
@@ -42,10 +28,8 @@ class DrainPlan:
 
 
 def _chunked(costs: np.ndarray, lens: np.ndarray, n: int, cap: int, steps: int) -> DrainPlan | None:
-    """Even split: place into ``steps * n`` micro-batches, sort them, cut into steps of ``n``.
-
-    ``None`` when some document finds no room under the token cap.
-    """
+    """Even split: place into ``steps * n`` micro-batches, sort them by workload, cut into steps
+    of ``n`` (similar costs share a step). ``None`` when a document finds no room."""
     loads = np.zeros(steps * n)
     tokens = np.zeros(steps * n, np.int64)
     bins = fill_rounds(loads, tokens, costs, lens, cap)
@@ -65,10 +49,8 @@ def _levelled(
     every micro-batch up to it (largest first, under the token cap). ``None`` as soon as the
     predicted time exceeds ``bound`` (the plan to beat): it only grows with more steps.
 
-    A step that holds a long document costs that document's time whatever else it holds, so its
-    other micro-batches should carry as much work as fits under that level: what they take is
-    work no later step pays for. The even split cannot do this; it leaves the micro-batches
-    beside an outlier at the average.
+    A step holding a long document costs that document's time whatever else it holds, so work
+    placed beside it is work no later step pays for; the even split leaves it at the average.
     """
     step = np.full(costs.size, -1, np.int64)
     mb = np.full(costs.size, -1, np.int64)
@@ -81,13 +63,10 @@ def _levelled(
         loads[: seeds.size] = costs[seeds]
         tokens[: seeds.size] = lens[seeds]
         step[seeds], mb[seeds] = k, np.arange(seeds.size)
-        if rest.size:
-            bins = fill_rounds(loads, tokens, costs[rest], lens[rest], cap, float(loads.max()))
-            placed = bins >= 0
-            step[rest[placed]], mb[rest[placed]] = k, bins[placed]
-            left = rest[~placed]
-        else:
-            left = rest
+        bins = fill_rounds(loads, tokens, costs[rest], lens[rest], cap, float(loads.max()))
+        placed = bins >= 0
+        step[rest[placed]], mb[rest[placed]] = k, bins[placed]
+        left = rest[~placed]
         predicted += float(loads.max())
         k += 1
         if predicted > bound:
@@ -98,19 +77,11 @@ def _levelled(
 def plan_drain(
     costs: np.ndarray, lens: np.ndarray, n: int, cap: int, extra_steps: int = 2
 ) -> DrainPlan:
-    """Plan the final steps for the documents left at the end of the data.
+    """Final steps of ``n`` micro-batches (cap ``cap`` tokens) for the held documents.
 
-    Two candidate plans, the one with the lower predicted time wins (ties: fewer steps): the
-    even split over the fewest feasible steps (or up to ``extra_steps`` more), and the levelled
-    plan (:func:`_levelled`). The levelled plan wins when long documents remain, the even split
-    when the documents are many and alike.
-
-    Args:
-        costs: predicted workload of each held document.
-        lens: token count of each held document (each ``<= cap``).
-        n: micro-batches per step.
-        cap: token cap of one micro-batch (``S_max``).
-        extra_steps: how many steps beyond the fewest feasible the even split tries.
+    Two candidates, the lower predicted time wins (ties: fewer steps): the even split
+    (:func:`_chunked`) over the fewest feasible steps or up to ``extra_steps`` more, and the
+    levelled plan (:func:`_levelled`), which wins when long documents remain.
     """
     costs = np.asarray(costs, np.float64)
     lens = np.asarray(lens, np.int64)

@@ -1,22 +1,13 @@
-"""Placement kernels: put documents into ``N`` micro-batches under a token cap.
+"""Placement kernels: put documents into ``N`` micro-batches under a token cap, deterministically.
 
-Two kernels, both deterministic:
-
-* :func:`lpt_place` — longest-processing-time greedy, one document at a time. Used only for the
-  few documents that must be placed first (outliers, forced documents), so its Python loop runs
-  over O(N) items, never over the whole batch.
-* :func:`fill_rounds` — the same greedy rule (largest remaining document to the least-loaded
-  micro-batch) applied in *rounds*: each round pairs the next ``k`` largest documents with the
-  ``k`` least-loaded micro-batches that are still below the water level, in one vectorised
-  operation. A batch of ``M`` documents takes about ``M / N`` rounds, and because documents are
-  taken largest first, the last rounds place the smallest documents and even out the loads.
+:func:`lpt_place` places one document at a time and serves only the few that must go first
+(outliers, forced documents); :func:`fill_rounds` applies the same greedy rule in vectorised rounds
+to whole batches; :func:`dp_order` deals a step's micro-batches to DP ranks.
 """
 
 from __future__ import annotations
 
 import numpy as np
-
-__all__ = ["water_level", "lpt_place", "fill_rounds"]
 
 # Share of its deficit a micro-batch receives per round: large enough for few rounds, small
 # enough that the last rounds still hold small documents to even out the loads.
@@ -33,26 +24,16 @@ def water_level(loads: np.ndarray, extra: float) -> float:
 
 
 def lpt_place(
-    loads: np.ndarray,
-    tokens: np.ndarray,
-    costs: np.ndarray,
-    lens: np.ndarray,
-    cap: int,
-    limit: float = np.inf,
+    loads: np.ndarray, tokens: np.ndarray, costs: np.ndarray, lens: np.ndarray, cap: int
 ) -> np.ndarray:
-    """Greedy: each document (in the given order) to the least-loaded bin with room for it.
-
-    ``loads`` and ``tokens`` are updated in place. A document is not placed (``-1``) when no bin
-    has room or when placing it would lift the bin above ``limit``.
-    """
+    """Greedy: each document (in the given order) to the least-loaded bin with room for it, or
+    ``-1`` where no bin has room. ``loads`` and ``tokens`` are updated in place."""
     out = np.full(costs.size, -1, np.int64)
     for i in range(costs.size):
         room_ok = tokens + lens[i] <= cap
         if not room_ok.any():
             continue
         j = int(np.argmin(np.where(room_ok, loads, np.inf)))
-        if loads[j] + costs[i] > limit:
-            continue
         out[i] = j
         loads[j] += costs[i]
         tokens[j] += lens[i]
@@ -69,16 +50,12 @@ def fill_rounds(
 ) -> np.ndarray:
     """Place documents (largest cost first) in vectorised rounds; ``-1`` = did not fit.
 
-    ``loads`` (float) and ``tokens`` (int) are the bins' current workload and token count and are
-    updated in place. Each round computes the water level of the remaining work; every bin below
-    it (least-loaded first) receives a contiguous run of the largest remaining documents worth
-    about 70 % of its deficit, never lifting it above the level or its token cap. Deficits shrink
-    geometrically from round to round while the documents get smaller, so a batch of ``M`` documents needs a
-    logarithmic number of rounds, and the final rounds place the smallest documents, which even
-    out the loads to within one small document (the greedy "largest first to the least loaded"
-    rule, applied to runs instead of single documents). When no bin can take its run, the largest
-    document goes to the least-loaded bin with room (so every round makes progress); a document
-    that fits nowhere (token cap, or ``limit`` on the workload) stays unplaced.
+    ``loads`` (float) and ``tokens`` (int), the bins' workload and token count, are updated in
+    place. Each round, every bin below the water level of the remaining work (least-loaded first)
+    takes a contiguous run of the largest remaining documents worth about 70 % of its deficit,
+    under the level and its token cap. Deficits shrink geometrically while the documents get
+    smaller: a logarithmic number of rounds, the last ones evening out the loads with the
+    smallest documents. A document that fits nowhere (token cap, or ``limit``) stays unplaced.
     """
     out = np.full(costs.size, -1, np.int64)
     rem = np.argsort(-costs, kind="stable")  # stays sorted: rounds only remove documents
@@ -134,11 +111,9 @@ def fill_rounds(
             # Constrained bins (token cap or ``limit``): every document that still fits somewhere
             # proposes a bin (the k-th least-loaded for the k-th document, else its least-loaded
             # fitting bin); each bin takes its largest proposer. Documents that fit nowhere now
-            # never will (bins only fill up) and are dropped at once.
-            # A document's least-loaded bin with room (the first of equals) is the least-loaded
-            # of the bins with the most room: one of N prefixes of the bins sorted by room, so
-            # it comes from an N x N table instead of a documents x N one. A document fits
-            # somewhere iff it fits that bin (a bin with more load cannot take it either).
+            # never will (bins only fill up) and are dropped. A document's least-loaded bin with
+            # room is the least-loaded of a prefix of the bins sorted by room: an N x N table,
+            # not a documents x N one.
             nb = loads.size
             by_room = np.argsort(-room, kind="stable")
             rank = np.empty(nb, np.int64)

@@ -1,8 +1,5 @@
-"""The packer registry: names, classes and the one way to build a packer's configuration.
-
-Its own module, below :mod:`~torchtitan_wlb.packing.tuning` and the package ``__init__``, so that
-everything in ``packing/`` can build packers by name without importing the package it is part of.
-"""
+"""The one packer registry: names, classes and the one way to build a packer's configuration
+(its own module so that ``packing/`` can build packers by name without importing its package)."""
 
 from __future__ import annotations
 
@@ -15,8 +12,6 @@ from torchtitan_wlb.packing.fixed_greedy import FixedGreedyPacker
 from torchtitan_wlb.packing.original import OriginalPacker
 from torchtitan_wlb.packing.solver import SolverPacker
 from torchtitan_wlb.packing.wlb import WLBPacker, WLBPaperPacker
-
-__all__ = ["PACKERS", "build_packer", "packer_class", "packing_config"]
 
 PACKERS: dict[str, type[Packer]] = {
     cls.name: cls
@@ -46,14 +41,11 @@ def packing_config(
     queue_thresholds: Sequence[int] | None = None,
     **knobs: Any,
 ) -> PackingConfig:
-    """The configuration of packer ``packer``: the one place the loader, the tools and the
-    simulator build a :class:`PackingConfig`.
+    """The :class:`PackingConfig` of packer ``packer``, for the loader, the tools and the simulator.
 
-    ``smax`` applies to the variable-length packers only; the fixed-length ones cap micro-batches
-    at ``context_len`` whatever is given, so theirs is left unset. ``queue_thresholds``: any
-    sequence (empty: no outlier queues) or None (derived from the cost model). ``knobs``: the
-    other :class:`PackingConfig` fields; those not given keep the dataclass defaults, which are
-    the ``[wlb]`` section's defaults.
+    ``smax`` is left unset for the fixed-length packers (they cap at ``context_len``).
+    ``queue_thresholds``: empty for no outlier queues, None to derive them from the cost model.
+    ``knobs``: other fields; those not given keep the defaults, which are the ``[wlb]`` section's.
     """
     return PackingConfig(
         micro_batches=micro_batches,

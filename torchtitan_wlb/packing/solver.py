@@ -1,37 +1,19 @@
 """``solver``: exact min-max assignment by integer programming (HiGHS), the quality reference.
 
-For a set of documents with workloads ``c_i`` and lengths ``l_i`` and ``B`` micro-batches of at most
-``cap`` tokens, minimise ``z`` subject to ``sum_j x_ij = 1``, ``sum_i c_i x_ij <= z`` and
-``sum_i l_i x_ij <= cap`` with binary ``x_ij``. Micro-batches are interchangeable, so the ``i``-th
-most expensive document is restricted to micro-batches ``0..i`` (a standard symmetry cut). HiGHS
-starts from the greedy solution; the best solution found and the proven lower bound are both
-reported, so a window the solver does not finish still gives a gap bound.
-
-Two limits stop an unfinished solve. A *node limit* (branch-and-bound nodes, HiGHS's
-``mip_max_nodes``) is deterministic: with one thread and a fixed random seed HiGHS does the same
-work on any machine under any load, so every rank computes the same plan -- which training needs
-(each DP rank keeps its slice of one global plan, pipeline stages size their buffers from it, and a
-resumed run re-plans the same windows). A *time limit* is not: where it stops depends on the
-machine's load. The training packer therefore bounds its work with the node limit and keeps the
-time limit as a safety net that stops the run, naming both settings, if it is ever reached first
-(``SolverPacker``); the benchmarks, which plan in one process, may bound by time alone.
-
-The ``solver`` packer is ``fixed_greedy`` with this exact placement: the greedy decides which
-documents fit the window (the rest is carried), the integer program places them.
+``fixed_greedy`` with an exact placement: the greedy decides which documents fit the window (the
+rest is carried), the integer program places them. The program, its symmetry cut and why training
+bounds it by nodes rather than time: docs/packing.md.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from torchtitan_wlb.cost_model import CostModel
 from torchtitan_wlb.packing.base import DocPool
-from torchtitan_wlb.packing.fixed_greedy import WindowedPacker, greedy_window
-
-__all__ = ["SolveResult", "solve_minmax", "SolverPacker"]
+from torchtitan_wlb.packing.fixed_greedy import FixedGreedyPacker
 
 
 @dataclass
@@ -46,8 +28,6 @@ class SolveResult:
     """Proven lower bound on the optimal max workload (equals ``max_load`` when optimal)."""
     optimal: bool
     """Whether HiGHS proved the assignment optimal within its limits."""
-    seconds: float
-    """Wall time of the solve."""
     time_limited: bool = False
     """Whether the time limit stopped HiGHS (the result then depends on the machine's load)."""
 
@@ -63,31 +43,26 @@ def solve_minmax(
 ) -> SolveResult:
     """Min-max assignment of all documents to ``n_bins`` micro-batches of at most ``cap`` tokens.
 
-    ``warm_start`` (a feasible assignment) seeds HiGHS; if the solver finds nothing better (or
-    nothing at all) within its limits, it is returned. ``node_limit``: branch-and-bound nodes
-    HiGHS may explore (deterministic); ``time_limit``: seconds (not deterministic). Raises
-    ``ValueError`` if the documents cannot fit and no warm start is given.
+    ``warm_start`` (a feasible assignment) seeds HiGHS and is returned if nothing better is found
+    within the limits: ``node_limit`` branch-and-bound nodes (deterministic), ``time_limit``
+    seconds (not). Raises ``ValueError`` if the documents cannot fit and no warm start is given.
     """
     import highspy  # only the solver needs it; the packer registry imports this module
 
-    t0 = time.perf_counter()
     lens = np.asarray(lens, np.int64)
-    n = lens.size
+    n, nb = lens.size, n_bins
     cost = cost_model.doc_cost(lens)
     scale = float(cost.max()) if n else 1.0
     c = cost / scale
     order = np.argsort(-c, kind="stable")
-    nb = n_bins
     ncol = n * nb + 1
-    # Columns: x[i, j] at i * nb + j (i in cost order), z last.
+    # Columns: x[i, j] at i * nb + j (i in cost order), z last. Rows: one assignment row per
+    # document, then the load rows (<= z) and the token rows (<= cap) of the micro-batches.
     i_idx = np.repeat(np.arange(n), nb)
     j_idx = np.tile(np.arange(nb), n)
     rows = np.stack([i_idx, n + j_idx, n + nb + j_idx], axis=1).reshape(-1)
-    vals = np.stack([np.ones(n * nb), c[order][i_idx], lens[order][i_idx] / cap], axis=1).reshape(
-        -1
-    )
+    vals = np.stack([np.ones(n * nb), c[order][i_idx], lens[order][i_idx] / cap], axis=1)
     starts = np.arange(0, 3 * n * nb + 1, 3)
-    z_rows = np.arange(n, n + nb)
     lp = highspy.HighsLp()
     lp.num_col_ = ncol
     lp.num_row_ = n + 2 * nb
@@ -100,11 +75,10 @@ def solve_minmax(
     lp.row_upper_ = np.concatenate([np.ones(n), np.zeros(nb), np.ones(nb)])
     lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
     lp.a_matrix_.start_ = np.concatenate([starts, [starts[-1] + nb]]).astype(np.int32)
-    lp.a_matrix_.index_ = np.concatenate([rows, z_rows]).astype(np.int32)
-    lp.a_matrix_.value_ = np.concatenate([vals, -np.ones(nb)])
-    lp.integrality_ = [highspy.HighsVarType.kInteger] * (n * nb) + [
-        highspy.HighsVarType.kContinuous
-    ]
+    lp.a_matrix_.index_ = np.concatenate([rows, np.arange(n, n + nb)]).astype(np.int32)
+    lp.a_matrix_.value_ = np.concatenate([vals.reshape(-1), -np.ones(nb)])
+    var = highspy.HighsVarType
+    lp.integrality_ = [var.kInteger] * (n * nb) + [var.kContinuous]
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", float(time_limit))
@@ -120,16 +94,12 @@ def solve_minmax(
     warm = None
     if warm_start is not None:
         warm = np.asarray(warm_start, np.int64)
-        # Relabel the warm start's bins so that it satisfies the symmetry cut.
-        first = {}
+        # Relabel the warm start's bins by first use in cost order (then the unused ones), so
+        # that it satisfies the symmetry cut.
+        first = dict.fromkeys(warm[order].tolist())
+        first.update(dict.fromkeys(range(nb)))
         relabel = np.empty(nb, np.int64)
-        for b in warm[order].tolist():
-            first.setdefault(b, len(first))
-        unused = [b for b in range(nb) if b not in first]
-        for b in unused:
-            first[b] = len(first)
-        for b, k in first.items():
-            relabel[b] = k
+        relabel[list(first)] = np.arange(nb)
         w = relabel[warm[order]]
         if np.all(w <= np.arange(n)):
             sol = highspy.HighsSolution()
@@ -145,11 +115,9 @@ def solve_minmax(
     assign = None
     if info.primal_solution_status == 2:  # feasible solution available
         x = np.asarray(h.getSolution().col_value[: n * nb]).reshape(n, nb)
-        a_sorted = np.argmax(x, axis=1)
         assign = np.empty(n, np.int64)
-        assign[order] = a_sorted
-        tokens = np.bincount(assign, weights=lens, minlength=nb)
-        if tokens.max() > cap:
+        assign[order] = np.argmax(x, axis=1)
+        if np.bincount(assign, weights=lens, minlength=nb).max() > cap:
             assign = None
     if assign is None or (warm is not None and _max_load(warm) < _max_load(assign)):
         if warm is None:
@@ -166,45 +134,38 @@ def solve_minmax(
         max_load=best,
         lower_bound=min(bound, best),
         optimal=bool(optimal),
-        seconds=time.perf_counter() - t0,
         time_limited=status == highspy.HighsModelStatus.kTimeLimit,
     )
 
 
-class SolverPacker(WindowedPacker):
-    """Fixed-length packing over ``G`` global batches, placed by the exact integer program.
-
-    With ``config.solver_node_limit`` set (training always sets it), each window's plan is a pure
-    function of its documents and the config; should the time limit stop a solve first, the
-    packer raises rather than hand out a plan other ranks may not share.
-    """
+class SolverPacker(FixedGreedyPacker):
+    """``fixed_greedy``'s windows placed by the exact integer program. With a node limit (training
+    sets one) a plan cut by the time limit is an error: other ranks might not share it."""
 
     name = "solver"
 
     def _assign(self, pool: DocPool) -> np.ndarray:
-        nb = self.g * self.n
-        cap = self.config.context_len
-        greedy = greedy_window(pool, nb, cap, self.cost_model, self._step)
+        greedy = super()._assign(pool)
         placed = np.flatnonzero(greedy >= 0)
         out = np.full(len(pool), -1, np.int64)
         if placed.size:
-            node_limit = self.config.solver_node_limit
+            cfg = self.config
             res = solve_minmax(
                 pool.lens[placed],
-                nb,
-                cap,
+                self.g * self.n,
+                self.cap,
                 self.cost_model,
-                self.config.solver_time_limit,
+                cfg.solver_time_limit,
                 warm_start=greedy[placed],
-                node_limit=node_limit,
+                node_limit=cfg.solver_node_limit,
             )
-            if res.time_limited and node_limit is not None:
+            if res.time_limited and cfg.solver_node_limit is not None:
                 raise RuntimeError(
                     f"solver: packing window {self._step // self.g} ({placed.size} documents) hit "
-                    f"the time limit solver_time_limit_s = {self.config.solver_time_limit} before "
-                    f"the node limit solver_node_limit = {node_limit}; a plan cut by time depends "
-                    "on this machine's load and other ranks could train other documents. Lower "
-                    "[wlb] solver_node_limit or raise [wlb] solver_time_limit_s"
+                    f"the time limit solver_time_limit_s = {cfg.solver_time_limit} before "
+                    f"the node limit solver_node_limit = {cfg.solver_node_limit}; a plan cut by "
+                    "time depends on this machine's load and other ranks could train other "
+                    "documents. Lower [wlb] solver_node_limit or raise [wlb] solver_time_limit_s"
                 )
             out[placed] = res.assign
         return out

@@ -1,11 +1,7 @@
-"""Automatic choice of the outlier-queue thresholds and the max wait K from a sample of lengths.
+"""Choice of the outlier-queue thresholds and the max wait K from a sample of lengths.
 
-The paper tunes its thresholds on a sample of documents, trading balance against per-token delay;
-this module does the same by simulation: every candidate (thresholds, K) packs the sample with
-the real packer; among the candidates whose token-weighted mean delay stays within the budget,
-those within ``tolerance`` of the lowest mean imbalance are equivalent and the one with the least
-delay wins. When no candidate meets the budget, the one with the least delay is returned.
-Deterministic: same sample, same answer.
+As the paper does, by simulation: every candidate (thresholds, K) packs the sample with the real
+packer, trading balance against token-weighted delay. Deterministic: same sample, same answer.
 """
 
 from __future__ import annotations
@@ -19,8 +15,6 @@ from torchtitan_wlb.packing.base import PackingConfig
 from torchtitan_wlb.packing.driver import LengthStream, drive
 from torchtitan_wlb.packing.registry import build_packer
 from torchtitan_wlb.packing.wlb import default_thresholds
-
-__all__ = ["TuneResult", "simulate", "tune_queues"]
 
 DEFAULT_WAITS = (2, 4, 6, 8, 12, 16, 24, 32)
 _MIN_TUNE_STEPS = 100
@@ -41,15 +35,11 @@ class TuneResult:
 def simulate(
     name: str, lengths: np.ndarray, config: PackingConfig, cost_model: CostModel, steps: int
 ) -> tuple[float, float]:
-    """Mean imbalance and token-weighted delay of ``steps`` steps of packer ``name``.
-
-    The statistics cover the first ``steps`` steps (or all, if the sample ends earlier); what is
-    still pending afterwards is not counted, as in a long training run.
+    """Mean imbalance and token-weighted delay of the first ``steps`` steps of packer ``name``
+    (fewer if the sample ends first); what is still pending then is not counted, as in a long run.
     """
     packer = build_packer(name, config, cost_model)
-    # A sample of a longer stream: its end is not the end of the data, so nothing is flushed,
-    # and the steps stop once it is used up.
-    stream = LengthStream(lengths, end_of_data=False)
+    stream = LengthStream(lengths, end_of_data=False)  # a sample: its end is not the data's
     imb, delay_tok, tok = [], 0.0, 0
     for plan in drive(packer, stream, steps):
         imb.append(plan.stats["imbalance"])
@@ -74,10 +64,11 @@ def tune_queues(
 ) -> TuneResult:
     """Pick queue thresholds and K for ``packer`` on ``sample_lengths`` (already split).
 
-    Threshold candidates are :func:`default_thresholds` with 1, 2 or 3 levels (plus the
-    configured ones, if any); K runs over ``waits``. ``steps`` defaults to the sample's global
-    batches minus a margin (2 * max(waits), at most half of them) so that documents still queued
-    at the end of the sample do not distort the delay.
+    Candidates: :func:`default_thresholds` with each of ``levels`` (and the configured ones) times
+    K in ``waits``. Among those within ``delay_budget``, the ones within ``tolerance`` of the best
+    mean imbalance tie and the least delay wins; if none is within budget, the least delay wins.
+    ``steps`` defaults to the sample's global batches less a margin (2 * max(waits), at most half)
+    so that documents still queued at the end of the sample do not distort the delay.
     """
     lengths = np.asarray(sample_lengths, np.int64)
     if lengths.size == 0 or np.any(lengths < 1):
@@ -91,9 +82,8 @@ def tune_queues(
     if lengths.sum() < _MIN_TUNE_STEPS * n_tune * config.context_len:
         n_tune = max(1, int(lengths.sum() // (_MIN_TUNE_STEPS * config.context_len)))
     config = replace(config, micro_batches=n_tune)
-    per_step = n_tune * config.context_len
     if steps is None:
-        batches = int(lengths.sum() // per_step)
+        batches = int(lengths.sum() // (n_tune * config.context_len))
         steps = max(1, batches - min(2 * max(waits), batches // 2))
     candidates = {default_thresholds(cost_model, config.context_len, k) for k in levels}
     if config.queue_thresholds is not None:
@@ -103,9 +93,7 @@ def tune_queues(
         for k in waits:
             cfg = replace(config, queue_thresholds=th, max_wait=k)
             imb, delay = simulate(packer, lengths, cfg, cost_model, steps)
-            results.append(
-                TuneResult(queue_thresholds=th, max_wait=k, imbalance=imb, mean_delay=delay)
-            )
+            results.append(TuneResult(th, k, imbalance=imb, mean_delay=delay))
     within = [r for r in results if r.mean_delay <= delay_budget]
     if not within:
         return min(results, key=lambda r: (r.mean_delay, r.imbalance))

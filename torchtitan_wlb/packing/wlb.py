@@ -1,55 +1,12 @@
 """WLB-LLM packing: variable-length micro-batches with multi-level outlier queues (Algorithm 1).
 
-Two packers share the queues:
-
-* ``wlb_paper`` — the paper's Algorithm 1 as published: a document with ``L_i <= d < L_{i+1}``
-  waits in FIFO queue ``i``; a queue holding ``N`` documents releases all ``N``, one per
-  micro-batch; the remaining documents (last step's leftovers first) go, longest first, to the
-  micro-batch with minimum workload if it fits under ``S_max``, else to the one with minimum
-  length if it fits, else they are carried to the next step. It places documents one by one in a
-  Python loop and is kept as the reference for comparison.
-* ``wlb`` — the same queues and carry-over with five changes that target more balance at lower
-  delay and cost:
-
-  1. **Admission by cost.** A queued outlier is not held until its queue fills: at every step it
-     is placed at once if its workload fits under the step's level (the max of the heaviest
-     micro-batch and the mean workload), i.e. if it cannot become the step's slowest micro-batch.
-     Only documents more expensive than an average micro-batch wait.
-  2. **Release by cost.** A waiting outlier of cost ``c`` is released when the step can be lifted
-     to level ``c``: every micro-batch is then filled to ``c`` with other queued outliers (largest
-     first, any queue) and regular documents under ``S_max``, and the predicted max/mean stays
-     within ``balance_target``. Outliers of different queues mix (two 80K documents balance one
-     120K document), so a group forms sooner than from one queue alone.
-  3. **Ageing relaxes the release.** The target of a group led by an outlier that has waited
-     ``age`` steps is ``balance_target + release_slack * age / max_wait``: an ageing outlier takes
-     a step a few per cent unbalanced instead of being forced out alone at ``max_wait`` (which
-     makes a step 1.5-2.5x unbalanced when one long document meets only short ones). When an
-     outlier is forced anyway, every queued outlier that fits under its cost goes with it.
-  4. **Adaptive K.** ``max_wait`` may grow up to ``adaptive_max_wait`` while the running
-     token-weighted delay stays under 90 % of ``delay_target`` (and shrinks back above it): data
-     whose long documents are rare afford the long waits that balance them.
-  5. **Vectorised placement.** Regular documents are placed by
-     :func:`~torchtitan_wlb.packing.placement.fill_rounds` (greedy in vectorised rounds), so the
-     per-step cost grows with the number of rounds (logarithmic), not with documents. When all
-     of them fit, carried and fresh documents are placed in one pass (largest first overall),
-     which balances better than two passes.
-  6. **Back-pressure instead of carry-over.** A step that releases an outlier group has little
-     room left for regular documents. Instead of carrying the overflow (arbitrary small
-     documents, each delayed a step behind later ones), it takes the stream prefix of the fresh
-     documents that fits and hands the suffix back, to be offered first next step, exactly as if
-     it had not been pulled yet: regular documents keep their stream order, and only outliers
-     are reordered. On the built-in ``longtail`` workload at N = 32 this cut the token-weighted
-     delay from 0.54 to 0.45 steps (the carry's share went from 0.11 to 0.01).
-
-  7. **A balanced drain.** At the end of the data the documents still held (queued outliers,
-     carried and handed-back documents) are spread over as few final steps as balance allows by
-     :func:`~torchtitan_wlb.packing.end_of_data.plan_drain`, heaviest step first, instead of being
-     released together.
-
-Both force a document out after K steps (``wlb``: the adaptive K, between ``max_wait`` and
-``adaptive_max_wait``, counted from the step a document enters the packing order; a handed-back
-document enters it one step after its pull). At the end of the data ``wlb_paper`` releases
-everything it holds at once, as the paper does; ``wlb`` drains in balance (item 7).
+``wlb_paper`` is the paper's Algorithm 1 as published, placing documents one by one in a Python
+loop: the reference for comparison. ``wlb`` keeps its queues, carry-over, max wait K and flush and
+changes how outliers enter a step (admission and release by cost, across queues, relaxed with
+age), K (adaptive), the placement (vectorised ``fill_rounds``), the overflow (back-pressure: a
+stream suffix is handed back instead of carried) and the end of the data (a balanced drain,
+:mod:`~torchtitan_wlb.packing.end_of_data`). docs/packing.md describes each change and what it
+buys; the comments below say where each happens.
 """
 
 from __future__ import annotations
@@ -64,22 +21,7 @@ from torchtitan_wlb.packing.base import DocPool, Packer, PackingConfig
 from torchtitan_wlb.packing.end_of_data import plan_drain
 from torchtitan_wlb.packing.placement import fill_rounds, lpt_place
 
-__all__ = ["WLBPacker", "WLBPaperPacker", "default_thresholds", "default_smax"]
-
 _TOKEN_FILL = 0.98  # admission keeps 2 % of the step's token capacity for regular documents
-
-
-def default_smax(context_len: int) -> int:
-    """Default S_max of the WLB packers: 1.25 x the context length."""
-    return int(math.floor(1.25 * context_len))
-
-
-def length_for_cost(cost_model: CostModel, cost: float) -> float:
-    """The document length whose cost ``W(d)`` equals ``cost`` (inverse of the quadratic)."""
-    a, b = cost_model.attn_coef, cost_model.linear_coef
-    if a == 0:
-        return cost / b
-    return (-b + math.sqrt(b * b + 4 * a * cost)) / (2 * a)
 
 
 def default_thresholds(cost_model: CostModel, context_len: int, levels: int = 3) -> tuple[int, ...]:
@@ -90,89 +32,62 @@ def default_thresholds(cost_model: CostModel, context_len: int, levels: int = 3)
     at 1/2, 1 and 2 micro-batches' worth of linear work. A document below the first threshold can
     always be balanced by the others in its micro-batch.
     """
-    unit = cost_model.linear_coef * context_len
+    a, b = cost_model.attn_coef, cost_model.linear_coef
+    unit = b * context_len
     if unit == 0:  # attention-only cost: use fractions of a full-context document
         unit = cost_model.doc_cost(np.array([context_len]))[0]
     out = []
     for i in range(levels):
-        d = int(length_for_cost(cost_model, unit * 0.5 * 2**i))
+        c = unit * 0.5 * 2**i  # the length d whose cost a d^2 + b d is c:
+        d = int(c / b if a == 0 else (-b + math.sqrt(b * b + 4 * a * c)) / (2 * a))
         if d < context_len and (not out or d > out[-1]):
             out.append(max(d, 1))
     return tuple(out) or (context_len,)
 
 
 class _QueuedPacker(Packer):
-    """State shared by both WLB packers: carried regular documents and the outlier queues.
-
-    ``queue.tag`` is the queue level (1..n) of each waiting document; the pool is kept in arrival
-    order, so selecting by level gives each queue in FIFO order.
-    """
+    """State shared by both WLB packers: carried regular documents, the outlier ``queue`` (its
+    ``tag`` is the queue level 1..n; kept in arrival order, so a level's documents are FIFO) and
+    the ``backlog`` that back-pressure handed back (offered first next step)."""
 
     variable_length = True
+    _pools = ("carry", "queue", "backlog")
 
     def __init__(self, config: PackingConfig, cost_model: CostModel) -> None:
         super().__init__(config, cost_model)
-        self.smax = config.smax if config.smax is not None else default_smax(config.context_len)
+        default_smax = int(math.floor(1.25 * config.context_len))
+        self.cap = config.smax if config.smax is not None else default_smax
         th = config.queue_thresholds
-        self.thresholds = np.asarray(
-            th if th is not None else default_thresholds(cost_model, config.context_len), np.int64
-        )
-        self.carry = DocPool()
+        if th is None:
+            th = default_thresholds(cost_model, config.context_len)
+        self.thresholds = np.asarray(th, np.int64)
         self.queue = DocPool()
-        self.backlog = DocPool()  # handed back by back-pressure; re-offered first next step
-
-    @property
-    def cap(self) -> int:
-        return self.smax
+        self.backlog = DocPool()
 
     def tokens_wanted(self) -> int:
         held = int(self.carry.lens.sum()) + int(self.backlog.lens.sum())
         return max(0, self.n * self.config.context_len - held)
 
-    def has_pending(self) -> bool:
-        return len(self.carry) > 0 or len(self.queue) > 0 or len(self.backlog) > 0
-
-    def pending(self) -> DocPool:
-        return DocPool.concat([self.carry, self.queue, self.backlog])
-
     def queue_depths(self) -> list[int]:
         return np.bincount(self.queue.tag - 1, minlength=self.thresholds.size).tolist()
 
-    def _intake(self, ids: np.ndarray, lens: np.ndarray) -> DocPool:
-        """Queue the new outliers; return the regular documents (carry first, then new).
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # States written before back-pressure existed have no backlog.
+        super().load_state_dict({"backlog": DocPool().state(), **state})
 
-        Documents handed back last step come first among the new ones: they precede this
-        step's pull in the stream, and enter the packing order now.
+    def _intake(self, ids: np.ndarray, lens: np.ndarray) -> DocPool:
+        """Queue the new outliers; return the regular documents: carry, then those handed back
+        last step (they precede this pull in the stream and enter the packing order now), then new.
         """
         level = np.searchsorted(self.thresholds, lens, side="right")
         back, self.backlog = self.backlog, DocPool()
-        new = DocPool()
-        new.add(back.ids, back.lens, self._step, 0, pulled=back.pulled)
-        new.add(ids, lens, self._step, level)
-        level = new.tag
-        out = new.take(np.flatnonzero(level > 0))
-        self.queue = DocPool.concat([self.queue, out])
+        handed_back = DocPool(back.ids, back.lens, self._step, 0, back.pulled)
+        new = DocPool.concat([handed_back, DocPool(ids, lens, self._step, level)])
+        self.queue = DocPool.concat([self.queue, new.take(np.flatnonzero(new.tag > 0))])
         regular = DocPool.concat([self.carry, new])
-        regular.tag[:] = 0
+        regular.tag = np.zeros(len(regular), np.int64)
         self.carry = DocPool()
         return regular
-
-    def _forced(self, flush: bool) -> np.ndarray:
-        if flush:
-            return np.ones(len(self.queue), bool)
-        return self._step - self.queue.arrival >= self.config.max_wait
-
-    def _extra_state(self) -> dict[str, Any]:
-        return {
-            "carry": self.carry.state(),
-            "queue": self.queue.state(),
-            "backlog": self.backlog.state(),
-        }
-
-    def _load_extra_state(self, state: dict[str, Any]) -> None:
-        self.carry = DocPool.from_state(state["carry"])
-        self.queue = DocPool.from_state(state["queue"])
-        self.backlog = DocPool.from_state(state["backlog"]) if "backlog" in state else DocPool()
 
 
 class WLBPaperPacker(_QueuedPacker):
@@ -181,7 +96,7 @@ class WLBPaperPacker(_QueuedPacker):
     name = "wlb_paper"
 
     def _plan(self, ids, lens, flush):
-        n, cap = self.n, self.smax
+        n, cap = self.n, self.cap
         regular = self._intake(ids, lens)
         loads = np.zeros(n)
         tokens = np.zeros(n, np.int64)
@@ -210,7 +125,8 @@ class WLBPaperPacker(_QueuedPacker):
                 if not fit.all():
                     break
         # Documents past their max wait (or everything, at the end) join the regular ones.
-        forced = self.queue.take(np.flatnonzero(self._forced(flush)))
+        due = self._step - self.queue.arrival >= self.config.max_wait
+        forced = self.queue.take(np.flatnonzero(due | flush))
         rest = DocPool.concat([regular, forced])
         order = np.argsort(-rest.lens, kind="stable")  # carry first among equal lengths
         costs = self.cost_model.doc_cost(rest.lens)
@@ -266,11 +182,11 @@ class WLBPacker(_QueuedPacker):
         elif self.delay_ema < 0.9 * cfg.delay_target:
             self.k_eff = min(float(cfg.adaptive_max_wait), self.k_eff + self._WAIT_STEP)
 
-    def _extra_state(self) -> dict[str, Any]:
-        return {**super()._extra_state(), "k_eff": self.k_eff, "delay_ema": self.delay_ema}
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "k_eff": self.k_eff, "delay_ema": self.delay_ema}
 
-    def _load_extra_state(self, state: dict[str, Any]) -> None:
-        super()._load_extra_state(state)
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
         self.k_eff = float(state["k_eff"])
         self.delay_ema = float(state["delay_ema"])
 
@@ -278,17 +194,15 @@ class WLBPacker(_QueuedPacker):
         """End of the data: emit the heaviest of the balanced final steps, hold the rest."""
         held = DocPool.concat([self.queue, regular])  # tag: queue level, 0 for regular
         cost = self.cost_model.doc_cost(held.lens)
-        plan = plan_drain(cost, held.lens, self.n, self.smax)
+        plan = plan_drain(cost, held.lens, self.n, self.cap)
         now, mb = plan.step == 0, plan.micro_batch.copy()
         # The wait bound holds through the drain: documents due now join this step if they fit.
         late = np.flatnonzero(~now & (self._step - held.arrival >= self._wait_bound()))
         if late.size:
             loads = np.bincount(mb[now], weights=cost[now], minlength=self.n)
-            tokens = np.bincount(mb[now], weights=held.lens[now], minlength=self.n)
+            tokens = np.bincount(mb[now], weights=held.lens[now], minlength=self.n).astype(np.int64)
             late = late[np.argsort(-cost[late], kind="stable")]
-            mb[late] = lpt_place(
-                loads, tokens.astype(np.int64), cost[late], held.lens[late], self.smax
-            )
+            mb[late] = lpt_place(loads, tokens, cost[late], held.lens[late], self.cap)
             now[late] = mb[late] >= 0
         rest = held.subset(np.flatnonzero(~now))
         self.queue = rest.subset(np.flatnonzero(rest.tag > 0))
@@ -296,7 +210,7 @@ class WLBPacker(_QueuedPacker):
         return held.subset(np.flatnonzero(now)), mb[now]
 
     def _plan(self, ids, lens, flush):
-        n, cap, cm = self.n, self.smax, self.cost_model
+        n, cap, cm = self.n, self.cap, self.cost_model
         regular = self._intake(ids, lens)
         if flush:
             return self._drain(regular)
@@ -313,15 +227,16 @@ class WLBPacker(_QueuedPacker):
         q_bin[forced] = lpt_place(loads, tokens, q_cost[forced], q.lens[forced], cap)
 
         # 2. Regular documents (carried ones included) are placed after the outliers.
-        r_cost = cm.doc_cost(regular.lens)
+        r_cost, r_lens = cm.doc_cost(regular.lens), regular.lens
         r_bin = np.full(len(regular), -1, np.int64)
         new_cost = float(r_cost.sum())
-        new_tokens = int(regular.lens.sum())
+        new_tokens = int(r_lens.sum())
 
         # 3. Waiting outliers: release a group at a higher level when it balances, then admit
         #    whatever fits under the step's level.
         waiting = np.flatnonzero(q_bin < 0)
         waiting = waiting[np.argsort(-q_cost[waiting], kind="stable")]
+        w_cost, w_lens = q_cost[waiting], q.lens[waiting]
         mean0 = (loads.sum() + new_cost) / n
         level0 = max(loads.max(), mean0)
         # An outlier already fixes the step's maximum (a forced one): regular documents must not
@@ -335,25 +250,13 @@ class WLBPacker(_QueuedPacker):
                 break
             age = (self._step - q.arrival[top]) / max(self._wait_bound(), 1)
             tau = self.config.balance_target + self.config.release_slack * age
-            trial = self._admit(
-                loads, tokens, q_cost, q.lens, waiting, target, new_cost, new_tokens, cap, tau
-            )
+            trial = self._admit(loads, tokens, w_cost, w_lens, target, new_cost, new_tokens, tau)
             if trial is not None:
                 chosen, limit = trial, target
                 break
         if chosen is None:
-            chosen = self._admit(
-                loads,
-                tokens,
-                q_cost,
-                q.lens,
-                waiting,
-                level0,
-                new_cost,
-                0 if outlier_bound else new_tokens,
-                cap,
-                None,
-            )
+            tok = 0 if outlier_bound else new_tokens
+            chosen = self._admit(loads, tokens, w_cost, w_lens, level0, new_cost, tok, None)
         loads, tokens, admitted = chosen
         q_bin[waiting] = admitted
 
@@ -364,23 +267,21 @@ class WLBPacker(_QueuedPacker):
         #    hold; the rest of the stream is handed back (back-pressure, see ``_offer``).
         carried = np.flatnonzero(regular.arrival < self._step)
         fresh = np.flatnonzero(regular.arrival == self._step)
-        fits = int(regular.lens.sum()) + int(tokens.sum()) <= n * cap
+        fits = int(r_lens.sum()) + int(tokens.sum()) <= n * cap
         if carried.size and fresh.size and not np.isfinite(limit) and fits:
             # Everything fits: one placement over all documents balances best.
             carried, fresh = np.concatenate([carried, fresh]), fresh[:0]
         if carried.size:
             r_bin[carried] = fill_rounds(
-                loads, tokens, r_cost[carried], regular.lens[carried], cap, limit
+                loads, tokens, r_cost[carried], r_lens[carried], cap, limit
             )
         back = fresh[:0]
         if fresh.size:
             fresh, back = self._offer(fresh, r_cost, regular, loads, tokens, limit)
-            r_bin[fresh] = fill_rounds(
-                loads, tokens, r_cost[fresh], regular.lens[fresh], cap, limit
-            )
+            r_bin[fresh] = fill_rounds(loads, tokens, r_cost[fresh], r_lens[fresh], cap, limit)
         overdue = np.flatnonzero((r_bin < 0) & (self._step - regular.arrival >= self._wait_bound()))
         if overdue.size and np.isfinite(limit):
-            r_bin[overdue] = fill_rounds(loads, tokens, r_cost[overdue], regular.lens[overdue], cap)
+            r_bin[overdue] = fill_rounds(loads, tokens, r_cost[overdue], r_lens[overdue], cap)
 
         self.backlog = regular.subset(back)
         r_bin[back] = -2  # neither placed nor carried
@@ -401,16 +302,13 @@ class WLBPacker(_QueuedPacker):
     ) -> tuple[np.ndarray, np.ndarray]:
         """Split this step's fresh regular documents (stream order) into offered and handed back.
 
-        Back-pressure: when the step has less room than the fresh documents need (a released
-        outlier group filled it, so its level or the token cap binds), only the stream prefix
-        that the room can hold is offered; the suffix is handed back and offered first next step,
-        exactly as if it had not been pulled yet. Carrying the overflow instead would move
-        arbitrary documents (the smallest, placed last) behind later ones: a real reordering, and
-        a step of delay for every one of their tokens. A document pulled ``K`` steps ago or more
-        is always offered.
+        Back-pressure: when a released outlier group left less room (its level or the token cap)
+        than the fresh documents need, only the stream prefix that fits is offered and the suffix
+        is handed back, as if not pulled yet; carrying the overflow would instead delay arbitrary
+        small documents behind later ones. A document pulled ``K`` or more steps ago is offered.
         """
         lens = regular.lens[fresh]
-        tok_room = float((self.smax - tokens).sum())
+        tok_room = float((self.cap - tokens).sum())
         cost_room = float(np.maximum(limit - loads, 0.0).sum()) if np.isfinite(limit) else np.inf
         if lens.sum() <= tok_room and r_cost[fresh].sum() <= cost_room:
             return fresh, fresh[:0]
@@ -427,27 +325,25 @@ class WLBPacker(_QueuedPacker):
         self,
         loads: np.ndarray,
         tokens: np.ndarray,
-        q_cost: np.ndarray,
-        q_lens: np.ndarray,
-        waiting: np.ndarray,
+        costs: np.ndarray,
+        lens: np.ndarray,
         level: float,
         new_cost: float,
         new_tokens: int,
-        cap: int,
         tau: float | None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """Place waiting outliers (largest first) into micro-batches without exceeding ``level``.
+        """Place the waiting outliers ``costs``/``lens`` (largest first) into micro-batches
+        without exceeding ``level``; ``new_cost``/``new_tokens``: the regular documents to come.
 
         With a target ``tau`` (a release at a raised level) the result is kept only if the regular
         documents can then lift every micro-batch close to ``level`` (predicted max/mean within
-        ``tau``); with ``tau=None`` admission keeps a 2 % token margin so that outliers
-        do not push the step's fresh documents into carry-over. Returns the updated
-        (loads, tokens, bin per waiting document) or ``None`` when the release would not balance.
+        ``tau``); with ``tau=None`` admission keeps a 2 % token margin so that outliers do not push
+        the step's fresh documents into carry-over. Returns the updated (loads, tokens, bin per
+        waiting document) or ``None`` when the release would not balance.
         """
-        n = self.n
+        n, cap = self.n, self.cap
         must_balance = tau is not None
         loads, tokens = loads.copy(), tokens.copy()
-        costs, lens = q_cost[waiting], q_lens[waiting]
         fits = costs <= level
         if must_balance:
             budget = loads.sum() + new_cost + costs[fits].sum()
@@ -456,7 +352,7 @@ class WLBPacker(_QueuedPacker):
         token_budget = int(_TOKEN_FILL * n * cap) - int(tokens.sum())
         if not must_balance:
             token_budget -= new_tokens
-        out = np.full(waiting.size, -1, np.int64)
+        out = np.full(costs.size, -1, np.int64)
         # One outlier at a time (each placement changes the next one's bin), over N bins: plain
         # Python floats and ints for the per-bin scan, several times cheaper than a handful of
         # NumPy calls on N-element arrays; ``loads`` stays in step for its (pairwise) sum.
