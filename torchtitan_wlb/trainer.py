@@ -1,44 +1,12 @@
 """``WLBTrainer``: TorchTitan's Trainer with document metadata, WLB CP/PP and start-up checks.
 
-TorchTitan's training loop, checkpointing, optimizers and parallelisms are used unchanged. What
-this subclass adds:
-
-  - ``__init__`` validates the config (:mod:`torchtitan_wlb.validate`) before TorchTitan creates any
-    process group, so an impossible layout fails with one clear line;
-  - ``post_dataloading_process`` turns each micro-batch's ``doc_lens`` and ``positions`` into the
-    model's ``attention_masks`` metadata and RoPE positions (TorchTitan would derive masks from EOS
-    tokens and never reset positions). Under context parallelism it builds the micro-batch's CP plan
-    (``[wlb] cp_sharding``: per-sequence, per-document, hybrid or adaptive) and shards inputs,
-    labels and positions with it -- TorchTitan 0.2.2 shards neither positions nor document
-    metadata;
-  - every rank writes the exactly-once audit log (:mod:`torchtitan_wlb.audit_log`): the documents
-    of each step's micro-batches, where each launch resumed, each complete checkpoint's pending
-    documents and how the run ended (``python -m torchtitan_wlb.tools.audit`` proves from it that
-    every document was trained exactly once);
-  - ``forward_backward_step`` times every micro-batch and, under pipeline parallelism, collects the
-    step's micro-batches and runs them through the schedule together with
-    :class:`~torchtitan_wlb.pipeline.varlen.VarlenPipelineRunner`, each with its own length; with
-    ``[wlb] metrics_jsonl`` it also times every pipeline action (forward and backward of each
-    micro-batch on each of this rank's stages) for calibrating the simulator's timeline;
-  - with ``[wlb] cost_model = "online"`` those times feed :class:`~torchtitan_wlb.cost_fit.OnlineFitter`:
-    every micro-batch's measured forward+backward time with its ``sum(d^2)`` and ``sum(d)`` (under
-    CP this rank's share, by the CP plan's attention pairs and tokens; under PP the per-stage action
-    times). Each step's least-squares statistics are gathered from every rank and summed in rank
-    order, so every rank refits the same coefficients bit for bit; the fitter publishes them to the
-    packing node for a step fixed by the config, and the fitter's state (window, adoptions and the
-    steps they took effect) is checkpointed with the train state.
-
-It also says what a run does: :meth:`WLBTrainer.train` opens with the layout, the model, the packer,
-the dataset and where checkpoints go, then "resuming from step S" or "starting at step 1"; it closes
-with what it trained and the latest checkpoint. TorchTitan's last-step save does not purge old
-checkpoints, so ``keep_latest_k`` is applied once more after it. Under ``comm.mode = fake_backend``
-or ``local_tensor`` checkpointing is off (fake collectives cannot write one, and TorchTitan would
-leave an empty step folder). :func:`nothing_to_do` is the one-line answer, before any process group
-or model exists, when the checkpoint already holds ``training.steps`` steps.
-
-Loss normalisation is TorchTitan's: every micro-batch's summed token loss is divided by the valid
-tokens of the whole global batch (all micro-batches, all DP ranks), so micro-batches of different
-lengths do not reweight tokens.
+TorchTitan's loop, checkpointing, optimizers and parallelisms are used unchanged. Added: config
+checks before any process group exists; per micro-batch, attention metadata and per-document RoPE
+positions from ``doc_lens`` (TorchTitan would mask by EOS and never reset positions), sharded under
+CP with the micro-batch's own plan (TorchTitan 0.2.2 shards neither positions nor metadata); under
+PP the step's micro-batches run through the schedule together, each with its own length; timing
+of every micro-batch for the metrics and the online cost model (docs/cost_model.md); the
+exactly-once audit log (docs/data.md); and start and end lines saying what the run does and did.
 """
 
 from __future__ import annotations
@@ -86,19 +54,11 @@ def nothing_to_do(job_config: Any) -> str | None:
 
 
 def _layout(parallel_dims: Any, device: torch.device, comm_mode: str) -> str:
-    pd = parallel_dims
-    degrees = {
-        "dp_replicate": pd.dp_replicate,
-        "dp_shard": pd.dp_shard,
-        "cp": pd.cp,
-        "tp": pd.tp,
-        "pp": pd.pp,
-    }
+    degrees = {k: getattr(parallel_dims, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp")}
     shown = " x ".join(f"{k} {v}" for k, v in degrees.items() if v > 1) or "no parallelism"
-    backend = (
-        comm_mode if comm_mode in FAKE_COMM_MODES else ("gloo" if device.type == "cpu" else "nccl")
-    )
-    return f"{_count(pd.world_size, device.type + ' rank')} over {backend}: {shown}"
+    backend = "gloo" if device.type == "cpu" else "nccl"
+    backend = comm_mode if comm_mode in FAKE_COMM_MODES else backend
+    return f"{_count(parallel_dims.world_size, device.type + ' rank')} over {backend}: {shown}"
 
 
 def _count(n: int, noun: str) -> str:
@@ -154,7 +114,6 @@ class WLBTrainer(Trainer):
         self._last_completed_step = 0
         self._guard_checkpoint_load()
 
-    # ------------------------------------------------------------------------------ run
     def train(self) -> None:
         """TorchTitan's training loop, opened and closed by what the run does and did."""
         jc = self.job_config
@@ -173,14 +132,10 @@ class WLBTrainer(Trainer):
             ck._purge_stale_checkpoints()
         trained = self.step - max(start_step, 0)
         latest = latest_checkpoint_step(checkpoint_folder(jc)) if ck.enable else -1
+        where = f"latest checkpoint {checkpoint_folder(jc)}/step-{latest}"
         logger.info(
-            f"done: trained {_count(trained, 'step')} in {time.perf_counter() - begin:.0f}s, now at step "
-            f"{self.step}/{jc.training.steps}"
-            + (
-                f"; latest checkpoint {checkpoint_folder(jc)}/step-{latest}"
-                if latest >= 0
-                else "; no checkpoint written"
-            )
+            f"done: trained {_count(trained, 'step')} in {time.perf_counter() - begin:.0f}s, now at "
+            f"step {self.step}/{jc.training.steps}; {where if latest >= 0 else 'no checkpoint written'}"
         )
 
     def _audit_end(self) -> None:
@@ -221,17 +176,11 @@ class WLBTrainer(Trainer):
             lines.append(
                 f"data: dataset {jc.training.dataset!r} through TorchTitan's loader (no packing)"
             )
-        ck = jc.checkpoint
-        folder = checkpoint_folder(jc)
-        if not ck.enable:
-            lines.append("checkpoints: off")
-        else:
-            lines.append(
-                f"checkpoints: {folder}, "
-                + ("every step" if ck.interval == 1 else f"every {ck.interval} steps")
-                + " and at the last"
-                + (f", keeping the latest {ck.keep_latest_k}" if ck.keep_latest_k > 0 else "")
-            )
+        ck, folder = jc.checkpoint, checkpoint_folder(jc)
+        every = "every step" if ck.interval == 1 else f"every {ck.interval} steps"
+        keep = f", keeping the latest {ck.keep_latest_k}" if ck.keep_latest_k > 0 else ""
+        status = f"{folder}, {every} and at the last{keep}" if ck.enable else "off"
+        lines.append(f"checkpoints: {status}")
         if start_step == 0:  # a seed checkpoint: weights only, training starts at step 1
             lines.append(f"starting at step 1 from the model-only checkpoint {folder}/step-0")
         elif start_step > 0:
@@ -242,7 +191,6 @@ class WLBTrainer(Trainer):
             )
         return lines
 
-    # ----------------------------------------------------------------------------- data
     def post_dataloading_process(
         self, input_dict: dict[str, Any], labels: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]:
@@ -285,17 +233,10 @@ class WLBTrainer(Trainer):
         positions: torch.Tensor,
         doc_lens: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Pad so that every TP rank's sequence-parallel shard has the same length, and every CP
-        rank holds tokens.
-
-        TorchTitan's TP shards activations along the sequence (sequence parallelism), which needs
-        each rank's local length divisible by the TP degree -- under CP, each CP rank's share, so
-        the micro-batch must be a multiple of ``tp * 2 * cp``. A CP plan cuts the sequence into
-        ``2 * cp`` chunks, so under CP alone a micro-batch shorter than that (the one-token filler
-        of a final step of the data) is padded up to it. The padding is one extra document
-        (token 0, positions from 0, labels ignored): it attends only to itself, adds nothing to
-        the loss or the gradients, and costs fewer than ``tp * 2 * cp`` tokens.
-        """
+        """Pad so that every TP rank's sequence-parallel shard has the same length (a multiple of
+        ``tp * 2 * cp`` tokens) and, under CP alone, every rank of the ``2 * cp`` chunks holds
+        tokens (a final step's one-token filler). The padding is one extra document with ignored
+        labels: it attends only to itself and adds nothing to the loss or the gradients."""
         pd = self.parallel_dims
         multiple = pd.tp * (2 * pd.cp if pd.cp_enabled else 1)
         if pd.tp_enabled:
@@ -358,7 +299,6 @@ class WLBTrainer(Trainer):
             meta,
         )
 
-    # ---------------------------------------------------------------------- compute
     def forward_backward_step(
         self,
         *,
@@ -390,7 +330,6 @@ class WLBTrainer(Trainer):
         self._maybe_refit()
         return loss
 
-    # ------------------------------------------------------------------ online cost model
     def _maybe_refit(self) -> None:
         """After the step's last micro-batch (before TorchTitan logs the step): gather the step's
         fit statistics from every rank, let the fitter refit if this is a refit step, and put
@@ -426,13 +365,9 @@ class WLBTrainer(Trainer):
             f"{record['candidate_error']:.4f} vs {record['incumbent_error']:.4f} for the model in "
             f"use); {verdict}" + ("" if record["adopted"] else f": {record['reason']}")
         )
-        metrics = {
-            "cost_refit_adopted": record["adopted"],
-            "cost_refit_error": record["candidate_error"],
-            "cost_refit_incumbent_error": record["incumbent_error"],
-        }
-        if c:
-            metrics.update({"cost_refit_a": c["a"], "cost_refit_b": c["b"], "cost_refit_c": c["c"]})
+        metrics = {f"cost_refit_{k}": record[k] for k in ("adopted", "incumbent_error")}
+        metrics["cost_refit_error"] = record["candidate_error"]
+        metrics.update({f"cost_refit_{k}": c[k] for k in "abc" if c})
         if record["adopted"]:
             metrics["cost_refit_effective_step"] = record["effective_step"]
         self.metrics_processor.record(metrics)
@@ -457,13 +392,9 @@ class WLBTrainer(Trainer):
     def _pipeline_step(
         self, input_dict: dict[str, Any], labels: torch.Tensor, global_valid_tokens: torch.Tensor
     ) -> torch.Tensor | None:
-        """Collect the step's micro-batches; when all are in, run them through the schedule.
-
-        TorchTitan calls ``forward_backward_step`` once per gradient-accumulation micro-batch;
-        with PP the schedule must see all of them at once (1F1B interleaves their forwards and
-        backwards). Receive shapes come from the micro-batches' own lengths, which every rank of
-        the pipeline knows from the same packing plan: no shape exchange.
-        """
+        """Collect the step's micro-batches (TorchTitan hands them over one by one); when all are
+        in, run them through the schedule together, which interleaves them. Receive shapes come
+        from the micro-batches' lengths, known to every stage from the same packing plan."""
         runner = self._pp_runner
         inputs, labels, _, extra_kwargs = self.post_dataloading_process(input_dict, labels)
         self._pp_pending.append((inputs, labels, extra_kwargs))
@@ -504,13 +435,10 @@ class WLBTrainer(Trainer):
         return torch.tensor(-1.0, device=self.device)  # TorchTitan: no loss off the last stage
 
     def _record_bubble_estimate(self) -> None:
-        """Predicted pipeline bubble of this step from the micro-batches' cost-model workloads.
-
-        A 1F1B-style schedule over ``p`` stages and micro-batches of (per-stage) cost ``c_i`` takes
-        about ``sum(c) + (p - 1) * max(c)``: the slowest micro-batch is paid again while the
-        pipeline fills and drains. The bubble is the idle share of that time; it is 0 only for
-        ``p = 1`` and grows with the micro-batches' imbalance, which is what WLB packing removes.
-        """
+        """Predicted pipeline bubble of this step from the micro-batches' workloads ``c``: a
+        1F1B-style schedule over ``p`` stages takes about ``sum(c) + (p - 1) * max(c)`` (the
+        slowest micro-batch is paid again while the pipeline fills and drains); the bubble is the
+        idle share of that, growing with the micro-batches' imbalance."""
         lens, self._pp_doc_lens = self._pp_doc_lens, []
         if self._cost_model is None or not lens:
             return
@@ -532,7 +460,6 @@ class WLBTrainer(Trainer):
         )
         self._cp_stats.clear()
 
-    # ------------------------------------------------------------------ exactly-once audit
     def _build_audit_log(self) -> AuditLog | None:
         """Every rank's audit log, for the document loader on real process groups; and a hook
         on the checkpointer that records each checkpoint once it is complete on disk."""
@@ -583,7 +510,6 @@ class WLBTrainer(Trainer):
         if self._audit is not None:
             self._audit.step_done(self.step)
 
-    # ------------------------------------------------------------------ resume
     def _guard_checkpoint_load(self) -> None:
         """Whatever still goes wrong inside TorchTitan's load (a damaged tensor shard, a model
         of another shape) ends as one line naming the checkpoint, not a traceback per rank."""
