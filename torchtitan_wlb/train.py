@@ -18,7 +18,7 @@ from torchtitan.tools.logging import init_logger, logger  # noqa: E402
 
 from torchtitan_wlb.data.sources import DataError  # noqa: E402
 from torchtitan_wlb.resume import CheckpointError  # noqa: E402
-from torchtitan_wlb.validate import ConfigError  # noqa: E402
+from torchtitan_wlb.validate import ConfigError, TOMLDecodeError  # noqa: E402
 
 # Errors that mean "the user's input is wrong" once training has started; while the config is
 # parsed, any ValueError is (TorchTitan reports unknown fields with one).
@@ -36,15 +36,11 @@ def main(argv: list[str] | None = None) -> int:
 
     args = sys.argv[1:] if argv is None else argv
     try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        import tomli as tomllib
-    try:
         # Parse and check once up front: a bad field or layout fails here, before TorchTitan
         # creates process groups or builds the model.
         job_config = parse_job_config(args)
         check_job_config(job_config)
-    except (*USER_ERRORS, ValueError, tomllib.TOMLDecodeError) as e:
+    except (*USER_ERRORS, ValueError, TOMLDecodeError) as e:
         logger.error(f"configuration error: {e}")
         return 2
     if done := nothing_to_do(job_config):  # the checkpoint already holds training.steps

@@ -39,10 +39,8 @@ from torchtitan_wlb.validate import check_job_config
 
 
 def nothing_to_do(job_config: Any) -> str | None:
-    """One line when the job's checkpoint already reached ``training.steps``, else None.
-
-    TorchTitan would build the model, load the checkpoint, train zero steps and exit silently.
-    """
+    """One line when the job's checkpoint already reached ``training.steps``, else None
+    (TorchTitan would build the model, load the checkpoint, train zero steps and exit silently)."""
     step, total = resume_step(job_config), job_config.training.steps
     if step < 0 or step < total:
         return None
@@ -101,9 +99,8 @@ class WLBTrainer(Trainer):
         self._cp_stats: list[tuple[int, float]] = []
         self._last_doc_lens: list[int] | None = None
         self._pp_doc_lens: list[list[int]] = []
-        self._cost_model = (
-            cost_model_for_job(job_config) if job_config.wlb.loader == "documents" else None
-        )
+        documents = job_config.wlb.loader == "documents"
+        self._cost_model = cost_model_for_job(job_config) if documents else None
         schedule = getattr(self.dataloader, "cost_schedule", None)
         self._fitter = OnlineFitter(schedule) if schedule is not None else None
         # (sum d^2, sum d, seconds) of this step's micro-batches on this rank, for the fitter.
@@ -292,12 +289,10 @@ class WLBTrainer(Trainer):
             backend=backend,
             cp=build_cp_attention_metadata(plan, rank, cp_mesh, device=inputs.device),
         )
-        return (
-            shard_tensor(plan, rank, inputs, dim=1),
-            shard_tensor(plan, rank, labels, dim=1),
-            shard_tensor(plan, rank, positions, dim=1),
-            meta,
+        inputs, labels, positions = (
+            shard_tensor(plan, rank, t, dim=1) for t in (inputs, labels, positions)
         )
+        return inputs, labels, positions, meta
 
     def forward_backward_step(
         self,
@@ -467,9 +462,8 @@ class WLBTrainer(Trainer):
         if self.job_config.comm.mode != "default" or not hasattr(loader, "accounting"):
             return None
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        audit = AuditLog(
-            self.job_config.job.dump_folder, rank, loader.dp_rank, loader.dp_world_size
-        )
+        folder = self.job_config.job.dump_folder
+        audit = AuditLog(folder, rank, loader.dp_rank, loader.dp_world_size)
         save = self.checkpointer.save
 
         def save_and_record(curr_step: int, last_step: bool = False) -> None:

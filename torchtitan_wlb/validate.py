@@ -19,8 +19,14 @@ import sys
 from typing import Any
 
 from torchtitan_wlb.config import ConfigError
-from torchtitan_wlb.data.sources import TextSource
+from torchtitan_wlb.data.sources import DataError, TextSource
 from torchtitan_wlb.pipeline.schedule_check import check_pp_microbatches
+from torchtitan_wlb.resume import FAKE_COMM_MODES, CheckpointError, check_resume
+
+try:
+    from tomllib import TOMLDecodeError
+except ImportError:  # Python 3.10
+    from tomli import TOMLDecodeError
 
 DATA_CHECK_DOCS = 10_000
 """Documents :func:`check_data` reads before training starts (a prefix of big datasets)."""
@@ -59,13 +65,9 @@ def layout_degrees(job_config: Any, world_size: int) -> dict[str, int]:
 
 
 def check_job_config(job_config: Any, world_size: int | None = None) -> dict[str, int]:
-    """Validate the parts of a config that TorchTitan checks late or not at all.
-
-    Returns the resolved parallel degrees. Raises :class:`ConfigError` naming the fields.
-    """
-    if world_size is None:
-        fake = job_config.comm.mode in ("fake_backend", "local_tensor")
-        # Fake-backend dry runs are one process that simulates NGPU ranks.
+    """Check what TorchTitan checks late or not at all; return the resolved parallel degrees."""
+    if world_size is None:  # a fake-backend dry run is one process simulating NGPU ranks
+        fake = job_config.comm.mode in FAKE_COMM_MODES
         world_size = int(os.environ.get("NGPU", "1") if fake else os.environ.get("WORLD_SIZE", "1"))
     degrees = layout_degrees(job_config, world_size)
     wlb = getattr(job_config, "wlb", None)
@@ -231,15 +233,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cpu_support.activate()  # before torchtitan is imported, as in the ranks
     from torchtitan_wlb.data.dataloader import data_fingerprint
-    from torchtitan_wlb.data.sources import DataError
-    from torchtitan_wlb.resume import CheckpointError, check_resume
 
     args = sys.argv[1:] if argv is None else argv
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        import tomli as tomllib
-    errors = (ConfigError, DataError, CheckpointError, ValueError, OSError, tomllib.TOMLDecodeError)
     try:
         job_config = parse_job_config(args)
         degrees = check_job_config(job_config, world_size=_world_size())
@@ -251,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             dp = degrees["dp_replicate"] * degrees["dp_shard"]
             fingerprint = data_fingerprint(job_config, dp, cost_model_for_job(job_config))
         check_resume(job_config, fingerprint)
-    except errors as e:
+    except (ConfigError, DataError, CheckpointError, ValueError, OSError, TOMLDecodeError) as e:
         print(f"error: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr)
         return 2
     return 0
