@@ -23,12 +23,8 @@ MODE_PRESETS: dict[str, tuple[str, str]] = {
 
 
 def _choice(*values: str) -> Any:
-    """``Literal[values]``, which the command line reads as a plain string shown as ``{a,b,...}``.
-
-    Why not the bare Literal: tyro would reject a bad value itself, before ``__post_init__``, with
-    a message that names neither the ``[wlb]`` section nor the TOML spelling; this way every bad
-    value, from TOML or the command line, gets the same :class:`ConfigError`.
-    """
+    """``Literal[values]`` read from the command line as a plain string, so that a bad value gets
+    the same :class:`ConfigError` as from TOML (tyro's own rejection names no ``[wlb]`` field)."""
     as_string = tyro.constructors.PrimitiveConstructorSpec(
         nargs=1,
         metavar="{" + ",".join(values) + "}",
@@ -62,22 +58,12 @@ class ConfigError(ValueError):
     """A job config that cannot run; the message names the fields and the accepted values."""
 
 
-def _check_choice(name: str, value: str, accepted: tuple[str, ...]) -> None:
-    if value not in accepted:
-        shown = ", ".join(repr(a) for a in accepted)
-        raise ConfigError(f"[wlb] {name} = {value!r} is not accepted; use one of {shown}")
-
-
 _TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
 
 def _check_type(name: str, value: Any, annotation: Any) -> Any:
-    """``value`` as the field's type, or a ConfigError naming the field and the type expected.
-
-    TorchTitan builds the section from TOML values as they are (``delay_target = [1]`` or
-    ``metrics_jsonl = "yes"`` would otherwise arrive unchecked); integers are accepted for float
-    fields, booleans for nothing but booleans.
-    """
+    """``value`` as the field's type (TorchTitan passes TOML values unchecked), or a ConfigError
+    naming the field and the type; integers pass for floats, booleans only for booleans."""
     if choice_values(annotation):
         annotation = str
     if get_origin(annotation) is list:
@@ -237,8 +223,10 @@ class WLB:
         for f in fields(self):
             setattr(self, f.name, _check_type(f.name, getattr(self, f.name), f.type))
         for f in fields(self):  # mode, packing, cp_sharding, ... in declaration order
-            if choice_values(f.type):
-                _check_choice(f.name, getattr(self, f.name), choice_values(f.type))
+            value, accepted = getattr(self, f.name), choice_values(f.type)
+            if accepted and value not in accepted:
+                shown = ", ".join(repr(a) for a in accepted)
+                raise ConfigError(f"[wlb] {f.name} = {value!r} is not accepted; use one of {shown}")
         if self.mode:
             self.packing, self.cp_sharding = MODE_PRESETS[self.mode]
         for name in _NON_NEGATIVE + _POSITIVE:

@@ -89,9 +89,7 @@ class WLBMetricsProcessor(MetricsProcessor):
         self.pp_actions: list[dict[str, Any]] = []
         self.last_logged_step: int | None = None
         self.jsonl_path: str | None = None
-        self.peak_flops_known = not cpu_support.is_active()
-        self._tap = _MetricsTap(self.logger, drop_mfu=not self.peak_flops_known)
-        self.logger = self._tap
+        self.logger = self._tap = _MetricsTap(self.logger, drop_mfu=cpu_support.is_active())
         self.run_step_times: list[float] = []
         wlb = getattr(job_config, "wlb", None)
         if wlb is not None and wlb.metrics_jsonl:
@@ -143,11 +141,9 @@ class WLBMetricsProcessor(MetricsProcessor):
         grad_norm: float,
         extra_metrics: dict[str, Any] | None = None,
     ) -> None:
-        now = time.perf_counter()
-        interval = steps_since_last_log(
-            step, self.last_logged_step, self.job_config.metrics.log_freq
-        )
-        step_time = (now - self.time_last_log) / interval
+        log_freq = self.job_config.metrics.log_freq
+        interval = steps_since_last_log(step, self.last_logged_step, log_freq)
+        step_time = (time.perf_counter() - self.time_last_log) / interval
         self.last_logged_step = step
         extra = dict(extra_metrics or {})
         extra.update(self.wlb_metrics)
@@ -176,9 +172,8 @@ class WLBMetricsProcessor(MetricsProcessor):
         def warnings_only(record: logging.LogRecord) -> bool:
             return record.levelno > logging.INFO
 
-        logger.addFilter(
-            warnings_only
-        )  # mutes TorchTitan's step line; ours, with N/M and eta, follows
+        # TorchTitan's step line is muted; ours, with N/M and eta, follows.
+        logger.addFilter(warnings_only)
         try:
             super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
         finally:

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
@@ -75,7 +76,7 @@ class WLBTrainer(Trainer):
                 "(fake collectives cannot write one)"
             )
         super().__init__(job_config)
-        self._pp_pending: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]] = []
+        self._pp_pending: list[tuple[Tensor, Tensor, dict[str, Any]]] = []
         self._pp_runner = None
         if self.parallel_dims.pp_enabled:
             from torchtitan_wlb.pipeline.varlen import VarlenPipelineRunner
@@ -189,8 +190,8 @@ class WLBTrainer(Trainer):
         return lines
 
     def post_dataloading_process(
-        self, input_dict: dict[str, Any], labels: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]:
+        self, input_dict: dict[str, Any], labels: Tensor
+    ) -> tuple[Tensor, Tensor, dict[str, Tensor], dict[str, Any]]:
         stats = input_dict.pop("wlb_stats", None)
         if stats:
             self.metrics_processor.record(stats)
@@ -224,12 +225,8 @@ class WLBTrainer(Trainer):
         return inputs, labels, dict(input_dict), extra_kwargs
 
     def _pad_for_sharding(
-        self,
-        inputs: torch.Tensor,
-        labels: torch.Tensor,
-        positions: torch.Tensor,
-        doc_lens: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        self, inputs: Tensor, labels: Tensor, positions: Tensor, doc_lens: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Pad so that every TP rank's sequence-parallel shard has the same length (a multiple of
         ``tp * 2 * cp`` tokens) and, under CP alone, every rank of the ``2 * cp`` chunks holds
         tokens (a final step's one-token filler). The padding is one extra document with ignored
@@ -250,13 +247,8 @@ class WLBTrainer(Trainer):
         return inputs, labels, positions, doc_lens
 
     def _shard_for_cp(
-        self,
-        inputs: torch.Tensor,
-        labels: torch.Tensor,
-        positions: torch.Tensor,
-        doc_lens: np.ndarray,
-        backend: str,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DocumentAttentionMetadata]:
+        self, inputs: Tensor, labels: Tensor, positions: Tensor, doc_lens: np.ndarray, backend: str
+    ) -> tuple[Tensor, Tensor, Tensor, DocumentAttentionMetadata]:
         """Shard one micro-batch over the CP group with its own plan (vectorised, ~1 ms)."""
         from torchtitan_wlb.cp.adaptive import ADAPTIVE_CANDIDATES, build_cp_plan
         from torchtitan_wlb.cp.local import build_cp_attention_metadata, shard_tensor
@@ -295,12 +287,8 @@ class WLBTrainer(Trainer):
         return inputs, labels, positions, meta
 
     def forward_backward_step(
-        self,
-        *,
-        input_dict: dict[str, Any],
-        labels: torch.Tensor,
-        global_valid_tokens: torch.Tensor,
-    ) -> torch.Tensor:
+        self, *, input_dict: dict[str, Any], labels: Tensor, global_valid_tokens: Tensor
+    ) -> Tensor:
         self._micro_batches_done += 1
         start = time.perf_counter()
         if self._pp_runner is None:
@@ -385,8 +373,8 @@ class WLBTrainer(Trainer):
         super().close()
 
     def _pipeline_step(
-        self, input_dict: dict[str, Any], labels: torch.Tensor, global_valid_tokens: torch.Tensor
-    ) -> torch.Tensor | None:
+        self, input_dict: dict[str, Any], labels: Tensor, global_valid_tokens: Tensor
+    ) -> Tensor | None:
         """Collect the step's micro-batches (TorchTitan hands them over one by one); when all are
         in, run them through the schedule together, which interleaves them. Receive shapes come
         from the micro-batches' lengths, known to every stage from the same packing plan."""
@@ -400,7 +388,7 @@ class WLBTrainer(Trainer):
         pending, self._pp_pending = self._pp_pending, []
         step_doc_lens = list(self._pp_doc_lens)
         self._record_bubble_estimate()
-        losses: list[torch.Tensor] | None = [] if self.pp_has_last_stage else None
+        losses: list[Tensor] | None = [] if self.pp_has_last_stage else None
         with self.train_context():
             runner.step(
                 [p[0] for p in pending] if self.pp_has_first_stage else None,
@@ -410,21 +398,15 @@ class WLBTrainer(Trainer):
                 global_valid_tokens=global_valid_tokens,
                 losses=losses,
             )
-        if (
-            runner.last_action_times is not None
-            and self._fitter is not None
-            and len(step_doc_lens) == len(pending)
-        ):
-            times = runner.last_action_times
+        times, whole = runner.last_action_times, len(step_doc_lens) == len(pending)
+        if times is not None and self._fitter is not None and whole:
             per_mb = np.sum(times.fwd_s, axis=0) + np.sum(times.bwd_s, axis=0)
             for lens, seconds in zip(step_doc_lens, per_mb.tolist(), strict=True):
                 d = np.asarray(lens, np.float64)
                 self._fit_rows.append((float(d @ d), float(d.sum()), seconds))
-        if runner.last_action_times is not None and self.metrics_processor.jsonl_path:
-            self.metrics_processor.record_pipeline_actions(
-                runner.last_action_times.to_dict(),
-                step_doc_lens if len(step_doc_lens) == len(pending) else None,
-            )
+        if times is not None and self.metrics_processor.jsonl_path:
+            lens = step_doc_lens if whole else None
+            self.metrics_processor.record_pipeline_actions(times.to_dict(), lens)
         if losses is not None:
             return torch.sum(torch.stack([loss.detach() for loss in losses])).to(self.device)
         return torch.tensor(-1.0, device=self.device)  # TorchTitan: no loss off the last stage
