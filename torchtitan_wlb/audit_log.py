@@ -79,11 +79,8 @@ class AuditLog:
 
 
 def read_audit_logs(output_dir: str) -> list[dict[str, Any]]:
-    """Every record of every rank under ``output_dir`` (a dump folder, or its ``wlb_audit/``).
-
-    Raises :class:`AuditLogError` naming the folder, file and line of anything unreadable. A
-    truncated last line (a rank killed while writing it) is skipped.
-    """
+    """Every record of every rank under ``output_dir`` (a dump folder, or its ``wlb_audit/``); an
+    :class:`AuditLogError` names the folder, file and line of anything unreadable."""
     folder = os.path.join(output_dir, AUDIT_FOLDER)
     if not os.path.isdir(folder):
         if os.path.basename(os.path.normpath(output_dir)) == AUDIT_FOLDER:
@@ -110,17 +107,14 @@ def read_audit_logs(output_dir: str) -> list[dict[str, Any]]:
                 if k + 1 == len(lines) or lines[k + 1][1].startswith('{"event": "start"'):
                     continue  # cut off by a kill mid-write: the killed launch's last record
                 raise AuditLogError(f"{path}:{lineno}: not a JSON line ({e.msg})") from None
-            _check_record(rec, f"{path}:{lineno}")
+            where = f"{path}:{lineno}"
+            if not isinstance(rec, dict) or rec.get("event") not in EVENTS:
+                raise AuditLogError(
+                    f"{where}: not an audit record (expected an object with event one of "
+                    f"{', '.join(EVENTS)})"
+                )
+            missing = [k for k in EVENTS[rec["event"]] if k not in rec]
+            if missing:
+                raise AuditLogError(f"{where}: {rec['event']} record without {', '.join(missing)}")
             records.append(rec)
     return records
-
-
-def _check_record(rec: Any, where: str) -> None:
-    if not isinstance(rec, dict) or rec.get("event") not in EVENTS:
-        raise AuditLogError(
-            f"{where}: not an audit record (expected an object with event one of "
-            f"{', '.join(EVENTS)})"
-        )
-    missing = [k for k in EVENTS[rec["event"]] if k not in rec]
-    if missing:
-        raise AuditLogError(f"{where}: {rec['event']} record without {', '.join(missing)}")

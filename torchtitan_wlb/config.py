@@ -129,7 +129,7 @@ class WLB:
     from the cost model (docs/packing.md); `tools.pack_bench --tune` tunes them on a sample."""
     max_delay_steps: int = 12
     """K: an outlier waits at most this many optimizer steps before it is forced out ("wlb" raises
-    it up to `adaptive_max_delay_steps` while the token-weighted delay stays under `delay_target`)."""
+    it up to `adaptive_max_delay_steps` while the token-weighted delay is under `delay_target`)."""
     adaptive_max_delay_steps: int = 32
     """Upper bound of the adaptive K ("wlb"); equal to `max_delay_steps` disables adaptation."""
     delay_target: float = 0.3

@@ -159,12 +159,6 @@ def fit_nnls(stats: FitStats) -> tuple[np.ndarray | None, str]:
     return best, ""
 
 
-def _best_scale(stats: FitStats, shape: np.ndarray) -> float:
-    """The ``s >= 0`` minimising the relative error of ``s * shape`` on ``stats``."""
-    denom = float(shape @ stats.gram @ shape)
-    return max(0.0, float(shape @ stats.moment) / denom) if denom > 0 else 0.0
-
-
 @dataclass(frozen=True)
 class RefitResult:
     """What one refit decided, with the errors it was judged by (RMS relative, held-out steps)."""
@@ -184,7 +178,8 @@ def refit(fit_part: FitStats, holdout: FitStats, incumbent: Coefficients) -> Ref
     """
     coef, why = fit_nnls(fit_part)
     shape = incumbent.as_array()
-    inc = shape * _best_scale(fit_part, shape)
+    denom = float(shape @ fit_part.gram @ shape)  # the scale s >= 0 minimising its error
+    inc = shape * (max(0.0, float(shape @ fit_part.moment) / denom) if denom > 0 else 0.0)
     inc_err = holdout.rms_error(inc)
     if coef is None:
         return RefitResult(False, why, None, math.nan, inc_err)
@@ -244,8 +239,7 @@ class CostModelSchedule:
     """
 
     def __init__(self, initial: CostModel, config: OnlineFitConfig) -> None:
-        self.initial = initial
-        self.config = config
+        self.initial, self.config = initial, config
         self._adoptions: list[tuple[int, CostModel]] = []
         self._decided_through = 0
         self._closed = False

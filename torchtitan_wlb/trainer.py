@@ -23,31 +23,24 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
+from torchtitan_wlb import resume
 from torchtitan_wlb.attention.metadata import DocumentAttentionMetadata, metadata_from_doc_lens
 from torchtitan_wlb.audit_log import AuditLog
 from torchtitan_wlb.cost_fit import FitStats, OnlineFitter
 from torchtitan_wlb.data.sources import BUILTIN_NAME
 from torchtitan_wlb.models.llama3_wlb import cost_model_for_job
-from torchtitan_wlb.resume import (
-    FAKE_COMM_MODES,
-    CheckpointError,
-    check_resume,
-    checkpoint_folder,
-    latest_checkpoint_step,
-    resume_step,
-)
 from torchtitan_wlb.validate import check_job_config
 
 
 def nothing_to_do(job_config: Any) -> str | None:
     """One line when the job's checkpoint already reached ``training.steps``, else None
     (TorchTitan would build the model, load the checkpoint, train zero steps and exit silently)."""
-    step, total = resume_step(job_config), job_config.training.steps
+    step, total = resume.resume_step(job_config), job_config.training.steps
     if step < 0 or step < total:
         return None
     return (
-        f"nothing to do: the checkpoint in {checkpoint_folder(job_config)} is at step {step} >= "
-        f"training.steps = {total}; train further with --training.steps {step + total}, or start "
+        f"nothing to do: the checkpoint in {resume.checkpoint_folder(job_config)} is at step "
+        f"{step} >= training.steps = {total}; train further with --training.steps {step + total}, or start "
         "afresh in another --job.dump_folder"
     )
 
@@ -56,7 +49,7 @@ def _layout(parallel_dims: Any, device: torch.device, comm_mode: str) -> str:
     degrees = {k: getattr(parallel_dims, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp")}
     shown = " x ".join(f"{k} {v}" for k, v in degrees.items() if v > 1) or "no parallelism"
     backend = "gloo" if device.type == "cpu" else "nccl"
-    backend = comm_mode if comm_mode in FAKE_COMM_MODES else backend
+    backend = comm_mode if comm_mode in resume.FAKE_COMM_MODES else backend
     return f"{_count(parallel_dims.world_size, device.type + ' rank')} over {backend}: {shown}"
 
 
@@ -69,7 +62,7 @@ class WLBTrainer(Trainer):
 
     def __init__(self, job_config: Any):
         check_job_config(job_config)
-        if job_config.comm.mode in FAKE_COMM_MODES and job_config.checkpoint.enable:
+        if job_config.comm.mode in resume.FAKE_COMM_MODES and job_config.checkpoint.enable:
             job_config.checkpoint.enable = False
             logger.info(
                 f"comm.mode = {job_config.comm.mode}: checkpoints are neither loaded nor saved "
@@ -117,8 +110,8 @@ class WLBTrainer(Trainer):
         jc = self.job_config
         # Before TorchTitan loads anything: a truncated or damaged checkpoint, or one written
         # under other data settings, is refused with one line naming the file or the setting.
-        check_resume(jc, getattr(self.dataloader, "fingerprint", None))
-        start_step = resume_step(jc)
+        resume.check_resume(jc, getattr(self.dataloader, "fingerprint", None))
+        start_step = resume.resume_step(jc)
         for line in self._run_summary(start_step):
             logger.info(line)
         begin = time.perf_counter()
@@ -129,11 +122,13 @@ class WLBTrainer(Trainer):
             # TorchTitan purges after interval saves only; the last step's save is one more.
             ck._purge_stale_checkpoints()
         trained = self.step - max(start_step, 0)
-        latest = latest_checkpoint_step(checkpoint_folder(jc)) if ck.enable else -1
-        where = f"latest checkpoint {checkpoint_folder(jc)}/step-{latest}"
+        latest = resume.latest_checkpoint_step(resume.checkpoint_folder(jc)) if ck.enable else -1
+        where = f"latest checkpoint {resume.checkpoint_folder(jc)}/step-{latest}"
+        where = where if latest >= 0 else "no checkpoint written"
+        seconds = time.perf_counter() - begin
         logger.info(
-            f"done: trained {_count(trained, 'step')} in {time.perf_counter() - begin:.0f}s, now at "
-            f"step {self.step}/{jc.training.steps}; {where if latest >= 0 else 'no checkpoint written'}"
+            f"done: trained {_count(trained, 'step')} in {seconds:.0f}s, now at step "
+            f"{self.step}/{jc.training.steps}; {where}"
         )
 
     def _audit_end(self) -> None:
@@ -174,7 +169,7 @@ class WLBTrainer(Trainer):
             lines.append(
                 f"data: dataset {jc.training.dataset!r} through TorchTitan's loader (no packing)"
             )
-        ck, folder = jc.checkpoint, checkpoint_folder(jc)
+        ck, folder = jc.checkpoint, resume.checkpoint_folder(jc)
         every = "every step" if ck.interval == 1 else f"every {ck.interval} steps"
         keep = f", keeping the latest {ck.keep_latest_k}" if ck.keep_latest_k > 0 else ""
         status = f"{folder}, {every} and at the last{keep}" if ck.enable else "off"
@@ -327,7 +322,7 @@ class WLBTrainer(Trainer):
         local = FitStats.from_samples(*zip(*rows, strict=True)) if rows else FitStats.zeros()
         vector = local.to_vector()
         if (
-            self.job_config.comm.mode not in FAKE_COMM_MODES
+            self.job_config.comm.mode not in resume.FAKE_COMM_MODES
             and torch.distributed.is_initialized()
             and torch.distributed.get_world_size() > 1
         ):
@@ -496,7 +491,7 @@ class WLBTrainer(Trainer):
                 load(state_dict, checkpoint_id, *args, **kwargs)
             except Exception as e:  # noqa: BLE001 -- reported with the checkpoint's name
                 first = (str(e).strip().splitlines() or [""])[0][:300]
-                raise CheckpointError(
+                raise resume.CheckpointError(
                     f"loading checkpoint {checkpoint_id} failed ({type(e).__name__}: {first}); "
                     "the process stops before training on a partly loaded state"
                 ) from e

@@ -75,8 +75,7 @@ def check_job_config(job_config: Any, world_size: int | None = None) -> dict[str
         raise ConfigError(
             'the [wlb] section is missing: set [job] custom_config_module = "torchtitan_wlb.config"'
         )
-    training = job_config.training
-    seq_len = training.seq_len
+    training, seq_len = job_config.training, job_config.training.seq_len
     _check_training(job_config, degrees)
     if wlb.micro_batch_max_len and wlb.micro_batch_max_len < seq_len:
         raise ConfigError(
@@ -101,21 +100,24 @@ def check_job_config(job_config: Any, world_size: int | None = None) -> dict[str
             "different token counts, which sequence-parallel TP cannot split evenly; use "
             '"per_document" (or "adaptive") with TP, or tensor_parallel_degree = 1'
         )
-    _check_queue_thresholds(wlb, seq_len)
+    # Outlier queues above the longest document would never hold one: a typo, not a choice.
+    longest, smax = wlb.max_doc_len or seq_len, wlb.micro_batch_max_len or int(1.25 * seq_len)
+    above = [t for t in wlb.queue_thresholds if t > longest]
+    if above:
+        raise ConfigError(
+            f"[wlb] queue_thresholds = {list(wlb.queue_thresholds)} has {above[0]} above the "
+            f"longest document piece, max_doc_len = {longest} (S_max = {smax}): a queue there "
+            f"would never hold a document; use thresholds <= {longest}"
+        )
     for name in ("cost_profile", "cp_profile"):
+        used = name == "cp_profile" or wlb.cost_model in ("profile", "online")
         path = getattr(wlb, name)
-        if (
-            path
-            and not os.path.isfile(path)
-            and (name == "cp_profile" or wlb.cost_model in ("profile", "online"))
-        ):
+        if path and used and not os.path.isfile(path):
             raise ConfigError(f"[wlb] {name} = {path!r} does not exist (a JSON profile file)")
     dp = degrees["dp_replicate"] * degrees["dp_shard"]
     if wlb.loader == "documents":
         # Checks the dataset kind and that its path exists (DataError names it).
-        TextSource(
-            kind=training.dataset, path=training.dataset_path or "", text_field=wlb.text_field
-        )
+        TextSource(training.dataset, training.dataset_path or "", wlb.text_field)
         if job_config.model.name != "llama3_wlb":
             raise ConfigError(
                 f'[model] name = {job_config.model.name!r}: [wlb] loader = "documents" feeds '
@@ -179,19 +181,6 @@ def _check_training(job_config: Any, degrees: dict[str, int]) -> None:
         raise ConfigError(
             f"[training] global_batch_size = {training.global_batch_size} is out of range; it "
             "must be >= 1 (micro-batches per step, all DP ranks together) or -1 (one per DP rank)"
-        )
-
-
-def _check_queue_thresholds(wlb: Any, seq_len: int) -> None:
-    """Outlier queues above the longest document would never hold one: a typo, not a choice."""
-    longest = wlb.max_doc_len or seq_len
-    smax = wlb.micro_batch_max_len or int(1.25 * seq_len)
-    above = [t for t in wlb.queue_thresholds if t > longest]
-    if above:
-        raise ConfigError(
-            f"[wlb] queue_thresholds = {list(wlb.queue_thresholds)} has {above[0]} above the "
-            f"longest document piece, max_doc_len = {longest} (S_max = {smax}): a queue there "
-            f"would never hold a document; use thresholds <= {longest}"
         )
 
 
