@@ -43,9 +43,7 @@ class FitStats:
     @classmethod
     def from_samples(cls, sum_sq: Any, sum_lin: Any, seconds: Any) -> FitStats:
         """The statistics of micro-batches with ``Σd²``, ``Σd`` and measured ``seconds`` (> 0)."""
-        sq_ = np.asarray(sum_sq, np.float64).reshape(-1)
-        lin = np.asarray(sum_lin, np.float64).reshape(-1)
-        t = np.asarray(seconds, np.float64).reshape(-1)
+        sq_, lin, t = (np.asarray(v, np.float64).reshape(-1) for v in (sum_sq, sum_lin, seconds))
         if not sq_.shape == lin.shape == t.shape:
             raise ValueError(
                 f"FitStats.from_samples: sum_sq, sum_lin and seconds must have the same length, "

@@ -70,42 +70,25 @@ def generate(name: str, num_docs: int, context_len: int, seed: int = 0) -> np.nd
 def _check_integers(values: list | np.ndarray, source: str) -> np.ndarray:
     """``values`` as int64 if every entry is a positive integer, else a ValueError naming the first
     offending entry (integral floats such as ``3.0`` pass; booleans do not)."""
+    where = f"lengths file {source}"
     try:
         arr = np.asarray(values)
-    except ValueError:  # a ragged list: find the entry that is not a number
+    except ValueError:  # a ragged list: the loop below names the entry that is not a number
         arr = np.asarray(values, dtype=object)
-    if isinstance(values, list) and (
-        not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating))
-        or any(isinstance(v, bool) for v in values)
-    ):
-        arr = np.asarray(values, dtype=object)  # mixed, non-numeric or true/false: find the entry
     if arr.ndim != 1:
-        raise ValueError(
-            f"lengths file {source}: expected a flat list of integers, got shape {arr.shape}"
-        )
+        raise ValueError(f"{where}: expected a flat list of integers, got shape {arr.shape}")
     if arr.size == 0:
-        raise ValueError(f"lengths file {source}: no document lengths")
-    if arr.dtype == object:
-        for i, v in enumerate(arr.tolist()):
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise ValueError(
-                    f"lengths file {source}: entry {i} = {v!r} is not an integer token count"
-                )
-        arr = np.asarray(arr.tolist(), dtype=np.int64)
-    elif not np.issubdtype(arr.dtype, np.integer):
-        bad = np.flatnonzero(~np.isfinite(arr.astype(np.float64)) | (arr != np.round(arr)))
-        if bad.size or not np.issubdtype(arr.dtype, np.floating):
-            i = int(bad[0]) if bad.size else 0
-            raise ValueError(
-                f"lengths file {source}: entry {i} = {arr[i].item()!r} is not an integer token count"
-            )
+        raise ValueError(f"{where}: no document lengths")
+    if isinstance(values, list) or arr.dtype.kind not in "iu":  # a list may hide true / false
+        for i, v in enumerate(values if isinstance(values, list) else arr.tolist()):
+            whole = isinstance(v, float) and math.isfinite(v) and v.is_integer()
+            if isinstance(v, bool) or not (isinstance(v, int) or whole):
+                raise ValueError(f"{where}: entry {i} = {v!r} is not an integer token count")
     arr = arr.astype(np.int64)
     bad = np.flatnonzero(arr < 1)
     if bad.size:
         i = int(bad[0])
-        raise ValueError(
-            f"lengths file {source}: entry {i} = {int(arr[i])} is not a positive token count"
-        )
+        raise ValueError(f"{where}: entry {i} = {int(arr[i])} is not a positive token count")
     return arr
 
 
