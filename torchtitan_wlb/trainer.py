@@ -179,9 +179,8 @@ class WLBTrainer(Trainer):
         elif start_step > 0:
             lines.append(f"resuming from step {start_step} ({folder}/step-{start_step})")
         else:
-            lines.append(
-                "starting at step 1" + (f" (no checkpoint in {folder})" if ck.enable else "")
-            )
+            where = f" (no checkpoint in {folder})" if ck.enable else ""
+            lines.append(f"starting at step 1{where}")
         return lines
 
     def post_dataloading_process(
@@ -198,8 +197,7 @@ class WLBTrainer(Trainer):
         if "doc_lens" not in input_dict:
             # [wlb] loader = "torchtitan": no boundaries, plain causal attention per row.
             return super().post_dataloading_process(input_dict, labels)
-        inputs = input_dict.pop("input")
-        positions = input_dict.pop("positions")
+        inputs, positions = input_dict.pop("input"), input_dict.pop("positions")
         doc_lens = input_dict.pop("doc_lens").cpu()
         self._last_doc_lens = doc_lens.tolist()
         backend = self.job_config.wlb.attention_backend
