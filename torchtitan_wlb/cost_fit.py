@@ -191,14 +191,19 @@ def refit(fit_part: FitStats, holdout: FitStats, incumbent: Coefficients) -> Ref
 
 @dataclass(frozen=True)
 class OnlineFitConfig:
-    """When the online model refits and when a refit takes effect, in optimizer steps; each field
-    is documented as the ``[wlb] fit_<field>`` it comes from."""
+    """When the online model refits and when a refit takes effect (all in optimizer steps)."""
 
     warmup_steps: int = 2
+    """The first steps' times are not used (allocator and kernel warm-up)."""
     window_steps: int = 8
+    """A refit uses the last this many steps' micro-batches."""
     holdout_steps: int = 2
+    """The window's newest steps, held out to judge a refit against the model in use."""
     interval_steps: int = 4
+    """Steps between refits once the window is full."""
     apply_lag_steps: int = 3
+    """A refit decided after step s packs step s + lag onwards (>= 1; larger than the packing
+    node's read-ahead, so the node seldom waits for a decision)."""
 
     def __post_init__(self) -> None:
         for name in ("warmup_steps", "window_steps", "holdout_steps", "interval_steps"):
