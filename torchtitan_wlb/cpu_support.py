@@ -8,6 +8,7 @@ present it does nothing.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 from collections import namedtuple
@@ -61,11 +62,8 @@ def _cpu_memory_stats(_device: Any = None) -> dict[str, int]:
 
 def _cpu_reset_peak_memory_stats(_device: Any = None) -> None:
     # Writing 5 to clear_refs resets the peak resident set size (VmHWM) on Linux >= 4.0.
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def activate() -> bool:
