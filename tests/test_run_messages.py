@@ -12,7 +12,8 @@ from torchtitan.config import ConfigManager
 
 from torchtitan_wlb import log_filter
 from torchtitan_wlb.metrics import eta_seconds, format_duration
-from torchtitan_wlb.trainer import WLBTrainer, latest_checkpoint_step, nothing_to_do, resume_step
+from torchtitan_wlb.resume import latest_checkpoint_step, resume_step
+from torchtitan_wlb.trainer import WLBTrainer, nothing_to_do
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEBUG_CPU = os.path.join(ROOT, "train_configs", "debug_cpu.toml")

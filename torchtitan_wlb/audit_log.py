@@ -1,31 +1,8 @@
 """The exactly-once audit log: which documents every rank trained, step by step, across launches.
 
-Every rank of a run with the document loader appends to ``<dump_folder>/wlb_audit/rank_<rank>.jsonl``
-one JSON object per line (``python -m torchtitan_wlb.tools.audit`` reads them back):
-
-``{"event": "start", "launch", "launch_time", "rank", "dp_rank", "dp_degree", "resumed_from"}``
-    written before the launch's first step. ``launch`` is one id shared by all ranks of a launch
-    (rank 0's, broadcast), ``launch_time`` orders launches, ``resumed_from`` is the checkpoint step
-    the launch restored (0: from scratch). A resumed launch re-trains every step after it: the
-    records of earlier launches for those steps are superseded.
-``{"event": "step", "launch", "rank", "dp_rank", "step", "micro_batches": [[doc ids], ...]}``
-    written once the step's optimizer update is done: the documents of each of this rank's
-    micro-batches, in order (a filler micro-batch at the end of the data is ``[]``).
-``{"event": "checkpoint", "launch", "rank", "step", "pending": [doc ids]}``
-    written after a checkpoint of ``step`` is complete on disk (its ``.metadata`` written; an
-    asynchronous save that is still in flight is not recorded): the documents the packer still
-    holds (queued or carried) in that checkpoint's data state.
-``{"event": "end", "launch", "rank", "step", "reason", "pending", "documents"}``
-    written when the training loop ends normally: ``reason`` is ``"end of data"`` (the pass is
-    over) or ``"steps"`` (``training.steps`` reached); ``documents`` is how many documents the
-    data pipeline produced (known at the end of the data), ``pending`` as above.
-
-Every record is one ``write`` of a whole line, flushed at once: a rank killed mid-write leaves at
-most a truncated last line. The next launch starts on a new line after it, and the reader skips
-such a line (the end of a file, or just before a start record): it was the killed launch's last
-record, a step after its last checkpoint, which the resumed launch re-trains anyway.
-
-Pure Python, no torch: the audit tool reads logs of any run without loading a model.
+Every rank appends one JSON record per line to ``<dump_folder>/wlb_audit/rank_<rank>.jsonl`` (the
+records: docs/data.md); ``python -m torchtitan_wlb.tools.audit`` reads them back. Pure Python, no
+torch: the audit tool reads the logs of any run without loading a model.
 """
 
 from __future__ import annotations
@@ -42,21 +19,14 @@ EVENTS = {
     "end": ("launch", "rank", "step", "reason", "pending", "documents"),
 }
 
-__all__ = ["AUDIT_FOLDER", "AuditLog", "AuditLogError", "read_audit_logs"]
-
 
 class AuditLogError(ValueError):
     """An audit log that cannot be read; the message names the file and line."""
 
 
 class AuditLog:
-    """One rank's writer. The trainer calls :meth:`start` before the launch's first step,
-    :meth:`add_micro_batch` for every micro-batch, :meth:`step_done`, :meth:`checkpoint` and
-    :meth:`end`.
-
-    Args:
-        dump_folder: the job's ``[job] dump_folder``; the log goes to ``wlb_audit/`` under it.
-        rank: global rank. dp_rank, dp_degree: this rank's data-parallel position.
+    """One rank's writer (``rank``: global; ``dp_rank``, ``dp_degree``: its data-parallel place).
+    Every record is one ``write`` of a whole line, so a kill leaves at most a truncated last line.
     """
 
     def __init__(self, dump_folder: str, rank: int, dp_rank: int, dp_degree: int) -> None:
@@ -68,9 +38,7 @@ class AuditLog:
                 f.seek(-1, os.SEEK_END)
                 if f.read(1) != b"\n":  # the last launch was killed while writing its record
                     f.write(b"\n")
-        self.rank = rank
-        self.dp_rank = dp_rank
-        self.dp_degree = dp_degree
+        self.rank, self.dp_rank, self.dp_degree = rank, dp_rank, dp_degree
         self.launch: str | None = None
         self._micro_batches: list[list[int]] = []
 
@@ -88,13 +56,8 @@ class AuditLog:
 
     def start(self, launch: str, launch_time: float, resumed_from: int) -> None:
         self.launch = launch
-        self._write(
-            "start",
-            launch_time=launch_time,
-            dp_rank=self.dp_rank,
-            dp_degree=self.dp_degree,
-            resumed_from=int(resumed_from),
-        )
+        dp = {"dp_rank": self.dp_rank, "dp_degree": self.dp_degree}
+        self._write("start", launch_time=launch_time, **dp, resumed_from=int(resumed_from))
 
     def begin_step(self) -> None:
         """Forget micro-batches of a step that did not complete (the end of the data)."""
@@ -111,21 +74,13 @@ class AuditLog:
         self._write("checkpoint", step=int(step), pending=sorted(int(i) for i in pending))
 
     def end(self, step: int, reason: str, pending: list[int], documents: int | None) -> None:
-        self._write(
-            "end",
-            step=int(step),
-            reason=reason,
-            pending=sorted(int(i) for i in pending),
-            documents=documents,
-        )
+        pending = sorted(int(i) for i in pending)
+        self._write("end", step=int(step), reason=reason, pending=pending, documents=documents)
 
 
 def read_audit_logs(output_dir: str) -> list[dict[str, Any]]:
-    """Every record of every rank under ``output_dir`` (a dump folder, or its ``wlb_audit/``).
-
-    Raises :class:`AuditLogError` naming the folder, file and line of anything unreadable. A
-    truncated last line (a rank killed while writing it) is skipped.
-    """
+    """Every record of every rank under ``output_dir`` (a dump folder, or its ``wlb_audit/``); an
+    :class:`AuditLogError` names the folder, file and line of anything unreadable."""
     folder = os.path.join(output_dir, AUDIT_FOLDER)
     if not os.path.isdir(folder):
         if os.path.basename(os.path.normpath(output_dir)) == AUDIT_FOLDER:
@@ -150,19 +105,16 @@ def read_audit_logs(output_dir: str) -> list[dict[str, Any]]:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 if k + 1 == len(lines) or lines[k + 1][1].startswith('{"event": "start"'):
-                    continue  # cut off by a kill mid-write (see the module docstring)
+                    continue  # cut off by a kill mid-write: the killed launch's last record
                 raise AuditLogError(f"{path}:{lineno}: not a JSON line ({e.msg})") from None
-            _check_record(rec, f"{path}:{lineno}")
+            where = f"{path}:{lineno}"
+            if not isinstance(rec, dict) or rec.get("event") not in EVENTS:
+                raise AuditLogError(
+                    f"{where}: not an audit record (expected an object with event one of "
+                    f"{', '.join(EVENTS)})"
+                )
+            missing = [k for k in EVENTS[rec["event"]] if k not in rec]
+            if missing:
+                raise AuditLogError(f"{where}: {rec['event']} record without {', '.join(missing)}")
             records.append(rec)
     return records
-
-
-def _check_record(rec: Any, where: str) -> None:
-    if not isinstance(rec, dict) or rec.get("event") not in EVENTS:
-        raise AuditLogError(
-            f"{where}: not an audit record (expected an object with event one of "
-            f"{', '.join(EVENTS)})"
-        )
-    missing = [k for k in EVENTS[rec["event"]] if k not in rec]
-    if missing:
-        raise AuditLogError(f"{where}: {rec['event']} record without {', '.join(missing)}")

@@ -1,16 +1,8 @@
-"""The ``[wlb]`` TOML section, merged into TorchTitan's JobConfig.
-
-TorchTitan 0.2.2 rejects unknown TOML sections unless ``[job] custom_config_module`` names a module
-with a ``JobConfig`` dataclass; its fields are then merged into TorchTitan's own. Setting
-``custom_config_module = "torchtitan_wlb.config"`` therefore adds ``[wlb]`` with the fields below,
-settable from TOML or from the command line (``--wlb.packing fixed_greedy``).
-
-Every field is validated in ``__post_init__`` so that a bad value fails at start-up, before any
-process group is created, with a message that names the field and the accepted values.
-Field-by-field documentation for users lives in docs/configuration.md.
-
-(No ``from __future__ import annotations`` here: TorchTitan's tyro-based parser resolves these
-annotations at run time.)
+"""The ``[wlb]`` TOML section, merged into TorchTitan's JobConfig through ``[job]
+custom_config_module = "torchtitan_wlb.config"``. Every field is checked in ``__post_init__``, so a
+bad value fails at start-up with a message naming the field and the accepted values. The field
+docstrings are the user reference: ``tools/config_doc`` renders them as docs/configuration.md.
+(No ``from __future__ import annotations``: TorchTitan's tyro parser resolves them at run time.)
 """
 
 from dataclasses import dataclass, field, fields
@@ -31,12 +23,8 @@ MODE_PRESETS: dict[str, tuple[str, str]] = {
 
 
 def _choice(*values: str) -> Any:
-    """``Literal[values]``, which the command line reads as a plain string shown as ``{a,b,...}``.
-
-    Why not the bare Literal: tyro would reject a bad value itself, before ``__post_init__``, with
-    a message that names neither the ``[wlb]`` section nor the TOML spelling; this way every bad
-    value, from TOML or the command line, gets the same :class:`ConfigError`.
-    """
+    """``Literal[values]`` read from the command line as a plain string, so that a bad value gets
+    the same :class:`ConfigError` as from TOML (tyro's own rejection names no ``[wlb]`` field)."""
     as_string = tyro.constructors.PrimitiveConstructorSpec(
         nargs=1,
         metavar="{" + ",".join(values) + "}",
@@ -70,22 +58,12 @@ class ConfigError(ValueError):
     """A job config that cannot run; the message names the fields and the accepted values."""
 
 
-def _check_choice(name: str, value: str, accepted: tuple[str, ...]) -> None:
-    if value not in accepted:
-        shown = ", ".join(repr(a) for a in accepted)
-        raise ConfigError(f"[wlb] {name} = {value!r} is not accepted; use one of {shown}")
-
-
 _TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
 
 def _check_type(name: str, value: Any, annotation: Any) -> Any:
-    """``value`` as the field's type, or a ConfigError naming the field and the type expected.
-
-    TorchTitan builds the section from TOML values as they are (``delay_target = [1]`` or
-    ``metrics_jsonl = "yes"`` would otherwise arrive unchecked); integers are accepted for float
-    fields, booleans for nothing but booleans.
-    """
+    """``value`` as the field's type (TorchTitan passes TOML values unchecked), or a ConfigError
+    naming the field and the type; integers pass for floats, booleans only for booleans."""
     if choice_values(annotation):
         annotation = str
     if get_origin(annotation) is list:
@@ -105,10 +83,15 @@ def _check_type(name: str, value: Any, annotation: Any) -> Any:
     return value
 
 
-def _check_positive(name: str, value: float, *, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(f"[wlb] {name} = {value!r} is out of range; it must be {bound}")
+# The numeric fields' ranges: those that accept 0, and those that must be > 0.
+_NON_NEGATIVE = (
+    "epochs", "max_doc_len", "cp_hybrid_max_len", "micro_batch_max_len", "release_slack",
+    "attn_coef", "linear_coef", "fit_warmup_steps",
+)  # fmt: skip
+_POSITIVE = (
+    "max_delay_steps", "delay_target", "packing_window", "solver_node_limit",
+    "solver_time_limit_s", "cp_bandwidth_gbps", "fit_interval_steps", "fit_apply_lag_steps",
+)  # fmt: skip
 
 
 @dataclass
@@ -116,140 +99,90 @@ class WLB:
     """Workload-balanced packing, per-document context parallelism and the document pipeline."""
 
     mode: Mode = ""
-    """Preset of the paper's configurations: "plain_4d" (original packing + per-sequence CP),
-    "fixed_4d" (fixed-length greedy packing + per-document CP), "wlb" (variable-length packing with
-    outlier queues + adaptive CP). Empty: use `packing` and `cp_sharding` as given. A preset
-    overrides both."""
-
+    """Preset of the paper's configurations, overriding `packing` and `cp_sharding`: "plain_4d"
+    (original + per_sequence), "fixed_4d" (fixed_greedy + per_document), "wlb" (wlb + adaptive)."""
     packing: Packing = "wlb"
     """How documents become micro-batches: "original" (TorchTitan-style sequential fill of
     fixed-length sequences), "fixed_greedy", "solver", "wlb" or "wlb_paper"."""
-
     cp_sharding: CPSharding = "adaptive"
     """How a micro-batch is split over the CP group: "per_sequence", "per_document", "hybrid"
-    (documents up to `cp_hybrid_max_len` whole on one rank, longer ones split per document; K/V
-    gathered for the split ones only), "adaptive"."""
-
+    (documents up to `cp_hybrid_max_len` whole on one rank, longer ones split), "adaptive"."""
     cp_hybrid_max_len: int = 0
     """"hybrid": the longest document kept whole on one CP rank, in tokens; 0 means
-    2 x context_parallel_degree x 128, the length below which a per-document chunk would be
-    shorter than the 128-token attention tile."""
-
+    2 x context_parallel_degree x 128 (shorter per-document chunks than a 128-token tile)."""
     attention_backend: AttentionBackend = "auto"
     """Document-masked attention kernel: "auto", "cpu", "flash" (flash-attn varlen, CUDA),
     "torch_varlen" (torch.nn.attention.varlen, CUDA)."""
-
     reset_positions: bool = True
     """Restart RoPE positions at 0 at every document (False: positions run over the packed
     sequence, as in TorchTitan)."""
-
     long_doc_policy: LongDocPolicy = "split"
-    """A document longer than `max_doc_len`: "split" into consecutive pieces (default, no token
-    lost), "truncate" (keep the head, count the dropped tokens in the log), "error" (stop)."""
-
+    """A document longer than `max_doc_len`: "split" into consecutive pieces (no token lost),
+    "truncate" (keep the head, count the dropped tokens in the log), "error" (stop)."""
     max_doc_len: int = 0
     """Longest document piece in tokens; 0 means `training.seq_len`."""
-
     micro_batch_max_len: int = 0
-    """S_max, the token cap of one micro-batch for variable-length packing ("wlb", "wlb_paper"),
-    set from activation memory; 0 means 1.25 x `training.seq_len`. Must be >= `training.seq_len`.
-    The fixed-length packers always cap micro-batches at `training.seq_len`."""
-
+    """S_max, the token cap of a "wlb" / "wlb_paper" micro-batch (from activation memory); 0 means
+    1.25 x `training.seq_len`, else >= it. The fixed-length packers cap at `training.seq_len`."""
     queue_thresholds: list[int] = field(default_factory=list)
-    """Outlier queue length thresholds L_1 < ... < L_n in tokens ("wlb", "wlb_paper"). Empty:
-    derived from the cost model (documents whose workload exceeds a fair share of a micro-batch;
-    docs/packing.md). `python -m torchtitan_wlb.tools.pack_bench --tune` tunes them on a sample."""
-
+    """Outlier queue thresholds L_1 < ... < L_n in tokens ("wlb", "wlb_paper"). Empty: derived
+    from the cost model (docs/packing.md); `tools.pack_bench --tune` tunes them on a sample."""
     max_delay_steps: int = 12
     """K: an outlier waits at most this many optimizer steps before it is forced out ("wlb" raises
-    it adaptively up to `adaptive_max_delay_steps` while the token-weighted delay stays under
-    `delay_target`)."""
-
+    it up to `adaptive_max_delay_steps` while the token-weighted delay is under `delay_target`)."""
     adaptive_max_delay_steps: int = 32
-    """Upper bound of the adaptive K ("wlb"); equal to `max_delay_steps` disables adaptation. No
-    document ever waits longer than this."""
-
+    """Upper bound of the adaptive K ("wlb"); equal to `max_delay_steps` disables adaptation."""
     delay_target: float = 0.3
     """Token-weighted mean delay, in steps, that the adaptive K steers towards ("wlb")."""
-
     balance_target: float = 1.01
     """"wlb" releases a waiting outlier group only if the step's predicted max/mean workload stays
     within this factor (>= 1)."""
-
     release_slack: float = 0.25
     """"wlb": how much extra imbalance an ageing outlier may accept to leave its queue early
     rather than be forced out alone at K (>= 0)."""
-
     packing_window: int = 1
     """Global batches packed together by "fixed_greedy" and "solver" (Table 2's G)."""
-
     solver_node_limit: int = 200
-    """Work limit of the exact solver per packing window (packing = "solver"), in HiGHS
-    branch-and-bound nodes. Deterministic: every rank computes the same plan whatever its load,
-    and a resumed run re-plans the same windows."""
-
+    """"solver": HiGHS branch-and-bound nodes per packing window. Deterministic: every rank, and a
+    resumed run, computes the same plan whatever its load."""
     solver_time_limit_s: float = 60.0
-    """Safety net of the exact solver per packing window (packing = "solver"), in seconds. Where a
-    time limit stops a solve depends on the machine's load, so reaching it before
-    `solver_node_limit` stops the run with an error naming both (lower the node limit)."""
-
+    """"solver": safety net per packing window, in seconds; reaching it before
+    `solver_node_limit` stops the run (a plan cut by time depends on the machine's load)."""
     cost_model: CostModelKind = "analytic"
-    """Workload model W(d) = W_a(d) + W_l(d): "analytic" (FLOPs from the model config),
-    "coefficients" (attn_coef, linear_coef below), "profile" (JSON table at cost_profile),
-    "online" (starts as "analytic", or as "profile" when cost_profile is set, then refits
-    t = a*sum(d^2) + b*sum(d) + c to the measured forward+backward times of every micro-batch,
-    identically on every rank; the fit_* fields below; docs/cost_model.md)."""
-
+    """Workload model W(d): "analytic" (FLOPs of the model), "coefficients" (`attn_coef`,
+    `linear_coef`), "profile" (JSON table at `cost_profile`), "online" (refitted to measured
+    micro-batch times while training, the fit_* fields; docs/cost_model.md)."""
     fit_warmup_steps: int = 2
-    """cost_model = "online": the first steps' times are not used (allocator and kernel
-    warm-up)."""
-
+    """"online": the first steps' times are not used (allocator and kernel warm-up)."""
     fit_window_steps: int = 8
-    """cost_model = "online": a refit uses the micro-batches of the last this many steps."""
-
+    """"online": a refit uses the micro-batches of the last this many steps."""
     fit_holdout_steps: int = 2
-    """cost_model = "online": the window's most recent steps are held out of the fit; the refit
-    is adopted only if it predicts them better than the model in use. In [1, fit_window_steps)."""
-
+    """"online": the window's newest steps, held out; a refit is adopted only if it predicts them
+    better than the model in use. In [1, fit_window_steps)."""
     fit_interval_steps: int = 4
-    """cost_model = "online": steps between refits (the first after fit_warmup_steps +
-    fit_window_steps)."""
-
+    """"online": steps between refits (the first after fit_warmup_steps + fit_window_steps)."""
     fit_apply_lag_steps: int = 3
-    """cost_model = "online": a refit decided after step s packs step s + this and later (>= 1).
-    Fixed, so every DP rank and a resumed run switch at the same step; the packing node waits
-    for the decision when it runs that far ahead."""
-
+    """"online": a refit decided after step s packs step s + this onwards (>= 1), the same step on
+    every DP rank and after a resume."""
     attn_coef: float = 0.0
     """W_a(d) = attn_coef * d^2 when cost_model = "coefficients"."""
-
     linear_coef: float = 0.0
     """W_l(d) = linear_coef * d when cost_model = "coefficients"."""
-
     cost_profile: str = ""
     """Path of a measured cost profile (JSON) when cost_model = "profile"."""
-
     cp_profile: str = ""
     """Attention throughput profile for adaptive CP sharding; empty: the shipped default."""
-
     cp_bandwidth_gbps: float = DEFAULT_CP_BANDWIDTH_GBPS
-    """"adaptive": per-GPU bandwidth of the CP collectives in GB/s. Adaptive predicts each
-    sharding's time as attention compute (from `cp_profile`) plus the K/V bytes it gathers over
-    this bandwidth, so it prices hybrid's smaller gather. Default 50: one 400 Gb/s NIC per GPU, a
-    CP group spanning nodes (TP filling each node); set 200-400 for a CP group inside one NVLink
-    node, a few GB/s for gloo on CPU."""
-
+    """"adaptive": per-GPU bandwidth of the CP collectives in GB/s, pricing each sharding's K/V
+    gather. 50: a CP group across nodes; 200-400 inside one NVLink node; a few for gloo on CPU."""
     text_field: str = "text"
     """Field holding the document text in jsonl / parquet / Hugging Face datasets."""
-
     loader: Loader = "documents"
     """ "documents": the WLB document pipeline (boundaries reach the model). "torchtitan":
     TorchTitan's own concatenate-and-chop loader, unchanged (no document masking)."""
-
     epochs: int = 0
-    """Passes over the dataset; 0 repeats forever (TorchTitan's behaviour). With n > 0 the
-    packing queues are flushed at the end of the data and the run stops when it runs out."""
-
+    """Passes over the dataset; 0 repeats forever. With n > 0 the packing queues are flushed at the
+    end of the data and the run stops when it runs out."""
     metrics_jsonl: bool = False
     """Also write every logged step's metrics, per rank and at full precision, to
     <dump_folder>/wlb_metrics/rank_<rank>.jsonl."""
@@ -258,17 +191,17 @@ class WLB:
         for f in fields(self):
             setattr(self, f.name, _check_type(f.name, getattr(self, f.name), f.type))
         for f in fields(self):  # mode, packing, cp_sharding, ... in declaration order
-            if choice_values(f.type):
-                _check_choice(f.name, getattr(self, f.name), choice_values(f.type))
+            value, accepted = getattr(self, f.name), choice_values(f.type)
+            if accepted and value not in accepted:
+                shown = ", ".join(repr(a) for a in accepted)
+                raise ConfigError(f"[wlb] {f.name} = {value!r} is not accepted; use one of {shown}")
         if self.mode:
             self.packing, self.cp_sharding = MODE_PRESETS[self.mode]
-        _check_positive("epochs", self.epochs, allow_zero=True)
-        _check_positive("max_doc_len", self.max_doc_len, allow_zero=True)
-        _check_positive("cp_hybrid_max_len", self.cp_hybrid_max_len, allow_zero=True)
-        _check_positive("micro_batch_max_len", self.micro_batch_max_len, allow_zero=True)
-        _check_positive("max_delay_steps", self.max_delay_steps)
-        _check_positive("delay_target", self.delay_target)
-        _check_positive("release_slack", self.release_slack, allow_zero=True)
+        for name in _NON_NEGATIVE + _POSITIVE:
+            value, allow_zero = getattr(self, name), name in _NON_NEGATIVE
+            if value < 0 or (value == 0 and not allow_zero):
+                bound = ">= 0" if allow_zero else "> 0"
+                raise ConfigError(f"[wlb] {name} = {value!r} is out of range; it must be {bound}")
         if self.adaptive_max_delay_steps < self.max_delay_steps:
             raise ConfigError(
                 f"[wlb] adaptive_max_delay_steps = {self.adaptive_max_delay_steps} must be >= "
@@ -276,9 +209,6 @@ class WLB:
             )
         if self.balance_target < 1.0:
             raise ConfigError(f"[wlb] balance_target = {self.balance_target} must be >= 1.0")
-        _check_positive("packing_window", self.packing_window)
-        _check_positive("solver_node_limit", self.solver_node_limit)
-        _check_positive("solver_time_limit_s", self.solver_time_limit_s)
         thresholds = list(self.queue_thresholds)
         if any(t <= 0 for t in thresholds) or any(
             b <= a for a, b in zip(thresholds, thresholds[1:], strict=False)
@@ -286,9 +216,6 @@ class WLB:
             raise ConfigError(
                 f"[wlb] queue_thresholds = {thresholds!r} must be positive and strictly increasing"
             )
-        _check_positive("cp_bandwidth_gbps", self.cp_bandwidth_gbps)
-        _check_positive("attn_coef", self.attn_coef, allow_zero=True)
-        _check_positive("linear_coef", self.linear_coef, allow_zero=True)
         if not self.text_field:
             raise ConfigError('[wlb] text_field = "" must name the field holding the text')
         if self.cost_model == "coefficients" and (self.attn_coef <= 0 or self.linear_coef <= 0):
@@ -296,9 +223,6 @@ class WLB:
                 f'[wlb] cost_model = "coefficients" needs attn_coef > 0 and linear_coef > 0 '
                 f"(got attn_coef = {self.attn_coef!r}, linear_coef = {self.linear_coef!r})"
             )
-        _check_positive("fit_warmup_steps", self.fit_warmup_steps, allow_zero=True)
-        _check_positive("fit_interval_steps", self.fit_interval_steps)
-        _check_positive("fit_apply_lag_steps", self.fit_apply_lag_steps)
         if self.fit_window_steps < 2:
             raise ConfigError(
                 f"[wlb] fit_window_steps = {self.fit_window_steps} is out of range; it must be >= 2 "
@@ -313,13 +237,9 @@ class WLB:
             raise ConfigError('[wlb] cost_model = "profile" needs cost_profile = "<path.json>"')
 
     def online_fit_config(self) -> OnlineFitConfig:
-        """The online cost model's schedule from the fit_* fields."""
+        """The online cost model's schedule: each ``fit_<name>`` field is its ``<name>``."""
         return OnlineFitConfig(
-            warmup_steps=self.fit_warmup_steps,
-            window_steps=self.fit_window_steps,
-            holdout_steps=self.fit_holdout_steps,
-            interval_steps=self.fit_interval_steps,
-            apply_lag_steps=self.fit_apply_lag_steps,
+            **{f.name: getattr(self, f"fit_{f.name}") for f in fields(OnlineFitConfig)}
         )
 
 

@@ -1,34 +1,9 @@
-"""Fitting the workload model to measured micro-batch times while training (the online model).
+"""The online cost model: ``t = a * sum(d**2) + b * sum(d) + c`` fitted to measured micro-batch
+times while training (docs/cost_model.md).
 
-The packer balances *predicted* work; the analytic FLOP model cannot know the machine (kernel
-efficiency on short documents, a fixed cost per micro-batch, communication). This module fits
-
-    t(micro-batch) = a * sum(d**2) + b * sum(d) + c
-
-(``d``: the lengths of the micro-batch's documents, or under CP this rank's share of them; ``c``: a
-fixed cost per micro-batch) to measured forward+backward times, by least squares with relative
-weights (each row weighted by ``1 / t**2``, so the fit minimises the squared *relative* error and a
-short micro-batch counts as much as a long one).
-
-Why sufficient statistics: the fit needs only the weighted normal-equation terms ``X^T W X``
-(3 x 3), ``X^T W t`` (3), ``t^T W t`` and the row count. They add up across micro-batches, steps
-and ranks, so every rank can sum every rank's terms (in rank order, bit for bit the same sum
-everywhere) and solve the same 3 x 3 system: identical coefficients on every rank with 14 numbers
-exchanged per step, and a sliding window is a deque of per-step terms.
-
-Guard rails (:func:`refit`): the coefficients are non-negative (non-negative least squares over the
-seven active sets of three unknowns; a term the data cannot see, e.g. attention on a tiny model,
-comes out 0 rather than negative) and ``a`` or ``b`` is positive (the packer needs a per-document
-cost); a window whose micro-batches do not vary enough to tell the three terms apart (e.g. all of
-the same length: only noise to fit) is rejected with that reason; and the refit is fitted on the
-window's older steps and adopted only if it predicts the window's most recent steps (held out)
-better than the model in use. The model in use is compared at its best scale: the packer balances
-relative costs, so an analytic model in FLOPs competes by its shape, not by its unit.
-
-:class:`CostModelSchedule` is how a fitted model reaches the packing node, which runs ahead of
-training in a prefetch thread: a refit decided after step ``s`` packs step ``s + lag`` and every
-later step, whatever the thread's timing (it waits for the decision when it is that far ahead),
-so all DP ranks pack the same plans and a resumed run packs as the uninterrupted one.
+Why sufficient statistics: the weighted least-squares fit needs only ``X^T W X``, ``X^T W t``,
+``t^T W t`` and the row count (14 numbers). They add up across micro-batches, steps and ranks, so
+every rank sums every rank's terms in rank order and solves the same 3 x 3 system bit for bit.
 """
 
 from __future__ import annotations
@@ -43,18 +18,6 @@ import numpy as np
 
 from torchtitan_wlb.cost_model import CostModel
 
-__all__ = [
-    "STATS_SIZE",
-    "CostModelSchedule",
-    "Coefficients",
-    "FitStats",
-    "OnlineFitConfig",
-    "OnlineFitter",
-    "RefitResult",
-    "fit_nnls",
-    "refit",
-]
-
 N_TERMS = 3  # sum(d^2), sum(d), 1
 STATS_SIZE = N_TERMS * N_TERMS + N_TERMS + 2
 # Smallest accepted eigenvalue of the normalised normal matrix (unit diagonal): below it the terms
@@ -64,11 +27,9 @@ _MIN_EIGEN = 1e-9
 
 @dataclass(frozen=True)
 class FitStats:
-    """Weighted least-squares sufficient statistics of ``t ~ x . (a, b, c)``, ``x = (Σd², Σd, 1)``.
-
-    Sums over rows with weight ``1 / t**2``: ``gram = Σ w x x^T``, ``moment = Σ w x t``,
-    ``sq = Σ w t**2`` (= the row count, kept for the error formula) and ``count``.
-    """
+    """Sufficient statistics of ``t ~ x . (a, b, c)``, ``x = (Σd², Σd, 1)``, rows weighted by
+    ``w = 1 / t**2`` (relative error): ``gram = Σ w x x^T``, ``moment = Σ w x t``, ``sq = Σ w t**2``
+    and ``count``."""
 
     gram: np.ndarray
     moment: np.ndarray
@@ -82,9 +43,7 @@ class FitStats:
     @classmethod
     def from_samples(cls, sum_sq: Any, sum_lin: Any, seconds: Any) -> FitStats:
         """The statistics of micro-batches with ``Σd²``, ``Σd`` and measured ``seconds`` (> 0)."""
-        sq_ = np.asarray(sum_sq, np.float64).reshape(-1)
-        lin = np.asarray(sum_lin, np.float64).reshape(-1)
-        t = np.asarray(seconds, np.float64).reshape(-1)
+        sq_, lin, t = (np.asarray(v, np.float64).reshape(-1) for v in (sum_sq, sum_lin, seconds))
         if not sq_.shape == lin.shape == t.shape:
             raise ValueError(
                 f"FitStats.from_samples: sum_sq, sum_lin and seconds must have the same length, "
@@ -111,12 +70,8 @@ class FitStats:
         if v.size != STATS_SIZE:
             raise ValueError(f"a FitStats vector has {STATS_SIZE} numbers, got {v.size}")
         k = N_TERMS * N_TERMS
-        return cls(
-            v[:k].reshape(N_TERMS, N_TERMS).copy(),
-            v[k : k + N_TERMS].copy(),
-            float(v[-2]),
-            float(v[-1]),
-        )
+        gram, moment = v[:k].reshape(N_TERMS, N_TERMS).copy(), v[k : k + N_TERMS].copy()
+        return cls(gram, moment, float(v[-2]), float(v[-1]))
 
     def __add__(self, other: FitStats) -> FitStats:
         return FitStats(
@@ -166,12 +121,10 @@ class Coefficients:
 
 
 def fit_nnls(stats: FitStats) -> tuple[np.ndarray | None, str]:
-    """Non-negative least squares of the three coefficients from the statistics.
+    """Non-negative least squares of the three coefficients: ``(coef, "")`` or ``(None, reason)``.
 
-    Returns ``(coef, "")`` or ``(None, reason)``. The terms are first scaled to a unit-diagonal
-    normal matrix (``Σd²`` is ~10^7 times ``1``); if its smallest eigenvalue is below ``1e-9`` the
-    window cannot separate the terms (e.g. every micro-batch the same length) and the fit is
-    refused. Otherwise the best of the feasible active-set solutions (each a small solve) wins.
+    The terms are scaled to a unit-diagonal normal matrix first (``Σd²`` is ~10^7 times ``1``); a
+    window that cannot separate them is refused; the best feasible active-set solution wins.
     """
     if stats.count < N_TERMS + 1:
         return None, f"too few micro-batches to fit 3 coefficients ({stats.count:.0f})"
@@ -204,12 +157,6 @@ def fit_nnls(stats: FitStats) -> tuple[np.ndarray | None, str]:
     return best, ""
 
 
-def _best_scale(stats: FitStats, shape: np.ndarray) -> float:
-    """The ``s >= 0`` minimising the relative error of ``s * shape`` on ``stats``."""
-    denom = float(shape @ stats.gram @ shape)
-    return max(0.0, float(shape @ stats.moment) / denom) if denom > 0 else 0.0
-
-
 @dataclass(frozen=True)
 class RefitResult:
     """What one refit decided, with the errors it was judged by (RMS relative, held-out steps)."""
@@ -229,22 +176,17 @@ def refit(fit_part: FitStats, holdout: FitStats, incumbent: Coefficients) -> Ref
     """
     coef, why = fit_nnls(fit_part)
     shape = incumbent.as_array()
-    inc = shape * _best_scale(fit_part, shape)
+    denom = float(shape @ fit_part.gram @ shape)  # the scale s >= 0 minimising its error
+    inc = shape * (max(0.0, float(shape @ fit_part.moment) / denom) if denom > 0 else 0.0)
     inc_err = holdout.rms_error(inc)
     if coef is None:
         return RefitResult(False, why, None, math.nan, inc_err)
     cand = Coefficients(float(coef[0]), float(coef[1]), float(coef[2]))
     cand_err = holdout.rms_error(coef)
-    if not cand_err < inc_err:
-        return RefitResult(
-            False,
-            f"refit predicts the held-out steps no better ({cand_err:.4f} vs {inc_err:.4f} RMS "
-            "relative error)",
-            cand,
-            cand_err,
-            inc_err,
-        )
-    return RefitResult(True, "adopted", cand, cand_err, inc_err)
+    if cand_err < inc_err:
+        return RefitResult(True, "adopted", cand, cand_err, inc_err)
+    why = f"refit predicts the held-out steps no better ({cand_err:.4f} vs {inc_err:.4f} RMS "
+    return RefitResult(False, why + "relative error)", cand, cand_err, inc_err)
 
 
 @dataclass(frozen=True)
@@ -256,7 +198,7 @@ class OnlineFitConfig:
     window_steps: int = 8
     """A refit uses the last this many steps' micro-batches."""
     holdout_steps: int = 2
-    """The window's most recent steps, held out to judge the refit against the model in use."""
+    """The window's newest steps, held out to judge a refit against the model in use."""
     interval_steps: int = 4
     """Steps between refits once the window is full."""
     apply_lag_steps: int = 3
@@ -293,16 +235,14 @@ class OnlineFitConfig:
 
 
 class CostModelSchedule:
-    """Which cost model packs which step; shared by the trainer (writer) and the packing node.
+    """Which cost model packs which step; written by the trainer, read by the packing node.
 
-    Adoptions are ``(effective_step, model)`` in step order. :meth:`model_for_step` waits until the
-    trainer has decided every refit that could take effect by then (the refit steps are fixed by
-    the config), so the answer never depends on how far ahead the node's thread runs.
+    :meth:`model_for_step` waits until every refit that could take effect by then is decided, so
+    the answer never depends on how far ahead the node's prefetch thread runs.
     """
 
     def __init__(self, initial: CostModel, config: OnlineFitConfig) -> None:
-        self.initial = initial
-        self.config = config
+        self.initial, self.config = initial, config
         self._adoptions: list[tuple[int, CostModel]] = []
         self._decided_through = 0
         self._closed = False
@@ -355,10 +295,8 @@ class OnlineFitter:
         self.history: list[dict[str, Any]] = []
 
     def observe(self, step: int, vector: np.ndarray) -> dict[str, Any] | None:
-        """Add step ``step``'s statistics (summed over all ranks); refit if it is a refit step.
-
-        Returns the refit's record (adopted or not, with the reason and errors), else None.
-        """
+        """Add step ``step``'s statistics (summed over all ranks); at a refit step, refit and
+        return its record (adopted or not, the reason and errors), else None."""
         if step > self.config.warmup_steps:
             self._window.append((step, np.asarray(vector, np.float64).copy()))
         if not self.config.is_refit_step(step):
@@ -390,7 +328,6 @@ class OnlineFitter:
             self.history.append(record)
         return record
 
-    # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
         return {
             "window": [[s, v.tolist()] for s, v in self._window],

@@ -1,17 +1,8 @@
-"""Workload (cost) model of a packed document: W(d) = W_a(d) + W_l(d).
+"""Workload (cost) model of a packed document: W(d) = W_a(d) + W_l(d) (docs/packing.md).
 
-WLB-LLM balances micro-batches by predicted *work*, not by token count: causal attention over a
-document of ``d`` tokens grows with ``d**2`` while the GEMMs, collectives and element-wise
-operators grow with ``d``. Every consumer (the packers, the CP planner, the simulator) uses this one
-class so that a plan balanced by the packer is balanced by the same measure everywhere.
-
-Three ways to build it:
-
-* :meth:`CostModel.from_model_dims` — analytic FLOPs (forward + backward) per GPU of a Llama-style
-  decoder, given TP and CP degrees. The default, needs no hardware.
-* :meth:`CostModel.from_coefficients` — two numbers, e.g. fitted elsewhere or given in TOML.
-* :meth:`CostModel.from_profile` — a JSON table of measured ``(length, seconds)`` points, fitted by
-  non-negative least squares to ``a * d**2 + b * d``.
+WLB-LLM balances micro-batches by predicted *work*, not token count: causal attention grows with
+``d**2``, everything else with ``d``. The packers, the CP planner and the simulator all use this
+one class, so a plan balanced by the packer is balanced by the same measure everywhere.
 """
 
 from __future__ import annotations
@@ -24,8 +15,6 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["CostModel", "nnls"]
-
 # Backward of a matmul costs two matmuls of the forward's size (grad wrt input and wrt weight);
 # the same factor is used for attention (dQ, dK/dV), so training work = 3 x forward.
 _FWD_BWD_FACTOR = 3.0
@@ -33,11 +22,8 @@ _FWD_BWD_FACTOR = 3.0
 
 @dataclass(frozen=True)
 class CostModel:
-    """Predicted cost of documents and micro-batches.
-
-    ``W(d) = attn_coef * d**2 + linear_coef * d`` for a document of ``d`` tokens; a micro-batch of
-    packed documents costs the sum over its documents (document masking: no cross-document work).
-    """
+    """``W(d) = attn_coef * d**2 + linear_coef * d`` per document; a micro-batch costs the sum
+    over its documents (document masking: no cross-document work)."""
 
     attn_coef: float
     """Cost of causal attention per squared token (``W_a(d) = attn_coef * d**2``); >= 0."""
@@ -56,7 +42,6 @@ class CostModel:
         if self.unit not in ("flops", "seconds"):
             raise ValueError(f"CostModel.unit must be 'flops' or 'seconds', got {self.unit!r}")
 
-    # ------------------------------------------------------------------ costs (vectorised)
     def attention_cost(self, lengths: np.ndarray) -> np.ndarray:
         """``W_a(d)`` for every length in ``lengths`` (float64 array of the same shape)."""
         d = np.asarray(lengths, dtype=np.float64)
@@ -77,16 +62,11 @@ class CostModel:
 
     @property
     def break_even_length(self) -> float:
-        """Length ``d`` at which ``W_a(d) == W_l(d)`` (``inf`` without attention cost).
-
-        Documents much shorter than this cost ~linearly (token count is a fair proxy); much longer
-        ones are dominated by attention, which is what makes token-count packing unbalanced.
-        """
+        """Length ``d`` at which ``W_a(d) == W_l(d)`` (``inf`` without attention cost)."""
         if self.attn_coef == 0:
             return math.inf
         return self.linear_coef / self.attn_coef
 
-    # ------------------------------------------------------------------ constructors
     @classmethod
     def from_coefficients(
         cls, attn_coef: float, linear_coef: float, unit: str = "seconds"
@@ -107,31 +87,14 @@ class CostModel:
         tp: int = 1,
         cp: int = 1,
     ) -> CostModel:
-        """Analytic training FLOPs (forward + backward) per GPU of a Llama-style decoder.
-
-        Per token and layer, forward: Q and O projections ``2 * 2 * dim * dim``; K and V projections
-        ``2 * 2 * dim * kv_dim`` with ``kv_dim = n_kv_heads * head_dim``; SwiGLU FFN
-        ``3 * 2 * dim * ffn_hidden_dim``. Output projection ``2 * dim * vocab_size`` once per token.
-        Causal attention over a document of ``d`` tokens visits ``d * (d + 1) / 2`` (query, key)
-        pairs per head, each costing ``2 * head_dim`` for ``Q K^T`` and ``2 * head_dim`` for ``P V``,
-        i.e. ``2 * dim * (d**2 + d)`` per layer: the ``d**2`` part is ``attn_coef``, the small
-        ``d`` part (the diagonal) is folded into ``linear_coef``. Training = 3 x forward.
-
-        TP shards heads and FFN columns (the K/V projections are replicated once ``tp`` exceeds
-        ``n_kv_heads``); CP gives each rank ``1 / cp`` of every document's tokens and (with
-        per-document head-tail sharding) of its attention pairs, so both terms divide by ``cp``.
-        Norms, RoPE and element-wise ops are ignored (well under 1 % of the FLOPs).
+        """Analytic training FLOPs (forward + backward) per GPU of a Llama-style decoder; the
+        per-term formula is in docs/packing.md. Causal attention over ``d`` tokens costs
+        ``2 * dim * (d**2 + d)`` per layer: ``d**2`` is ``attn_coef``, the diagonal ``d`` goes to
+        ``linear_coef``. Norms, RoPE and element-wise ops are ignored (well under 1 %).
         """
-        ints = {
-            "dim": dim,
-            "n_layers": n_layers,
-            "n_heads": n_heads,
-            "ffn_hidden_dim": ffn_hidden_dim,
-            "vocab_size": vocab_size,
-            "tp": tp,
-            "cp": cp,
-        }
-        for name, value in ints.items():
+        names = ("dim", "n_layers", "n_heads", "ffn_hidden_dim", "vocab_size", "tp", "cp")
+        values = (dim, n_layers, n_heads, ffn_hidden_dim, vocab_size, tp, cp)
+        for name, value in zip(names, values, strict=True):
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"from_model_dims: {name} must be an integer >= 1, got {value!r}")
         n_kv = n_heads if n_kv_heads is None else n_kv_heads
@@ -188,12 +151,7 @@ class CostModel:
                 d, t = p
             else:
                 raise ValueError(f"cost profile point {i} must be [length, seconds], got {p!r}")
-            if (
-                not isinstance(d, (int, float))
-                or not isinstance(t, (int, float))
-                or d <= 0
-                or t < 0
-            ):
+            if not all(isinstance(v, (int, float)) for v in (d, t)) or d <= 0 or t < 0:
                 raise ValueError(
                     f"cost profile point {i}: length must be > 0 and seconds >= 0, got {p!r}"
                 )

@@ -1,20 +1,6 @@
-"""Silences TorchTitan log lines that do not apply to this project's runs.
-
-TorchTitan warns about things that are true but irrelevant here, and a newcomer cannot tell them
-from real problems:
-
-- ``HF assets path  does not exist!`` when ``[model] hf_assets_path = ""``, which is how a config
-  asks for the built-in byte tokenizer (no Hugging Face assets in use);
-- on a CPU-only machine (:mod:`torchtitan_wlb.cpu_support` active): ``ENV[TORCH_NCCL_...] will be
-  overridden`` (torchrun sets NCCL variables that gloo never reads), ``Error running lspci`` and
-  ``Peak flops undefined ..., fallback to A100`` (TorchTitan looks up a GPU's peak to compute MFU).
-  A CPU has no known peak, so the trainer's line ``Peak FLOPS used for computing MFU: 3.120e+14``
-  becomes ``Peak FLOPS: unknown for CPU, MFU not reported`` and the step line shows ``mfu: n/a``
-  (:mod:`torchtitan_wlb.metrics`).
-
-torch's UserWarnings about DTensor's RNG on a CPU mesh and about process-group timeouts are
-ignored on CPU too. Every other warning passes. :func:`install` adds the filter to TorchTitan's logger (the root
-logger); ``init_logger`` replaces handlers, not filters, so installing once per process suffices.
+"""Silences TorchTitan log lines that are true but do not apply here, which a newcomer cannot tell
+from real problems: the missing HF assets of the built-in byte tokenizer (``hf_assets_path = ""``)
+and, on CPU, NCCL variables, ``lspci`` and the A100 peak-FLOPS fallback (docs/cpu.md).
 """
 
 from __future__ import annotations
@@ -37,7 +23,7 @@ _CPU_PY_WARNINGS = (
 
 
 class InapplicableWarnings(logging.Filter):
-    """Drops the lines listed in the module docstring and rewrites the CPU peak-FLOPS line."""
+    """Drops the lines above and rewrites the CPU peak-FLOPS line (MFU shows ``n/a``)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
@@ -53,8 +39,8 @@ class InapplicableWarnings(logging.Filter):
 
 
 def install() -> None:
-    """Add the filter to TorchTitan's logger once (idempotent); on CPU also ignore torch's CPU-mesh
-    UserWarnings listed above."""
+    """Add the filter to TorchTitan's logger (the root logger; ``init_logger`` replaces handlers,
+    not filters) once; on CPU also ignore torch's CPU-mesh UserWarnings above."""
     root = logging.getLogger()
     if not any(isinstance(f, InapplicableWarnings) for f in root.filters):
         root.addFilter(InapplicableWarnings())

@@ -1,42 +1,19 @@
 """TorchTitan's metrics processor plus the per-step figures WLB is judged by.
 
-TorchTitan computes loss, throughput, MFU and memory; its console line is replaced by one that also
-says where the run is and how long it has left::
-
-    step:  3/20  loss:  4.82597  grad_norm:  1.5564  memory:  1.06GiB(4.51%)  tps: 844  ...  mfu: n/a  eta: 1m12s
-
-``step N/M`` counts against ``[training] steps``; ``eta`` is the steps left times the mean step time
-of this run so far (its first step, which includes warm-up, is left out once there are others).
-MFU needs the device's peak FLOPS: on a CPU there is none, so it shows ``n/a`` and is not sent to
-TensorBoard (TorchTitan would divide by an A100's peak). On top, every logged step carries (to
-stdout and to TensorBoard / W&B under ``wlb/``):
-
-  - the packer's statistics for the step: imbalance degree (max / mean predicted micro-batch
-    workload in the global batch), tokens per micro-batch (min / max), token-weighted mean and max
-    delay in steps, outlier queue depths, packing time;
-  - the measured forward+backward time of each of this rank's micro-batches (max / mean), and the
-    step time.
-
-With ``[wlb] metrics_jsonl = true`` every rank also appends each logged step, at full precision,
-to ``<dump_folder>/wlb_metrics/rank_<rank>.jsonl`` (loss, grad norm, step time, micro-batch times,
-peak memory, packing statistics): the end-to-end benchmark and the resume tests read it. Under
-pipeline parallelism ``micro_batch_times_s`` holds the whole pipeline step (the schedule interleaves
-the micro-batches) and ``pp_actions`` the per-action times: one entry per pipeline step,
-``{"stages": [stage index, ...], "fwd_s": [[s per micro-batch] per stage], "bwd_s": [[...]],
-"doc_lens": [[document lengths] per micro-batch]}``.
-
-The trainer records figures with :meth:`WLBMetricsProcessor.record`; they are flushed at the next
-``log`` call, so steps that are not logged (``metrics.log_freq``) cost nothing beyond a dict update.
+TorchTitan's console line is replaced by one that also says ``step N/M`` and ``eta``, with ``mfu:
+n/a`` where the device's peak FLOPS is unknown (a CPU; TorchTitan would divide by an A100's). A
+``wlb`` line and the ``wlb/`` scalars add the packer's statistics and the measured micro-batch and
+step times; ``[wlb] metrics_jsonl`` writes them per rank (docs/getting_started.md). Figures given to
+:meth:`WLBMetricsProcessor.record` wait for the next logged step, so unlogged steps cost a dict
+update.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -54,8 +31,7 @@ class _MetricsTap(BaseLogger):
     dict for the console line; drops MFU where the device's peak is unknown."""
 
     def __init__(self, inner: BaseLogger, drop_mfu: bool):
-        self.inner = inner
-        self.drop_mfu = drop_mfu
+        self.inner, self.drop_mfu = inner, drop_mfu
         self.last: dict[str, Any] = {}
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
@@ -66,20 +42,6 @@ class _MetricsTap(BaseLogger):
 
     def close(self) -> None:
         self.inner.close()
-
-
-@contextlib.contextmanager
-def _warnings_only() -> Iterator[None]:
-    """Mute INFO lines (TorchTitan's own step line) while letting warnings through."""
-
-    def keep(record: logging.LogRecord) -> bool:
-        return record.levelno > logging.INFO
-
-    logger.addFilter(keep)
-    try:
-        yield
-    finally:
-        logger.removeFilter(keep)
 
 
 def format_duration(seconds: float) -> str:
@@ -106,10 +68,9 @@ def eta_seconds(step: int, total: int, step_times: list[float]) -> float:
 def steps_since_last_log(step: int, last_logged: int | None, log_freq: int) -> int:
     """How many steps the interval ending at ``step`` covers (the step time divides by it).
 
-    ``last_logged``: the last step logged by this process, or the step it started after (a resumed
-    run's checkpoint step); None falls back to TorchTitan's schedule (step 1, then every
-    ``log_freq`` steps). After a resume from step 4 with ``log_freq = 5`` the first log, at step
-    5, covers one step, not five.
+    ``last_logged``: the last step logged, or the step this process started after (after a resume
+    from step 4 with ``log_freq = 5`` the first log covers one step, not five); None: TorchTitan's
+    schedule (step 1, then every ``log_freq`` steps).
     """
     if last_logged is None:
         last_logged = 0 if step == 1 else step - log_freq
@@ -128,9 +89,7 @@ class WLBMetricsProcessor(MetricsProcessor):
         self.pp_actions: list[dict[str, Any]] = []
         self.last_logged_step: int | None = None
         self.jsonl_path: str | None = None
-        self.peak_flops_known = not cpu_support.is_active()
-        self._tap = _MetricsTap(self.logger, drop_mfu=not self.peak_flops_known)
-        self.logger = self._tap
+        self.logger = self._tap = _MetricsTap(self.logger, drop_mfu=cpu_support.is_active())
         self.run_step_times: list[float] = []
         wlb = getattr(job_config, "wlb", None)
         if wlb is not None and wlb.metrics_jsonl:
@@ -140,26 +99,20 @@ class WLBMetricsProcessor(MetricsProcessor):
             self.jsonl_path = os.path.join(folder, f"rank_{rank}.jsonl")
 
     def start_at(self, step: int) -> None:
-        """The first step this process trains (after a resume: the checkpoint's step + 1). The
-        first logged interval starts here, not at start-up: it covers the steps since, and no
-        model building or checkpoint loading."""
+        """The first step this process trains: the first logged interval starts here, so it
+        covers no model building or checkpoint loading."""
         self.last_logged_step = step - 1
         self.time_last_log = time.perf_counter()
 
     def record(self, metrics: dict[str, Any]) -> None:
         """Record scalar figures (non-numeric values and lists are summarised or skipped)."""
         for key, value in metrics.items():
-            if isinstance(value, bool):
-                value = float(value)
             if isinstance(value, (int, float)):
                 self.wlb_metrics[f"wlb/{key}"] = float(value)
-            elif (
-                isinstance(value, (list, tuple))
-                and value
-                and all(isinstance(v, (int, float)) for v in value)
+            elif isinstance(value, (list, tuple)) and all(
+                isinstance(v, (int, float)) for v in value
             ):
-                # e.g. outlier queue depths: one scalar per queue
-                for i, v in enumerate(value):
+                for i, v in enumerate(value):  # e.g. outlier queue depths: one per queue
                     self.wlb_metrics[f"wlb/{key}_{i}"] = float(v)
 
     def record_doc_ids(self, doc_ids: torch.Tensor) -> None:
@@ -188,11 +141,9 @@ class WLBMetricsProcessor(MetricsProcessor):
         grad_norm: float,
         extra_metrics: dict[str, Any] | None = None,
     ) -> None:
-        now = time.perf_counter()
-        interval = steps_since_last_log(
-            step, self.last_logged_step, self.job_config.metrics.log_freq
-        )
-        step_time = (now - self.time_last_log) / interval
+        log_freq = self.job_config.metrics.log_freq
+        interval = steps_since_last_log(step, self.last_logged_step, log_freq)
+        step_time = (time.perf_counter() - self.time_last_log) / interval
         self.last_logged_step = step
         extra = dict(extra_metrics or {})
         extra.update(self.wlb_metrics)
@@ -217,8 +168,16 @@ class WLBMetricsProcessor(MetricsProcessor):
             }
             with open(self.jsonl_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
-        with _warnings_only():  # TorchTitan's console line; ours follows, with step N/M and eta
+
+        def warnings_only(record: logging.LogRecord) -> bool:
+            return record.levelno > logging.INFO
+
+        # TorchTitan's step line is muted; ours, with N/M and eta, follows.
+        logger.addFilter(warnings_only)
+        try:
             super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
+        finally:
+            logger.removeFilter(warnings_only)
         self.run_step_times.append(step_time)
         self._log_step_line(step, self._tap.last)
         parts = [f"step_time: {step_time:.3f}s"]

@@ -1,16 +1,9 @@
 """A rank whose launcher has died stops at once: no orphan keeps training or writing checkpoints.
 
-torchrun starts every rank in a session of its own, so killing the launch's process group (a
-scheduler cancelling the job, ``kill -9 -PGID``, a closed terminal) kills only torchrun: the ranks
-would go on training together and write checkpoints and logs nobody asked for. Each rank therefore
-watches its parent: a daemon thread polls ``os.getppid()`` and, once the process has been
-re-parented (the launcher is gone), ends it with SIGKILL -- no cleanup, no further write, exactly
-as if the kill had reached it. A checkpoint being written at that moment stays incomplete (no
-``.metadata``), so it is never resumed from.
-
-Polling, not ``prctl(PR_SET_PDEATHSIG)``: the death signal follows the parent *thread* that forked
-the rank, which need not live as long as the launcher; polling works on every POSIX system. It
-imports nothing of the package (it runs first in every rank).
+torchrun starts every rank in a session of its own, so killing the launch's process group kills
+only torchrun. Each rank therefore polls ``os.getppid()`` in a daemon thread and, once re-parented,
+SIGKILLs itself (an incomplete checkpoint has no ``.metadata`` and is never resumed from). Polling,
+not ``PR_SET_PDEATHSIG``, which follows the forking *thread*. Imports nothing of the package.
 """
 
 from __future__ import annotations
@@ -18,8 +11,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-
-__all__ = ["watch_parent"]
 
 _started = False
 

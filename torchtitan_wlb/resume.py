@@ -1,19 +1,10 @@
-"""Checks of the checkpoint a run is about to resume from, before anything of it is loaded.
+"""Which checkpoint a run resumes from, and its checks before anything of it is loaded.
 
-TorchTitan resumes from the latest ``step-N`` folder that has a ``.metadata`` file and hands it to
-``torch.distributed.checkpoint``. A shard or metadata file truncated or damaged after it was
-written then fails deep inside the load (a 150-line traceback ending in ``UnpicklingError``, no file
-named), possibly after part of the state was overwritten; and a checkpoint written under other data
-settings loads without complaint and silently trains other documents. :func:`check_resume` runs
-first and raises one :class:`CheckpointError` or :class:`~torchtitan_wlb.config.ConfigError` line
-naming the file or the changed setting:
-
-  - the metadata is read and every file it points to must exist and hold the bytes it lists;
-  - the data fingerprint the loader saved (:func:`~torchtitan_wlb.data.dataloader.data_fingerprint`)
-    is read straight from its shard and compared with this run's.
-
-Used by the trainer on every rank and, before any rank starts, by ``python -m
-torchtitan_wlb.validate`` (``run_train.sh``).
+A truncated or damaged file would otherwise fail deep inside ``torch.distributed.checkpoint``
+(a long traceback naming no file, possibly after part of the state was overwritten), and a
+checkpoint written under other data settings would load silently and train other documents.
+:func:`check_resume` raises one line naming the file or the changed setting instead; the trainer
+runs it on every rank and ``python -m torchtitan_wlb.validate`` before any rank starts.
 """
 
 from __future__ import annotations
@@ -24,18 +15,6 @@ import os
 import pickle
 import re
 from typing import Any
-
-__all__ = [
-    "FAKE_COMM_MODES",
-    "CheckpointError",
-    "check_resume",
-    "checkpoint_folder",
-    "latest_checkpoint_step",
-    "resume_folder",
-    "resume_step",
-    "saved_fingerprint",
-    "verify",
-]
 
 _STEP = re.compile(r"step-(\d+)")
 _COMPLETE = (".metadata", "model.safetensors.index.json")  # a step folder TorchTitan loads
@@ -51,27 +30,27 @@ def checkpoint_folder(job_config: Any) -> str:
     return os.path.join(job_config.job.dump_folder, job_config.checkpoint.folder)
 
 
-def latest_checkpoint_step(folder: str) -> int:
-    """The step TorchTitan resumes from in ``folder`` (``CheckpointManager._find_load_step``): the
-    largest ``step-N`` holding a complete checkpoint (its DCP ``.metadata`` or a Hugging Face
-    index), -1 when there is none."""
+def _steps_holding(folder: str, probes: tuple[str, ...]) -> list[int]:
+    """The ``N`` of every ``step-N`` folder in ``folder`` that holds one of ``probes``."""
     if not os.path.isdir(folder):
-        return -1
-    steps = [
+        return []
+    return [
         int(m.group(1))
         for name in os.listdir(folder)
         if (m := _STEP.search(name))
-        and any(os.path.isfile(os.path.join(folder, name, probe)) for probe in _COMPLETE)
+        and any(os.path.isfile(os.path.join(folder, name, probe)) for probe in probes)
     ]
-    return max(steps, default=-1)
+
+
+def latest_checkpoint_step(folder: str) -> int:
+    """The step TorchTitan resumes from in ``folder``: the largest ``step-N`` holding a complete
+    checkpoint (DCP ``.metadata`` or a Hugging Face index), -1 when there is none."""
+    return max(_steps_holding(folder, _COMPLETE), default=-1)
 
 
 def resume_folder(job_config: Any) -> tuple[str, int] | None:
-    """``(folder, step)`` of the checkpoint TorchTitan's checkpointer would load, or None.
-
-    Mirrors ``CheckpointManager.load``: ``[checkpoint] load_step`` if set, else
-    :func:`latest_checkpoint_step` under ``<dump_folder>/<checkpoint.folder>``.
-    """
+    """``(folder, step)`` of the checkpoint TorchTitan would load (``[checkpoint] load_step`` if
+    set, else the latest), or None."""
     ckpt = job_config.checkpoint
     base = checkpoint_folder(job_config)
     if not ckpt.enable or not os.path.isdir(base):
@@ -129,13 +108,7 @@ def verify(folder: str) -> Any:
 def _fallback_hint(folder: str) -> str:
     base, name = os.path.split(os.path.normpath(folder))
     here = _STEP.search(name)
-    older = [
-        int(m.group(1))
-        for other in (os.listdir(base) if os.path.isdir(base) else [])
-        if (m := _STEP.search(other))
-        and (not here or int(m.group(1)) < int(here.group(1)))
-        and os.path.isfile(os.path.join(base, other, ".metadata"))
-    ]
+    older = [s for s in _steps_holding(base, (".metadata",)) if not here or s < int(here.group(1))]
     if older:
         return f"move {folder} away to resume from {os.path.join(base, f'step-{max(older)}')}"
     return f"move {folder} away to start from scratch"
@@ -164,10 +137,8 @@ def saved_fingerprint(folder: str, metadata: Any) -> dict[str, Any] | None:
 
 def check_resume(job_config: Any, fingerprint: dict[str, Any] | None) -> int | None:
     """Check the checkpoint this run would resume from; return its step (None: no resume).
-
-    ``fingerprint``: this run's data fingerprint (None skips the comparison, e.g. a run without
-    the document loader). Step 0 (a seed checkpoint) holds only the model and is not compared.
-    """
+    ``fingerprint`` (None: not compared) is this run's data fingerprint; a seed checkpoint (step
+    0) holds only the model."""
     found = resume_folder(job_config)
     if found is None:
         return None

@@ -1,10 +1,8 @@
 """Entry point: ``python -m torchtitan_wlb.train --job.config_file train_configs/debug_cpu.toml``.
 
-Launched by ``run_train.sh`` through torchrun, one process per GPU (NCCL) or per CPU rank (gloo).
-It activates CPU support before torchtitan is imported, starts the watch that stops this rank if
-its launcher dies (:mod:`~torchtitan_wlb.parent_watch`), then runs TorchTitan's own ``main`` with
-:class:`~torchtitan_wlb.trainer.WLBTrainer`. Bad input (config, data, layout) ends the process with
-one line naming the problem and exit status 2, not a traceback.
+One process per rank (``run_train.sh`` through torchrun): CPU support before torchtitan is
+imported, the parent watch, then TorchTitan's ``main`` with :class:`WLBTrainer`. Bad input ends
+with one line naming the problem and exit status 2, not a traceback.
 """
 
 from __future__ import annotations
@@ -20,19 +18,11 @@ from torchtitan.tools.logging import init_logger, logger  # noqa: E402
 
 from torchtitan_wlb.data.sources import DataError  # noqa: E402
 from torchtitan_wlb.resume import CheckpointError  # noqa: E402
-from torchtitan_wlb.validate import ConfigError  # noqa: E402
+from torchtitan_wlb.validate import ConfigError, TOMLDecodeError  # noqa: E402
 
 # Errors that mean "the user's input is wrong" once training has started; while the config is
 # parsed, any ValueError is (TorchTitan reports unknown fields with one).
 USER_ERRORS = (ConfigError, DataError, CheckpointError, FileNotFoundError)
-
-
-def _config_error_types() -> tuple[type[BaseException], ...]:
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        import tomli as tomllib
-    return (*USER_ERRORS, ValueError, tomllib.TOMLDecodeError)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,13 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     from torchtitan_wlb.validate import check_job_config, parse_job_config
 
     args = sys.argv[1:] if argv is None else argv
-    errors = _config_error_types()
     try:
         # Parse and check once up front: a bad field or layout fails here, before TorchTitan
         # creates process groups or builds the model.
         job_config = parse_job_config(args)
         check_job_config(job_config)
-    except errors as e:
+    except (*USER_ERRORS, ValueError, TOMLDecodeError) as e:
         logger.error(f"configuration error: {e}")
         return 2
     if done := nothing_to_do(job_config):  # the checkpoint already holds training.steps

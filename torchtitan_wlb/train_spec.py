@@ -1,9 +1,8 @@
 """Registers the ``llama3_wlb`` train spec with TorchTitan.
 
-Named in TOML as ``[experimental] custom_import = "torchtitan_wlb.train_spec"``; TorchTitan's
-Trainer imports it before it looks the model name up, so ``[model] name = "llama3_wlb"`` resolves
-here. Everything not specific to WLB (optimizers, LR schedules, loss, validation, checkpoint
-adapter, pipeline splitting) is TorchTitan's Llama 3 machinery.
+Named in TOML as ``[experimental] custom_import = "torchtitan_wlb.train_spec"``, which TorchTitan
+imports before it looks ``[model] name`` up. All but the model, the data and the metrics is
+TorchTitan's Llama 3 machinery.
 """
 
 from __future__ import annotations
@@ -33,37 +32,25 @@ TRAIN_SPEC_NAME = "llama3_wlb"
 def _build_dataloader(dp_world_size: int, dp_rank: int, tokenizer: Any, job_config: Any):
     """The document dataloader, balancing with the cost model of the job's model flavor."""
     cost_model = cost_model_for_job(job_config) if job_config.wlb.loader == "documents" else None
-    return build_wlb_dataloader(
-        dp_world_size=dp_world_size,
-        dp_rank=dp_rank,
-        tokenizer=tokenizer,
-        job_config=job_config,
-        cost_model=cost_model,
+    return build_wlb_dataloader(dp_world_size, dp_rank, tokenizer, job_config, cost_model)
+
+
+try:  # importing this module twice must not register twice
+    get_train_spec(TRAIN_SPEC_NAME)
+except ValueError:
+    register_train_spec(
+        TRAIN_SPEC_NAME,
+        TrainSpec(
+            model_cls=WLBTransformer,
+            model_args=llama3_wlb_args,
+            parallelize_fn=parallelize_llama_wlb,
+            pipelining_fn=pipeline_llama_wlb,
+            build_optimizers_fn=build_optimizers,
+            build_lr_schedulers_fn=build_lr_schedulers,
+            build_dataloader_fn=_build_dataloader,
+            build_tokenizer_fn=build_wlb_tokenizer,
+            build_loss_fn=build_cross_entropy_loss,
+            build_metrics_processor_fn=build_wlb_metrics_processor,
+            state_dict_adapter=Llama3StateDictAdapter,
+        ),
     )
-
-
-def wlb_train_spec() -> TrainSpec:
-    return TrainSpec(
-        model_cls=WLBTransformer,
-        model_args=llama3_wlb_args,
-        parallelize_fn=parallelize_llama_wlb,
-        pipelining_fn=pipeline_llama_wlb,
-        build_optimizers_fn=build_optimizers,
-        build_lr_schedulers_fn=build_lr_schedulers,
-        build_dataloader_fn=_build_dataloader,
-        build_tokenizer_fn=build_wlb_tokenizer,
-        build_loss_fn=build_cross_entropy_loss,
-        build_metrics_processor_fn=build_wlb_metrics_processor,
-        state_dict_adapter=Llama3StateDictAdapter,
-    )
-
-
-def register() -> None:
-    """Register ``llama3_wlb`` once (importing this module twice must not fail)."""
-    try:
-        get_train_spec(TRAIN_SPEC_NAME)
-    except ValueError:
-        register_train_spec(TRAIN_SPEC_NAME, wlb_train_spec())
-
-
-register()

@@ -1,44 +1,12 @@
 """``WLBTrainer``: TorchTitan's Trainer with document metadata, WLB CP/PP and start-up checks.
 
-TorchTitan's training loop, checkpointing, optimizers and parallelisms are used unchanged. What
-this subclass adds:
-
-  - ``__init__`` validates the config (:mod:`torchtitan_wlb.validate`) before TorchTitan creates any
-    process group, so an impossible layout fails with one clear line;
-  - ``post_dataloading_process`` turns each micro-batch's ``doc_lens`` and ``positions`` into the
-    model's ``attention_masks`` metadata and RoPE positions (TorchTitan would derive masks from EOS
-    tokens and never reset positions). Under context parallelism it builds the micro-batch's CP plan
-    (``[wlb] cp_sharding``: per-sequence, per-document, hybrid or adaptive) and shards inputs,
-    labels and positions with it -- TorchTitan 0.2.2 shards neither positions nor document
-    metadata;
-  - every rank writes the exactly-once audit log (:mod:`torchtitan_wlb.audit_log`): the documents
-    of each step's micro-batches, where each launch resumed, each complete checkpoint's pending
-    documents and how the run ended (``python -m torchtitan_wlb.tools.audit`` proves from it that
-    every document was trained exactly once);
-  - ``forward_backward_step`` times every micro-batch and, under pipeline parallelism, collects the
-    step's micro-batches and runs them through the schedule together with
-    :class:`~torchtitan_wlb.pipeline.varlen.VarlenPipelineRunner`, each with its own length; with
-    ``[wlb] metrics_jsonl`` it also times every pipeline action (forward and backward of each
-    micro-batch on each of this rank's stages) for calibrating the simulator's timeline;
-  - with ``[wlb] cost_model = "online"`` those times feed :class:`~torchtitan_wlb.cost_fit.OnlineFitter`:
-    every micro-batch's measured forward+backward time with its ``sum(d^2)`` and ``sum(d)`` (under
-    CP this rank's share, by the CP plan's attention pairs and tokens; under PP the per-stage action
-    times). Each step's least-squares statistics are gathered from every rank and summed in rank
-    order, so every rank refits the same coefficients bit for bit; the fitter publishes them to the
-    packing node for a step fixed by the config, and the fitter's state (window, adoptions and the
-    steps they took effect) is checkpointed with the train state.
-
-It also says what a run does: :meth:`WLBTrainer.train` opens with the layout, the model, the packer,
-the dataset and where checkpoints go, then "resuming from step S" or "starting at step 1"; it closes
-with what it trained and the latest checkpoint. TorchTitan's last-step save does not purge old
-checkpoints, so ``keep_latest_k`` is applied once more after it. Under ``comm.mode = fake_backend``
-or ``local_tensor`` checkpointing is off (fake collectives cannot write one, and TorchTitan would
-leave an empty step folder). :func:`nothing_to_do` is the one-line answer, before any process group
-or model exists, when the checkpoint already holds ``training.steps`` steps.
-
-Loss normalisation is TorchTitan's: every micro-batch's summed token loss is divided by the valid
-tokens of the whole global batch (all micro-batches, all DP ranks), so micro-batches of different
-lengths do not reweight tokens.
+TorchTitan's loop, checkpointing, optimizers and parallelisms are used unchanged. Added: config
+checks before any process group exists; per micro-batch, attention metadata and per-document RoPE
+positions from ``doc_lens`` (TorchTitan would mask by EOS and never reset positions), sharded under
+CP with the micro-batch's own plan (TorchTitan 0.2.2 shards neither positions nor metadata); under
+PP the step's micro-batches run through the schedule together, each with its own length; timing
+of every micro-batch for the metrics and the online cost model (docs/cost_model.md); the
+exactly-once audit log (docs/data.md); and start and end lines saying what the run does and did.
 """
 
 from __future__ import annotations
@@ -50,55 +18,39 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
+from torchtitan_wlb import resume
 from torchtitan_wlb.attention.metadata import DocumentAttentionMetadata, metadata_from_doc_lens
 from torchtitan_wlb.audit_log import AuditLog
 from torchtitan_wlb.cost_fit import FitStats, OnlineFitter
 from torchtitan_wlb.data.sources import BUILTIN_NAME
 from torchtitan_wlb.models.llama3_wlb import cost_model_for_job
-from torchtitan_wlb.resume import (
-    FAKE_COMM_MODES,
-    CheckpointError,
-    check_resume,
-    checkpoint_folder,
-    latest_checkpoint_step,
-    resume_step,
-)
 from torchtitan_wlb.validate import check_job_config
 
 
 def nothing_to_do(job_config: Any) -> str | None:
-    """One line when the job's checkpoint already reached ``training.steps``, else None.
-
-    TorchTitan would build the model, load the checkpoint, train zero steps and exit silently.
-    """
-    step, total = resume_step(job_config), job_config.training.steps
+    """One line when the job's checkpoint already reached ``training.steps``, else None
+    (TorchTitan would build the model, load the checkpoint, train zero steps and exit silently)."""
+    step, total = resume.resume_step(job_config), job_config.training.steps
     if step < 0 or step < total:
         return None
     return (
-        f"nothing to do: the checkpoint in {checkpoint_folder(job_config)} is at step {step} >= "
-        f"training.steps = {total}; train further with --training.steps {step + total}, or start "
+        f"nothing to do: the checkpoint in {resume.checkpoint_folder(job_config)} is at step "
+        f"{step} >= training.steps = {total}; train further with --training.steps {step + total}, or start "
         "afresh in another --job.dump_folder"
     )
 
 
 def _layout(parallel_dims: Any, device: torch.device, comm_mode: str) -> str:
-    pd = parallel_dims
-    degrees = {
-        "dp_replicate": pd.dp_replicate,
-        "dp_shard": pd.dp_shard,
-        "cp": pd.cp,
-        "tp": pd.tp,
-        "pp": pd.pp,
-    }
+    degrees = {k: getattr(parallel_dims, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp")}
     shown = " x ".join(f"{k} {v}" for k, v in degrees.items() if v > 1) or "no parallelism"
-    backend = (
-        comm_mode if comm_mode in FAKE_COMM_MODES else ("gloo" if device.type == "cpu" else "nccl")
-    )
-    return f"{_count(pd.world_size, device.type + ' rank')} over {backend}: {shown}"
+    backend = "gloo" if device.type == "cpu" else "nccl"
+    backend = comm_mode if comm_mode in resume.FAKE_COMM_MODES else backend
+    return f"{_count(parallel_dims.world_size, device.type + ' rank')} over {backend}: {shown}"
 
 
 def _count(n: int, noun: str) -> str:
@@ -110,14 +62,14 @@ class WLBTrainer(Trainer):
 
     def __init__(self, job_config: Any):
         check_job_config(job_config)
-        if job_config.comm.mode in FAKE_COMM_MODES and job_config.checkpoint.enable:
+        if job_config.comm.mode in resume.FAKE_COMM_MODES and job_config.checkpoint.enable:
             job_config.checkpoint.enable = False
             logger.info(
                 f"comm.mode = {job_config.comm.mode}: checkpoints are neither loaded nor saved "
                 "(fake collectives cannot write one)"
             )
         super().__init__(job_config)
-        self._pp_pending: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]] = []
+        self._pp_pending: list[tuple[Tensor, Tensor, dict[str, Any]]] = []
         self._pp_runner = None
         if self.parallel_dims.pp_enabled:
             from torchtitan_wlb.pipeline.varlen import VarlenPipelineRunner
@@ -141,9 +93,8 @@ class WLBTrainer(Trainer):
         self._cp_stats: list[tuple[int, float]] = []
         self._last_doc_lens: list[int] | None = None
         self._pp_doc_lens: list[list[int]] = []
-        self._cost_model = (
-            cost_model_for_job(job_config) if job_config.wlb.loader == "documents" else None
-        )
+        documents = job_config.wlb.loader == "documents"
+        self._cost_model = cost_model_for_job(job_config) if documents else None
         schedule = getattr(self.dataloader, "cost_schedule", None)
         self._fitter = OnlineFitter(schedule) if schedule is not None else None
         # (sum d^2, sum d, seconds) of this step's micro-batches on this rank, for the fitter.
@@ -154,14 +105,13 @@ class WLBTrainer(Trainer):
         self._last_completed_step = 0
         self._guard_checkpoint_load()
 
-    # ------------------------------------------------------------------------------ run
     def train(self) -> None:
         """TorchTitan's training loop, opened and closed by what the run does and did."""
         jc = self.job_config
         # Before TorchTitan loads anything: a truncated or damaged checkpoint, or one written
         # under other data settings, is refused with one line naming the file or the setting.
-        check_resume(jc, getattr(self.dataloader, "fingerprint", None))
-        start_step = resume_step(jc)
+        resume.check_resume(jc, getattr(self.dataloader, "fingerprint", None))
+        start_step = resume.resume_step(jc)
         for line in self._run_summary(start_step):
             logger.info(line)
         begin = time.perf_counter()
@@ -172,15 +122,13 @@ class WLBTrainer(Trainer):
             # TorchTitan purges after interval saves only; the last step's save is one more.
             ck._purge_stale_checkpoints()
         trained = self.step - max(start_step, 0)
-        latest = latest_checkpoint_step(checkpoint_folder(jc)) if ck.enable else -1
+        latest = resume.latest_checkpoint_step(resume.checkpoint_folder(jc)) if ck.enable else -1
+        where = f"latest checkpoint {resume.checkpoint_folder(jc)}/step-{latest}"
+        where = where if latest >= 0 else "no checkpoint written"
+        seconds = time.perf_counter() - begin
         logger.info(
-            f"done: trained {_count(trained, 'step')} in {time.perf_counter() - begin:.0f}s, now at step "
-            f"{self.step}/{jc.training.steps}"
-            + (
-                f"; latest checkpoint {checkpoint_folder(jc)}/step-{latest}"
-                if latest >= 0
-                else "; no checkpoint written"
-            )
+            f"done: trained {_count(trained, 'step')} in {seconds:.0f}s, now at step "
+            f"{self.step}/{jc.training.steps}; {where}"
         )
 
     def _audit_end(self) -> None:
@@ -221,31 +169,23 @@ class WLBTrainer(Trainer):
             lines.append(
                 f"data: dataset {jc.training.dataset!r} through TorchTitan's loader (no packing)"
             )
-        ck = jc.checkpoint
-        folder = checkpoint_folder(jc)
-        if not ck.enable:
-            lines.append("checkpoints: off")
-        else:
-            lines.append(
-                f"checkpoints: {folder}, "
-                + ("every step" if ck.interval == 1 else f"every {ck.interval} steps")
-                + " and at the last"
-                + (f", keeping the latest {ck.keep_latest_k}" if ck.keep_latest_k > 0 else "")
-            )
+        ck, folder = jc.checkpoint, resume.checkpoint_folder(jc)
+        every = "every step" if ck.interval == 1 else f"every {ck.interval} steps"
+        keep = f", keeping the latest {ck.keep_latest_k}" if ck.keep_latest_k > 0 else ""
+        status = f"{folder}, {every} and at the last{keep}" if ck.enable else "off"
+        lines.append(f"checkpoints: {status}")
         if start_step == 0:  # a seed checkpoint: weights only, training starts at step 1
             lines.append(f"starting at step 1 from the model-only checkpoint {folder}/step-0")
         elif start_step > 0:
             lines.append(f"resuming from step {start_step} ({folder}/step-{start_step})")
         else:
-            lines.append(
-                "starting at step 1" + (f" (no checkpoint in {folder})" if ck.enable else "")
-            )
+            where = f" (no checkpoint in {folder})" if ck.enable else ""
+            lines.append(f"starting at step 1{where}")
         return lines
 
-    # ----------------------------------------------------------------------------- data
     def post_dataloading_process(
-        self, input_dict: dict[str, Any], labels: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]:
+        self, input_dict: dict[str, Any], labels: Tensor
+    ) -> tuple[Tensor, Tensor, dict[str, Tensor], dict[str, Any]]:
         stats = input_dict.pop("wlb_stats", None)
         if stats:
             self.metrics_processor.record(stats)
@@ -257,8 +197,7 @@ class WLBTrainer(Trainer):
         if "doc_lens" not in input_dict:
             # [wlb] loader = "torchtitan": no boundaries, plain causal attention per row.
             return super().post_dataloading_process(input_dict, labels)
-        inputs = input_dict.pop("input")
-        positions = input_dict.pop("positions")
+        inputs, positions = input_dict.pop("input"), input_dict.pop("positions")
         doc_lens = input_dict.pop("doc_lens").cpu()
         self._last_doc_lens = doc_lens.tolist()
         backend = self.job_config.wlb.attention_backend
@@ -279,23 +218,12 @@ class WLBTrainer(Trainer):
         return inputs, labels, dict(input_dict), extra_kwargs
 
     def _pad_for_sharding(
-        self,
-        inputs: torch.Tensor,
-        labels: torch.Tensor,
-        positions: torch.Tensor,
-        doc_lens: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Pad so that every TP rank's sequence-parallel shard has the same length, and every CP
-        rank holds tokens.
-
-        TorchTitan's TP shards activations along the sequence (sequence parallelism), which needs
-        each rank's local length divisible by the TP degree -- under CP, each CP rank's share, so
-        the micro-batch must be a multiple of ``tp * 2 * cp``. A CP plan cuts the sequence into
-        ``2 * cp`` chunks, so under CP alone a micro-batch shorter than that (the one-token filler
-        of a final step of the data) is padded up to it. The padding is one extra document
-        (token 0, positions from 0, labels ignored): it attends only to itself, adds nothing to
-        the loss or the gradients, and costs fewer than ``tp * 2 * cp`` tokens.
-        """
+        self, inputs: Tensor, labels: Tensor, positions: Tensor, doc_lens: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Pad so that every TP rank's sequence-parallel shard has the same length (a multiple of
+        ``tp * 2 * cp`` tokens) and, under CP alone, every rank of the ``2 * cp`` chunks holds
+        tokens (a final step's one-token filler). The padding is one extra document with ignored
+        labels: it attends only to itself and adds nothing to the loss or the gradients."""
         pd = self.parallel_dims
         multiple = pd.tp * (2 * pd.cp if pd.cp_enabled else 1)
         if pd.tp_enabled:
@@ -312,13 +240,8 @@ class WLBTrainer(Trainer):
         return inputs, labels, positions, doc_lens
 
     def _shard_for_cp(
-        self,
-        inputs: torch.Tensor,
-        labels: torch.Tensor,
-        positions: torch.Tensor,
-        doc_lens: np.ndarray,
-        backend: str,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DocumentAttentionMetadata]:
+        self, inputs: Tensor, labels: Tensor, positions: Tensor, doc_lens: np.ndarray, backend: str
+    ) -> tuple[Tensor, Tensor, Tensor, DocumentAttentionMetadata]:
         """Shard one micro-batch over the CP group with its own plan (vectorised, ~1 ms)."""
         from torchtitan_wlb.cp.adaptive import ADAPTIVE_CANDIDATES, build_cp_plan
         from torchtitan_wlb.cp.local import build_cp_attention_metadata, shard_tensor
@@ -351,21 +274,14 @@ class WLBTrainer(Trainer):
             backend=backend,
             cp=build_cp_attention_metadata(plan, rank, cp_mesh, device=inputs.device),
         )
-        return (
-            shard_tensor(plan, rank, inputs, dim=1),
-            shard_tensor(plan, rank, labels, dim=1),
-            shard_tensor(plan, rank, positions, dim=1),
-            meta,
+        inputs, labels, positions = (
+            shard_tensor(plan, rank, t, dim=1) for t in (inputs, labels, positions)
         )
+        return inputs, labels, positions, meta
 
-    # ---------------------------------------------------------------------- compute
     def forward_backward_step(
-        self,
-        *,
-        input_dict: dict[str, Any],
-        labels: torch.Tensor,
-        global_valid_tokens: torch.Tensor,
-    ) -> torch.Tensor:
+        self, *, input_dict: dict[str, Any], labels: Tensor, global_valid_tokens: Tensor
+    ) -> Tensor:
         self._micro_batches_done += 1
         start = time.perf_counter()
         if self._pp_runner is None:
@@ -390,7 +306,6 @@ class WLBTrainer(Trainer):
         self._maybe_refit()
         return loss
 
-    # ------------------------------------------------------------------ online cost model
     def _maybe_refit(self) -> None:
         """After the step's last micro-batch (before TorchTitan logs the step): gather the step's
         fit statistics from every rank, let the fitter refit if this is a refit step, and put
@@ -405,7 +320,7 @@ class WLBTrainer(Trainer):
         local = FitStats.from_samples(*zip(*rows, strict=True)) if rows else FitStats.zeros()
         vector = local.to_vector()
         if (
-            self.job_config.comm.mode not in FAKE_COMM_MODES
+            self.job_config.comm.mode not in resume.FAKE_COMM_MODES
             and torch.distributed.is_initialized()
             and torch.distributed.get_world_size() > 1
         ):
@@ -426,13 +341,9 @@ class WLBTrainer(Trainer):
             f"{record['candidate_error']:.4f} vs {record['incumbent_error']:.4f} for the model in "
             f"use); {verdict}" + ("" if record["adopted"] else f": {record['reason']}")
         )
-        metrics = {
-            "cost_refit_adopted": record["adopted"],
-            "cost_refit_error": record["candidate_error"],
-            "cost_refit_incumbent_error": record["incumbent_error"],
-        }
-        if c:
-            metrics.update({"cost_refit_a": c["a"], "cost_refit_b": c["b"], "cost_refit_c": c["c"]})
+        metrics = {f"cost_refit_{k}": record[k] for k in ("adopted", "incumbent_error")}
+        metrics["cost_refit_error"] = record["candidate_error"]
+        metrics.update({f"cost_refit_{k}": c[k] for k in "abc" if c})
         if record["adopted"]:
             metrics["cost_refit_effective_step"] = record["effective_step"]
         self.metrics_processor.record(metrics)
@@ -455,15 +366,11 @@ class WLBTrainer(Trainer):
         super().close()
 
     def _pipeline_step(
-        self, input_dict: dict[str, Any], labels: torch.Tensor, global_valid_tokens: torch.Tensor
-    ) -> torch.Tensor | None:
-        """Collect the step's micro-batches; when all are in, run them through the schedule.
-
-        TorchTitan calls ``forward_backward_step`` once per gradient-accumulation micro-batch;
-        with PP the schedule must see all of them at once (1F1B interleaves their forwards and
-        backwards). Receive shapes come from the micro-batches' own lengths, which every rank of
-        the pipeline knows from the same packing plan: no shape exchange.
-        """
+        self, input_dict: dict[str, Any], labels: Tensor, global_valid_tokens: Tensor
+    ) -> Tensor | None:
+        """Collect the step's micro-batches (TorchTitan hands them over one by one); when all are
+        in, run them through the schedule together, which interleaves them. Receive shapes come
+        from the micro-batches' lengths, known to every stage from the same packing plan."""
         runner = self._pp_runner
         inputs, labels, _, extra_kwargs = self.post_dataloading_process(input_dict, labels)
         self._pp_pending.append((inputs, labels, extra_kwargs))
@@ -474,7 +381,7 @@ class WLBTrainer(Trainer):
         pending, self._pp_pending = self._pp_pending, []
         step_doc_lens = list(self._pp_doc_lens)
         self._record_bubble_estimate()
-        losses: list[torch.Tensor] | None = [] if self.pp_has_last_stage else None
+        losses: list[Tensor] | None = [] if self.pp_has_last_stage else None
         with self.train_context():
             runner.step(
                 [p[0] for p in pending] if self.pp_has_first_stage else None,
@@ -484,33 +391,24 @@ class WLBTrainer(Trainer):
                 global_valid_tokens=global_valid_tokens,
                 losses=losses,
             )
-        if (
-            runner.last_action_times is not None
-            and self._fitter is not None
-            and len(step_doc_lens) == len(pending)
-        ):
-            times = runner.last_action_times
+        times, whole = runner.last_action_times, len(step_doc_lens) == len(pending)
+        if times is not None and self._fitter is not None and whole:
             per_mb = np.sum(times.fwd_s, axis=0) + np.sum(times.bwd_s, axis=0)
             for lens, seconds in zip(step_doc_lens, per_mb.tolist(), strict=True):
                 d = np.asarray(lens, np.float64)
                 self._fit_rows.append((float(d @ d), float(d.sum()), seconds))
-        if runner.last_action_times is not None and self.metrics_processor.jsonl_path:
-            self.metrics_processor.record_pipeline_actions(
-                runner.last_action_times.to_dict(),
-                step_doc_lens if len(step_doc_lens) == len(pending) else None,
-            )
+        if times is not None and self.metrics_processor.jsonl_path:
+            lens = step_doc_lens if whole else None
+            self.metrics_processor.record_pipeline_actions(times.to_dict(), lens)
         if losses is not None:
             return torch.sum(torch.stack([loss.detach() for loss in losses])).to(self.device)
         return torch.tensor(-1.0, device=self.device)  # TorchTitan: no loss off the last stage
 
     def _record_bubble_estimate(self) -> None:
-        """Predicted pipeline bubble of this step from the micro-batches' cost-model workloads.
-
-        A 1F1B-style schedule over ``p`` stages and micro-batches of (per-stage) cost ``c_i`` takes
-        about ``sum(c) + (p - 1) * max(c)``: the slowest micro-batch is paid again while the
-        pipeline fills and drains. The bubble is the idle share of that time; it is 0 only for
-        ``p = 1`` and grows with the micro-batches' imbalance, which is what WLB packing removes.
-        """
+        """Predicted pipeline bubble of this step from the micro-batches' workloads ``c``: a
+        1F1B-style schedule over ``p`` stages takes about ``sum(c) + (p - 1) * max(c)`` (the
+        slowest micro-batch is paid again while the pipeline fills and drains); the bubble is the
+        idle share of that, growing with the micro-batches' imbalance."""
         lens, self._pp_doc_lens = self._pp_doc_lens, []
         if self._cost_model is None or not lens:
             return
@@ -532,7 +430,6 @@ class WLBTrainer(Trainer):
         )
         self._cp_stats.clear()
 
-    # ------------------------------------------------------------------ exactly-once audit
     def _build_audit_log(self) -> AuditLog | None:
         """Every rank's audit log, for the document loader on real process groups; and a hook
         on the checkpointer that records each checkpoint once it is complete on disk."""
@@ -540,9 +437,8 @@ class WLBTrainer(Trainer):
         if self.job_config.comm.mode != "default" or not hasattr(loader, "accounting"):
             return None
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        audit = AuditLog(
-            self.job_config.job.dump_folder, rank, loader.dp_rank, loader.dp_world_size
-        )
+        folder = self.job_config.job.dump_folder
+        audit = AuditLog(folder, rank, loader.dp_rank, loader.dp_world_size)
         save = self.checkpointer.save
 
         def save_and_record(curr_step: int, last_step: bool = False) -> None:
@@ -583,7 +479,6 @@ class WLBTrainer(Trainer):
         if self._audit is not None:
             self._audit.step_done(self.step)
 
-    # ------------------------------------------------------------------ resume
     def _guard_checkpoint_load(self) -> None:
         """Whatever still goes wrong inside TorchTitan's load (a damaged tensor shard, a model
         of another shape) ends as one line naming the checkpoint, not a traceback per rank."""
@@ -594,7 +489,7 @@ class WLBTrainer(Trainer):
                 load(state_dict, checkpoint_id, *args, **kwargs)
             except Exception as e:  # noqa: BLE001 -- reported with the checkpoint's name
                 first = (str(e).strip().splitlines() or [""])[0][:300]
-                raise CheckpointError(
+                raise resume.CheckpointError(
                     f"loading checkpoint {checkpoint_id} failed ({type(e).__name__}: {first}); "
                     "the process stops before training on a partly loaded state"
                 ) from e

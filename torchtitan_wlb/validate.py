@@ -1,27 +1,32 @@
-"""Start-up checks of a job config, run before any process group or model is created.
+"""Start-up checks of a job config, before any process group or model exists: one line naming the
+fields and the accepted values instead of TorchTitan's late assertions.
 
-TorchTitan's own checks are assertions deep inside the trainer. A user who asks for a layout that
-cannot work should instead get one line naming the fields and the accepted values, and a non-zero
-exit, before a single collective is issued. :func:`check_job_config` is that line.
-
-``python -m torchtitan_wlb.validate [TorchTitan / [wlb] arguments]`` is the pre-flight check that
-``run_train.sh`` runs once, with the arguments it will hand to every rank, before torchrun starts
-any: the config (every field, the layout against ``NGPU``), the data source (:func:`check_data`:
-the path, and the first documents read, tokenized and held to the long-document policy exactly as
-training will) and the checkpoint a rerun would resume from (whole files, same data settings:
-:mod:`torchtitan_wlb.resume`). A problem is one line on stderr and exit status 2.
+``python -m torchtitan_wlb.validate ARGS`` is the pre-flight check ``run_train.sh`` runs once with
+the ranks' arguments: the config and layout against ``NGPU``, the data (:func:`check_data`) and the
+checkpoint a rerun would resume from (:mod:`torchtitan_wlb.resume`); a problem is one line on
+stderr and exit status 2.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import difflib
+import io
 import os
+import re
+import sys
 from typing import Any
 
 from torchtitan_wlb.config import ConfigError
-from torchtitan_wlb.data.sources import TextSource
+from torchtitan_wlb.data.sources import DataError, TextSource
 from torchtitan_wlb.pipeline.schedule_check import check_pp_microbatches
+from torchtitan_wlb.resume import FAKE_COMM_MODES, CheckpointError, check_resume
 
-__all__ = ["ConfigError", "check_data", "check_job_config", "main", "parse_job_config"]
+try:
+    from tomllib import TOMLDecodeError
+except ImportError:  # Python 3.10
+    from tomli import TOMLDecodeError
 
 DATA_CHECK_DOCS = 10_000
 """Documents :func:`check_data` reads before training starts (a prefix of big datasets)."""
@@ -60,13 +65,9 @@ def layout_degrees(job_config: Any, world_size: int) -> dict[str, int]:
 
 
 def check_job_config(job_config: Any, world_size: int | None = None) -> dict[str, int]:
-    """Validate the parts of a config that TorchTitan checks late or not at all.
-
-    Returns the resolved parallel degrees. Raises :class:`ConfigError` naming the fields.
-    """
-    if world_size is None:
-        fake = job_config.comm.mode in ("fake_backend", "local_tensor")
-        # Fake-backend dry runs are one process that simulates NGPU ranks.
+    """Check what TorchTitan checks late or not at all; return the resolved parallel degrees."""
+    if world_size is None:  # a fake-backend dry run is one process simulating NGPU ranks
+        fake = job_config.comm.mode in FAKE_COMM_MODES
         world_size = int(os.environ.get("NGPU", "1") if fake else os.environ.get("WORLD_SIZE", "1"))
     degrees = layout_degrees(job_config, world_size)
     wlb = getattr(job_config, "wlb", None)
@@ -74,8 +75,7 @@ def check_job_config(job_config: Any, world_size: int | None = None) -> dict[str
         raise ConfigError(
             'the [wlb] section is missing: set [job] custom_config_module = "torchtitan_wlb.config"'
         )
-    training = job_config.training
-    seq_len = training.seq_len
+    training, seq_len = job_config.training, job_config.training.seq_len
     _check_training(job_config, degrees)
     if wlb.micro_batch_max_len and wlb.micro_batch_max_len < seq_len:
         raise ConfigError(
@@ -100,21 +100,24 @@ def check_job_config(job_config: Any, world_size: int | None = None) -> dict[str
             "different token counts, which sequence-parallel TP cannot split evenly; use "
             '"per_document" (or "adaptive") with TP, or tensor_parallel_degree = 1'
         )
-    _check_queue_thresholds(wlb, seq_len)
+    # Outlier queues above the longest document would never hold one: a typo, not a choice.
+    longest, smax = wlb.max_doc_len or seq_len, wlb.micro_batch_max_len or int(1.25 * seq_len)
+    above = [t for t in wlb.queue_thresholds if t > longest]
+    if above:
+        raise ConfigError(
+            f"[wlb] queue_thresholds = {list(wlb.queue_thresholds)} has {above[0]} above the "
+            f"longest document piece, max_doc_len = {longest} (S_max = {smax}): a queue there "
+            f"would never hold a document; use thresholds <= {longest}"
+        )
     for name in ("cost_profile", "cp_profile"):
+        used = name == "cp_profile" or wlb.cost_model in ("profile", "online")
         path = getattr(wlb, name)
-        if (
-            path
-            and not os.path.isfile(path)
-            and (name == "cp_profile" or wlb.cost_model in ("profile", "online"))
-        ):
+        if path and used and not os.path.isfile(path):
             raise ConfigError(f"[wlb] {name} = {path!r} does not exist (a JSON profile file)")
     dp = degrees["dp_replicate"] * degrees["dp_shard"]
     if wlb.loader == "documents":
         # Checks the dataset kind and that its path exists (DataError names it).
-        TextSource(
-            kind=training.dataset, path=training.dataset_path or "", text_field=wlb.text_field
-        )
+        TextSource(training.dataset, training.dataset_path or "", wlb.text_field)
         if job_config.model.name != "llama3_wlb":
             raise ConfigError(
                 f'[model] name = {job_config.model.name!r}: [wlb] loader = "documents" feeds '
@@ -153,66 +156,39 @@ def check_job_config(job_config: Any, world_size: int | None = None) -> dict[str
 
 def _check_training(job_config: Any, degrees: dict[str, int]) -> None:
     """The TorchTitan fields whose bad values TorchTitan reports late or with a bare assert."""
-    training = job_config.training
-    seq_len = training.seq_len
-    if seq_len < 2:
-        raise ConfigError(f"[training] seq_len = {seq_len} is out of range; it must be >= 2 tokens")
-    divisor = 2 * degrees["tp"] * degrees["cp"]
+    training, ckpt = job_config.training, job_config.checkpoint
+    lowest = {  # field: (value, lowest accepted, what follows the bound)
+        "[training] seq_len": (training.seq_len, 2, " tokens"),
+        "[training] steps": (training.steps, 1, ""),
+        "[training] local_batch_size": (training.local_batch_size, 1, ""),
+        "[metrics] log_freq": (job_config.metrics.log_freq, 1, ""),
+    }
+    if ckpt.enable:
+        off, keep_all = " step (or set [checkpoint] enable = false)", " (0 keeps every checkpoint)"
+        lowest["[checkpoint] interval"] = (ckpt.interval, 1, off)
+        lowest["[checkpoint] keep_latest_k"] = (ckpt.keep_latest_k, 0, keep_all)
+    for name, (value, low, note) in lowest.items():
+        if value < low:
+            raise ConfigError(f"{name} = {value} is out of range; it must be >= {low}{note}")
+    seq_len, divisor = training.seq_len, 2 * degrees["tp"] * degrees["cp"]
     if seq_len % divisor:
         raise ConfigError(
             f"[training] seq_len = {seq_len} must be divisible by 2 x tensor_parallel_degree x "
             f"context_parallel_degree = {divisor} (TorchTitan shards the sequence in 2 x CP "
             f"chunks per TP rank); e.g. {seq_len - seq_len % divisor or divisor}"
         )
-    if training.steps < 1:
-        raise ConfigError(f"[training] steps = {training.steps} is out of range; it must be >= 1")
     if training.global_batch_size == 0 or training.global_batch_size < -1:
         raise ConfigError(
             f"[training] global_batch_size = {training.global_batch_size} is out of range; it "
             "must be >= 1 (micro-batches per step, all DP ranks together) or -1 (one per DP rank)"
-        )
-    if training.local_batch_size < 1:
-        raise ConfigError(
-            f"[training] local_batch_size = {training.local_batch_size} is out of range; it must "
-            "be >= 1"
-        )
-    if job_config.metrics.log_freq < 1:
-        raise ConfigError(
-            f"[metrics] log_freq = {job_config.metrics.log_freq} is out of range; it must be >= 1"
-        )
-    ckpt = job_config.checkpoint
-    if ckpt.enable and ckpt.interval < 1:
-        raise ConfigError(
-            f"[checkpoint] interval = {ckpt.interval} is out of range; it must be >= 1 step "
-            "(or set [checkpoint] enable = false)"
-        )
-    if ckpt.enable and ckpt.keep_latest_k < 0:
-        raise ConfigError(
-            f"[checkpoint] keep_latest_k = {ckpt.keep_latest_k} is out of range; it must be >= 0 "
-            "(0 keeps every checkpoint)"
-        )
-
-
-def _check_queue_thresholds(wlb: Any, seq_len: int) -> None:
-    """Outlier queues above the longest document would never hold one: a typo, not a choice."""
-    longest = wlb.max_doc_len or seq_len
-    smax = wlb.micro_batch_max_len or int(1.25 * seq_len)
-    above = [t for t in wlb.queue_thresholds if t > longest]
-    if above:
-        raise ConfigError(
-            f"[wlb] queue_thresholds = {list(wlb.queue_thresholds)} has {above[0]} above the "
-            f"longest document piece, max_doc_len = {longest} (S_max = {smax}): a queue there "
-            f"would never hold a document; use thresholds <= {longest}"
         )
 
 
 def check_data(job_config: Any, max_docs: int = DATA_CHECK_DOCS) -> int:
     """Read the first ``max_docs`` documents as training will; return how many were read.
 
-    Catches before any rank starts what would otherwise stop the data thread mid-training: a
-    missing path, an empty file or dataset, a malformed line, a record without the text field,
-    an empty document, a document over ``max_doc_len`` under ``long_doc_policy = "error"``. Hugging
-    Face datasets are streamed from the network and are only checked by the ranks.
+    What would otherwise stop the data thread mid-training (a bad path, file, line, record or
+    document) fails here. Hugging Face datasets are streamed, and only checked by the ranks.
     """
     from torchtitan_wlb.data.dataloader import build_document_node, text_source_from_config
     from torchtitan_wlb.data.tokenizer import build_wlb_tokenizer
@@ -242,21 +218,12 @@ def _world_size() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Pre-flight check of a launch: ``python -m torchtitan_wlb.validate ARGS`` (see above)."""
-    import sys
-
     from torchtitan_wlb import cpu_support
 
     cpu_support.activate()  # before torchtitan is imported, as in the ranks
     from torchtitan_wlb.data.dataloader import data_fingerprint
-    from torchtitan_wlb.data.sources import DataError
-    from torchtitan_wlb.resume import CheckpointError, check_resume
 
     args = sys.argv[1:] if argv is None else argv
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        import tomli as tomllib
-    errors = (ConfigError, DataError, CheckpointError, ValueError, OSError, tomllib.TOMLDecodeError)
     try:
         job_config = parse_job_config(args)
         degrees = check_job_config(job_config, world_size=_world_size())
@@ -268,8 +235,8 @@ def main(argv: list[str] | None = None) -> int:
             dp = degrees["dp_replicate"] * degrees["dp_shard"]
             fingerprint = data_fingerprint(job_config, dp, cost_model_for_job(job_config))
         check_resume(job_config, fingerprint)
-    except errors as e:
-        print(f"error: {_one_line(e)}", file=sys.stderr)
+    except (ConfigError, DataError, CheckpointError, ValueError, OSError, TOMLDecodeError) as e:
+        print(f"error: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr)
         return 2
     return 0
 
@@ -277,9 +244,6 @@ def main(argv: list[str] | None = None) -> int:
 def parse_job_config(args: list[str]) -> Any:
     """TorchTitan's parser, its usage box (tyro's exit) and unknown-field errors turned into one
     :class:`ConfigError` line."""
-    import contextlib
-    import io
-
     from torchtitan.config import ConfigManager
 
     err = io.StringIO()
@@ -327,10 +291,6 @@ def _parser_message(text: str) -> str:
 def _unknown_fields(text: str) -> str:
     """TorchTitan's "Invalid field names in <class ...>" for a TOML section, as one line that
     names the section and suggests the closest field."""
-    import dataclasses
-    import difflib
-    import re
-
     m = re.search(r"Invalid field names in <class '[\w.]*?(\w+)'> data: \{(.*?)\}", text)
     if not m:
         return text
@@ -347,10 +307,6 @@ def _unknown_fields(text: str) -> str:
         f"[{section}] has no field {', '.join(repr(k) for k in keys)}{hint} (fields: "
         "docs/configuration.md for [wlb], python -m torchtitan_wlb.train --help for all)"
     )
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
 
 
 if __name__ == "__main__":

@@ -1,13 +1,6 @@
 """Document-length workloads: built-in generators, length files, and the loader's long-document
-policies.
-
-Every tool (``pack_bench``, ``cp_bench``, ``e2e_bench``) and the simulator takes its documents from
-here, so one generator name or one file means the same documents everywhere. Pure NumPy.
-
-A lengths file is a JSON list of token counts (``.json``, or any file whose text starts with
-``[``), a ``.npy`` array, or text with integers separated by whitespace (one per line is usual).
-Anything that is not a positive integer is rejected with the offending value and its position: a
-benchmark fed silently-rounded lengths would report the wrong imbalance.
+policies. Every tool and the simulator take their documents from here, so one generator name or one
+file means the same documents everywhere (the generators: docs/benchmarks.md). Pure NumPy.
 """
 
 from __future__ import annotations
@@ -24,7 +17,6 @@ DEFAULT_NUM_DOCS = 200_000
 """Documents a generator draws when a tool is not told otherwise."""
 
 
-# ------------------------------------------------------------------------------- generators
 def _longtail(rng: np.random.Generator, num_docs: int, context_len: int) -> np.ndarray:
     body = rng.lognormal(mean=math.log(3000), sigma=0.9, size=num_docs)
     low = min(16384, max(1, context_len // 8))
@@ -59,19 +51,7 @@ GENERATORS: dict[str, Callable[[np.random.Generator, int, int], np.ndarray]] = {
     "bimodal": _bimodal,
     "short": _short,
 }
-"""Synthetic length distributions (no outside data needed), by name. Each draws from the given
-random generator; :func:`generate` rounds and clips to ``[1, context_len]``.
-
-- ``longtail``: log-normal body (median ~3K tokens) with 3 % of documents drawn log-uniformly from
-  16K (or context / 8) up to the context length: ~15 % of tokens in documents above half the
-  context, close to the skew WLB-LLM describes.
-- ``longtail_scaled``: a body that scales with the context (log-normal, median context / 40) and a
-  3 % Pareto(1.2) tail from context / 8; ``cp_bench``'s default.
-- ``pareto``: a Pareto(1.1) tail from 512 tokens.
-- ``bimodal``: 97 % short (~2K) and 3 % near-context documents.
-- ``short``: uniform in [1, context / 500], about 1,000 documents per 128K micro-batch (the worst
-  case for CP plan construction).
-"""
+"""Synthetic length distributions by name (described in docs/benchmarks.md)."""
 
 
 def generate(name: str, num_docs: int, context_len: int, seed: int = 0) -> np.ndarray:
@@ -87,55 +67,35 @@ def generate(name: str, num_docs: int, context_len: int, seed: int = 0) -> np.nd
     return np.clip(np.rint(out), 1, context_len).astype(np.int64)
 
 
-# ------------------------------------------------------------------------------- length files
 def _check_integers(values: list | np.ndarray, source: str) -> np.ndarray:
     """``values`` as int64 if every entry is a positive integer, else a ValueError naming the first
     offending entry (integral floats such as ``3.0`` pass; booleans do not)."""
+    where = f"lengths file {source}"
     try:
         arr = np.asarray(values)
-    except ValueError:  # a ragged list: find the entry that is not a number
+    except ValueError:  # a ragged list: the loop below names the entry that is not a number
         arr = np.asarray(values, dtype=object)
-    if isinstance(values, list) and (
-        not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating))
-        or any(isinstance(v, bool) for v in values)
-    ):
-        arr = np.asarray(values, dtype=object)  # mixed, non-numeric or true/false: find the entry
     if arr.ndim != 1:
-        raise ValueError(
-            f"lengths file {source}: expected a flat list of integers, got shape {arr.shape}"
-        )
+        raise ValueError(f"{where}: expected a flat list of integers, got shape {arr.shape}")
     if arr.size == 0:
-        raise ValueError(f"lengths file {source}: no document lengths")
-    if arr.dtype == object:
-        for i, v in enumerate(arr.tolist()):
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise ValueError(
-                    f"lengths file {source}: entry {i} = {v!r} is not an integer token count"
-                )
-        arr = np.asarray(arr.tolist(), dtype=np.int64)
-    elif not np.issubdtype(arr.dtype, np.integer):
-        bad = np.flatnonzero(~np.isfinite(arr.astype(np.float64)) | (arr != np.round(arr)))
-        if bad.size or not np.issubdtype(arr.dtype, np.floating):
-            i = int(bad[0]) if bad.size else 0
-            raise ValueError(
-                f"lengths file {source}: entry {i} = {arr[i].item()!r} is not an integer token count"
-            )
+        raise ValueError(f"{where}: no document lengths")
+    if isinstance(values, list) or arr.dtype.kind not in "iu":  # a list may hide true / false
+        for i, v in enumerate(values if isinstance(values, list) else arr.tolist()):
+            whole = isinstance(v, float) and math.isfinite(v) and v.is_integer()
+            if isinstance(v, bool) or not (isinstance(v, int) or whole):
+                raise ValueError(f"{where}: entry {i} = {v!r} is not an integer token count")
     arr = arr.astype(np.int64)
     bad = np.flatnonzero(arr < 1)
     if bad.size:
         i = int(bad[0])
-        raise ValueError(
-            f"lengths file {source}: entry {i} = {int(arr[i])} is not a positive token count"
-        )
+        raise ValueError(f"{where}: entry {i} = {int(arr[i])} is not a positive token count")
     return arr
 
 
 def load_lengths(path: str | Path) -> np.ndarray:
-    """Read document lengths (int64, all >= 1) from JSON, ``.npy`` or whitespace-separated text.
-
-    Every problem (missing file, invalid JSON, a non-integer or non-positive entry) is one
-    ValueError naming the file and, where there is one, the offending entry.
-    """
+    """Document lengths (int64, all >= 1) from a JSON list (``.json`` or text starting with
+    ``[``), ``.npy`` or whitespace-separated text; every problem is one ValueError naming the file
+    and the offending entry (a benchmark fed silently-rounded lengths would mislead)."""
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"lengths file {str(path)!r}: no such file")
@@ -171,7 +131,6 @@ def load_lengths(path: str | Path) -> np.ndarray:
     return _check_integers(values, str(path))
 
 
-# ------------------------------------------------------------------------------- loader policies
 def split_long(lengths: np.ndarray, max_doc_len: int) -> np.ndarray:
     """The loader's "split" policy: a document longer than ``max_doc_len`` becomes consecutive
     pieces of ``max_doc_len`` tokens, the last one shorter (vectorised, order preserved)."""
@@ -188,14 +147,11 @@ def split_long(lengths: np.ndarray, max_doc_len: int) -> np.ndarray:
 
 
 def cut_stream(lengths: np.ndarray, seq_len: int) -> np.ndarray:
-    """TorchTitan's loader: concatenate the documents and cut the token stream every ``seq_len``.
+    """TorchTitan's loader: concatenate the documents and cut the token stream every ``seq_len``
+    (a document straddling a cut continues, as a separate document, in the next sequence).
 
-    ``torchtitan.hf_datasets.text_datasets`` appends every document's tokens to one buffer and
-    yields consecutive ``seq_len``-token windows, so a document that straddles a window boundary is
-    cut there and its continuation opens the next sequence (with document masking, as a separate
-    document). Returns the pieces in stream order: every ``seq_len`` consecutive tokens of them
-    form exactly one sequence (vectorised: the cut points are the documents' ends together with the
-    multiples of ``seq_len``).
+    Returns the pieces in stream order; every ``seq_len`` consecutive tokens of them form exactly
+    one sequence. The cut points are the documents' ends and the multiples of ``seq_len``.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     if seq_len < 1:
