@@ -40,6 +40,7 @@ __all__ = [
     "ADAPTIVE_CANDIDATES",
     "DEFAULT_CP_BANDWIDTH_GBPS",
     "STRATEGIES",
+    "adaptive_candidates",
     "build_cp_plan",
     "predicted_seconds",
 ]
@@ -56,6 +57,13 @@ group spans nodes and its collectives run at the per-GPU network rate: one 400 G
 RoCE NIC per GPU is 50 GB/s. That is where the gathered bytes matter, so it is the default that lets
 adaptive see them; a CP group inside one NVLink node moves 200-400 GB/s (set that), gloo on one CPU
 host a few GB/s."""
+
+
+def adaptive_candidates(sequence_parallel: bool) -> tuple[str, ...]:
+    """The candidates of ``"adaptive"``: without hybrid under sequence-parallel TP, which needs
+    local lengths equal across CP ranks and hybrid does not guarantee them."""
+    return tuple(c for c in ADAPTIVE_CANDIDATES if not (sequence_parallel and c == "hybrid"))
+
 
 _TRANSFERS_PER_LAYER = 3.0  # forward all-gather + backward re-gather + dK/dV reduce-scatter
 

@@ -228,9 +228,10 @@ def run_mode(
         "wall_s": wall,
     }
     out["records"] = calibration_records(per_rank, timed)
-    cp_share = [first[s].get("wlb/cp_per_document_share") for s in steps_done]
-    if any(v is not None for v in cp_share):
-        out["cp_per_document_share"] = float(np.mean([v for v in cp_share if v is not None]))
+    for key in ("cp_per_document_share", "cp_hybrid_share"):
+        shares = [first[s][f"wlb/{key}"] for s in steps_done if f"wlb/{key}" in first[s]]
+        if shares:
+            out[key] = float(np.mean(shares))
     refits = [first[s] for s in steps_done if "wlb/cost_refit_adopted" in first[s]]
     if refits:
         adopted = [r for r in refits if r["wlb/cost_refit_adopted"]]
