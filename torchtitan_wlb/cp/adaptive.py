@@ -1,23 +1,11 @@
 """Choosing a micro-batch's CP sharding: a fixed strategy, or adaptive selection by predicted time.
 
-``adaptive`` drafts per-sequence, per-document and hybrid sharding (:mod:`torchtitan_wlb.cp.plan`),
-predicts each one's time and keeps the fastest; only the winner's local layout is built. The
-prediction is one layer's attention, forward and backward, on the slowest rank::
-
-    predicted = compute (slowest rank, measured throughput table of :mod:`torchtitan_wlb.cp.profile`)
-              + 3 x K/V bytes each rank gathers / bandwidth
-
-Why both terms: per-document chunks are small and run at a lower achieved throughput, which can
-outweigh their better balance (per-sequence wins); hybrid keeps short documents whole, so its chunks
-are large *and* it gathers K/V of the split documents only, which matters where the CP link is slow
-(across nodes) or the micro-batch holds many short documents; per-document wins where a few long
-documents dominate and hybrid's whole documents cannot be balanced. The factor 3: the CP op
-all-gathers K/V in forward, gathers them again in backward and reduce-scatters dK/dV of the same
-size. Compute and bytes are both those of the profile's attention shape (its heads, KV heads, head
-dim and dtype), so measure the profile with the model's per-GPU heads.
-
-This module sits above both the plan (pure index arithmetic) and the profile (a measured table), so
-that neither depends on the other's concerns.
+``adaptive`` drafts per-sequence, per-document and hybrid sharding and keeps the one with the least
+predicted time of one layer's attention, forward and backward, on the slowest rank: compute from
+the measured throughput table (:mod:`torchtitan_wlb.cp.profile`) plus 3 x the K/V bytes each rank
+gathers over the CP bandwidth (forward all-gather, backward re-gather, dK/dV reduce-scatter). Why
+each can win: docs/context_parallel.md. This module sits above both the plan (index arithmetic)
+and the profile (a measured table), so that neither depends on the other.
 """
 
 from __future__ import annotations
@@ -50,13 +38,8 @@ ADAPTIVE_CANDIDATES = ("per_sequence", "per_document", "hybrid")
 """The fixed strategies adaptive selection chooses among (ties keep the earlier one)."""
 
 DEFAULT_CP_BANDWIDTH_GBPS = 50.0
-"""Default per-GPU bandwidth of the CP collectives, GB/s (``[wlb] cp_bandwidth_gbps``).
-
-Why 50: TorchTitan places CP next to TP in the device mesh, so with TP filling an 8-GPU node a CP
-group spans nodes and its collectives run at the per-GPU network rate: one 400 Gb/s InfiniBand or
-RoCE NIC per GPU is 50 GB/s. That is where the gathered bytes matter, so it is the default that lets
-adaptive see them; a CP group inside one NVLink node moves 200-400 GB/s (set that), gloo on one CPU
-host a few GB/s."""
+"""Default per-GPU bandwidth of the CP collectives, GB/s (``[wlb] cp_bandwidth_gbps``): one 400 Gb/s
+NIC per GPU, what a CP group crosses when TP fills each node (docs/context_parallel.md)."""
 
 
 def adaptive_candidates(sequence_parallel: bool) -> tuple[str, ...]:
