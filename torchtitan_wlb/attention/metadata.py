@@ -62,9 +62,7 @@ def metadata_from_doc_lens(
         raise ValueError(f"doc_lens must be a non-empty 1-D list of lengths >= 1; got {doc_lens}")
     cu = torch.zeros(lens.numel() + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(lens, 0)
-    return DocumentAttentionMetadata(
-        cu_seqlens=cu.to(device), max_seqlen=int(lens.max()), backend=backend
-    )
+    return DocumentAttentionMetadata(cu.to(device), int(lens.max()), backend)
 
 
 def attention_from_metadata(

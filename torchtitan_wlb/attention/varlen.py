@@ -58,8 +58,7 @@ def document_attention(
     """
     check_qkv(q, k, v)
     _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     chosen = resolve_backend(backend, q.device)
     if chosen == "cpu":
         return cpu_document_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)

@@ -89,19 +89,15 @@ def build_cp_plan(
         doc_lens: 1-D document lengths (each >= 1), in packed order.
         cp_degree: CP ranks ``c`` (``1 <= c <= sum(doc_lens)``).
         strategy: ``"per_sequence" | "per_document" | "hybrid" | "adaptive"``.
-        profile: throughput table for ``"adaptive"`` (a :class:`CPProfile` or a JSON path);
-            ``None`` loads the packaged CPU default.
+        profile: ``"adaptive"``'s throughput table (object or JSON path; ``None``: packaged CPU one).
         seq_len: if given, the packed length the lengths must sum to.
-        hybrid_max_len: ``"hybrid"``'s whole-document threshold in tokens (``[wlb]
-            cp_hybrid_max_len``); 0: chosen per micro-batch (``plan.auto_hybrid_max_len``).
-        bandwidth_gbps: ``"adaptive"``: per-GPU bandwidth of the CP collectives in GB/s (``[wlb]
-            cp_bandwidth_gbps``), which prices the gathered K/V.
-        candidates: ``"adaptive"``: the fixed strategies it chooses among (default all three;
-            the simulator's reproduction of the paper passes its two).
+        hybrid_max_len: ``[wlb] cp_hybrid_max_len`` (0: chosen per micro-batch).
+        bandwidth_gbps: ``"adaptive"``: ``[wlb] cp_bandwidth_gbps``, which prices gathered K/V.
+        candidates: ``"adaptive"``: the fixed strategies it chooses among (the simulator's
+            reproduction of the paper passes its two).
 
-    With ``"adaptive"`` the plan records ``requested="adaptive"`` and every candidate's predicted
-    seconds (compute + communication, :func:`predicted_seconds`) in ``estimated_seconds``; a tie
-    keeps the earlier candidate.
+    ``"adaptive"`` records ``requested="adaptive"`` and every candidate's predicted seconds
+    (:func:`predicted_seconds`, summed) in ``estimated_seconds``; a tie keeps the earlier one.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"CP strategy {strategy!r} is not one of {STRATEGIES}")

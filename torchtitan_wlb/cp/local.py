@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan_wlb.cp.op import CPAttentionMetadata
 from torchtitan_wlb.cp.plan import CPPlan
@@ -33,8 +34,6 @@ def shard_tensor(plan: CPPlan, rank: int, tensor: torch.Tensor, dim: int = -1) -
 def resolve_cp_group(mesh_or_group: Any) -> dist.ProcessGroup:
     """The CP process group from a ProcessGroup, a 1-D DeviceMesh, or a DeviceMesh with a ``"cp"``
     dimension (TorchTitan names its context-parallel mesh dimension ``"cp"``)."""
-    from torch.distributed.device_mesh import DeviceMesh
-
     if isinstance(mesh_or_group, dist.ProcessGroup):
         return mesh_or_group
     if isinstance(mesh_or_group, DeviceMesh):

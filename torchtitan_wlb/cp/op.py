@@ -1,14 +1,9 @@
 """All-gather-KV context-parallel document attention (Llama 3 style) as a ``torch.library`` op.
 
-A rank's local tokens are ``[head half][tail half][whole documents]`` (cut out of a plan by
-:mod:`torchtitan_wlb.cp.local`). The halves hold pieces of documents split over the CP group: their
-K/V are all-gathered (one collective for both, none when nothing is split) and put in packed order,
-and each half attends to them (causal prefix of its own document, bottom-right aligned). Whole
-documents (hybrid sharding) attend to their local K/V. Backward re-gathers K/V (memory per layer
-stays at the local size), recomputes the local attention under autograd and reduce-scatters the
-gathered rows' dK/dV. Why not torch's ring/flex CP, and what the recompute costs:
-docs/context_parallel.md. The forward has a DTensor sharding rule, so it also takes DTensors
-sharded on the CP mesh dimension.
+A rank's local tokens are ``[head half][tail half][whole documents]``: the halves' K/V are
+all-gathered (pieces of split documents), whole documents (hybrid) attend to their local K/V.
+Backward re-gathers K/V (memory per layer stays at the local size), recomputes the local attention
+under autograd and reduce-scatters the gathered rows' dK/dV. How and why: docs/context_parallel.md.
 """
 
 from __future__ import annotations
@@ -219,8 +214,7 @@ def cp_attention(
         raise ValueError(
             f"this rank holds {meta.local_len} tokens in the CP plan, got q with {local_q.shape[0]}"
         )
-    if scale is None:
-        scale = 1.0 / math.sqrt(local_q.shape[-1])
+    scale = 1.0 / math.sqrt(local_q.shape[-1]) if scale is None else scale
     sizes = [meta.n_head_tokens, meta.max_seqlen_q[0], meta.max_seqlen_k[0], meta.max_seqlen_q[1],
              meta.max_seqlen_k[1], meta.max_gather_len, meta.n_gather_tokens,
              meta.max_seqlen_whole]  # fmt: skip

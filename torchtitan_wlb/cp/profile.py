@@ -204,26 +204,15 @@ def resolve_profile(profile: CPProfile | str | Path | None) -> CPProfile:
 
 # ------------------------------------------------------------------------------- measurement
 def measure_profile(
-    lengths: list[int],
-    *,
-    device: str = "cpu",
-    backend: str = "auto",
-    n_heads: int = 4,
-    n_kv_heads: int = 2,
-    head_dim: int = 32,
-    dtype: str = "float32",
-    tile: int | None = None,
-    pairs_per_cell: int = 1 << 19,
-    repeats: int = 3,
-    log=None,
-) -> CPProfile:
+    lengths: list[int], *, device: str = "cpu", backend: str = "auto", n_heads: int = 4,
+    n_kv_heads: int = 2, head_dim: int = 32, dtype: str = "float32", tile: int | None = None,
+    pairs_per_cell: int = 1 << 19, repeats: int = 3, log=None,
+) -> CPProfile:  # fmt: skip
     """Time forward + backward of ``document_attention`` for every (q_len <= kv_len) grid cell.
 
-    Each cell packs ``m`` identical segments (``q_len`` queries against a ``kv_len`` key prefix) so
-    that a cell computes about ``pairs_per_cell`` (query, key) pairs: small cells are timed over many
-    segments, the way per-document chunks arrive in a micro-batch. The median of ``repeats`` timed runs
-    (after one warm-up) is used. On CUDA, wall-clock time with device synchronisation; on CPU,
-    process CPU time (see ``_median_time``).
+    A cell packs ``m`` identical segments (``q_len`` queries against a ``kv_len`` key prefix), about
+    ``pairs_per_cell`` (query, key) pairs in all: small cells are timed over many segments, the way
+    per-document chunks arrive in a micro-batch. Median of ``repeats`` runs after one warm-up.
     """
     import torch
 

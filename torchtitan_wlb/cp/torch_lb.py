@@ -38,11 +38,9 @@ __all__ = [
 class PlanLoadBalancer(_LoadBalancer):
     """This project's CP plans behind torch's ``_LoadBalancer`` interface.
 
-    The rearrange indices are the plans' rank-major layout (rank 0's tokens in local order, then
-    rank 1's, ...), each rank's piece padded to the longest local length with positions ``T, T + 1,
-    ...``: plans add no padding, so local lengths may differ. Pad buffers to ``seq_length`` first
-    (loss ignored); ``per_document`` over ``T`` divisible by ``2c`` needs none. Usage:
-    docs/context_parallel.md.
+    Rearrange indices: the plans' rank-major layout, each rank's piece padded to the longest local
+    length with positions ``T, T + 1, ...`` (local lengths may differ). Pad buffers to
+    ``seq_length`` first, loss ignored (docs/context_parallel.md).
 
     Args:
         seq_length_per_doc: document lengths per batch row (``[[...]]`` for one micro-batch, as
@@ -225,12 +223,9 @@ def _balancer(name: str, lens: np.ndarray, c: int, block: int):
 def torch_assignment(
     name: str, doc_lens: np.ndarray, cp_degree: int, block: int = SMALL_CHUNK, repeats: int = 1
 ) -> Assignment:
-    """The token-to-rank assignment torch's balancer ``name`` gives one micro-batch.
-
-    ``plan_ms`` is the median over ``repeats`` of the balancer's rearrange plus restore indices
-    (``_generate_indices(restore=False)`` and ``(restore=True)``, what sharding inputs and
-    unsharding outputs call); building its input (the BlockMask for PTRR) is not timed.
-    """
+    """The token-to-rank assignment torch's balancer ``name`` gives one micro-batch. ``plan_ms``:
+    median over ``repeats`` of its rearrange plus restore indices (what sharding inputs and
+    unsharding outputs call); building its input (PTRR's BlockMask) is not timed."""
     doc_lens = np.asarray(doc_lens, dtype=np.int64)
     lb, lens, real = _balancer(name, doc_lens, cp_degree, block)
     times = []
@@ -253,8 +248,7 @@ def torch_assignment(
 
 def plan_assignment(plan: CPPlan, plan_ms: float = 0.0) -> Assignment:
     """The assignment of one of this project's CP plans (no padding; the op's all-gather moves
-    ``c`` buffers of the most gathered tokens on one rank: the whole micro-batch's local lengths,
-    or under hybrid sharding the split documents' tokens only)."""
+    ``c`` buffers of the most gathered tokens on one rank)."""
     rank = np.empty(plan.seq_len, dtype=np.int64)
     for r in range(plan.cp_degree):  # CP ranks, not documents
         rank[plan.token_indices(r)] = r
