@@ -250,7 +250,7 @@ def test_flash_adapter_maps_arguments(monkeypatch):
 
     monkeypatch.setattr(cuda_mod, "_flash_fn", lambda: fake_flash_varlen)
     q, k, v, cu_q, cu_k = _emulated_kernel_inputs()
-    out = cuda_mod.flash_attention(q, k, v, cu_q, cu_k, 5, 7, 0.25)
+    out = cuda_mod.cuda_attention("flash", q, k, v, cu_q, cu_k, 5, 7, 0.25)
     want = document_attention(q, k, v, cu_q, cu_k, 5, 7, scale=0.25, backend="cpu")
     torch.testing.assert_close(out, want)
 
@@ -273,7 +273,7 @@ def test_torch_varlen_adapter_maps_arguments(monkeypatch, new_api):
     cuda_mod._varlen_params.cache_clear()
     try:
         q, k, v, cu_q, cu_k = _emulated_kernel_inputs()
-        out = cuda_mod.torch_varlen_attention(q, k, v, cu_q, cu_k, 5, 7, 0.25)
+        out = cuda_mod.cuda_attention("torch_varlen", q, k, v, cu_q, cu_k, 5, 7, 0.25)
     finally:
         cuda_mod._varlen_params.cache_clear()
     want = document_attention(q, k, v, cu_q, cu_k, 5, 7, scale=0.25, backend="cpu")

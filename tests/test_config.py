@@ -81,13 +81,17 @@ def test_layout_checks():
             ),
             world_size=4,
         )
-    hybrid_tp = _parse(
+    hybrid_tp_args = (
         "--parallelism.tensor_parallel_degree", "2", "--parallelism.context_parallel_degree", "2",
         "--parallelism.data_parallel_shard_degree", "1", "--wlb.mode=", "--wlb.cp_sharding",
         "hybrid",
     )  # fmt: skip
+    hybrid_tp = _parse(*hybrid_tp_args)
     with pytest.raises(ConfigError, match='cp_sharding = "hybrid" with .*tensor_parallel_degree'):
         check_job_config(hybrid_tp, world_size=4)
+    # adaptive is accepted with TP: it leaves hybrid out of its candidates (test_cp_adaptive.py)
+    adaptive_tp = _parse(*[a if a != "hybrid" else "adaptive" for a in hybrid_tp_args])
+    assert check_job_config(adaptive_tp, world_size=4)["tp"] == 2
     with pytest.raises(ConfigError, match="cannot be traced by torch.compile"):
         check_job_config(
             _parse("--parallelism.context_parallel_degree", "2", "--compile.enable"), world_size=2

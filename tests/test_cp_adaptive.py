@@ -1,4 +1,5 @@
-"""Adaptive CP selection among per-sequence, per-document and hybrid sharding (pure NumPy).
+"""Adaptive CP selection among per-sequence, per-document and hybrid sharding (pure NumPy), and
+the trainer's log of its choices.
 
 Synthetic throughput tables make each candidate win where its trade-off says it should: compute from
 the table, plus the gathered K/V over the configured bandwidth.
@@ -10,7 +11,11 @@ import numpy as np
 import pytest
 
 from torchtitan_wlb.cp import CPProfile, build_cp_plan
-from torchtitan_wlb.cp.adaptive import ADAPTIVE_CANDIDATES, predicted_seconds
+from torchtitan_wlb.cp.adaptive import (
+    ADAPTIVE_CANDIDATES,
+    adaptive_candidates,
+    predicted_seconds,
+)
 from torchtitan_wlb.cp.plan import draft_sharding
 
 GRID = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -82,3 +87,32 @@ def test_prediction_is_the_built_plans_compute_plus_its_gather(name):
 def test_bad_bandwidth_is_one_clear_error():
     with pytest.raises(ValueError, match=r"bandwidth_gbps must be a number > 0 \(GB/s\); got 0"):
         _choose([10, 20], 2, FLAT, 0)
+
+
+def test_sequence_parallel_tp_leaves_hybrid_out():
+    # Where hybrid wins (see above), TP > 1 makes adaptive choose among the other two, whose
+    # local lengths differ by at most two tokens (sequence-parallel TP splits them evenly).
+    assert adaptive_candidates(False) == ADAPTIVE_CANDIDATES
+    assert adaptive_candidates(True) == ("per_sequence", "per_document")
+    lens = np.array([100] * 40)
+    plan = build_cp_plan(lens, 4, "adaptive", FLAT, hybrid_max_len=512,
+                         bandwidth_gbps=FAST, candidates=adaptive_candidates(True))  # fmt: skip
+    assert plan.strategy in ("per_sequence", "per_document")
+    assert set(plan.estimated_seconds) == {"per_sequence", "per_document"}
+    assert plan.local_lens.max() - plan.local_lens.min() <= 2
+
+
+def test_trainer_logs_the_share_of_each_chosen_strategy():
+    from types import SimpleNamespace
+
+    from torchtitan_wlb.trainer import WLBTrainer
+
+    logged = []
+    stats = [("hybrid", 1.0), ("per_document", 1.2), ("hybrid", 1.1), ("per_sequence", 1.5)]
+    trainer = SimpleNamespace(
+        _cp_stats=stats, metrics_processor=SimpleNamespace(record=logged.append)
+    )
+    WLBTrainer._flush_cp_stats(trainer)
+    assert logged == [{"cp_per_document_share": 0.25, "cp_hybrid_share": 0.5,
+                       "cp_flops_imbalance": pytest.approx(1.2)}]  # fmt: skip
+    assert trainer._cp_stats == []

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import varlen_kernels
 
 WORLD = 4
 TOLERANCE = 1e-5  # max |error| / max |reference|, fp32 op vs float64 reference
@@ -41,6 +42,14 @@ CASES: dict[str, tuple] = {
     "hybrid_one_document": ([37], "hybrid", 4, 4, False, 0),  # kept whole: split to fill ranks
     "hybrid_shorter_than_cp": ([1, 3, 1, 2, 7, 1, 5, 1, 2], "hybrid", 2, 2, False, 2),
     "hybrid_mix_gqa_dtensor": ([30, 2, 17, 5, 9, 40, 3, 12], "hybrid", 4, 1, True, 10),
+}
+# The CUDA backends' path through the op, at CP = 2 only: flash-attn and torch's varlen_attn are
+# stood in for by CPU references of their documented contracts (tests/varlen_kernels.py).
+# name -> (doc_lens, strategy, n_heads, n_kv_heads, hybrid_max_len, backend)
+BACKEND_CASES: dict[str, tuple] = {
+    f"{backend}_{strategy}": ([30, 2, 17, 5, 9, 40, 3, 12], strategy, 4, 2, 10, backend)
+    for backend in ("flash", "torch_varlen")
+    for strategy in ("hybrid", "per_document")
 }
 
 
@@ -80,7 +89,12 @@ def _run_case(name, cp, mesh_or_group, rank_in_group):
     from torchtitan_wlb.cp import build_cp_plan
     from torchtitan_wlb.cp.local import build_cp_attention_metadata, shard_tensor
 
-    spec, strategy, n_heads, n_kv, use_dtensor, *max_len = CASES[name]
+    if name in BACKEND_CASES:
+        spec, strategy, n_heads, n_kv, *max_len, backend = BACKEND_CASES[name]
+        use_dtensor = False
+    else:
+        spec, strategy, n_heads, n_kv, use_dtensor, *max_len = CASES[name]
+        backend = "cpu"
     doc_lens = _doc_lens(spec, cp)
     total = int(doc_lens.sum())
     gen = torch.Generator().manual_seed(total * 31 + n_kv)
@@ -97,8 +111,9 @@ def _run_case(name, cp, mesh_or_group, rank_in_group):
     )
     cp_meta = build_cp_attention_metadata(plan, rank_in_group, mesh_or_group)
     meta = DocumentAttentionMetadata(
-        cu_seqlens=torch.zeros(1, dtype=torch.int32), max_seqlen=0, backend="cpu", cp=cp_meta
+        cu_seqlens=torch.zeros(1, dtype=torch.int32), max_seqlen=0, backend=backend, cp=cp_meta
     )
+    calls_before = sum(varlen_kernels.calls.values())
     if use_dtensor:
         mesh = mesh_or_group
 
@@ -116,6 +131,7 @@ def _run_case(name, cp, mesh_or_group, rank_in_group):
         out = attention_from_metadata(ql, kl, vl, meta)
     out.backward(grad_out[idx])
     return {
+        "kernel_calls": sum(varlen_kernels.calls.values()) - calls_before,
         "tokens": int(len(idx)),
         "gathered_share": plan.gathered_len / total,
         "out": _rel(out.detach(), ref_out[idx]),
@@ -163,6 +179,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    varlen_kernels.install(pytest.MonkeyPatch())  # this process only; "cpu" cases unaffected
     results: dict[str, dict] = {}
     try:
         from torch.distributed.device_mesh import init_device_mesh
@@ -181,6 +198,13 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                 try:
                     results[key] = _run_case(name, cp, target, cp_rank)
                 except Exception:  # report, keep the collectives of the other ranks in step
+                    results[key] = {"error": traceback.format_exc()}
+                dist.barrier()
+            for name in BACKEND_CASES if cp == 2 else ():
+                key = f"{name}@cp{cp}"
+                try:
+                    results[key] = _run_case(name, cp, mesh.get_group(), cp_rank)
+                except Exception:
                     results[key] = {"error": traceback.format_exc()}
                 dist.barrier()
             try:
@@ -219,17 +243,32 @@ def results(tmp_path_factory):
     return merged
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("cp", [2, 4])
-@pytest.mark.parametrize("name", [*CASES, "shard_helper"])
-def test_cp_attention_matches_single_device(results, name, cp):
-    per_rank = results[f"{name}@cp{cp}"]
+def _check_ranks(per_rank: list[dict]) -> None:
     assert len(per_rank) == WORLD
     for rank, res in enumerate(per_rank):
         assert "error" not in res, f"rank {rank}: {res.get('error')}"
         assert res["tokens"] >= 1, f"rank {rank} holds no token"
         for field in ("out", "dq", "dk", "dv"):
             assert res[field] <= TOLERANCE, f"rank {rank} {field} rel error {res[field]:.3e}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("name", [*CASES, "shard_helper"])
+def test_cp_attention_matches_single_device(results, name, cp):
+    _check_ranks(results[f"{name}@cp{cp}"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(BACKEND_CASES))
+def test_cuda_backends_path_matches_single_device(results, name):
+    """flash / torch_varlen inside the op (stand-in kernels): values and gradients, GQA, and for
+    hybrid a mix of whole and split documents; every rank called the stand-in kernel."""
+    per_rank = results[f"{name}@cp2"]
+    _check_ranks(per_rank)
+    assert all(res["kernel_calls"] >= 2 for res in per_rank), per_rank  # forward + backward
+    share = per_rank[0]["gathered_share"]
+    assert 0.0 < share < 1.0 if name.endswith("hybrid") else share == 1.0, share
 
 
 # Hybrid cases cover what their names say: share of tokens whose K/V are gathered.

@@ -76,6 +76,9 @@ def test_whole_pass_trains_every_document_once(capsys):
     assert wlb["steps"] >= 3 and wlb["time_to_train_s"] == pytest.approx(sum(wlb["step_times_s"]))
     assert wlb["measured_imbalance"] >= 1.0 and wlb["predicted_imbalance"] >= 1.0
     assert wlb["tokens_per_s"] > 0 and wlb["peak_mem_mb"] > 0
+    # adaptive CP: the shares of micro-batches planned per-document and hybrid
+    assert 0.0 <= wlb["cp_per_document_share"] <= 1.0 and 0.0 <= wlb["cp_hybrid_share"] <= 1.0
+    assert wlb["cp_per_document_share"] + wlb["cp_hybrid_share"] <= 1.0
 
 
 def test_cp_sharding_speedups_compare_against_the_first_sharding():

@@ -90,7 +90,7 @@ class WLBTrainer(Trainer):
                     "measure one for this GPU (python -m torchtitan_wlb.tools.cp_profile --device "
                     "cuda --out FILE) and set [wlb] cp_profile = FILE"
                 )
-        self._cp_stats: list[tuple[int, float]] = []
+        self._cp_stats: list[tuple[str, float]] = []
         self._last_doc_lens: list[int] | None = None
         self._pp_doc_lens: list[list[int]] = []
         documents = job_config.wlb.loader == "documents"
@@ -243,16 +243,12 @@ class WLBTrainer(Trainer):
         self, inputs: Tensor, labels: Tensor, positions: Tensor, doc_lens: np.ndarray, backend: str
     ) -> tuple[Tensor, Tensor, Tensor, DocumentAttentionMetadata]:
         """Shard one micro-batch over the CP group with its own plan (vectorised, ~1 ms)."""
-        from torchtitan_wlb.cp.adaptive import ADAPTIVE_CANDIDATES, build_cp_plan
+        from torchtitan_wlb.cp.adaptive import adaptive_candidates, build_cp_plan
         from torchtitan_wlb.cp.local import build_cp_attention_metadata, shard_tensor
 
         cp_mesh = self.parallel_dims.get_mesh("cp")
         rank = cp_mesh.get_local_rank()
         wlb = self.job_config.wlb
-        # Sequence-parallel TP needs equal local lengths, which hybrid does not guarantee.
-        candidates = ADAPTIVE_CANDIDATES
-        if self.parallel_dims.tp_enabled:
-            candidates = tuple(c for c in candidates if c != "hybrid")
         plan = build_cp_plan(
             doc_lens,
             cp_mesh.size(),
@@ -260,9 +256,9 @@ class WLBTrainer(Trainer):
             profile=self._cp_profile,
             hybrid_max_len=wlb.cp_hybrid_max_len,
             bandwidth_gbps=wlb.cp_bandwidth_gbps,
-            candidates=candidates,
+            candidates=adaptive_candidates(self.parallel_dims.tp_enabled),
         )
-        self._cp_stats.append((int(plan.strategy == "per_document"), plan.flops_imbalance()))
+        self._cp_stats.append((plan.strategy, plan.flops_imbalance()))
         if self._fitter is not None:  # this rank's share: its attention pairs and its tokens
             pairs = plan.rank_attention_pairs()
             d = doc_lens.astype(np.float64)
@@ -421,10 +417,12 @@ class WLBTrainer(Trainer):
     def _flush_cp_stats(self) -> None:
         if not self._cp_stats:
             return
-        chose_doc, imbalance = zip(*self._cp_stats, strict=True)
+        strategies, imbalance = zip(*self._cp_stats, strict=True)
+        chosen = np.asarray(strategies)
         self.metrics_processor.record(
             {
-                "cp_per_document_share": float(np.mean(chose_doc)),
+                "cp_per_document_share": float(np.mean(chosen == "per_document")),
+                "cp_hybrid_share": float(np.mean(chosen == "hybrid")),
                 "cp_flops_imbalance": float(np.mean(imbalance)),
             }
         )

@@ -1,7 +1,6 @@
 """Document-masked causal attention over packed sequences (CPU, flash-attn, torch varlen)."""
 
 from torchtitan_wlb.attention.metadata import (
-    ContextParallelAttention,
     DocumentAttentionMetadata,
     attention_from_metadata,
     metadata_from_doc_lens,
@@ -10,7 +9,6 @@ from torchtitan_wlb.attention.varlen import BACKENDS, document_attention, resolv
 
 __all__ = [
     "BACKENDS",
-    "ContextParallelAttention",
     "DocumentAttentionMetadata",
     "attention_from_metadata",
     "document_attention",

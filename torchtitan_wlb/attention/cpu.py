@@ -1,23 +1,17 @@
 """Vectorised document-masked causal attention for CPU (and any device without a varlen kernel).
 
-Why buckets: a Python loop over documents costs one kernel launch chain per document, which is
-what made earlier reproductions slow on micro-batches of a thousand short documents. Padding every
-segment to the longest one instead costs ``num_segments * max_len**2`` work. The middle road used
-here groups segments by their (query, key) lengths rounded up to a coarse geometric grid (four steps
-per octave, at least ``MIN_BUCKET`` tokens), gathers each group into a dense ``[n, P_q, P_k]`` batch
-and runs one masked SDPA call per group. Segments with more than ``QUERY_BLOCK`` queries are first cut
-into query blocks (each block only sees keys up to its own diagonal), so the dense work tracks the
-causal work, as flash-attention's tile skipping does, within the bucket padding (<= 25 % per
-dimension). The number of Python iterations is the number of distinct buckets, not of documents.
-
-Autograd flows through plain tensor ops (advanced indexing, SDPA, ``index_copy``), so backward needs
-no hand-written kernel.
+Why buckets: a Python loop over documents costs a kernel chain per document, and padding every
+segment to the longest costs ``segments * max_len**2``. Segments are instead grouped by their
+(query, key) lengths rounded up to a geometric grid and each group runs as one masked SDPA; long
+segments are cut into query blocks that see keys up to their own diagonal, so the dense work
+tracks the causal work (docs/context_parallel.md). Autograd flows through plain tensor ops.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 __all__ = ["cpu_document_attention", "bucket_length"]
 
@@ -29,7 +23,7 @@ STEPS_PER_OCTAVE_LOG2 = 2  # 2**2 = 4 grid points per octave: at most 25 % paddi
 MAX_SCORE_ELEMENTS = 1 << 24
 
 
-def bucket_length(lengths: torch.Tensor) -> torch.Tensor:
+def bucket_length(lengths: Tensor) -> Tensor:
     """Round lengths up to the bucket grid (``MIN_BUCKET``, then 4 points per power of two)."""
     clamped = lengths.clamp(min=1).to(torch.int64)
     octave = torch.floor(torch.log2(clamped.to(torch.float64))).to(torch.int64)
@@ -39,13 +33,8 @@ def bucket_length(lengths: torch.Tensor) -> torch.Tensor:
 
 
 def cpu_document_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, scale: float
+) -> Tensor:
     """Segment-wise causal attention, bottom-right aligned, by bucketed dense SDPA.
 
     Shapes follow :func:`torchtitan_wlb.attention.document_attention` (already validated there).
@@ -67,8 +56,6 @@ def cpu_document_attention(
     # follows the causal pairs (like flash-attention skipping masked tiles) instead of l_q * l_k.
     n_blocks = torch.where((len_q > 0) & (len_k > 0), (len_q + QUERY_BLOCK - 1) // QUERY_BLOCK, 0)
     total_blocks = int(n_blocks.sum())
-    if total_blocks == 0:
-        return q.new_zeros((total_q, n_heads, out_dim)) + 0.0 * (q.sum() + k.sum() + v.sum())
     seg = torch.repeat_interleave(torch.arange(len(len_q), device=q.device), n_blocks)
     first_block = torch.cumsum(n_blocks, 0) - n_blocks
     offset = (torch.arange(total_blocks, device=q.device) - first_block[seg]) * QUERY_BLOCK
@@ -89,42 +76,30 @@ def cpu_document_attention(
     group_keys, group_counts = torch.unique_consecutive(key[order], return_counts=True)
 
     gqa = n_heads != n_kv_heads
-    dest_parts: list[torch.Tensor] = []
-    value_parts: list[torch.Tensor] = []
+    parts: list[tuple[Tensor, Tensor]] = []  # (query rows written, their outputs) per call
     start = 0
     for group_key, count in zip(group_keys.tolist(), group_counts.tolist(), strict=True):
         p_q, p_k = divmod(group_key, stride_k)
         per_call = max(1, MAX_SCORE_ELEMENTS // (n_heads * p_q * p_k))
         for sub in range(start, start + count, per_call):
             blocks = order[sub : min(sub + per_call, start + count)]
-            dest, values = _dense_group(
+            parts.append(_dense_group(
                 q, k, v, blk_q0[blocks], blk_lq[blocks], blk_k0[blocks], blk_lk[blocks],
                 p_q, p_k, scale, gqa,
-            )  # fmt: skip
-            dest_parts.append(dest)
-            value_parts.append(values)
+            ))  # fmt: skip
         start += count
+    dest, values = zip(*parts, strict=True)
     out = q.new_zeros((total_q, n_heads, out_dim))
-    return out.index_copy(0, torch.cat(dest_parts), torch.cat(value_parts))
+    return out.index_copy(0, torch.cat(dest), torch.cat(values))
 
 
 def _dense_group(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_start: torch.Tensor,
-    len_q: torch.Tensor,
-    k_start: torch.Tensor,
-    len_k: torch.Tensor,
-    p_q: int,
-    p_k: int,
-    scale: float,
-    gqa: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q: Tensor, k: Tensor, v: Tensor, q_start: Tensor, len_q: Tensor, k_start: Tensor,
+    len_k: Tensor, p_q: int, p_k: int, scale: float, gqa: bool,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
     """Attention of one bucket of blocks: returns (query rows written, their outputs)."""
-    device = q.device
-    q_pos = torch.arange(p_q, device=device)
-    k_pos = torch.arange(p_k, device=device)
+    q_pos = torch.arange(p_q, device=q.device)
+    k_pos = torch.arange(p_k, device=q.device)
     lq = len_q[:, None]
     lk = len_k[:, None]
     # Padded rows/columns point at a real row (clamped); they are masked or discarded below.
@@ -148,6 +123,6 @@ def _dense_group(
     return q_rows[keep], ob[keep]
 
 
-def _rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def _rows(x: Tensor, rows: Tensor) -> Tensor:
     """``x[rows]`` for a 2-D index ``[n, p]`` into the token dim of ``x [tokens, heads, dim]``."""
     return x.index_select(0, rows.reshape(-1)).view(*rows.shape, *x.shape[1:])

@@ -1,8 +1,7 @@
 """CUDA varlen backends: flash-attn's ``flash_attn_varlen_func`` and ``torch.nn.attention.varlen``.
 
-Both kernels implement exactly the semantics of :func:`document_attention`: packed ``[tokens, heads,
-dim]`` inputs, ``int32`` cumulative sequence lengths, causal masking aligned to the bottom-right corner
-when a segment has fewer queries than keys (flash-attn >= 2.1 convention), native GQA. Imports are
+Both implement :func:`document_attention`'s semantics natively (packed ``[tokens, heads, dim]``,
+int32 ``cu_seqlens``, causal aligned bottom-right as in flash-attn >= 2.1, GQA). Imports are
 guarded so this module loads on CPU-only installs; availability is probed once.
 """
 
@@ -12,8 +11,9 @@ import functools
 import inspect
 
 import torch
+from torch import Tensor
 
-__all__ = ["flash_available", "torch_varlen_available", "flash_attention", "torch_varlen_attention"]
+__all__ = ["cuda_attention", "flash_available", "torch_varlen_available"]
 
 
 @functools.cache
@@ -34,6 +34,11 @@ def _torch_varlen_fn():
     return varlen_attn
 
 
+@functools.cache
+def _varlen_params() -> frozenset[str]:
+    return frozenset(inspect.signature(_torch_varlen_fn()).parameters)
+
+
 def flash_available() -> bool:
     """flash-attn is importable and a CUDA device exists."""
     return torch.cuda.is_available() and _flash_fn() is not None
@@ -44,52 +49,29 @@ def torch_varlen_available() -> bool:
     return torch.cuda.is_available() and _torch_varlen_fn() is not None
 
 
-def flash_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    scale: float,
-) -> torch.Tensor:
-    """flash-attn varlen, causal (bottom-right); GQA is native (fewer KV heads accepted)."""
-    fn = _flash_fn()
-    if fn is None:
-        raise ValueError("backend='flash' needs the flash-attn package (pip install flash-attn)")
-    return fn(
-        q,
-        k,
-        v,
-        cu_seqlens_q.to(device=q.device, dtype=torch.int32),
-        cu_seqlens_k.to(device=q.device, dtype=torch.int32),
-        max_seqlen_q,
-        max_seqlen_k,
-        dropout_p=0.0,
-        softmax_scale=scale,
-        causal=True,
-    )
+def cuda_attention(
+    backend: str, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor,
+    max_q: int, max_k: int, scale: float,
+) -> Tensor:  # fmt: skip
+    """``backend`` ``"flash"`` or ``"torch_varlen"`` on :func:`document_attention`'s arguments.
 
-
-def torch_varlen_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    scale: float,
-) -> torch.Tensor:
-    """``torch.nn.attention.varlen.varlen_attn``; adapts to the keyword set of the installed torch.
-
-    torch 2.13 expresses causality as ``window_size=(-1, 0)`` and GQA as ``enable_gqa``; earlier
-    releases (2.9-2.11) had ``is_causal`` and no GQA flag, in which case KV heads are repeated.
+    torch's ``varlen_attn`` adapts to the installed torch: 2.13 expresses causality as
+    ``window_size=(-1, 0)`` and GQA as ``enable_gqa``; 2.9-2.11 had ``is_causal`` and no GQA
+    flag, so KV heads are repeated there.
     """
-    fn = _torch_varlen_fn()
+    flash = backend == "flash"
+    fn = _flash_fn() if flash else _torch_varlen_fn()
     if fn is None:
-        raise ValueError("backend='torch_varlen' needs torch >= 2.9 (torch.nn.attention.varlen)")
+        need = "the flash-attn package (pip install flash-attn)"
+        if not flash:
+            need = "torch >= 2.9 (torch.nn.attention.varlen)"
+        raise ValueError(f"backend={backend!r} needs {need}")
+    cu_q = cu_q.to(device=q.device, dtype=torch.int32)
+    cu_k = cu_k.to(device=q.device, dtype=torch.int32)
+    if flash:
+        return fn(
+            q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale, causal=True
+        )
     params = _varlen_params()
     kwargs: dict = {"scale": scale}
     if "window_size" in params:
@@ -103,18 +85,4 @@ def torch_varlen_attention(
             repeat = q.shape[1] // k.shape[1]
             k = k.repeat_interleave(repeat, dim=1)
             v = v.repeat_interleave(repeat, dim=1)
-    return fn(
-        q,
-        k,
-        v,
-        cu_seqlens_q.to(device=q.device, dtype=torch.int32),
-        cu_seqlens_k.to(device=q.device, dtype=torch.int32),
-        max_seqlen_q,
-        max_seqlen_k,
-        **kwargs,
-    )
-
-
-@functools.cache
-def _varlen_params() -> frozenset[str]:
-    return frozenset(inspect.signature(_torch_varlen_fn()).parameters)
+    return fn(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)

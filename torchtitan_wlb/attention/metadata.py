@@ -1,12 +1,9 @@
 """The attention metadata the model receives through ``attention_masks``.
 
-The model's attention module does not know whether context parallelism is on: it hands its local
-``q, k, v`` and this object to :func:`attention_from_metadata`, which runs plain document attention or,
-when the object carries a rank's context-parallel metadata, asks that metadata to run the CP op.
-
-Why the CP metadata runs itself: context parallelism (``torchtitan_wlb.cp``) is built on this
-package's kernels, so this package cannot import it; it only knows the
-:class:`ContextParallelAttention` protocol, which the CP op's metadata implements.
+The model's attention does not know whether context parallelism is on:
+:func:`attention_from_metadata` runs plain document attention, or asks the rank's CP metadata to run
+the CP op (``cp`` is built on this package, so this package only knows the
+:class:`ContextParallelAttention` protocol).
 """
 
 from __future__ import annotations
@@ -65,9 +62,7 @@ def metadata_from_doc_lens(
         raise ValueError(f"doc_lens must be a non-empty 1-D list of lengths >= 1; got {doc_lens}")
     cu = torch.zeros(lens.numel() + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(lens, 0)
-    return DocumentAttentionMetadata(
-        cu_seqlens=cu.to(device), max_seqlen=int(lens.max()), backend=backend
-    )
+    return DocumentAttentionMetadata(cu.to(device), int(lens.max()), backend)
 
 
 def attention_from_metadata(
@@ -80,12 +75,6 @@ def attention_from_metadata(
     if meta.cp is not None:
         return meta.cp.attend(q, k, v, backend=meta.backend)
     return document_attention(
-        q,
-        k,
-        v,
-        meta.cu_seqlens,
-        meta.cu_seqlens,
-        meta.max_seqlen,
-        meta.max_seqlen,
+        q, k, v, meta.cu_seqlens, meta.cu_seqlens, meta.max_seqlen, meta.max_seqlen,
         backend=meta.backend,
-    )
+    )  # fmt: skip

@@ -1,8 +1,7 @@
 """``document_attention``: one entry point for document-masked causal attention on packed tokens.
 
-Packed micro-batches hold several documents back to back; a token must attend only to earlier tokens
-of its own document. Every backend here takes the flash-attn varlen layout (``[tokens, heads, dim]``
-plus ``cu_seqlens``), so the model and the context-parallel op do not care which kernel runs.
+Every backend takes the flash-attn varlen layout (``[tokens, heads, dim]`` plus ``cu_seqlens``), so
+the model and the context-parallel op do not care which kernel runs.
 """
 
 from __future__ import annotations
@@ -10,26 +9,19 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import Tensor
 
 from torchtitan_wlb.attention.cpu import cpu_document_attention
-from torchtitan_wlb.attention.cuda import (
-    flash_attention,
-    flash_available,
-    torch_varlen_attention,
-    torch_varlen_available,
-)
+from torchtitan_wlb.attention.cuda import cuda_attention, flash_available, torch_varlen_available
 
-__all__ = ["BACKENDS", "document_attention", "resolve_backend"]
+__all__ = ["BACKENDS", "check_qkv", "document_attention", "resolve_backend"]
 
 BACKENDS = ("auto", "cpu", "flash", "torch_varlen")
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """Map ``"auto"`` to a concrete backend for ``device``; check explicit choices are usable.
-
-    ``auto`` prefers flash-attn on CUDA (fastest, supports GQA natively), then torch's varlen kernel,
-    and falls back to the bucketed implementation, which runs on any device.
-    """
+    """Map ``"auto"`` to a concrete backend for ``device`` (flash-attn on CUDA, then torch's varlen
+    kernel, else the bucketed CPU implementation, which runs anywhere); check explicit choices."""
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}")
     is_cuda = device.type == "cuda"
@@ -45,17 +37,9 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 def document_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    *,
-    scale: float | None = None,
-    backend: str = "auto",
-) -> torch.Tensor:
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, *, scale: float | None = None, backend: str = "auto",
+) -> Tensor:  # fmt: skip
     """Causal attention within segments of a packed sequence.
 
     Args:
@@ -72,43 +56,36 @@ def document_attention(
         with ``l_q`` queries and ``l_k`` keys sits at key position ``l_k - l_q + j`` and sees keys
         ``0 .. l_k - l_q + j``; a query that sees no key (``l_q > l_k``) gets zeros.
     """
-    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
+    check_qkv(q, k, v)
+    _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     chosen = resolve_backend(backend, q.device)
-    if chosen == "flash":
-        return flash_attention(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale
-        )
-    if chosen == "torch_varlen":
-        return torch_varlen_attention(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale
-        )
-    return cpu_document_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
+    if chosen == "cpu":
+        return cpu_document_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
+    return cuda_attention(
+        chosen, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale
+    )
 
 
-def _check_inputs(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_q: torch.Tensor,
-    cu_k: torch.Tensor,
-) -> None:
-    """Shape checks always; value checks of cu_seqlens only for host tensors (no device sync)."""
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp: bool = False) -> None:
+    """``[tokens, heads, head_dim]`` q, k, v; k and v share tokens and KV heads, q and k the head
+    dim; query heads a multiple of KV heads. ``cp``: a CP rank's local tensors, where q, k, v are
+    the same tokens and k, v go into one all-gather buffer (equal shapes)."""
+    shapes = f"q={tuple(q.shape)}, k={tuple(k.shape)}, v={tuple(v.shape)}"
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(
-            "q, k, v must be [tokens, heads, head_dim]; got shapes "
-            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
+        raise ValueError(f"q, k, v must be [tokens, heads, head_dim]; got shapes {shapes}")
     if k.shape[:2] != v.shape[:2] or q.shape[2] != k.shape[2]:
-        raise ValueError(
-            "k and v must share [tokens, kv_heads] and q/k the head_dim; got shapes "
-            f"q={tuple(q.shape)}, k={tuple(k.shape)}, v={tuple(v.shape)}"
-        )
+        raise ValueError(f"k and v must share [tokens, kv_heads] and q/k the head_dim; {shapes}")
+    if cp and (k.shape != v.shape or q.shape[0] != k.shape[0]):
+        raise ValueError(f"under CP, k and v must be equal and q the same tokens; {shapes}")
     if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
         raise ValueError(
             f"n_heads={q.shape[1]} must be a multiple of n_kv_heads={k.shape[1]} (GQA)"
         )
+
+
+def _check_cu_seqlens(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int) -> None:
+    """Shapes always; values only for host tensors (no device sync)."""
     if cu_q.dim() != 1 or cu_k.dim() != 1 or cu_q.numel() != cu_k.numel() or cu_q.numel() < 1:
         raise ValueError(
             "cu_seqlens_q and cu_seqlens_k must be 1-D with the same length >= 1; got shapes "
@@ -116,7 +93,7 @@ def _check_inputs(
         )
     if cu_q.device.type != "cpu" or cu_k.device.type != "cpu":
         return
-    for name, cu, total in (("cu_seqlens_q", cu_q, q.shape[0]), ("cu_seqlens_k", cu_k, k.shape[0])):
+    for name, cu, total in (("cu_seqlens_q", cu_q, total_q), ("cu_seqlens_k", cu_k, total_k)):
         if int(cu[0]) != 0 or int(cu[-1]) != total:
             raise ValueError(
                 f"{name} must start at 0 and end at {total} (the token count); "

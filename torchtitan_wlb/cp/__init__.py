@@ -4,16 +4,7 @@
 tensors a rank feeds it (``cp.local``) are imported where a process group exists.
 """
 
-from torchtitan_wlb.cp.adaptive import STRATEGIES, build_cp_plan
-from torchtitan_wlb.cp.plan import CPPlan, LocalAttentionSpec
-from torchtitan_wlb.cp.profile import CPProfile, default_profile, resolve_profile
+from torchtitan_wlb.cp.adaptive import build_cp_plan
+from torchtitan_wlb.cp.profile import CPProfile, default_profile
 
-__all__ = [
-    "STRATEGIES",
-    "CPPlan",
-    "CPProfile",
-    "LocalAttentionSpec",
-    "build_cp_plan",
-    "default_profile",
-    "resolve_profile",
-]
+__all__ = ["CPProfile", "build_cp_plan", "default_profile"]

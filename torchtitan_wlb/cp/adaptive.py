@@ -1,23 +1,11 @@
 """Choosing a micro-batch's CP sharding: a fixed strategy, or adaptive selection by predicted time.
 
-``adaptive`` drafts per-sequence, per-document and hybrid sharding (:mod:`torchtitan_wlb.cp.plan`),
-predicts each one's time and keeps the fastest; only the winner's local layout is built. The
-prediction is one layer's attention, forward and backward, on the slowest rank::
-
-    predicted = compute (slowest rank, measured throughput table of :mod:`torchtitan_wlb.cp.profile`)
-              + 3 x K/V bytes each rank gathers / bandwidth
-
-Why both terms: per-document chunks are small and run at a lower achieved throughput, which can
-outweigh their better balance (per-sequence wins); hybrid keeps short documents whole, so its chunks
-are large *and* it gathers K/V of the split documents only, which matters where the CP link is slow
-(across nodes) or the micro-batch holds many short documents; per-document wins where a few long
-documents dominate and hybrid's whole documents cannot be balanced. The factor 3: the CP op
-all-gathers K/V in forward, gathers them again in backward and reduce-scatters dK/dV of the same
-size. Compute and bytes are both those of the profile's attention shape (its heads, KV heads, head
-dim and dtype), so measure the profile with the model's per-GPU heads.
-
-This module sits above both the plan (pure index arithmetic) and the profile (a measured table), so
-that neither depends on the other's concerns.
+``adaptive`` drafts per-sequence, per-document and hybrid sharding and keeps the one with the least
+predicted time of one layer's attention, forward and backward, on the slowest rank: compute from
+the measured throughput table (:mod:`torchtitan_wlb.cp.profile`) plus 3 x the K/V bytes each rank
+gathers over the CP bandwidth (forward all-gather, backward re-gather, dK/dV reduce-scatter). Why
+each can win: docs/context_parallel.md. This module sits above both the plan (index arithmetic)
+and the profile (a measured table), so that neither depends on the other.
 """
 
 from __future__ import annotations
@@ -40,6 +28,7 @@ __all__ = [
     "ADAPTIVE_CANDIDATES",
     "DEFAULT_CP_BANDWIDTH_GBPS",
     "STRATEGIES",
+    "adaptive_candidates",
     "build_cp_plan",
     "predicted_seconds",
 ]
@@ -49,13 +38,15 @@ ADAPTIVE_CANDIDATES = ("per_sequence", "per_document", "hybrid")
 """The fixed strategies adaptive selection chooses among (ties keep the earlier one)."""
 
 DEFAULT_CP_BANDWIDTH_GBPS = 50.0
-"""Default per-GPU bandwidth of the CP collectives, GB/s (``[wlb] cp_bandwidth_gbps``).
+"""Default per-GPU bandwidth of the CP collectives, GB/s (``[wlb] cp_bandwidth_gbps``): one 400 Gb/s
+NIC per GPU, what a CP group crosses when TP fills each node (docs/context_parallel.md)."""
 
-Why 50: TorchTitan places CP next to TP in the device mesh, so with TP filling an 8-GPU node a CP
-group spans nodes and its collectives run at the per-GPU network rate: one 400 Gb/s InfiniBand or
-RoCE NIC per GPU is 50 GB/s. That is where the gathered bytes matter, so it is the default that lets
-adaptive see them; a CP group inside one NVLink node moves 200-400 GB/s (set that), gloo on one CPU
-host a few GB/s."""
+
+def adaptive_candidates(sequence_parallel: bool) -> tuple[str, ...]:
+    """The candidates of ``"adaptive"``: without hybrid under sequence-parallel TP, which needs
+    local lengths equal across CP ranks and hybrid does not guarantee them."""
+    return tuple(c for c in ADAPTIVE_CANDIDATES if not (sequence_parallel and c == "hybrid"))
+
 
 _TRANSFERS_PER_LAYER = 3.0  # forward all-gather + backward re-gather + dK/dV reduce-scatter
 
@@ -98,19 +89,15 @@ def build_cp_plan(
         doc_lens: 1-D document lengths (each >= 1), in packed order.
         cp_degree: CP ranks ``c`` (``1 <= c <= sum(doc_lens)``).
         strategy: ``"per_sequence" | "per_document" | "hybrid" | "adaptive"``.
-        profile: throughput table for ``"adaptive"`` (a :class:`CPProfile` or a JSON path);
-            ``None`` loads the packaged CPU default.
+        profile: ``"adaptive"``'s throughput table (object or JSON path; ``None``: packaged CPU one).
         seq_len: if given, the packed length the lengths must sum to.
-        hybrid_max_len: ``"hybrid"``'s whole-document threshold in tokens (``[wlb]
-            cp_hybrid_max_len``); 0: chosen per micro-batch (``plan.auto_hybrid_max_len``).
-        bandwidth_gbps: ``"adaptive"``: per-GPU bandwidth of the CP collectives in GB/s (``[wlb]
-            cp_bandwidth_gbps``), which prices the gathered K/V.
-        candidates: ``"adaptive"``: the fixed strategies it chooses among (default all three;
-            the simulator's reproduction of the paper passes its two).
+        hybrid_max_len: ``[wlb] cp_hybrid_max_len`` (0: chosen per micro-batch).
+        bandwidth_gbps: ``"adaptive"``: ``[wlb] cp_bandwidth_gbps``, which prices gathered K/V.
+        candidates: ``"adaptive"``: the fixed strategies it chooses among (the simulator's
+            reproduction of the paper passes its two).
 
-    With ``"adaptive"`` the plan records ``requested="adaptive"`` and every candidate's predicted
-    seconds (compute + communication, :func:`predicted_seconds`) in ``estimated_seconds``; a tie
-    keeps the earlier candidate.
+    ``"adaptive"`` records ``requested="adaptive"`` and every candidate's predicted seconds
+    (:func:`predicted_seconds`, summed) in ``estimated_seconds``; a tie keeps the earlier one.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"CP strategy {strategy!r} is not one of {STRATEGIES}")

@@ -1,12 +1,8 @@
 """This rank's share of a CP plan as tensors: its tokens of any tensor, and the CP op's metadata.
 
-The plan (:mod:`torchtitan_wlb.cp.plan`) is index arithmetic in NumPy; these adapters turn its index
-arrays into tensors on the compute device and check them against the process group, next to the op
-(:mod:`torchtitan_wlb.cp.op`) that consumes them. The trainer calls them once per micro-batch::
-
-    plan = build_cp_plan(doc_lens, cp_degree, strategy, profile)
-    local_inputs = shard_tensor(plan, cp_rank, inputs, dim=1)
-    meta = build_cp_attention_metadata(plan, cp_rank, cp_mesh, device=inputs.device)
+The plan is index arithmetic in NumPy; these adapters turn its index arrays into tensors on the
+compute device and check them against the process group (once per micro-batch; usage in
+docs/context_parallel.md).
 """
 
 from __future__ import annotations
@@ -15,6 +11,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan_wlb.cp.op import CPAttentionMetadata
 from torchtitan_wlb.cp.plan import CPPlan
@@ -37,8 +34,6 @@ def shard_tensor(plan: CPPlan, rank: int, tensor: torch.Tensor, dim: int = -1) -
 def resolve_cp_group(mesh_or_group: Any) -> dist.ProcessGroup:
     """The CP process group from a ProcessGroup, a 1-D DeviceMesh, or a DeviceMesh with a ``"cp"``
     dimension (TorchTitan names its context-parallel mesh dimension ``"cp"``)."""
-    from torch.distributed.device_mesh import DeviceMesh
-
     if isinstance(mesh_or_group, dist.ProcessGroup):
         return mesh_or_group
     if isinstance(mesh_or_group, DeviceMesh):

@@ -1,20 +1,11 @@
 """Achieved attention throughput by (q_len, kv_len): the table adaptive CP selection looks up.
 
-Why a measured table: per-document sharding cuts documents into ``2c`` small chunks, and a kernel
-runs small query blocks far below its peak (a 128-token tile that holds 20 real queries is mostly
-padding; Hopper's multicast only helps from q_len >= 256). Whether the better balance of per-document
-sharding beats the lower throughput depends on the kernel and the hardware, so the decision uses a table
-measured on the machine in use.
-
-Convention: ``tflops[i, j]`` is the *padded* forward + backward attention FLOPs of a segment with
-``lengths[i]`` queries and ``lengths[j]`` keys (both rounded up to ``tile``), divided by the measured
-time per segment, in TFLOP/s. Estimating a segment's time with the same padded count divided by the
-table value reproduces the measurement exactly at grid points. Lookups use the largest grid point <=
-the length (clamped to the grid's ends).
-
-A CPU table (``profiles/cpu_default.json``) ships with the package; re-measure for your hardware with
-``python -m torchtitan_wlb.tools.cp_profile --device cuda --out my_profile.json`` and pass that path as
-``[wlb] cp_profile``.
+Why measured: a kernel runs small query chunks far below its peak (a 128-token tile holding 20 real
+queries is mostly padding), so whether per-document sharding's better balance beats its lower
+throughput depends on kernel and hardware. ``tflops[i, j]`` is the *padded* forward + backward
+FLOPs of a segment with ``lengths[i]`` queries and ``lengths[j]`` keys (rounded up to ``tile``)
+over its measured time; lookups take the largest grid point <= the length, clamped to the grid
+(docs/context_parallel.md: the shipped CPU table and how to measure one).
 """
 
 from __future__ import annotations
@@ -46,6 +37,8 @@ __all__ = [
 # matmuls), per (query, key) pair, per head, per head-dim element.
 FLOPS_PER_PAIR_PER_HEAD_DIM = 4.0 * 3.5
 MAX_LUT_LENGTH = 1 << 20  # grids up to this length use a direct lookup table (<= 8 MB)
+_SCALAR_FIELDS = {"tile": int, "device": str, "backend": str, "n_heads": int, "n_kv_heads": int,
+                  "head_dim": int, "dtype": str}  # fmt: skip
 
 
 def attention_flops(q_len, kv_len, n_heads: int, head_dim: int) -> np.ndarray:
@@ -103,27 +96,22 @@ class CPProfile:
         if self.tile < 1:
             raise ValueError(f"profile tile must be >= 1; got {self.tile}")
 
-    @property
+    @functools.cached_property
     def table(self) -> np.ndarray:
         """``tflops`` as a read-only float64 array (cached: the profile is immutable)."""
-        cached = self.__dict__.get("_table")
-        if cached is None:
-            cached = np.asarray(self.tflops, dtype=np.float64)
-            cached.flags.writeable = False
-            object.__setattr__(self, "_table", cached)
-        return cached
+        table = np.asarray(self.tflops, dtype=np.float64)
+        table.flags.writeable = False
+        return table
 
+    @functools.cached_property
     def _grid_lut(self) -> np.ndarray:
         """``lut[x]`` = index of the largest grid length <= x (0 below the grid), for
         ``0 <= x <= lengths[-1]``: one gather per lookup instead of a binary search."""
-        cached = self.__dict__.get("_lut")
-        if cached is None:
-            grid = np.asarray(self.lengths)
-            cached = np.searchsorted(grid, np.arange(grid[-1] + 1), side="right") - 1
-            cached = np.maximum(cached, 0).astype(np.int64)
-            cached.flags.writeable = False
-            object.__setattr__(self, "_lut", cached)
-        return cached
+        grid = np.asarray(self.lengths)
+        lut = np.maximum(np.searchsorted(grid, np.arange(grid[-1] + 1), side="right") - 1, 0)
+        lut = lut.astype(np.int64)
+        lut.flags.writeable = False
+        return lut
 
     def lookup_tflops(self, q_len: np.ndarray, kv_len: np.ndarray) -> np.ndarray:
         """Achieved TFLOP/s for each (q_len, kv_len); largest grid point <= length, clamped."""
@@ -132,7 +120,7 @@ class CPProfile:
             qi = np.clip(np.searchsorted(grid, q_len, side="right") - 1, 0, grid.size - 1)
             ki = np.clip(np.searchsorted(grid, kv_len, side="right") - 1, 0, grid.size - 1)
             return self.table[qi, np.maximum(ki, qi)]
-        lut = self._grid_lut()
+        lut = self._grid_lut
         top = len(lut) - 1
         qi = lut[np.clip(q_len, 0, top)]
         ki = lut[np.clip(kv_len, 0, top)]
@@ -163,15 +151,9 @@ class CPProfile:
 
     def estimate_plan_seconds(self, plan: CPPlan) -> float:
         """Estimated attention time of the slowest rank under ``plan``."""
-        return self.estimate_seconds(plan.seg_start, plan.seg_len, plan.seg_slot, plan.cp_degree)
-
-    def estimate_seconds(
-        self, seg_start: np.ndarray, seg_len: np.ndarray, seg_slot: np.ndarray, cp_degree: int
-    ) -> float:
-        """Slowest rank's estimated time for a segment table (see ``CPPlan``'s fields)."""
-        seconds = self.segment_seconds(seg_len, seg_start + seg_len)
-        owner = np.minimum(seg_slot, 2 * cp_degree - 1 - seg_slot)
-        return float(np.bincount(owner, weights=seconds, minlength=cp_degree).max())
+        seconds = self.segment_seconds(plan.seg_len, plan.seg_start + plan.seg_len)
+        owner = np.minimum(plan.seg_slot, 2 * plan.cp_degree - 1 - plan.seg_slot)
+        return float(np.bincount(owner, weights=seconds, minlength=plan.cp_degree).max())
 
     # ------------------------------------------------------------------------------------ I/O
     def to_json(self) -> str:
@@ -182,24 +164,16 @@ class CPProfile:
     @classmethod
     def from_json(cls, text: str) -> CPProfile:
         data = json.loads(text)
-        fields = {"lengths", "tflops", "tile", "device", "backend", "n_heads", "n_kv_heads"}
-        fields |= {"head_dim", "dtype"}
-        missing = sorted(fields - set(data))
+        missing = sorted({"lengths", "tflops", *_SCALAR_FIELDS} - set(data))
         if missing:
             raise ValueError(f"profile JSON lacks the fields {missing}")
-        rows = tuple(
-            tuple(float("nan") if x is None else float(x) for x in row) for row in data["tflops"]
-        )
         return cls(
             lengths=tuple(int(x) for x in data["lengths"]),
-            tflops=rows,
-            tile=int(data["tile"]),
-            device=str(data["device"]),
-            backend=str(data["backend"]),
-            n_heads=int(data["n_heads"]),
-            n_kv_heads=int(data["n_kv_heads"]),
-            head_dim=int(data["head_dim"]),
-            dtype=str(data["dtype"]),
+            tflops=tuple(
+                tuple(float("nan") if x is None else float(x) for x in row)
+                for row in data["tflops"]
+            ),
+            **{name: cast(data[name]) for name, cast in _SCALAR_FIELDS.items()},
         )
 
     @classmethod
@@ -230,26 +204,15 @@ def resolve_profile(profile: CPProfile | str | Path | None) -> CPProfile:
 
 # ------------------------------------------------------------------------------- measurement
 def measure_profile(
-    lengths: list[int],
-    *,
-    device: str = "cpu",
-    backend: str = "auto",
-    n_heads: int = 4,
-    n_kv_heads: int = 2,
-    head_dim: int = 32,
-    dtype: str = "float32",
-    tile: int | None = None,
-    pairs_per_cell: int = 1 << 19,
-    repeats: int = 3,
-    log=None,
-) -> CPProfile:
+    lengths: list[int], *, device: str = "cpu", backend: str = "auto", n_heads: int = 4,
+    n_kv_heads: int = 2, head_dim: int = 32, dtype: str = "float32", tile: int | None = None,
+    pairs_per_cell: int = 1 << 19, repeats: int = 3, log=None,
+) -> CPProfile:  # fmt: skip
     """Time forward + backward of ``document_attention`` for every (q_len <= kv_len) grid cell.
 
-    Each cell packs ``m`` identical segments (``q_len`` queries against a ``kv_len`` key prefix) so
-    that a cell computes about ``pairs_per_cell`` (query, key) pairs: small cells are timed over many
-    segments, the way per-document chunks arrive in a micro-batch. The median of ``repeats`` timed runs
-    (after one warm-up) is used. On CUDA, wall-clock time with device synchronisation; on CPU,
-    process CPU time (see ``_median_time``).
+    A cell packs ``m`` identical segments (``q_len`` queries against a ``kv_len`` key prefix), about
+    ``pairs_per_cell`` (query, key) pairs in all: small cells are timed over many segments, the way
+    per-document chunks arrive in a micro-batch. Median of ``repeats`` runs after one warm-up.
     """
     import torch
 
@@ -267,11 +230,10 @@ def measure_profile(
         for j in range(i, n):
             kv_len = grid[j]
             m = max(1, pairs_per_cell // int(causal_pairs(q_len, kv_len)))
-            q = torch.randn(m * q_len, n_heads, head_dim, device=dev, dtype=torch_dtype)
-            k = torch.randn(m * kv_len, n_kv_heads, head_dim, device=dev, dtype=torch_dtype)
-            v = torch.randn_like(k)
-            for t in (q, k, v):
-                t.requires_grad_(True)
+            like = {"device": dev, "dtype": torch_dtype, "requires_grad": True}
+            q = torch.randn(m * q_len, n_heads, head_dim, **like)
+            k = torch.randn(m * kv_len, n_kv_heads, head_dim, **like)
+            v = torch.randn_like(k, requires_grad=True)
             cu_q = torch.arange(m + 1, dtype=torch.int32, device=dev) * q_len
             cu_k = torch.arange(m + 1, dtype=torch.int32, device=dev) * kv_len
             grad = torch.randn_like(q)
@@ -288,17 +250,8 @@ def measure_profile(
             if log is not None:
                 log(f"q_len={q_len} kv_len={kv_len} segments={m} {table[i, j]:.4f} TFLOP/s")
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    return CPProfile(
-        lengths=tuple(grid),
-        tflops=tuple(tuple(float(x) for x in row) for row in table),
-        tile=tile,
-        device=name,
-        backend=chosen,
-        n_heads=n_heads,
-        n_kv_heads=n_kv_heads,
-        head_dim=head_dim,
-        dtype=dtype,
-    )
+    rows = tuple(tuple(float(x) for x in row) for row in table)
+    return CPProfile(tuple(grid), rows, tile, name, chosen, n_heads, n_kv_heads, head_dim, dtype)
 
 
 def _median_time(step, dev, repeats: int) -> float:
@@ -310,10 +263,7 @@ def _median_time(step, dev, repeats: int) -> float:
     cuda = dev.type == "cuda"
     clock = time.perf_counter if cuda else time.process_time
 
-    def sync():
-        if cuda:
-            torch.cuda.synchronize(dev)
-
+    sync = (lambda: torch.cuda.synchronize(dev)) if cuda else (lambda: None)
     step()  # warm-up (kernel selection, allocator)
     times = []
     for _ in range(repeats):

@@ -1,37 +1,13 @@
 """torch's CP load-balancer interface, both ways: this project's plans as a torch ``_LoadBalancer``,
 and torch's own balancers measured by what each rank holds.
 
-**Our plans through torch's interface.** :class:`PlanLoadBalancer` is a ``_LoadBalancer`` whose
-rearrange indices lay a micro-batch out rank-major in one of this project's CP plans
-(``per_document``, or any fixed strategy of :func:`torchtitan_wlb.cp.plan.draft_sharding`), so that
-torch's ``_context_parallel_shard`` gives every rank exactly the tokens the plan gives it and
-``context_parallel_unshard`` restores global order; ``lb.plans[b]`` is then what the CP op's
-metadata is built from (:func:`torchtitan_wlb.cp.local.build_cp_attention_metadata`). This is how a
-CP path written against torch's API (TorchTitan's) could adopt the plans.
-
-**torch's balancers in our terms.**
-
-torch 2.13 ships three load balancers for its context parallelism
-(``torch.distributed.tensor.experimental._context_parallel``): ``_HeadTailLoadBalancer`` (the whole
-sequence cut into ``2c`` chunks, rank ``r`` keeps chunks ``r`` and ``2c-1-r``),
-``_PerDocumentHeadTailLoadBalancer`` (the head-tail cut applied inside every document) and
-``_PTRRLoadBalancer`` (flex-attention blocks dealt to ranks by processing time, round robin). Each
-returns *rearrange indices*; ``_context_parallel_shard`` then gives rank ``r`` the ``r``-th of ``c``
-equal contiguous pieces of the rearranged sequence. This module runs the balancers themselves on a
-micro-batch and derives every rank's token set from their indices exactly that way, so the figures
-are what torch's own code does, not a re-derivation of what it is meant to do (e.g. the per-document
-balancer lays its output out document-major, so the contiguous pieces are not per-document
-balanced).
-
-torch's balancers need divisible lengths: head-tail a sequence of ``2c·k`` tokens, per-document every
-document a multiple of ``2c`` tokens, PTRR whole blocks dealt evenly (``128·c·k`` tokens). Each is fed
-the smallest padding that satisfies it, the way a caller would have to: a padding document at the end
-(head-tail, PTRR) or every document padded to the next multiple of ``2c`` (per-document). Padding
-tokens are counted, as the work and memory they are.
-
-:func:`assignment_stats` measures any per-token rank assignment (this project's plans too) the same
-way: document-masked attention FLOPs (a query at position ``p`` of its document attends ``p + 1``
-keys), tokens, K/V received by all-gather, and chunks under the kernel tile.
+:class:`PlanLoadBalancer` lets a CP path written against torch's API (TorchTitan's) shard with the
+plans. :func:`torch_assignment` runs torch 2.13's ``_HeadTailLoadBalancer``,
+``_PerDocumentHeadTailLoadBalancer`` and ``_PTRRLoadBalancer`` on a micro-batch, each with the
+smallest padding its divisibility rule needs, and derives every rank's tokens from their rearrange
+indices as ``_context_parallel_shard`` does (``c`` equal contiguous pieces), so the figures are what
+torch's code does rather than what it is meant to do. :func:`assignment_stats` measures any
+token-to-rank assignment, the plans' too, the same way (docs/benchmarks_cp.md).
 """
 
 from __future__ import annotations
@@ -62,31 +38,22 @@ __all__ = [
 class PlanLoadBalancer(_LoadBalancer):
     """This project's CP plans behind torch's ``_LoadBalancer`` interface.
 
-    ``_context_parallel_shard`` cuts the rearranged sequence into ``c`` equal contiguous pieces, so
-    the rearrange indices are the plan's rank-major layout: rank 0's tokens in its local order, then
-    rank 1's, and so on. Plans add no padding, so their local lengths may differ (by up to two tokens
-    per-document, by up to about one document under hybrid); every rank's piece is therefore
-    ``seq_length // c`` rows, ``seq_length = c * max(local_lens)``: the rank's own tokens, then
-    padding positions ``T, T + 1, ...``. The caller pads its buffers to ``seq_length`` along the
-    sequence dimension first (with tokens whose loss is ignored), as torch's own balancers need their
-    divisible lengths; ``per_document`` over ``T`` divisible by ``2c`` needs none
-    (``seq_length == T``). ``context_parallel_unshard`` with the same balancer restores packed order,
-    the padding at the end.
+    Rearrange indices: the plans' rank-major layout, each rank's piece padded to the longest local
+    length with positions ``T, T + 1, ...`` (local lengths may differ). Pad buffers to
+    ``seq_length`` first, loss ignored (docs/context_parallel.md).
 
     Args:
         seq_length_per_doc: document lengths per batch row (``[[...]]`` for one micro-batch, as
             torch's per-document balancer takes them); every row must have the same total ``T``.
         world_size: CP ranks ``c``.
         device: where the index tensors go.
-        strategy: ``"per_document"`` (default), ``"hybrid"`` or ``"per_sequence"``: a fixed
-            strategy of :func:`torchtitan_wlb.cp.plan.draft_sharding`.
+        strategy: a fixed strategy of :func:`torchtitan_wlb.cp.plan.draft_sharding`.
         **plan_kwargs: passed to ``draft_sharding`` (e.g. hybrid's ``max_len``).
 
     Attributes:
         plans: one :class:`CPPlan` per batch row: the first ``plans[b].local_lens[r]`` rows of rank
-            ``r``'s piece are that plan's tokens; build the CP op's metadata from them.
-        seq_length: padded length the buffers must have (``c`` times the longest local length over
-            the rows).
+            ``r``'s piece are its tokens; build the CP op's metadata from them.
+        seq_length: padded length the buffers must have (``c`` x the longest local length).
     """
 
     def __init__(
@@ -215,11 +182,8 @@ def ptrr_block_counts(doc_lens: np.ndarray, block: int) -> np.ndarray:
 def _padded(lens: np.ndarray, multiple: int) -> tuple[np.ndarray, np.ndarray]:
     """``lens`` with a padding document making the total a multiple of ``multiple``."""
     pad = -int(lens.sum()) % multiple
-    real = np.ones(lens.size + (pad > 0), dtype=bool)
-    if pad:
-        real[-1] = False
-        return np.append(lens, pad), real
-    return lens, real
+    padded = np.append(lens, pad) if pad else lens
+    return padded, np.arange(padded.size) < lens.size
 
 
 def _balancer(name: str, lens: np.ndarray, c: int, block: int):
@@ -259,12 +223,9 @@ def _balancer(name: str, lens: np.ndarray, c: int, block: int):
 def torch_assignment(
     name: str, doc_lens: np.ndarray, cp_degree: int, block: int = SMALL_CHUNK, repeats: int = 1
 ) -> Assignment:
-    """The token-to-rank assignment torch's balancer ``name`` gives one micro-batch.
-
-    ``plan_ms`` is the median over ``repeats`` of the balancer's rearrange plus restore indices
-    (``_generate_indices(restore=False)`` and ``(restore=True)``, what sharding inputs and
-    unsharding outputs call); building its input (the BlockMask for PTRR) is not timed.
-    """
+    """The token-to-rank assignment torch's balancer ``name`` gives one micro-batch. ``plan_ms``:
+    median over ``repeats`` of its rearrange plus restore indices (what sharding inputs and
+    unsharding outputs call); building its input (PTRR's BlockMask) is not timed."""
     doc_lens = np.asarray(doc_lens, dtype=np.int64)
     lb, lens, real = _balancer(name, doc_lens, cp_degree, block)
     times = []
@@ -287,8 +248,7 @@ def torch_assignment(
 
 def plan_assignment(plan: CPPlan, plan_ms: float = 0.0) -> Assignment:
     """The assignment of one of this project's CP plans (no padding; the op's all-gather moves
-    ``c`` buffers of the most gathered tokens on one rank: the whole micro-batch's local lengths,
-    or under hybrid sharding the split documents' tokens only)."""
+    ``c`` buffers of the most gathered tokens on one rank)."""
     rank = np.empty(plan.seq_len, dtype=np.int64)
     for r in range(plan.cp_degree):  # CP ranks, not documents
         rank[plan.token_indices(r)] = r

@@ -168,9 +168,10 @@ def run_mode(
         "wall_s": wall,
         "records": calibration_records(per_rank, timed),
     }
-    cp_share = [v for rec in first if (v := rec.get("wlb/cp_per_document_share")) is not None]
-    if cp_share:
-        out["cp_per_document_share"] = float(np.mean(cp_share))
+    for key in ("cp_per_document_share", "cp_hybrid_share"):
+        shares = [v for rec in first if (v := rec.get(f"wlb/{key}")) is not None]
+        if shares:
+            out[key] = float(np.mean(shares))
     refits = [rec for rec in first if "wlb/cost_refit_adopted" in rec]
     adopted = [rec for rec in refits if rec["wlb/cost_refit_adopted"]]
     if refits:
