@@ -1,25 +1,13 @@
 """From packed micro-batches to the tensors TorchTitan's training step consumes.
 
-The packing node yields one item per optimizer step holding this DP rank's micro-batches.
-TorchTitan's ``train_step`` instead pulls one ``(input_dict, labels)`` per gradient-accumulation
-micro-batch. :class:`MicroBatchNode` bridges the two: it unrolls each step into its micro-batches
-and turns every packed micro-batch into tensors that keep the document boundaries:
-
-  - ``input``: ``[1, S]`` token ids (S varies per micro-batch under variable-length packing);
-  - labels ``[1, S]``: the next token *within the same document*; the last position of every
-    document is ``IGNORE_INDEX``, so no token is trained to predict the next document's first token;
-  - ``positions``: ``[1, S]`` RoPE positions, restarting at 0 for every document (or running over
-    the packed sequence with ``reset_positions = False``);
-  - ``doc_lens``: ``[D]`` int32 document lengths (they sum to S);
-  - ``doc_ids``: ``[D]`` the documents' stream ids (for the exactly-once audit in the metrics log);
-  - ``wlb_stats`` (first micro-batch of each step only): the packer's per-step statistics.
-
-A micro-batch without documents, which only a final step of the data can have, becomes a
-one-token filler that trains nothing (see :func:`collate_micro_batch`).
+The packing node yields one item per optimizer step; ``train_step`` pulls one ``(input_dict,
+labels)`` per gradient-accumulation micro-batch. :class:`MicroBatchNode` unrolls each step and
+turns every micro-batch into tensors that keep the document boundaries (``input``, ``positions``,
+``doc_lens``, ``doc_ids``, and ``wlb_stats`` on a step's first micro-batch; docs/data.md). Labels
+never cross a document boundary: the last position of every document is ``IGNORE_INDEX``.
 
 State: the source's state *before* the current step plus how many of its micro-batches were
-already handed out, so a checkpoint taken between micro-batches (TorchTitan only checkpoints
-between steps, but a user's trainer may not) also resumes exactly.
+already handed out, so a checkpoint taken between micro-batches also resumes exactly.
 """
 
 from __future__ import annotations

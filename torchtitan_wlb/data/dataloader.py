@@ -1,18 +1,9 @@
 """The train spec's dataloader: documents -> packing -> micro-batch tensors, as torchdata nodes.
 
-    DocumentNode (texts -> tokenized documents, long-document policy)
-      -> packing node (one global plan per optimizer step, this DP rank's micro-batches)
-      -> Prefetcher (a background thread: packing stays off the training critical path)
-      -> MicroBatchNode (one (input_dict, labels) per gradient-accumulation micro-batch)
-
-``[wlb] loader = "torchtitan"`` instead returns TorchTitan's own concatenate-and-chop loader
-unchanged (no document boundaries reach the model: full causal attention over each window).
-
-The loader is checkpointed per DP rank, as TorchTitan's ``ParallelAwareDataloader`` does, so
-TorchTitan's CheckpointManager saves and restores it with the rest of the training state. The
-saved state carries the *data fingerprint* (:func:`data_fingerprint`): every setting that decides
-which documents each step trains. Resuming under a different one is refused, naming the setting,
-because the restored queues and source position would silently mean other documents.
+DocumentNode -> WLBPackingNode -> Prefetcher (packing off the critical path) -> MicroBatchNode;
+docs/data.md describes the graph. ``[wlb] loader = "torchtitan"`` returns TorchTitan's own loader.
+The saved state carries the *data fingerprint* (:func:`data_fingerprint`): resuming under other
+settings that decide which documents each step trains is refused, naming the setting.
 """
 
 from __future__ import annotations
@@ -33,11 +24,21 @@ from torchtitan_wlb.cost_fit import CostModelSchedule
 from torchtitan_wlb.cost_model import CostModel
 from torchtitan_wlb.data.collate import MicroBatchNode
 from torchtitan_wlb.data.documents import DocumentNode
-from torchtitan_wlb.data.packing_node import build_packing_node, packing_config_from_job
 from torchtitan_wlb.data.sources import BUILTIN_NAME, TextSource
-from torchtitan_wlb.packing import Packer, build_packer
+from torchtitan_wlb.data.wlb_node import WLBPackingNode
+from torchtitan_wlb.packing import Packer, PackingConfig, build_packer, packing_config
 
 FINGERPRINT_KEY = "fingerprint"
+
+# [wlb] field -> PackingConfig field, for the knobs passed through unchanged.
+WLB_KNOBS = {
+    "max_delay_steps": "max_wait",
+    "adaptive_max_delay_steps": "adaptive_max_wait",
+    "delay_target": "delay_target",
+    "balance_target": "balance_target",
+    "release_slack": "release_slack",
+    "packing_window": "window",
+}
 
 
 class WLBDataLoader(BaseDataLoader):
@@ -45,14 +46,12 @@ class WLBDataLoader(BaseDataLoader):
 
     Args:
         root: the last node of the graph (yields ``(input_dict, labels)``).
-        dp_rank, dp_world_size: this rank's position in the data-parallel group; the saved state
-            is keyed by DP rank, and restoring under another DP degree is refused (the global
-            packing plan depends on it).
+        dp_rank, dp_world_size: this rank's place in the DP group; restoring under another DP
+            degree is refused (the global packing plan depends on it).
         fingerprint: :func:`data_fingerprint` of this run; saved, and compared on restore.
-        packer: the graph's packer, to read the pending documents out of a saved state
-            (:meth:`accounting`, for the exactly-once audit log).
-        cost_schedule: with ``[wlb] cost_model = "online"``, the schedule the packing node reads
-            its cost model from; the trainer's fitter writes it.
+        packer: the graph's packer, to read pending documents out of a state (:meth:`accounting`).
+        cost_schedule: the online cost model's schedule the packing node reads (the trainer's
+            fitter writes it), else None.
     """
 
     def __init__(
@@ -131,16 +130,31 @@ def _find_state(state: Any, match: Callable[[dict], bool]) -> dict | None:
     if isinstance(state, dict):
         if match(state):
             return state
-        for value in state.values():
-            found = _find_state(value, match)
-            if found is not None:
-                return found
-    elif isinstance(state, (list, tuple)):
-        for value in state:
-            found = _find_state(value, match)
-            if found is not None:
-                return found
+        state = list(state.values())
+    for value in state if isinstance(state, (list, tuple)) else ():
+        found = _find_state(value, match)
+        if found is not None:
+            return found
     return None
+
+
+def packing_config_from_job(job_config: Any, num_micro_batches: int) -> PackingConfig:
+    """The packers' configuration for this job (N micro-batches per step across DP ranks).
+
+    Training bounds the solver by work (every rank must compute the same plan), with a generous
+    time limit as a safety net; PackingConfig's defaults (time only) are the benchmarks'.
+    """
+    wlb = job_config.wlb
+    return packing_config(
+        wlb.packing,
+        num_micro_batches,
+        job_config.training.seq_len,
+        smax=wlb.micro_batch_max_len or None,
+        queue_thresholds=wlb.queue_thresholds or None,
+        solver_node_limit=wlb.solver_node_limit,
+        solver_time_limit=wlb.solver_time_limit_s,
+        **{dst: getattr(wlb, src) for src, dst in WLB_KNOBS.items()},
+    )
 
 
 def data_fingerprint(
@@ -180,13 +194,7 @@ def data_fingerprint(
                 else wlb.micro_batch_max_len
             ),
             "[wlb] queue_thresholds": list(wlb.queue_thresholds),
-            "[wlb] max_delay_steps": wlb.max_delay_steps,
-            "[wlb] adaptive_max_delay_steps": wlb.adaptive_max_delay_steps,
-            "[wlb] delay_target": wlb.delay_target,
-            "[wlb] balance_target": wlb.balance_target,
-            "[wlb] release_slack": wlb.release_slack,
-            "[wlb] packing_window": wlb.packing_window,
-            "[wlb] solver_node_limit": wlb.solver_node_limit,
+            **{f"[wlb] {k}": getattr(wlb, k) for k in (*WLB_KNOBS, "solver_node_limit")},
         }
     )
     if wlb.cost_model == "online":
@@ -224,9 +232,8 @@ def check_fingerprint(saved: dict[str, Any], current: dict[str, Any], where: str
 
 def text_source_from_config(job_config: JobConfig) -> TextSource:
     """The document source named by ``[training] dataset`` / ``dataset_path``."""
-    kind = job_config.training.dataset
-    path = job_config.training.dataset_path or ""
-    return TextSource(kind=kind, path=path, text_field=job_config.wlb.text_field)
+    training = job_config.training
+    return TextSource(training.dataset, training.dataset_path or "", job_config.wlb.text_field)
 
 
 def micro_batches_per_step(job_config: JobConfig, dp_world_size: int) -> int:
@@ -279,21 +286,17 @@ def build_wlb_dataloader(
         if wlb.cost_model == "online"
         else None
     )
-    packed = build_packing_node(
-        documents,
-        job_config,
-        num_micro_batches=micro_batches_per_step(job_config, dp_world_size),
-        dp_rank=dp_rank,
-        dp_world_size=dp_world_size,
-        cost_model=cost_model,
-        schedule=schedule,
+    n = micro_batches_per_step(job_config, dp_world_size)
+    packer = build_packer(wlb.packing, packing_config_from_job(job_config, n), cost_model)
+    packed = WLBPackingNode(
+        documents, packer, dp_rank=dp_rank, dp_degree=dp_world_size, schedule=schedule
     )
     root = MicroBatchNode(
         Prefetcher(packed, prefetch_factor=2), reset_positions=wlb.reset_positions
     )
     logger.info(
         f"WLB data pipeline: dataset {job_config.training.dataset!r}, packing {wlb.packing!r}, "
-        f"{micro_batches_per_step(job_config, dp_world_size)} micro-batches per step"
+        f"{n} micro-batches per step"
         + (" (built-in corpus)" if job_config.training.dataset == BUILTIN_NAME else "")
     )
     return WLBDataLoader(
@@ -301,6 +304,6 @@ def build_wlb_dataloader(
         dp_rank=dp_rank,
         dp_world_size=dp_world_size,
         fingerprint=data_fingerprint(job_config, dp_world_size, cost_model),
-        packer=packed.packer,
+        packer=packer,
         cost_schedule=schedule,
     )

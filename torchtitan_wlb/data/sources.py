@@ -25,10 +25,6 @@ class DataError(ValueError):
     """Bad input data: names the file (and line or row) and what was expected."""
 
 
-# ---------------------------------------------------------------------------------------------
-# The built-in corpus
-# ---------------------------------------------------------------------------------------------
-
 _SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo", "__pycache__"}
 _MIN_DOC_CHARS = 40
 _CORPUS_VERSION = 1
@@ -57,15 +53,10 @@ def _stdlib_docstrings(stdlib: str) -> list[str]:
 
 
 def build_builtin_corpus() -> list[str]:
-    """Real English text from the running Python installation, with a long-tailed length mix.
-
-    Two kinds of documents, both written by people for people and present in every CPython:
-    the reference-manual topics of ``pydoc_data`` (79 documents of 0.5K-60K characters: the long
-    tail) and the docstrings of the standard library's modules, classes and functions (about 6,000
-    documents, median ~120 characters). Interleaved in a fixed order (a seeded permutation), so
-    long documents are spread through the stream the way they are in pretraining corpora. Nothing
-    is downloaded and nothing is copied into this repository: the corpus is rebuilt from the local
-    installation (and cached, see :func:`builtin_corpus`).
+    """Real English text from the running Python installation, with a long-tailed length mix:
+    the reference-manual topics of ``pydoc_data`` (the long tail) and the standard library's
+    docstrings, interleaved in a fixed seeded order (docs/data.md). Nothing is downloaded or
+    stored in this repository.
     """
     from pydoc_data.topics import topics
 
@@ -101,11 +92,6 @@ def builtin_corpus() -> list[str]:
     except OSError:
         pass  # a read-only home still trains; it only rebuilds next time
     return docs
-
-
-# ---------------------------------------------------------------------------------------------
-# Sources
-# ---------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -153,18 +139,10 @@ class TextSource:
 
     def open_texts(self, start: int = 0) -> Iterator[tuple[int, str]]:
         """Yield ``(index, text)`` for every document from number ``start`` on."""
-        match self.kind:
-            case "wlb_builtin":
-                docs = builtin_corpus()
-                yield from ((i, docs[i]) for i in range(start, len(docs)))
-            case "jsonl":
-                yield from itertools.islice(self._jsonl(), start, None)
-            case "text":
-                yield from itertools.islice(self._text_files(), start, None)
-            case "parquet":
-                yield from itertools.islice(self._parquet(), start, None)
-            case "hf":
-                yield from itertools.islice(self._hf(), start, None)
+        yield from itertools.islice(getattr(self, f"_read_{self.kind}")(), start, None)
+
+    def _read_wlb_builtin(self) -> Iterator[tuple[int, str]]:
+        return enumerate(builtin_corpus())
 
     def _checked(self, text: object, where: str) -> str:
         if not isinstance(text, str):
@@ -175,7 +153,7 @@ class TextSource:
             raise DataError(f"{where}: empty document; remove it from the data")
         return text
 
-    def _jsonl(self) -> Iterator[tuple[int, str]]:
+    def _read_jsonl(self) -> Iterator[tuple[int, str]]:
         index = 0
         for path in self.files():
             with open(path, encoding="utf-8") as f:
@@ -194,12 +172,12 @@ class TextSource:
                     yield index, self._checked(record[self.text_field], where)
                     index += 1
 
-    def _text_files(self) -> Iterator[tuple[int, str]]:
+    def _read_text(self) -> Iterator[tuple[int, str]]:
         for index, path in enumerate(self.files()):
             with open(path, encoding="utf-8") as f:
                 yield index, self._checked(f.read(), path)
 
-    def _parquet(self) -> Iterator[tuple[int, str]]:
+    def _read_parquet(self) -> Iterator[tuple[int, str]]:
         import pyarrow.parquet as pq
 
         index = 0
@@ -216,7 +194,7 @@ class TextSource:
                     index += 1
                     row += 1
 
-    def _hf(self) -> Iterator[tuple[int, str]]:
+    def _read_hf(self) -> Iterator[tuple[int, str]]:
         from datasets import load_dataset
 
         ds = load_dataset(self.path, split="train", streaming=True)
