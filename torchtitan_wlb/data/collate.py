@@ -25,9 +25,8 @@ BatchT = tuple[dict[str, Any], torch.Tensor]
 def document_positions(doc_lens: np.ndarray) -> np.ndarray:
     """Per-document positions 0..d-1 for every document, vectorised (no loop over documents)."""
     doc_lens = np.asarray(doc_lens, dtype=np.int64)
-    total = int(doc_lens.sum())
     starts = np.repeat(np.cumsum(doc_lens) - doc_lens, doc_lens)
-    return np.arange(total, dtype=np.int64) - starts
+    return np.arange(int(doc_lens.sum()), dtype=np.int64) - starts
 
 
 def collate_micro_batch(
@@ -42,13 +41,8 @@ def collate_micro_batch(
     """
     tokens = np.asarray(tokens)
     doc_lens = np.asarray(doc_lens, dtype=np.int64)
-    if doc_lens.size == 0 and tokens.size == 0:
-        input_dict = {
-            "input": torch.zeros(1, 1, dtype=torch.int64),
-            "positions": torch.zeros(1, 1, dtype=torch.int64),
-            "doc_lens": torch.ones(1, dtype=torch.int32),
-        }
-        return input_dict, torch.full((1, 1), IGNORE_INDEX, dtype=torch.int64)
+    if doc_lens.size == 0 and tokens.size == 0:  # the filler: one document of one token 0
+        tokens, doc_lens = np.zeros(1, np.int64), np.ones(1, np.int64)
     if doc_lens.size == 0 or int(doc_lens.sum()) != tokens.size or (doc_lens <= 0).any():
         raise ValueError(
             f"document lengths {doc_lens.tolist()[:8]}... (sum {int(doc_lens.sum())}) do not "
@@ -56,8 +50,7 @@ def collate_micro_batch(
         )
     if tokens.dtype.kind not in "iu":
         raise ValueError(f"tokens must be integers, got dtype {tokens.dtype}")
-    # The packing node yields int32 tokens; the model and the loss take int64. Both arrays are
-    # written once from ``tokens`` (the labels are the tokens shifted by one).
+    # int32 from the packing node, int64 for the model; labels are the tokens shifted by one.
     tokens = tokens.astype(np.int64, copy=False)
     labels = np.empty_like(tokens)
     labels[:-1] = tokens[1:]

@@ -100,18 +100,14 @@ class WLBDataLoader(BaseDataLoader):
                 f"dataloader checkpoint has no state for {self._rank_id} "
                 f"(keys: {sorted(k for k in state_dict if k.startswith('dp_rank_'))})"
             )
-        # A fresh Loader: torchdata's Loader (0.11) ignores a loaded state when state_dict() was
-        # called before the first iter() -- which is exactly what TorchTitan's checkpointer does
-        # (it asks for the state to build the load template). The old Loader's pre-created
-        # iterator would then start from scratch.
+        # A fresh Loader: torchdata's (0.11) ignores a loaded state when state_dict() was called
+        # before the first iter(), which TorchTitan's checkpointer does (for its load template).
         self._loader = Loader(self._root, restart_on_stop_iteration=False)
         self._loader.load_state_dict(pickle.loads(state_dict[self._rank_id]))
 
     def accounting(self) -> tuple[list[int], int | None]:
-        """``(pending, documents)`` as of the last micro-batch handed out: the ids of the
-        documents the packer still holds, and how many documents the data has produced (None if
-        the graph has no document node). Read from the loader's state, i.e. exactly what a
-        checkpoint taken now would restore, not from the prefetching thread's live objects."""
+        """``(pending ids, documents produced or None)`` as of the last micro-batch handed out, read
+        from the loader's state (what a checkpoint now would restore), not the prefetch thread."""
         state = self._loader.state_dict()
         pending: list[int] = []
         if self._packer is not None:
@@ -160,13 +156,8 @@ def packing_config_from_job(job_config: Any, num_micro_batches: int) -> PackingC
 def data_fingerprint(
     job_config: JobConfig, dp_world_size: int, cost_model: CostModel | None
 ) -> dict[str, Any]:
-    """Every setting that decides which documents each step trains, by its config name.
-
-    Resolved values (``S_max`` when 0 means 1.25 x seq_len, ``max_doc_len`` when 0 means
-    seq_len), so that spelling a default out does not count as a change. The cost model enters
-    through its coefficients: the packers balance it, and it follows the model flavor and the
-    TP and CP degrees.
-    """
+    """Every setting that decides which documents each step trains, by its config name, with
+    resolved values (``S_max``, ``max_doc_len``) so that spelling a default out is no change."""
     wlb = job_config.wlb
     training = job_config.training
     n = micro_batches_per_step(job_config, dp_world_size)
@@ -198,12 +189,9 @@ def data_fingerprint(
         }
     )
     if wlb.cost_model == "online":
+        fits = ("warmup", "window", "holdout", "interval", "apply_lag")
         fp["[wlb] cost_model = online: fit_warmup/window/holdout/interval/apply_lag_steps"] = [
-            wlb.fit_warmup_steps,
-            wlb.fit_window_steps,
-            wlb.fit_holdout_steps,
-            wlb.fit_interval_steps,
-            wlb.fit_apply_lag_steps,
+            getattr(wlb, f"fit_{k}_steps") for k in fits
         ]
     if cost_model is not None:
         fp["cost model W(d) = a*d^2 + b*d (model flavor, TP, CP, [wlb] cost_model)"] = (
@@ -213,11 +201,8 @@ def data_fingerprint(
 
 
 def check_fingerprint(saved: dict[str, Any], current: dict[str, Any], where: str) -> None:
-    """Refuse a resume whose data settings differ from those ``saved`` in ``where``.
-
-    One line naming the first differing setting with its old and new value (and how many more
-    differ). Settings missing on either side (a checkpoint from an older version) are skipped.
-    """
+    """Refuse a resume whose data settings differ from those ``saved`` in ``where``, naming the
+    first; settings missing on either side (an older checkpoint) are skipped."""
     changed = [k for k in current if k in saved and saved[k] != current[k]]
     if not changed:
         return
@@ -260,11 +245,8 @@ def build_wlb_dataloader(
     job_config: JobConfig,
     cost_model: CostModel | None = None,
 ) -> BaseDataLoader:
-    """TrainSpec.build_dataloader_fn of ``llama3_wlb``.
-
-    ``cost_model`` is the workload model the packer balances; the train spec binds the one derived
-    from the model flavor (``cost_model_for_job``).
-    """
+    """TrainSpec.build_dataloader_fn of ``llama3_wlb``; the train spec binds ``cost_model`` (the
+    workload model the packer balances) from the model flavor."""
     wlb = job_config.wlb
     if wlb.loader == "torchtitan":
         from torchtitan.hf_datasets.text_datasets import build_text_dataloader
@@ -280,14 +262,12 @@ def build_wlb_dataloader(
         )
     if cost_model is None:
         raise ValueError("build_wlb_dataloader needs the job's cost model for document packing")
-    documents = build_document_node(job_config, tokenizer)
-    schedule = (
-        CostModelSchedule(cost_model, wlb.online_fit_config())
-        if wlb.cost_model == "online"
-        else None
-    )
+    schedule = None
+    if wlb.cost_model == "online":
+        schedule = CostModelSchedule(cost_model, wlb.online_fit_config())
     n = micro_batches_per_step(job_config, dp_world_size)
     packer = build_packer(wlb.packing, packing_config_from_job(job_config, n), cost_model)
+    documents = build_document_node(job_config, tokenizer)
     packed = WLBPackingNode(
         documents, packer, dp_rank=dp_rank, dp_degree=dp_world_size, schedule=schedule
     )

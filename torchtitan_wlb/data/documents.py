@@ -41,6 +41,8 @@ class DocumentNode(BaseNode[dict]):
         epochs: int = 1,
     ) -> None:
         super().__init__()
+        self.source = source
+        self.tokenizer = tokenizer
         if max_doc_len < 2:
             raise ValueError(f"max_doc_len = {max_doc_len} must be >= 2 tokens")
         if policy not in ("split", "truncate", "error"):
@@ -49,8 +51,6 @@ class DocumentNode(BaseNode[dict]):
             )
         if epochs < 0:
             raise ValueError(f"epochs = {epochs} must be >= 0 (0 repeats forever)")
-        self.source = source
-        self.tokenizer = tokenizer
         self.max_doc_len = max_doc_len
         self.policy = policy
         self.epochs = epochs

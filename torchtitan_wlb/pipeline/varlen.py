@@ -96,11 +96,11 @@ class _ActionTimer:
     removed after the step. On CUDA they record events read once afterwards, so timing adds no
     synchronisation inside the schedule."""
 
-    _STAGE_METHODS = (
-        ("forward_one_chunk", 0),
-        ("backward_one_chunk", 1),
-        ("backward_weight_one_chunk", 1),
-    )
+    _STAGE_METHODS = {
+        "forward_one_chunk": 0,
+        "backward_one_chunk": 1,
+        "backward_weight_one_chunk": 1,
+    }
 
     def __init__(self, schedule: Any, stages: Sequence[Any], n_mb: int):
         self.schedule = schedule
@@ -130,17 +130,14 @@ class _ActionTimer:
     def install(self) -> None:
         for stage in self.stages:
             row = self.row[id(stage)]
-            for name, kind in self._STAGE_METHODS:
+            for name, kind in self._STAGE_METHODS.items():
                 original = getattr(stage, name, None)
                 if original is None or name in vars(stage):
                     continue
 
                 def wrapped(*args, _o=original, _r=row, _k=kind, **kwargs):
-                    mb = (
-                        args[0]
-                        if args
-                        else kwargs.get("fwd_chunk_id", kwargs.get("bwd_chunk_id", -1))
-                    )
+                    by_name = kwargs.get("fwd_chunk_id", kwargs.get("bwd_chunk_id", -1))
+                    mb = args[0] if args else by_name
                     return self._measure(_r, _k, int(mb), lambda: _o(*args, **kwargs))
 
                 setattr(stage, name, wrapped)
@@ -219,27 +216,22 @@ class VarlenPipelineRunner:
         )
 
         if isinstance(schedule, PipelineScheduleSingle):
-            stages = [schedule._stage]
-            init_fn = schedule._initialize_stage
+            self.stages = [schedule._stage]
+            self._init_fn = schedule._initialize_stage
         elif isinstance(schedule, PipelineScheduleMulti):
-            stages = list(schedule._stages)
-            init_fn = schedule._initialize_stages
+            self.stages = list(schedule._stages)
+            self._init_fn = schedule._initialize_stages
         else:
             raise ValueError(
                 f"schedule must be a torch.distributed.pipelining PipelineScheduleSingle or "
                 f"PipelineScheduleMulti, got {type(schedule).__name__}"
             )
-        for attr in _PRIVATE_ATTRS["schedule"]:
-            if not hasattr(schedule, attr):
-                raise UnsupportedTorchVersionError(
-                    f"{type(schedule).__name__} has no attribute {attr!r} in torch "
-                    f"{torch.__version__}; the varlen runner needs it"
-                )
-        for stage in stages:
-            for attr in _PRIVATE_ATTRS["stage"]:
-                if not hasattr(stage, attr):
+        needs = [(schedule, _PRIVATE_ATTRS["schedule"])]
+        for obj, attrs in needs + [(stage, _PRIVATE_ATTRS["stage"]) for stage in self.stages]:
+            for attr in attrs:
+                if not hasattr(obj, attr):
                     raise UnsupportedTorchVersionError(
-                        f"{type(stage).__name__} has no attribute {attr!r} in torch "
+                        f"{type(obj).__name__} has no attribute {attr!r} in torch "
                         f"{torch.__version__}; the varlen runner needs it"
                     )
         if getattr(schedule, "scale_grads", False):
@@ -253,13 +245,11 @@ class VarlenPipelineRunner:
             raise ValueError(f"seq_dim must be a non-negative int, got {seq_dim!r}")
 
         self.schedule = schedule
-        self.stages = stages
         self.seq_dim = seq_dim
         self.verify_seq_lens = verify_seq_lens
         self.time_actions = time_actions
         self.last_action_times: PipelineActionTimes | None = None
-        self._init_fn = init_fn
-        init_params = inspect.signature(init_fn).parameters
+        init_params = inspect.signature(self._init_fn).parameters
         self._init_takes_target = "target" in init_params
         self._init_takes_loss_kwargs = "loss_kwargs" in init_params
         step_params = inspect.signature(schedule._step_microbatches).parameters
@@ -309,9 +299,9 @@ class VarlenPipelineRunner:
             loss_kwargs: extra keyword arguments for the loss function (torch >= 2.13 only).
         """
         n = self.n_microbatches
-        lens = self._check_seq_lens(seq_lens, n)
-        arg_mbs = self._check_inputs(microbatch_inputs, targets, n)
-        kwarg_mbs = self._check_kwargs(microbatch_kwargs, n)
+        lens, arg_mbs, kwarg_mbs = self._check_step_inputs(
+            microbatch_inputs, microbatch_kwargs, targets, seq_lens
+        )
         target_mbs = list(targets) if self.has_last_stage else None
         if loss_kwargs is not None and not self._step_takes_loss_kwargs:
             raise ValueError(
@@ -365,25 +355,23 @@ class VarlenPipelineRunner:
                     stage._runtime_validate = flag
         return stats
 
-    @staticmethod
-    def _check_seq_lens(seq_lens: Sequence[int], n: int) -> list[int]:
+    def _check_step_inputs(
+        self,
+        microbatch_inputs: Sequence[torch.Tensor] | None,
+        microbatch_kwargs: Sequence[Mapping[str, Any]] | None,
+        targets: Sequence[torch.Tensor] | None,
+        seq_lens: Sequence[int],
+    ) -> tuple[list[int], list[tuple[Any, ...]] | None, list[dict[str, Any]]]:
+        """The step's lengths, positional inputs and keyword arguments per micro-batch, checked."""
+        n = self.n_microbatches
         lens = [int(x) for x in seq_lens]
         if len(lens) != n:
             raise ValueError(
                 f"seq_lens has {len(lens)} entries but the schedule was built for {n} "
                 f"micro-batches per step; pass one length per micro-batch"
             )
-        bad = [x for x in lens if x < 1]
-        if bad:
+        if any(x < 1 for x in lens):
             raise ValueError(f"seq_lens must all be >= 1, got {lens}")
-        return lens
-
-    def _check_inputs(
-        self,
-        microbatch_inputs: Sequence[torch.Tensor] | None,
-        targets: Sequence[torch.Tensor] | None,
-        n: int,
-    ) -> list[tuple[Any, ...]] | None:
         if self.has_first_stage and (microbatch_inputs is None or len(microbatch_inputs) != n):
             got = "None" if microbatch_inputs is None else f"{len(microbatch_inputs)} entries"
             raise ValueError(
@@ -396,22 +384,16 @@ class VarlenPipelineRunner:
                 f"this rank holds the last stage, so targets must have {n} entries "
                 f"(one label tensor per micro-batch), got {got}"
             )
-        if not self.has_first_stage:
-            return None
-        return [x if isinstance(x, tuple) else (x,) for x in microbatch_inputs]
-
-    @staticmethod
-    def _check_kwargs(
-        microbatch_kwargs: Sequence[Mapping[str, Any]] | None, n: int
-    ) -> list[dict[str, Any]]:
-        if microbatch_kwargs is None:
-            return [{} for _ in range(n)]
-        if len(microbatch_kwargs) != n:
+        if microbatch_kwargs is not None and len(microbatch_kwargs) != n:
             raise ValueError(
                 f"microbatch_kwargs has {len(microbatch_kwargs)} entries, expected {n} "
                 f"(one dict of forward keyword arguments per micro-batch)"
             )
-        return [dict(kw) for kw in microbatch_kwargs]
+        arg_mbs = None
+        if self.has_first_stage:
+            arg_mbs = [x if isinstance(x, tuple) else (x,) for x in microbatch_inputs]
+        kwarg_mbs = [dict(kw) for kw in microbatch_kwargs or [{}] * n]
+        return lens, arg_mbs, kwarg_mbs
 
     def _verify_same_seq_lens(self, lens: list[int]) -> None:
         """Raise on every rank if the ranks of the pipeline passed different ``seq_lens``."""
