@@ -28,27 +28,23 @@ class DataError(ValueError):
 _SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo", "__pycache__"}
 _MIN_DOC_CHARS = 40
 _CORPUS_VERSION = 1
+_DOC_NODES = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 
 
 def _stdlib_docstrings(stdlib: str) -> list[str]:
     docs: list[str] = []
     for root, dirs, files in os.walk(stdlib):
         dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS)
-        for name in sorted(files):
-            if not name.endswith(".py"):
-                continue
+        for name in sorted(f for f in files if f.endswith(".py")):
             try:
                 with open(os.path.join(root, name), encoding="utf-8") as f:
                     tree = ast.parse(f.read())
             except (SyntaxError, UnicodeDecodeError, OSError):
                 continue
             for node in ast.walk(tree):
-                if isinstance(
-                    node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
-                ):
-                    doc = ast.get_docstring(node)
-                    if doc and len(doc) >= _MIN_DOC_CHARS:
-                        docs.append(doc)
+                doc = ast.get_docstring(node) if isinstance(node, _DOC_NODES) else None
+                if doc and len(doc) >= _MIN_DOC_CHARS:
+                    docs.append(doc)
     return docs
 
 
@@ -68,15 +64,11 @@ def build_builtin_corpus() -> list[str]:
     return [docs[i] for i in order]
 
 
-def _cache_path() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    ver = f"{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}"
-    return os.path.join(base, "torchtitan_wlb", f"builtin_corpus_v{_CORPUS_VERSION}_py{ver}.json")
-
-
 def builtin_corpus() -> list[str]:
     """The built-in corpus, built once per Python version and cached under ``~/.cache``."""
-    path = _cache_path()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    ver = f"{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}"
+    path = os.path.join(base, "torchtitan_wlb", f"builtin_corpus_v{_CORPUS_VERSION}_py{ver}.json")
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
@@ -139,10 +131,11 @@ class TextSource:
 
     def open_texts(self, start: int = 0) -> Iterator[tuple[int, str]]:
         """Yield ``(index, text)`` for every document from number ``start`` on."""
-        yield from itertools.islice(getattr(self, f"_read_{self.kind}")(), start, None)
+        texts = getattr(self, f"_read_{self.kind}")()
+        yield from itertools.islice(enumerate(texts), start, None)
 
-    def _read_wlb_builtin(self) -> Iterator[tuple[int, str]]:
-        return enumerate(builtin_corpus())
+    def _read_wlb_builtin(self) -> Iterator[str]:
+        return iter(builtin_corpus())
 
     def _checked(self, text: object, where: str) -> str:
         if not isinstance(text, str):
@@ -153,8 +146,7 @@ class TextSource:
             raise DataError(f"{where}: empty document; remove it from the data")
         return text
 
-    def _read_jsonl(self) -> Iterator[tuple[int, str]]:
-        index = 0
+    def _read_jsonl(self) -> Iterator[str]:
         for path in self.files():
             with open(path, encoding="utf-8") as f:
                 for lineno, line in enumerate(f, start=1):
@@ -169,18 +161,16 @@ class TextSource:
                         raise DataError(
                             f"{where}: expected a JSON object with field {self.text_field!r}"
                         )
-                    yield index, self._checked(record[self.text_field], where)
-                    index += 1
+                    yield self._checked(record[self.text_field], where)
 
-    def _read_text(self) -> Iterator[tuple[int, str]]:
-        for index, path in enumerate(self.files()):
+    def _read_text(self) -> Iterator[str]:
+        for path in self.files():
             with open(path, encoding="utf-8") as f:
-                yield index, self._checked(f.read(), path)
+                yield self._checked(f.read(), path)
 
-    def _read_parquet(self) -> Iterator[tuple[int, str]]:
+    def _read_parquet(self) -> Iterator[str]:
         import pyarrow.parquet as pq
 
-        index = 0
         for path in self.files():
             table = pq.ParquetFile(path)
             if self.text_field not in table.schema_arrow.names:
@@ -190,11 +180,10 @@ class TextSource:
             row = 0
             for batch in table.iter_batches(columns=[self.text_field]):
                 for text in batch.column(0).to_pylist():
-                    yield index, self._checked(text, f"{path}: row {row}")
-                    index += 1
+                    yield self._checked(text, f"{path}: row {row}")
                     row += 1
 
-    def _read_hf(self) -> Iterator[tuple[int, str]]:
+    def _read_hf(self) -> Iterator[str]:
         from datasets import load_dataset
 
         ds = load_dataset(self.path, split="train", streaming=True)
@@ -204,4 +193,4 @@ class TextSource:
                     f"dataset {self.path!r} row {row}: no field {self.text_field!r} "
                     f"(fields: {sorted(record)})"
                 )
-            yield row, self._checked(record[self.text_field], f"dataset {self.path!r} row {row}")
+            yield self._checked(record[self.text_field], f"dataset {self.path!r} row {row}")

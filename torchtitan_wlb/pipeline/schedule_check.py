@@ -9,18 +9,11 @@ from __future__ import annotations
 
 # Schedules the varlen runner is tested with (tests/test_pipeline_varlen.py), by torch's names
 # (matched case-insensitively, as torch's get_schedule_class does), with their stage style.
-VARLEN_SCHEDULES: dict[str, str] = {
-    "1F1B": "single",
-    "GPipe": "single",
-    "Interleaved1F1B": "multi",
-}
+VARLEN_SCHEDULES: dict[str, str] = {"1F1B": "single", "GPipe": "single", "Interleaved1F1B": "multi"}
 
 
 def check_pp_microbatches(
-    schedule: str,
-    n_microbatches: int,
-    pp_degree: int,
-    stages_per_rank: int | None = None,
+    schedule: str, n_microbatches: int, pp_degree: int, stages_per_rank: int | None = None
 ) -> None:
     """Raise ``ValueError`` if ``schedule`` cannot run ``n_microbatches`` (per optimizer step
     on one DP rank) variable-length ones; ``stages_per_rank`` defaults to torchtitan's."""
