@@ -34,10 +34,9 @@ def collate_micro_batch(
 ) -> BatchT:
     """One packed micro-batch as ``({"input", "positions", "doc_lens"}, labels)``.
 
-    A micro-batch without documents (a final step of the data holding fewer documents than
-    micro-batches) becomes a *filler*: one token whose label is ``IGNORE_INDEX``. It adds nothing
-    to the loss, its gradients are zero, and every rank and pipeline stage still runs the step's
-    fixed number of micro-batches (gradient accumulation and the pipeline schedule need it).
+    A micro-batch without documents (a final step with fewer documents than micro-batches)
+    becomes a one-token *filler* that trains nothing: gradient accumulation and the pipeline
+    schedule need the step's fixed number of micro-batches on every rank.
     """
     tokens = np.asarray(tokens)
     doc_lens = np.asarray(doc_lens, dtype=np.int64)

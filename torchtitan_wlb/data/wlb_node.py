@@ -25,8 +25,6 @@ from torchtitan_wlb.packing import Packer
 from torchtitan_wlb.packing.driver import next_plan, take_until
 from torchtitan_wlb.packing.placement import dp_order
 
-__all__ = ["TOKEN_DTYPE", "WLBPackingNode"]
-
 TOKEN_DTYPE = np.int32
 """dtype of the token arrays the node yields (token ids are below 2**31 in every vocabulary)."""
 
@@ -261,11 +259,9 @@ class WLBPackingNode(BaseNode[dict]):
         a consumer keeps from an earlier step (the prefetch queue, user code) is a view holding
         its buffer, so kept steps never change, and reuse spares the page faults of fresh memory.
         """
+        free = self._free_refs
         for k in range(len(self._buffers)):
-            if (
-                self._buffers[k].size >= size
-                and sys.getrefcount(self._buffers[k]) <= self._free_refs
-            ):
+            if self._buffers[k].size >= size and sys.getrefcount(self._buffers[k]) <= free:
                 return self._buffers[k]
         if len(self._buffers) >= self.POOL_SIZE:
             return np.empty(size, TOKEN_DTYPE)

@@ -299,9 +299,35 @@ class VarlenPipelineRunner:
             loss_kwargs: extra keyword arguments for the loss function (torch >= 2.13 only).
         """
         n = self.n_microbatches
-        lens, arg_mbs, kwarg_mbs = self._check_step_inputs(
-            microbatch_inputs, microbatch_kwargs, targets, seq_lens
-        )
+        lens = [int(x) for x in seq_lens]
+        if len(lens) != n:
+            raise ValueError(
+                f"seq_lens has {len(lens)} entries but the schedule was built for {n} "
+                f"micro-batches per step; pass one length per micro-batch"
+            )
+        if any(x < 1 for x in lens):
+            raise ValueError(f"seq_lens must all be >= 1, got {lens}")
+        if self.has_first_stage and (microbatch_inputs is None or len(microbatch_inputs) != n):
+            got = "None" if microbatch_inputs is None else f"{len(microbatch_inputs)} entries"
+            raise ValueError(
+                f"this rank holds stage 0, so microbatch_inputs must have {n} entries "
+                f"(one input tensor per micro-batch), got {got}"
+            )
+        if self.has_last_stage and (targets is None or len(targets) != n):
+            got = "None" if targets is None else f"{len(targets)} entries"
+            raise ValueError(
+                f"this rank holds the last stage, so targets must have {n} entries "
+                f"(one label tensor per micro-batch), got {got}"
+            )
+        if microbatch_kwargs is not None and len(microbatch_kwargs) != n:
+            raise ValueError(
+                f"microbatch_kwargs has {len(microbatch_kwargs)} entries, expected {n} "
+                f"(one dict of forward keyword arguments per micro-batch)"
+            )
+        arg_mbs = None
+        if self.has_first_stage:
+            arg_mbs = [x if isinstance(x, tuple) else (x,) for x in microbatch_inputs]
+        kwarg_mbs = [dict(kw) for kw in microbatch_kwargs or [{}] * n]
         target_mbs = list(targets) if self.has_last_stage else None
         if loss_kwargs is not None and not self._step_takes_loss_kwargs:
             raise ValueError(
@@ -354,46 +380,6 @@ class VarlenPipelineRunner:
                 if flag is not None:
                     stage._runtime_validate = flag
         return stats
-
-    def _check_step_inputs(
-        self,
-        microbatch_inputs: Sequence[torch.Tensor] | None,
-        microbatch_kwargs: Sequence[Mapping[str, Any]] | None,
-        targets: Sequence[torch.Tensor] | None,
-        seq_lens: Sequence[int],
-    ) -> tuple[list[int], list[tuple[Any, ...]] | None, list[dict[str, Any]]]:
-        """The step's lengths, positional inputs and keyword arguments per micro-batch, checked."""
-        n = self.n_microbatches
-        lens = [int(x) for x in seq_lens]
-        if len(lens) != n:
-            raise ValueError(
-                f"seq_lens has {len(lens)} entries but the schedule was built for {n} "
-                f"micro-batches per step; pass one length per micro-batch"
-            )
-        if any(x < 1 for x in lens):
-            raise ValueError(f"seq_lens must all be >= 1, got {lens}")
-        if self.has_first_stage and (microbatch_inputs is None or len(microbatch_inputs) != n):
-            got = "None" if microbatch_inputs is None else f"{len(microbatch_inputs)} entries"
-            raise ValueError(
-                f"this rank holds stage 0, so microbatch_inputs must have {n} entries "
-                f"(one input tensor per micro-batch), got {got}"
-            )
-        if self.has_last_stage and (targets is None or len(targets) != n):
-            got = "None" if targets is None else f"{len(targets)} entries"
-            raise ValueError(
-                f"this rank holds the last stage, so targets must have {n} entries "
-                f"(one label tensor per micro-batch), got {got}"
-            )
-        if microbatch_kwargs is not None and len(microbatch_kwargs) != n:
-            raise ValueError(
-                f"microbatch_kwargs has {len(microbatch_kwargs)} entries, expected {n} "
-                f"(one dict of forward keyword arguments per micro-batch)"
-            )
-        arg_mbs = None
-        if self.has_first_stage:
-            arg_mbs = [x if isinstance(x, tuple) else (x,) for x in microbatch_inputs]
-        kwarg_mbs = [dict(kw) for kw in microbatch_kwargs or [{}] * n]
-        return lens, arg_mbs, kwarg_mbs
 
     def _verify_same_seq_lens(self, lens: list[int]) -> None:
         """Raise on every rank if the ranks of the pipeline passed different ``seq_lens``."""
