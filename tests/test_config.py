@@ -185,7 +185,7 @@ def test_packing_config_from_job_maps_every_knob():
     import dataclasses
     from types import SimpleNamespace
 
-    from torchtitan_wlb.data.packing_node import WLB_KNOBS, packing_config_from_job
+    from torchtitan_wlb.data.dataloader import WLB_KNOBS, packing_config_from_job
     from torchtitan_wlb.packing import PackingConfig
 
     defaults = {f.name: f.default for f in dataclasses.fields(PackingConfig)}

@@ -1,25 +1,13 @@
 """From packed micro-batches to the tensors TorchTitan's training step consumes.
 
-The packing node yields one item per optimizer step holding this DP rank's micro-batches.
-TorchTitan's ``train_step`` instead pulls one ``(input_dict, labels)`` per gradient-accumulation
-micro-batch. :class:`MicroBatchNode` bridges the two: it unrolls each step into its micro-batches
-and turns every packed micro-batch into tensors that keep the document boundaries:
-
-  - ``input``: ``[1, S]`` token ids (S varies per micro-batch under variable-length packing);
-  - labels ``[1, S]``: the next token *within the same document*; the last position of every
-    document is ``IGNORE_INDEX``, so no token is trained to predict the next document's first token;
-  - ``positions``: ``[1, S]`` RoPE positions, restarting at 0 for every document (or running over
-    the packed sequence with ``reset_positions = False``);
-  - ``doc_lens``: ``[D]`` int32 document lengths (they sum to S);
-  - ``doc_ids``: ``[D]`` the documents' stream ids (for the exactly-once audit in the metrics log);
-  - ``wlb_stats`` (first micro-batch of each step only): the packer's per-step statistics.
-
-A micro-batch without documents, which only a final step of the data can have, becomes a
-one-token filler that trains nothing (see :func:`collate_micro_batch`).
+The packing node yields one item per optimizer step; ``train_step`` pulls one ``(input_dict,
+labels)`` per gradient-accumulation micro-batch. :class:`MicroBatchNode` unrolls each step and
+turns every micro-batch into tensors that keep the document boundaries (``input``, ``positions``,
+``doc_lens``, ``doc_ids``, and ``wlb_stats`` on a step's first micro-batch; docs/data.md). Labels
+never cross a document boundary: the last position of every document is ``IGNORE_INDEX``.
 
 State: the source's state *before* the current step plus how many of its micro-batches were
-already handed out, so a checkpoint taken between micro-batches (TorchTitan only checkpoints
-between steps, but a user's trainer may not) also resumes exactly.
+already handed out, so a checkpoint taken between micro-batches also resumes exactly.
 """
 
 from __future__ import annotations
@@ -37,9 +25,8 @@ BatchT = tuple[dict[str, Any], torch.Tensor]
 def document_positions(doc_lens: np.ndarray) -> np.ndarray:
     """Per-document positions 0..d-1 for every document, vectorised (no loop over documents)."""
     doc_lens = np.asarray(doc_lens, dtype=np.int64)
-    total = int(doc_lens.sum())
     starts = np.repeat(np.cumsum(doc_lens) - doc_lens, doc_lens)
-    return np.arange(total, dtype=np.int64) - starts
+    return np.arange(int(doc_lens.sum()), dtype=np.int64) - starts
 
 
 def collate_micro_batch(
@@ -47,20 +34,14 @@ def collate_micro_batch(
 ) -> BatchT:
     """One packed micro-batch as ``({"input", "positions", "doc_lens"}, labels)``.
 
-    A micro-batch without documents (a final step of the data holding fewer documents than
-    micro-batches) becomes a *filler*: one token whose label is ``IGNORE_INDEX``. It adds nothing
-    to the loss, its gradients are zero, and every rank and pipeline stage still runs the step's
-    fixed number of micro-batches (gradient accumulation and the pipeline schedule need it).
+    A micro-batch without documents (a final step with fewer documents than micro-batches)
+    becomes a one-token *filler* that trains nothing: gradient accumulation and the pipeline
+    schedule need the step's fixed number of micro-batches on every rank.
     """
     tokens = np.asarray(tokens)
     doc_lens = np.asarray(doc_lens, dtype=np.int64)
-    if doc_lens.size == 0 and tokens.size == 0:
-        input_dict = {
-            "input": torch.zeros(1, 1, dtype=torch.int64),
-            "positions": torch.zeros(1, 1, dtype=torch.int64),
-            "doc_lens": torch.ones(1, dtype=torch.int32),
-        }
-        return input_dict, torch.full((1, 1), IGNORE_INDEX, dtype=torch.int64)
+    if doc_lens.size == 0 and tokens.size == 0:  # the filler: one document of one token 0
+        tokens, doc_lens = np.zeros(1, np.int64), np.ones(1, np.int64)
     if doc_lens.size == 0 or int(doc_lens.sum()) != tokens.size or (doc_lens <= 0).any():
         raise ValueError(
             f"document lengths {doc_lens.tolist()[:8]}... (sum {int(doc_lens.sum())}) do not "
@@ -68,8 +49,7 @@ def collate_micro_batch(
         )
     if tokens.dtype.kind not in "iu":
         raise ValueError(f"tokens must be integers, got dtype {tokens.dtype}")
-    # The packing node yields int32 tokens; the model and the loss take int64. Both arrays are
-    # written once from ``tokens`` (the labels are the tokens shifted by one).
+    # int32 from the packing node, int64 for the model; labels are the tokens shifted by one.
     tokens = tokens.astype(np.int64, copy=False)
     labels = np.empty_like(tokens)
     labels[:-1] = tokens[1:]

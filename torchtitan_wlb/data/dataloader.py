@@ -1,18 +1,9 @@
 """The train spec's dataloader: documents -> packing -> micro-batch tensors, as torchdata nodes.
 
-    DocumentNode (texts -> tokenized documents, long-document policy)
-      -> packing node (one global plan per optimizer step, this DP rank's micro-batches)
-      -> Prefetcher (a background thread: packing stays off the training critical path)
-      -> MicroBatchNode (one (input_dict, labels) per gradient-accumulation micro-batch)
-
-``[wlb] loader = "torchtitan"`` instead returns TorchTitan's own concatenate-and-chop loader
-unchanged (no document boundaries reach the model: full causal attention over each window).
-
-The loader is checkpointed per DP rank, as TorchTitan's ``ParallelAwareDataloader`` does, so
-TorchTitan's CheckpointManager saves and restores it with the rest of the training state. The
-saved state carries the *data fingerprint* (:func:`data_fingerprint`): every setting that decides
-which documents each step trains. Resuming under a different one is refused, naming the setting,
-because the restored queues and source position would silently mean other documents.
+DocumentNode -> WLBPackingNode -> Prefetcher (packing off the critical path) -> MicroBatchNode;
+docs/data.md describes the graph. ``[wlb] loader = "torchtitan"`` returns TorchTitan's own loader.
+The saved state carries the *data fingerprint* (:func:`data_fingerprint`): resuming under other
+settings that decide which documents each step trains is refused, naming the setting.
 """
 
 from __future__ import annotations
@@ -33,11 +24,21 @@ from torchtitan_wlb.cost_fit import CostModelSchedule
 from torchtitan_wlb.cost_model import CostModel
 from torchtitan_wlb.data.collate import MicroBatchNode
 from torchtitan_wlb.data.documents import DocumentNode
-from torchtitan_wlb.data.packing_node import build_packing_node, packing_config_from_job
 from torchtitan_wlb.data.sources import BUILTIN_NAME, TextSource
-from torchtitan_wlb.packing import Packer, build_packer
+from torchtitan_wlb.data.wlb_node import WLBPackingNode
+from torchtitan_wlb.packing import Packer, PackingConfig, build_packer, packing_config
 
 FINGERPRINT_KEY = "fingerprint"
+
+# [wlb] field -> PackingConfig field, for the knobs passed through unchanged.
+WLB_KNOBS = {
+    "max_delay_steps": "max_wait",
+    "adaptive_max_delay_steps": "adaptive_max_wait",
+    "delay_target": "delay_target",
+    "balance_target": "balance_target",
+    "release_slack": "release_slack",
+    "packing_window": "window",
+}
 
 
 class WLBDataLoader(BaseDataLoader):
@@ -45,14 +46,12 @@ class WLBDataLoader(BaseDataLoader):
 
     Args:
         root: the last node of the graph (yields ``(input_dict, labels)``).
-        dp_rank, dp_world_size: this rank's position in the data-parallel group; the saved state
-            is keyed by DP rank, and restoring under another DP degree is refused (the global
-            packing plan depends on it).
+        dp_rank, dp_world_size: this rank's place in the DP group; restoring under another DP
+            degree is refused (the global packing plan depends on it).
         fingerprint: :func:`data_fingerprint` of this run; saved, and compared on restore.
-        packer: the graph's packer, to read the pending documents out of a saved state
-            (:meth:`accounting`, for the exactly-once audit log).
-        cost_schedule: with ``[wlb] cost_model = "online"``, the schedule the packing node reads
-            its cost model from; the trainer's fitter writes it.
+        packer: the graph's packer, to read pending documents out of a state (:meth:`accounting`).
+        cost_schedule: the online cost model's schedule the packing node reads (the trainer's
+            fitter writes it), else None.
     """
 
     def __init__(
@@ -101,18 +100,14 @@ class WLBDataLoader(BaseDataLoader):
                 f"dataloader checkpoint has no state for {self._rank_id} "
                 f"(keys: {sorted(k for k in state_dict if k.startswith('dp_rank_'))})"
             )
-        # A fresh Loader: torchdata's Loader (0.11) ignores a loaded state when state_dict() was
-        # called before the first iter() -- which is exactly what TorchTitan's checkpointer does
-        # (it asks for the state to build the load template). The old Loader's pre-created
-        # iterator would then start from scratch.
+        # A fresh Loader: torchdata's (0.11) ignores a loaded state when state_dict() was called
+        # before the first iter(), which TorchTitan's checkpointer does (for its load template).
         self._loader = Loader(self._root, restart_on_stop_iteration=False)
         self._loader.load_state_dict(pickle.loads(state_dict[self._rank_id]))
 
     def accounting(self) -> tuple[list[int], int | None]:
-        """``(pending, documents)`` as of the last micro-batch handed out: the ids of the
-        documents the packer still holds, and how many documents the data has produced (None if
-        the graph has no document node). Read from the loader's state, i.e. exactly what a
-        checkpoint taken now would restore, not from the prefetching thread's live objects."""
+        """``(pending ids, documents produced or None)`` as of the last micro-batch handed out, read
+        from the loader's state (what a checkpoint now would restore), not the prefetch thread."""
         state = self._loader.state_dict()
         pending: list[int] = []
         if self._packer is not None:
@@ -131,28 +126,38 @@ def _find_state(state: Any, match: Callable[[dict], bool]) -> dict | None:
     if isinstance(state, dict):
         if match(state):
             return state
-        for value in state.values():
-            found = _find_state(value, match)
-            if found is not None:
-                return found
-    elif isinstance(state, (list, tuple)):
-        for value in state:
-            found = _find_state(value, match)
-            if found is not None:
-                return found
+        state = list(state.values())
+    for value in state if isinstance(state, (list, tuple)) else ():
+        found = _find_state(value, match)
+        if found is not None:
+            return found
     return None
+
+
+def packing_config_from_job(job_config: Any, num_micro_batches: int) -> PackingConfig:
+    """The packers' configuration for this job (N micro-batches per step across DP ranks).
+
+    Training bounds the solver by work (every rank must compute the same plan), with a generous
+    time limit as a safety net; PackingConfig's defaults (time only) are the benchmarks'.
+    """
+    wlb = job_config.wlb
+    return packing_config(
+        wlb.packing,
+        num_micro_batches,
+        job_config.training.seq_len,
+        smax=wlb.micro_batch_max_len or None,
+        queue_thresholds=wlb.queue_thresholds or None,
+        solver_node_limit=wlb.solver_node_limit,
+        solver_time_limit=wlb.solver_time_limit_s,
+        **{dst: getattr(wlb, src) for src, dst in WLB_KNOBS.items()},
+    )
 
 
 def data_fingerprint(
     job_config: JobConfig, dp_world_size: int, cost_model: CostModel | None
 ) -> dict[str, Any]:
-    """Every setting that decides which documents each step trains, by its config name.
-
-    Resolved values (``S_max`` when 0 means 1.25 x seq_len, ``max_doc_len`` when 0 means
-    seq_len), so that spelling a default out does not count as a change. The cost model enters
-    through its coefficients: the packers balance it, and it follows the model flavor and the
-    TP and CP degrees.
-    """
+    """Every setting that decides which documents each step trains, by its config name, with
+    resolved values (``S_max``, ``max_doc_len``) so that spelling a default out is no change."""
     wlb = job_config.wlb
     training = job_config.training
     n = micro_batches_per_step(job_config, dp_world_size)
@@ -180,22 +185,13 @@ def data_fingerprint(
                 else wlb.micro_batch_max_len
             ),
             "[wlb] queue_thresholds": list(wlb.queue_thresholds),
-            "[wlb] max_delay_steps": wlb.max_delay_steps,
-            "[wlb] adaptive_max_delay_steps": wlb.adaptive_max_delay_steps,
-            "[wlb] delay_target": wlb.delay_target,
-            "[wlb] balance_target": wlb.balance_target,
-            "[wlb] release_slack": wlb.release_slack,
-            "[wlb] packing_window": wlb.packing_window,
-            "[wlb] solver_node_limit": wlb.solver_node_limit,
+            **{f"[wlb] {k}": getattr(wlb, k) for k in (*WLB_KNOBS, "solver_node_limit")},
         }
     )
     if wlb.cost_model == "online":
+        fits = ("warmup", "window", "holdout", "interval", "apply_lag")
         fp["[wlb] cost_model = online: fit_warmup/window/holdout/interval/apply_lag_steps"] = [
-            wlb.fit_warmup_steps,
-            wlb.fit_window_steps,
-            wlb.fit_holdout_steps,
-            wlb.fit_interval_steps,
-            wlb.fit_apply_lag_steps,
+            getattr(wlb, f"fit_{k}_steps") for k in fits
         ]
     if cost_model is not None:
         fp["cost model W(d) = a*d^2 + b*d (model flavor, TP, CP, [wlb] cost_model)"] = (
@@ -205,11 +201,8 @@ def data_fingerprint(
 
 
 def check_fingerprint(saved: dict[str, Any], current: dict[str, Any], where: str) -> None:
-    """Refuse a resume whose data settings differ from those ``saved`` in ``where``.
-
-    One line naming the first differing setting with its old and new value (and how many more
-    differ). Settings missing on either side (a checkpoint from an older version) are skipped.
-    """
+    """Refuse a resume whose data settings differ from those ``saved`` in ``where``, naming the
+    first; settings missing on either side (an older checkpoint) are skipped."""
     changed = [k for k in current if k in saved and saved[k] != current[k]]
     if not changed:
         return
@@ -224,9 +217,8 @@ def check_fingerprint(saved: dict[str, Any], current: dict[str, Any], where: str
 
 def text_source_from_config(job_config: JobConfig) -> TextSource:
     """The document source named by ``[training] dataset`` / ``dataset_path``."""
-    kind = job_config.training.dataset
-    path = job_config.training.dataset_path or ""
-    return TextSource(kind=kind, path=path, text_field=job_config.wlb.text_field)
+    training = job_config.training
+    return TextSource(training.dataset, training.dataset_path or "", job_config.wlb.text_field)
 
 
 def micro_batches_per_step(job_config: JobConfig, dp_world_size: int) -> int:
@@ -253,11 +245,8 @@ def build_wlb_dataloader(
     job_config: JobConfig,
     cost_model: CostModel | None = None,
 ) -> BaseDataLoader:
-    """TrainSpec.build_dataloader_fn of ``llama3_wlb``.
-
-    ``cost_model`` is the workload model the packer balances; the train spec binds the one derived
-    from the model flavor (``cost_model_for_job``).
-    """
+    """TrainSpec.build_dataloader_fn of ``llama3_wlb``; the train spec binds ``cost_model`` (the
+    workload model the packer balances) from the model flavor."""
     wlb = job_config.wlb
     if wlb.loader == "torchtitan":
         from torchtitan.hf_datasets.text_datasets import build_text_dataloader
@@ -273,27 +262,21 @@ def build_wlb_dataloader(
         )
     if cost_model is None:
         raise ValueError("build_wlb_dataloader needs the job's cost model for document packing")
+    schedule = None
+    if wlb.cost_model == "online":
+        schedule = CostModelSchedule(cost_model, wlb.online_fit_config())
+    n = micro_batches_per_step(job_config, dp_world_size)
+    packer = build_packer(wlb.packing, packing_config_from_job(job_config, n), cost_model)
     documents = build_document_node(job_config, tokenizer)
-    schedule = (
-        CostModelSchedule(cost_model, wlb.online_fit_config())
-        if wlb.cost_model == "online"
-        else None
-    )
-    packed = build_packing_node(
-        documents,
-        job_config,
-        num_micro_batches=micro_batches_per_step(job_config, dp_world_size),
-        dp_rank=dp_rank,
-        dp_world_size=dp_world_size,
-        cost_model=cost_model,
-        schedule=schedule,
+    packed = WLBPackingNode(
+        documents, packer, dp_rank=dp_rank, dp_degree=dp_world_size, schedule=schedule
     )
     root = MicroBatchNode(
         Prefetcher(packed, prefetch_factor=2), reset_positions=wlb.reset_positions
     )
     logger.info(
         f"WLB data pipeline: dataset {job_config.training.dataset!r}, packing {wlb.packing!r}, "
-        f"{micro_batches_per_step(job_config, dp_world_size)} micro-batches per step"
+        f"{n} micro-batches per step"
         + (" (built-in corpus)" if job_config.training.dataset == BUILTIN_NAME else "")
     )
     return WLBDataLoader(
@@ -301,6 +284,6 @@ def build_wlb_dataloader(
         dp_rank=dp_rank,
         dp_world_size=dp_world_size,
         fingerprint=data_fingerprint(job_config, dp_world_size, cost_model),
-        packer=packed.packer,
+        packer=packer,
         cost_schedule=schedule,
     )

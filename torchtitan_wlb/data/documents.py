@@ -1,25 +1,10 @@
 """The document stream: texts -> tokenized documents, long ones split by a documented policy.
 
-This is the first node of the data pipeline. It yields one dict per document (or document piece):
-
-    {"doc_id": int, "tokens": np.ndarray[int32], "parent_id": int, "piece": int, "epoch": int}
-
-``doc_id`` counts emitted pieces from 0 and is unique within the run; ``parent_id`` is the index of
-the source text in its epoch; ``piece`` numbers the pieces of a split document. Every rank reads the
-same global stream (packing computes one global plan on every rank; see docs/packing.md), so the
-node is not sharded by rank.
-
-Long-document policy (``[wlb] long_doc_policy``), for a document longer than ``max_doc_len`` tokens:
-  - "split" (default): consecutive pieces of ``max_doc_len`` tokens, the last one shorter. No token
-    is lost; each piece is a document of its own for attention (it cannot see the previous piece).
-  - "truncate": keep the first ``max_doc_len`` tokens; the dropped tokens are counted in
-    ``truncated_tokens`` and logged (at the 1st, 10th, 100th, ... truncated document, with the
-    running totals), never silently.
-  - "error": stop with an error naming the document.
-
-State (``state_dict``): the epoch, the number of texts fully consumed and how many pieces of the
-current text were already emitted. Restoring re-reads the source from that text on, so the state
-stays a few integers however large the corpus.
+Yields ``{"doc_id", "tokens" (int32), "parent_id", "piece", "epoch"}`` per document or piece;
+``doc_id`` counts emitted pieces from 0, ``parent_id`` is the text's index in its epoch. Every rank
+reads the same global stream (the packing plan is global), so the node is not sharded by rank.
+The long-document policies are described in docs/data.md. The state is a few integers (epoch,
+texts consumed, pieces of the current text emitted): restoring re-reads the source from there.
 """
 
 from __future__ import annotations
@@ -41,13 +26,11 @@ class DocumentNode(BaseNode[dict]):
         source: where texts come from.
         tokenizer: anything with ``encode(text, add_bos=..., add_eos=...) -> list[int]``.
         max_doc_len: longest piece in tokens (>= 2).
-        policy: "split", "truncate" or "error" (see module docstring).
+        policy: "split", "truncate" or "error" (docs/data.md, "Long documents").
         epochs: passes over the source; 0 repeats forever (TorchTitan's default for training).
     """
 
-    _LOG_AT = frozenset(
-        {1, 10, 100, 1_000}
-    )  # truncated documents that are logged, then every 10,000th
+    _LOG_AT = frozenset({1, 10, 100, 1_000})  # truncated documents logged, then every 10,000th
 
     def __init__(
         self,
@@ -58,6 +41,8 @@ class DocumentNode(BaseNode[dict]):
         epochs: int = 1,
     ) -> None:
         super().__init__()
+        self.source = source
+        self.tokenizer = tokenizer
         if max_doc_len < 2:
             raise ValueError(f"max_doc_len = {max_doc_len} must be >= 2 tokens")
         if policy not in ("split", "truncate", "error"):
@@ -66,8 +51,6 @@ class DocumentNode(BaseNode[dict]):
             )
         if epochs < 0:
             raise ValueError(f"epochs = {epochs} must be >= 0 (0 repeats forever)")
-        self.source = source
-        self.tokenizer = tokenizer
         self.max_doc_len = max_doc_len
         self.policy = policy
         self.epochs = epochs
@@ -94,8 +77,7 @@ class DocumentNode(BaseNode[dict]):
         self._it = self._generate()
 
     def _pieces(self, index: int, text: str) -> list[np.ndarray]:
-        # int32: every vocabulary's ids fit (numpy refuses an id that does not), and the packing
-        # node holds and copies half the bytes of int64.
+        # int32: every vocabulary fits (numpy refuses an id that does not); half int64's bytes.
         tokens = np.asarray(self.tokenizer.encode(text, add_bos=True, add_eos=True), np.int32)
         if tokens.size <= self.max_doc_len:
             return [tokens]

@@ -25,47 +25,34 @@ class DataError(ValueError):
     """Bad input data: names the file (and line or row) and what was expected."""
 
 
-# ---------------------------------------------------------------------------------------------
-# The built-in corpus
-# ---------------------------------------------------------------------------------------------
-
 _SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo", "__pycache__"}
 _MIN_DOC_CHARS = 40
 _CORPUS_VERSION = 1
+_DOC_NODES = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 
 
 def _stdlib_docstrings(stdlib: str) -> list[str]:
     docs: list[str] = []
     for root, dirs, files in os.walk(stdlib):
         dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS)
-        for name in sorted(files):
-            if not name.endswith(".py"):
-                continue
+        for name in sorted(f for f in files if f.endswith(".py")):
             try:
                 with open(os.path.join(root, name), encoding="utf-8") as f:
                     tree = ast.parse(f.read())
             except (SyntaxError, UnicodeDecodeError, OSError):
                 continue
             for node in ast.walk(tree):
-                if isinstance(
-                    node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
-                ):
-                    doc = ast.get_docstring(node)
-                    if doc and len(doc) >= _MIN_DOC_CHARS:
-                        docs.append(doc)
+                doc = ast.get_docstring(node) if isinstance(node, _DOC_NODES) else None
+                if doc and len(doc) >= _MIN_DOC_CHARS:
+                    docs.append(doc)
     return docs
 
 
 def build_builtin_corpus() -> list[str]:
-    """Real English text from the running Python installation, with a long-tailed length mix.
-
-    Two kinds of documents, both written by people for people and present in every CPython:
-    the reference-manual topics of ``pydoc_data`` (79 documents of 0.5K-60K characters: the long
-    tail) and the docstrings of the standard library's modules, classes and functions (about 6,000
-    documents, median ~120 characters). Interleaved in a fixed order (a seeded permutation), so
-    long documents are spread through the stream the way they are in pretraining corpora. Nothing
-    is downloaded and nothing is copied into this repository: the corpus is rebuilt from the local
-    installation (and cached, see :func:`builtin_corpus`).
+    """Real English text from the running Python installation, with a long-tailed length mix:
+    the reference-manual topics of ``pydoc_data`` (the long tail) and the standard library's
+    docstrings, interleaved in a fixed seeded order (docs/data.md). Nothing is downloaded or
+    stored in this repository.
     """
     from pydoc_data.topics import topics
 
@@ -77,15 +64,11 @@ def build_builtin_corpus() -> list[str]:
     return [docs[i] for i in order]
 
 
-def _cache_path() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    ver = f"{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}"
-    return os.path.join(base, "torchtitan_wlb", f"builtin_corpus_v{_CORPUS_VERSION}_py{ver}.json")
-
-
 def builtin_corpus() -> list[str]:
     """The built-in corpus, built once per Python version and cached under ``~/.cache``."""
-    path = _cache_path()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    ver = f"{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}"
+    path = os.path.join(base, "torchtitan_wlb", f"builtin_corpus_v{_CORPUS_VERSION}_py{ver}.json")
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
@@ -101,11 +84,6 @@ def builtin_corpus() -> list[str]:
     except OSError:
         pass  # a read-only home still trains; it only rebuilds next time
     return docs
-
-
-# ---------------------------------------------------------------------------------------------
-# Sources
-# ---------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -153,18 +131,11 @@ class TextSource:
 
     def open_texts(self, start: int = 0) -> Iterator[tuple[int, str]]:
         """Yield ``(index, text)`` for every document from number ``start`` on."""
-        match self.kind:
-            case "wlb_builtin":
-                docs = builtin_corpus()
-                yield from ((i, docs[i]) for i in range(start, len(docs)))
-            case "jsonl":
-                yield from itertools.islice(self._jsonl(), start, None)
-            case "text":
-                yield from itertools.islice(self._text_files(), start, None)
-            case "parquet":
-                yield from itertools.islice(self._parquet(), start, None)
-            case "hf":
-                yield from itertools.islice(self._hf(), start, None)
+        texts = getattr(self, f"_read_{self.kind}")()
+        yield from itertools.islice(enumerate(texts), start, None)
+
+    def _read_wlb_builtin(self) -> Iterator[str]:
+        return iter(builtin_corpus())
 
     def _checked(self, text: object, where: str) -> str:
         if not isinstance(text, str):
@@ -175,8 +146,7 @@ class TextSource:
             raise DataError(f"{where}: empty document; remove it from the data")
         return text
 
-    def _jsonl(self) -> Iterator[tuple[int, str]]:
-        index = 0
+    def _read_jsonl(self) -> Iterator[str]:
         for path in self.files():
             with open(path, encoding="utf-8") as f:
                 for lineno, line in enumerate(f, start=1):
@@ -191,18 +161,16 @@ class TextSource:
                         raise DataError(
                             f"{where}: expected a JSON object with field {self.text_field!r}"
                         )
-                    yield index, self._checked(record[self.text_field], where)
-                    index += 1
+                    yield self._checked(record[self.text_field], where)
 
-    def _text_files(self) -> Iterator[tuple[int, str]]:
-        for index, path in enumerate(self.files()):
+    def _read_text(self) -> Iterator[str]:
+        for path in self.files():
             with open(path, encoding="utf-8") as f:
-                yield index, self._checked(f.read(), path)
+                yield self._checked(f.read(), path)
 
-    def _parquet(self) -> Iterator[tuple[int, str]]:
+    def _read_parquet(self) -> Iterator[str]:
         import pyarrow.parquet as pq
 
-        index = 0
         for path in self.files():
             table = pq.ParquetFile(path)
             if self.text_field not in table.schema_arrow.names:
@@ -212,11 +180,10 @@ class TextSource:
             row = 0
             for batch in table.iter_batches(columns=[self.text_field]):
                 for text in batch.column(0).to_pylist():
-                    yield index, self._checked(text, f"{path}: row {row}")
-                    index += 1
+                    yield self._checked(text, f"{path}: row {row}")
                     row += 1
 
-    def _hf(self) -> Iterator[tuple[int, str]]:
+    def _read_hf(self) -> Iterator[str]:
         from datasets import load_dataset
 
         ds = load_dataset(self.path, split="train", streaming=True)
@@ -226,4 +193,4 @@ class TextSource:
                     f"dataset {self.path!r} row {row}: no field {self.text_field!r} "
                     f"(fields: {sorted(record)})"
                 )
-            yield row, self._checked(record[self.text_field], f"dataset {self.path!r} row {row}")
+            yield self._checked(record[self.text_field], f"dataset {self.path!r} row {row}")

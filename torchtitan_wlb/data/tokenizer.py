@@ -1,10 +1,8 @@
 """Tokenizers: an offline byte-level one (the default) and TorchTitan's Hugging Face one.
 
-The default run must work on a fresh machine with no network, so it cannot download a tokenizer.
-A byte-level tokenizer needs no vocabulary file, handles any text losslessly and keeps documents
-long in tokens, which is what makes attention imbalance visible at small scale. Users with a real
-tokenizer point ``[model] hf_assets_path`` at a directory holding ``tokenizer.json``; then
-TorchTitan's own ``HuggingFaceTokenizer`` is used unchanged.
+The default run must work offline, so it cannot download a tokenizer. Bytes need no vocabulary
+file, handle any text losslessly and keep documents long in tokens, which makes attention
+imbalance visible at small scale.
 """
 
 from __future__ import annotations
@@ -21,11 +19,8 @@ _TORCHTITAN_DEFAULT_ASSETS = "./tests/assets/tokenizer"
 
 
 class ByteTokenizer(BaseTokenizer):
-    """UTF-8 bytes as tokens 0..255, plus BOS (256), EOS (257) and PAD (258).
-
-    ``get_vocab_size`` reports 264 (the special ids rounded up to a multiple of 8) so that the
-    embedding table has an aligned size.
-    """
+    """UTF-8 bytes as tokens 0..255, plus BOS (256), EOS (257) and PAD (258); the vocabulary
+    size is rounded up to 264, a multiple of 8, for an aligned embedding table."""
 
     BOS = 256
     EOS = 257
@@ -34,9 +29,7 @@ class ByteTokenizer(BaseTokenizer):
 
     def __init__(self) -> None:
         super().__init__()
-        self.bos_id = self.BOS
-        self.eos_id = self.EOS
-        self.pad_id = self.PAD
+        self.bos_id, self.eos_id, self.pad_id = self.BOS, self.EOS, self.PAD
 
     def encode(self, text: str, add_bos: bool = True, add_eos: bool = True) -> list[int]:
         ids = list(text.encode("utf-8"))
@@ -54,12 +47,9 @@ class ByteTokenizer(BaseTokenizer):
 
 
 def build_wlb_tokenizer(job_config: JobConfig) -> BaseTokenizer:
-    """The train spec's tokenizer builder.
-
-    ``[model] hf_assets_path`` naming a directory with ``tokenizer.json`` selects TorchTitan's
-    HuggingFaceTokenizer; an empty path or TorchTitan's placeholder default selects ByteTokenizer.
-    A path without ``tokenizer.json`` is an error rather than a silent fallback.
-    """
+    """The train spec's tokenizer: TorchTitan's HuggingFaceTokenizer for ``[model]
+    hf_assets_path``, ByteTokenizer when it is empty or TorchTitan's placeholder default; a path
+    without ``tokenizer.json`` is an error, not a silent fallback."""
     path = job_config.model.hf_assets_path
     if path in ("", _TORCHTITAN_DEFAULT_ASSETS):
         return ByteTokenizer()

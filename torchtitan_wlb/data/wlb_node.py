@@ -1,50 +1,14 @@
 """torchdata node that packs a document stream into per-step micro-batches with a packer.
 
-Input: a ``BaseNode`` yielding ``{"doc_id": int, "tokens": np.ndarray}`` (the document stream;
-any integer dtype, token ids below 2**31). Output: one item per optimizer step,
+Input: a ``BaseNode`` yielding ``{"doc_id": int, "tokens": np.ndarray}``. Output: one item per
+optimizer step, ``{"micro_batches": [{"tokens", "doc_lens", "doc_ids"}, ...], "stats": {...}}``
+with this DP rank's ``N // dp`` micro-batches of the global plan. Every DP rank computes the same
+plan from the same stream, so no communication is needed (docs/packing.md, "The torchdata node").
 
-    {"micro_batches": [{"tokens", "doc_lens", "doc_ids"}, ...],  # this DP rank's N // dp
-     "stats": {...}}                                              # the global plan's metrics
-
-``tokens`` is int32 (every vocabulary fits; half the bytes of int64 to hold and to copy): the
-collate step widens it to the model's int64 as it builds the labels.
-
-Every DP rank runs the same node on the same global stream and computes the same global plan
-(packers are deterministic) and keeps its ``N // dp`` micro-batches: contiguous slices for the
-``original`` baseline, workload-balanced dealing for the other packers (``_rank_micro_batches``).
-No communication is needed, and a rank's checkpoint is enough to resume it.
-
-Per-step cost. The step's work is a few vectorised operations over the step's documents, not a
-Python loop over them: the source is read in one batch when it offers ``read_documents`` (the
-document node and the benchmark's source do; any other ``BaseNode`` is read one item at a time),
-the batch is checked with array operations, and this rank's tokens are gathered by one
-``np.concatenate`` into an output buffer. Output buffers are reused: a buffer goes back into use
-only when nothing refers to it any more (its reference count is back to the pool's own), so a
-consumer that keeps a step's arrays (the prefetch queue, a user's code) never sees them change,
-and a step does not pay for fresh pages (page faults) in the common case.
-
-Read-ahead: the node keeps up to one global batch (``N * context_len`` tokens) of documents read
-from the source but not yet given to the packer, so that it sees the end of the data one step
-before the last pull (see :mod:`~torchtitan_wlb.packing.driver`): the final pull then takes the
-rest of the data with it, and the packer drains over at least a full step of documents.
-
-Online cost model (``schedule``): with a :class:`~torchtitan_wlb.cost_fit.CostModelSchedule` the
-packer's cost model is set, before every plan, to the one the schedule assigns to that step; the
-schedule decides by step number, not by when this node's prefetch thread gets there, so every DP
-rank and a resumed run pack each step with the same model. The coefficients travel with the plan's
-statistics (``cost_attn_coef``, ``cost_linear_coef``).
-
-Checkpointing (``state_dict`` / ``reset``): the packer's state lists the pending documents (ids,
-lengths, arrival steps) and the node's state the read-ahead documents (ids, lengths), but neither
-stores their *tokens*. The node stores, for every pull since the oldest held document was read,
-the source's state before that pull and how many documents it read. ``reset(state)`` rewinds the
-source to the oldest snapshot, replays the reads and keeps the held documents' tokens, then
-restores the source's latest state. Why: a
-queue can hold ``levels * N`` documents of up to ``S_max`` tokens (tens of MB per rank at 128K
-context), replicated in every DP rank's checkpoint, while the snapshots are a few source states
-(one per step the oldest pending document has waited, at most the longest wait + 2). The price
-is re-reading that many steps of documents on restore, and the source must be deterministic under ``reset(state)`` (torchdata's
-contract); the replayed documents are checked against the stored ids and lengths.
+Why the state holds no tokens: the pending documents can be tens of MB per rank at long context,
+in every DP rank's checkpoint, while a few source snapshots (one per pull since the oldest held
+document was read) let ``reset(state)`` re-read them. The source must be deterministic under
+``reset(state)`` (torchdata's contract); replayed documents are checked against the stored lengths.
 """
 
 from __future__ import annotations
@@ -61,8 +25,6 @@ from torchtitan_wlb.packing import Packer
 from torchtitan_wlb.packing.driver import next_plan, take_until
 from torchtitan_wlb.packing.placement import dp_order
 
-__all__ = ["TOKEN_DTYPE", "WLBPackingNode"]
-
 TOKEN_DTYPE = np.int32
 """dtype of the token arrays the node yields (token ids are below 2**31 in every vocabulary)."""
 
@@ -72,8 +34,7 @@ _ZERO = np.zeros(1, np.int64)
 
 def as_tokens(doc_id: int, tokens: Any) -> np.ndarray:
     """One document's tokens as a 1-D ``TOKEN_DTYPE`` array (no copy when it already is one)."""
-    if not isinstance(tokens, np.ndarray):
-        tokens = np.asarray(tokens)
+    tokens = np.asarray(tokens)
     if tokens.dtype == TOKEN_DTYPE:
         return tokens
     if tokens.dtype.kind not in "iu":
@@ -91,13 +52,14 @@ def as_tokens(doc_id: int, tokens: Any) -> np.ndarray:
 
 
 class WLBPackingNode(BaseNode[dict]):
-    """Packs documents into ``N`` micro-batches per step and yields this DP rank's share."""
+    """Packs documents into ``N`` micro-batches per step and yields this DP rank's share.
 
-    SOURCE_KEY = "source"
-    PACKER_KEY = "packer"
+    ``schedule`` (the online cost model's) sets the packer's cost model before every plan, by
+    step number, so every DP rank and a resumed run pack each step with the same model.
+    """
+
     POOL_SIZE = 4
-    """Output buffers kept for reuse; a step whose buffers are all still referenced (a deep
-    prefetch queue) gets a fresh one that is not kept."""
+    """Output buffers kept for reuse; when all are still referenced a fresh one is not kept."""
 
     def __init__(
         self,
@@ -131,7 +93,7 @@ class WLBPackingNode(BaseNode[dict]):
         self._per_rank = n // dp_degree
         self._initial_packer_state = packer.state_dict()
         self._tokens: dict[int, np.ndarray] = {}  # every held document: read-ahead + pending
-        self._snapshots: list[tuple[int, dict[str, Any], int]] = []
+        self._snapshots: list[tuple[int, dict[str, Any], int]] = []  # (step, source state, reads)
         self._snapshot_ids: list[list[int]] = []  # the ids each snapshot's pull read
         self._ahead_ids = _EMPTY  # read, not given to the packer yet (stream order)
         self._ahead_lens = _EMPTY
@@ -140,7 +102,6 @@ class WLBPackingNode(BaseNode[dict]):
         self._buffers: list[np.ndarray] = []  # output buffers (see ``_out_buffer``)
         self._free_refs = 0  # a pooled buffer's reference count when nothing else holds it
 
-    # ------------------------------------------------------------------ BaseNode
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
         self._tokens = {}
@@ -152,7 +113,7 @@ class WLBPackingNode(BaseNode[dict]):
             self._snapshots = []
             self._source_done = self._exhausted = False
             return
-        self.packer.load_state_dict(initial_state[self.PACKER_KEY])
+        self.packer.load_state_dict(initial_state["packer"])
         self._exhausted = bool(initial_state["exhausted"])
         # States written before the read-ahead: the source ended exactly when the data did.
         self._source_done = bool(initial_state.get("source_done", self._exhausted))
@@ -163,12 +124,12 @@ class WLBPackingNode(BaseNode[dict]):
         held = dict(zip(pending.ids.tolist(), pending.lens.tolist(), strict=True))
         held.update(zip(self._ahead_ids.tolist(), self._ahead_lens.tolist(), strict=True))
         self._replay(held)
-        self.source.reset(initial_state[self.SOURCE_KEY])
+        self.source.reset(initial_state["source"])
 
     def get_state(self) -> dict[str, Any]:
         return {
-            self.SOURCE_KEY: self.source.state_dict(),
-            self.PACKER_KEY: self.packer.state_dict(),
+            "source": self.source.state_dict(),
+            "packer": self.packer.state_dict(),
             "snapshots": [[s, st, k] for s, st, k in self._snapshots],
             "ahead": np.stack([self._ahead_ids, self._ahead_lens], axis=1).tolist(),
             "source_done": self._source_done,
@@ -190,15 +151,12 @@ class WLBPackingNode(BaseNode[dict]):
             pick = np.concatenate([np.arange(ends[j] - counts[j], ends[j]) for j in mine.tolist()])
             parts = list(map(parts.__getitem__, pick.tolist()))
         lens = [plan.doc_lens[j] for j in mine.tolist()]
-        # Token offsets of this rank's micro-batches in the buffer: the running token count at
-        # each micro-batch's last document.
-        ends_mine = np.cumsum(counts[mine])
+        # Buffer offsets of this rank's micro-batches: the running token count at each one's end.
         running = np.concatenate([_ZERO, np.cumsum(np.concatenate(lens))])
-        bounds = running[np.concatenate([_ZERO, ends_mine])].tolist()
-        total = bounds[-1]
-        buf = self._out_buffer(total)
+        bounds = running[np.concatenate([_ZERO, np.cumsum(counts[mine])])].tolist()
+        buf = self._out_buffer(bounds[-1])
         if parts:
-            np.concatenate(parts, out=buf[:total])
+            np.concatenate(parts, out=buf[: bounds[-1]])
         micro_batches = [
             {
                 "tokens": buf[bounds[k] : bounds[k + 1]],
@@ -208,14 +166,12 @@ class WLBPackingNode(BaseNode[dict]):
             for k, j in enumerate(mine.tolist())
         ]
         self._prune()
-        stats = dict(plan.stats)
-        stats["step"] = plan.step
+        stats = {**plan.stats, "step": plan.step}
         if self.schedule is not None:
             stats["cost_attn_coef"] = self.packer.cost_model.attn_coef
             stats["cost_linear_coef"] = self.packer.cost_model.linear_coef
         return {"micro_batches": micro_batches, "stats": stats}
 
-    # ------------------------------------------------------------------ DocumentStream
     @property
     def exhausted(self) -> bool:
         """Whether the data has ended for the packer (it is flushed from then on)."""
@@ -234,8 +190,7 @@ class WLBPackingNode(BaseNode[dict]):
         k, _ = take_until(budget, np.cumsum(self._ahead_lens), 0)
         ids, lens = [self._ahead_ids[:k]], [self._ahead_lens[:k]]
         self._ahead_ids, self._ahead_lens = self._ahead_ids[k:], self._ahead_lens[k:]
-        got = int(lens[0].sum())
-        read_ids, read_lens = self._read(budget - got)
+        read_ids, read_lens = self._read(budget - int(lens[0].sum()))
         ids.append(read_ids)
         lens.append(read_lens)
         more_ids, more_lens = self._read(horizon - int(self._ahead_lens.sum()))
@@ -254,11 +209,10 @@ class WLBPackingNode(BaseNode[dict]):
         return np.concatenate(ids), np.concatenate(lens)
 
     def _read(self, tokens: int) -> tuple[np.ndarray, np.ndarray]:
-        """Documents from the source, in order, until their tokens reach ``tokens`` (the crossing
-        one included; none when ``tokens <= 0``) or the source ends. Their tokens are kept.
+        """Documents from the source until their tokens reach ``tokens`` (the crossing one
+        included; none when ``tokens <= 0``) or the source ends; their tokens are kept.
 
-        One call of the source's ``read_documents(tokens)`` when it has one (a batch of ids and
-        token arrays, fewer tokens than asked only at its end); else one item at a time.
+        One call of the source's ``read_documents(tokens)`` when it has one, else item by item.
         """
         if tokens <= 0 or self._source_done:
             return _EMPTY, _EMPTY
@@ -273,10 +227,9 @@ class WLBPackingNode(BaseNode[dict]):
             got = 0
             while got < tokens:
                 try:
-                    item = next(self.source)
+                    doc_id, array = self._unpack(next(self.source))
                 except StopIteration:
                     break
-                doc_id, array = self._unpack(item)
                 ids_read.append(doc_id)
                 arrays.append(array)
                 got += array.size
@@ -287,14 +240,9 @@ class WLBPackingNode(BaseNode[dict]):
         self._tokens.update(zip(doc_ids.tolist(), arrays, strict=True))
         return doc_ids, lens
 
-    # ------------------------------------------------------------------ helpers
     def _rank_micro_batches(self, doc_lens: list[np.ndarray]) -> np.ndarray:
-        """The plan's micro-batches this DP rank trains, ``N // dp`` of them.
-
-        ``original`` keeps TorchTitan's contiguous slices (it is the baseline); the other packers'
-        plans are dealt to DP ranks by workload (:func:`~torchtitan_wlb.packing.placement.dp_order`)
-        so that every rank's total is as even as the micro-batches allow.
-        """
+        """The plan's micro-batches this DP rank trains: contiguous slices for ``original`` (the
+        baseline, as TorchTitan), dealt by workload (``dp_order``) for the other packers."""
         if self.dp_degree == 1:
             return np.arange(len(doc_lens))
         sizes = np.fromiter(map(len, doc_lens), np.int64, len(doc_lens))
@@ -307,20 +255,17 @@ class WLBPackingNode(BaseNode[dict]):
     def _out_buffer(self, size: int) -> np.ndarray:
         """A ``TOKEN_DTYPE`` buffer of at least ``size`` elements that nothing else refers to.
 
-        A pooled buffer is free when its reference count is the one it had right after it was
-        pooled (the pool's own reference): every array a consumer keeps from an earlier step is
-        a view that holds its buffer. Fresh buffers are pooled while the pool has room.
+        A pooled buffer is free when its reference count is back to the pool's own: every array
+        a consumer keeps from an earlier step (the prefetch queue, user code) is a view holding
+        its buffer, so kept steps never change, and reuse spares the page faults of fresh memory.
         """
+        free = self._free_refs
         for k in range(len(self._buffers)):
-            if (
-                self._buffers[k].size >= size
-                and sys.getrefcount(self._buffers[k]) <= self._free_refs
-            ):
+            if self._buffers[k].size >= size and sys.getrefcount(self._buffers[k]) <= free:
                 return self._buffers[k]
-        capacity = max(size, self._per_rank * self.packer.cap)
         if len(self._buffers) >= self.POOL_SIZE:
             return np.empty(size, TOKEN_DTYPE)
-        self._buffers.append(np.empty(capacity, TOKEN_DTYPE))
+        self._buffers.append(np.empty(max(size, self._per_rank * self.packer.cap), TOKEN_DTYPE))
         self._free_refs = sys.getrefcount(self._buffers[-1])
         return self._buffers[-1]
 
@@ -335,10 +280,8 @@ class WLBPackingNode(BaseNode[dict]):
         return doc_id, as_tokens(doc_id, item["tokens"])
 
     def _check(self, doc_ids: np.ndarray, arrays: list[np.ndarray]) -> np.ndarray:
-        """Check a batch of documents read from the source (vectorised); return their lengths.
-
-        Arrays of another integer dtype than ``TOKEN_DTYPE`` are converted in place in ``arrays``.
-        """
+        """Check a batch read from the source (vectorised) and return the lengths; arrays of
+        another integer dtype are converted in place in ``arrays``."""
         if doc_ids.size != len(arrays):
             raise ValueError(
                 f"the source gave {doc_ids.size} document ids but {len(arrays)} arrays"
@@ -372,15 +315,11 @@ class WLBPackingNode(BaseNode[dict]):
 
     def _prune(self) -> None:
         """Drop the snapshots of pulls none of whose documents is still held."""
-        if not self._tokens:
-            self._snapshots, self._snapshot_ids = [], []
-            return
         held = self._tokens.__contains__
-        keep = len(self._snapshots)
-        for i, read in enumerate(self._snapshot_ids):
-            if any(map(held, read)):
-                keep = i
-                break
+        keep = next(
+            (i for i, read in enumerate(self._snapshot_ids) if any(map(held, read))),
+            len(self._snapshots),
+        )
         del self._snapshots[:keep], self._snapshot_ids[:keep]
 
     def _replay(self, held: dict[int, int]) -> None:

@@ -8,22 +8,16 @@ from torchtitan_wlb.pipeline.loss import (
 )
 from torchtitan_wlb.pipeline.schedule_check import VARLEN_SCHEDULES, check_pp_microbatches
 from torchtitan_wlb.pipeline.varlen import (
-    SUPPORTED_TORCH_RANGE,
-    PipelineActionTimes,
     UnsupportedTorchVersionError,
     VarlenPipelineRunner,
-    VarlenStepStats,
     check_torch_version,
 )
 
 __all__ = [
     "IGNORE_INDEX",
-    "SUPPORTED_TORCH_RANGE",
-    "PipelineActionTimes",
     "UnsupportedTorchVersionError",
     "VARLEN_SCHEDULES",
     "VarlenPipelineRunner",
-    "VarlenStepStats",
     "check_pp_microbatches",
     "check_torch_version",
     "count_valid_tokens",

@@ -1,39 +1,22 @@
 """Start-up check of a pipeline configuration for variable-length micro-batches.
 
-torch raises on a micro-batch count a schedule cannot take only when the schedule is built,
-after process groups and model splitting; WLB configs are validated before any of that. This
-module is pure Python (no process group, no torch.distributed state) and mirrors the constraints
-of torch 2.13's schedules and torchtitan 0.2.2's ``pipeline_llm``.
+torch raises on a micro-batch count a schedule cannot take only when the schedule is built, after
+process groups and model splitting; this pure-Python check mirrors torch 2.13's schedules and
+torchtitan 0.2.2's ``pipeline_llm`` so that WLB configs are refused before any of that.
 """
 
 from __future__ import annotations
 
-__all__ = ["VARLEN_SCHEDULES", "check_pp_microbatches"]
-
 # Schedules the varlen runner is tested with (tests/test_pipeline_varlen.py), by torch's names
 # (matched case-insensitively, as torch's get_schedule_class does), with their stage style.
-VARLEN_SCHEDULES: dict[str, str] = {
-    "1F1B": "single",
-    "GPipe": "single",
-    "Interleaved1F1B": "multi",
-}
+VARLEN_SCHEDULES: dict[str, str] = {"1F1B": "single", "GPipe": "single", "Interleaved1F1B": "multi"}
 
 
 def check_pp_microbatches(
-    schedule: str,
-    n_microbatches: int,
-    pp_degree: int,
-    stages_per_rank: int | None = None,
+    schedule: str, n_microbatches: int, pp_degree: int, stages_per_rank: int | None = None
 ) -> None:
-    """Raise ``ValueError`` if ``schedule`` cannot run ``n_microbatches`` variable-length ones.
-
-    Args:
-        schedule: ``[parallelism] pipeline_parallel_schedule``.
-        n_microbatches: micro-batches per optimizer step on one DP rank (WLB's N / dp).
-        pp_degree: ``[parallelism] pipeline_parallel_degree`` (> 1).
-        stages_per_rank: virtual stages per rank; defaults to torchtitan's (1 for single-stage
-            schedules, 2 for multi-stage ones).
-    """
+    """Raise ``ValueError`` if ``schedule`` cannot run ``n_microbatches`` (per optimizer step
+    on one DP rank) variable-length ones; ``stages_per_rank`` defaults to torchtitan's."""
     names = {name.lower(): name for name in VARLEN_SCHEDULES}
     if not isinstance(schedule, str) or schedule.lower() not in names:
         raise ValueError(

@@ -1,23 +1,12 @@
 """Variable-length micro-batches through torch.distributed.pipelining schedules.
 
-WLB-LLM packs every micro-batch of an optimizer step to its own token count, while
-``torch.distributed.pipelining`` sizes the receive buffers of a stage once, from the first
-micro-batch it ever sees, and torchtitan splits one ``[B, S]`` tensor along dim 0 so that every
-micro-batch of a step shares one shape. This module lets an existing schedule (the one
-torchtitan's ``pipelining_fn`` builds) run micro-batches of different lengths in one step, with no
-padding and no shape exchange:
-
-* every rank of a pipeline already knows the per-micro-batch token counts (the packing plan is
-  computed identically on all ranks), so before each step the receive buffers of every
-  micro-batch -- activations in ``stage.args_recv_info[mb]`` and gradients in
-  ``stage.grad_recv_info[mb]`` -- are replaced by tensors of that micro-batch's own shape;
-* micro-batches are handed to the schedule as lists (``_step_microbatches``) instead of one tensor
-  that ``step()`` would split along dim 0, so each carries its own positional input, target and
-  keyword metadata (``attention_masks``, ``positions``), which every stage receives for that
-  micro-batch.
-
-All access to private pipelining attributes lives in this module (see ``_PRIVATE_ATTRS``) and is
-gated on the torch versions the approach was checked against.
+torch sizes a stage's receive buffers once, from the first micro-batch, and torchtitan splits one
+``[B, S]`` tensor so that every micro-batch of a step shares one shape. Every rank of a pipeline
+knows the per-micro-batch token counts (the packing plan is computed identically on all ranks), so
+before each step the runner gives every micro-batch's receive buffers its own length and hands the
+schedule per-micro-batch lists of inputs, targets and keyword metadata: no padding and no shape
+exchange (docs/pipeline.md). All access to private pipelining attributes lives in this module and
+is gated on the torch versions it was checked against.
 """
 
 from __future__ import annotations
@@ -34,21 +23,10 @@ import torch
 
 from torchtitan_wlb.pipeline.loss import token_mean_loss
 
-__all__ = [
-    "SUPPORTED_TORCH_RANGE",
-    "PipelineActionTimes",
-    "UnsupportedTorchVersionError",
-    "VarlenPipelineRunner",
-    "VarlenStepStats",
-    "check_torch_version",
-]
-
-# (major, minor) bounds, both inclusive, of the torch releases this module supports. 2.13.0 (CPU)
-# is the one the tests run on; see docs/pipeline.md for what was checked on the others.
+# (major, minor) bounds, both inclusive, of the supported torch releases (docs/pipeline.md).
 SUPPORTED_TORCH_RANGE: tuple[tuple[int, int], tuple[int, int]] = ((2, 11), (2, 13))
 
-# Setting this environment variable to 1 skips the version gate (to try a newer torch); the
-# private-attribute checks below still run.
+# Set to 1 to skip the version gate (to try a newer torch); the attribute checks still run.
 ALLOW_UNVERIFIED_ENV = "WLB_PP_ALLOW_UNVERIFIED_TORCH"
 
 # The private pipelining attributes this module reads or writes, in one place.
@@ -56,8 +34,6 @@ _PRIVATE_ATTRS = {
     "schedule": ("_n_microbatches", "_loss_fn", "_has_backward", "_step_microbatches"),
     "stage": ("args_recv_info", "grad_recv_info", "clear_runtime_states"),
 }
-
-
 # Stage methods of older releases that check each micro-batch against the first one's shapes.
 _SHAPE_VALIDATORS = ("_validate_fwd_input", "_validate_fwd_outputs")
 
@@ -70,28 +46,19 @@ class UnsupportedTorchVersionError(RuntimeError):
     """Raised when the installed torch is outside :data:`SUPPORTED_TORCH_RANGE`."""
 
 
-def _parse_major_minor(version: str) -> tuple[int, int]:
+def check_torch_version(version: str | None = None) -> None:
+    """Fail early when the private pipelining internals may differ from the verified ones: they
+    change between releases without notice, and must not silently give wrong gradients or hang."""
+    version = torch.__version__ if version is None else version
+    if os.environ.get(ALLOW_UNVERIFIED_ENV) == "1":
+        return
     match = re.match(r"^(\d+)\.(\d+)", version)
     if match is None:
         raise UnsupportedTorchVersionError(
             f"cannot parse torch version {version!r}; expected 'MAJOR.MINOR[...]'"
         )
-    return int(match.group(1)), int(match.group(2))
-
-
-def check_torch_version(version: str | None = None) -> None:
-    """Fail early when the private pipelining internals may differ from the verified ones.
-
-    The runner rewrites private state of ``PipelineStage`` and calls private schedule methods;
-    those change between torch releases without notice, so an unverified torch must not silently
-    produce wrong gradients or hang a pipeline.
-    """
-    version = torch.__version__ if version is None else version
-    if os.environ.get(ALLOW_UNVERIFIED_ENV) == "1":
-        return
-    major_minor = _parse_major_minor(version)
     low, high = SUPPORTED_TORCH_RANGE
-    if not (low <= major_minor <= high):
+    if not (low <= (int(match.group(1)), int(match.group(2))) <= high):
         raise UnsupportedTorchVersionError(
             f"torchtitan_wlb.pipeline.varlen relies on private torch.distributed.pipelining "
             f"internals verified on torch {low[0]}.{low[1]} to {high[0]}.{high[1]}, but torch "
@@ -104,25 +71,17 @@ def check_torch_version(version: str | None = None) -> None:
 class VarlenStepStats:
     """What one :meth:`VarlenPipelineRunner.step` did to the receive buffers of this rank."""
 
-    # Receive buffers (activations and gradients) replaced because their micro-batch changed length.
-    buffers_resized: int
-    # Receive buffers kept from the previous step because the length was unchanged.
-    buffers_reused: int
-    # Bytes of the receive buffers of this step (all micro-batches, activations and gradients).
-    recv_bytes: int
+    buffers_resized: int  # replaced because their micro-batch changed length
+    buffers_reused: int  # kept from the previous step (same length)
+    recv_bytes: int  # of all this step's receive buffers (activations and gradients)
 
 
 @dataclass
 class PipelineActionTimes:
-    """Measured compute time of every pipeline action of one step on this rank.
-
-    One row per stage this rank holds (``stage_indices``), one column per micro-batch: the wall
-    time of the stage's ``forward_one_chunk`` (plus the loss on the last stage) and of its
-    ``backward_one_chunk`` (plus ``backward_weight_one_chunk`` for split-backward schedules).
-    Waiting for activations or gradients from neighbouring stages happens outside these calls
-    (the schedule waits for its receives first), so these are the per-action costs a pipeline
-    timeline plays, not the time the schedule spent on them.
-    """
+    """Compute time of every pipeline action of one step on this rank: one row per local stage,
+    one column per micro-batch, forward (with the loss) and backward (with the weight backward).
+    Waiting for neighbouring stages happens outside these calls, so these are the per-action
+    costs a pipeline timeline plays."""
 
     stage_indices: list[int]
     fwd_s: list[list[float]]
@@ -133,26 +92,21 @@ class PipelineActionTimes:
 
 
 class _ActionTimer:
-    """Times a stage's per-micro-batch forward / backward calls while a step runs.
+    """Instance-level wrappers around each stage's per-micro-batch calls and the schedule's loss,
+    removed after the step. On CUDA they record events read once afterwards, so timing adds no
+    synchronisation inside the schedule."""
 
-    Installs instance-level wrappers around ``forward_one_chunk``, ``backward_one_chunk``,
-    ``backward_weight_one_chunk`` of each stage and the schedule's ``_maybe_compute_loss`` (public
-    stage methods the torch schedules call once per action; the loss is attributed to the forward)
-    and removes them afterwards. On CUDA the calls are bracketed with events, read once after the
-    step, so timing adds no synchronisation inside the schedule.
-    """
-
-    _STAGE_METHODS = (
-        ("forward_one_chunk", 0),
-        ("backward_one_chunk", 1),
-        ("backward_weight_one_chunk", 1),
-    )
+    _STAGE_METHODS = {
+        "forward_one_chunk": 0,
+        "backward_one_chunk": 1,
+        "backward_weight_one_chunk": 1,
+    }
 
     def __init__(self, schedule: Any, stages: Sequence[Any], n_mb: int):
         self.schedule = schedule
         self.stages = list(stages)
         self.row = {id(stage): i for i, stage in enumerate(self.stages)}
-        # (row, kind 0 fwd / 1 bwd, mb) -> list of CPU seconds or (start, end) CUDA events
+        # (row, kind 0 fwd / 1 bwd, mb, CPU seconds or (start, end) CUDA events)
         self.samples: list[tuple[int, int, int, Any]] = []
         self.n_mb = n_mb
         self.cuda = any(
@@ -176,17 +130,14 @@ class _ActionTimer:
     def install(self) -> None:
         for stage in self.stages:
             row = self.row[id(stage)]
-            for name, kind in self._STAGE_METHODS:
+            for name, kind in self._STAGE_METHODS.items():
                 original = getattr(stage, name, None)
                 if original is None or name in vars(stage):
                     continue
 
                 def wrapped(*args, _o=original, _r=row, _k=kind, **kwargs):
-                    mb = (
-                        args[0]
-                        if args
-                        else kwargs.get("fwd_chunk_id", kwargs.get("bwd_chunk_id", -1))
-                    )
+                    by_name = kwargs.get("fwd_chunk_id", kwargs.get("bwd_chunk_id", -1))
+                    mb = args[0] if args else by_name
                     return self._measure(_r, _k, int(mb), lambda: _o(*args, **kwargs))
 
                 setattr(stage, name, wrapped)
@@ -224,11 +175,8 @@ class _ActionTimer:
 
 
 def _empty_like_layout(shape: Sequence[int], ref: torch.Tensor) -> torch.Tensor:
-    """An empty tensor of ``shape`` with ``ref``'s dtype, device and dimension order.
-
-    ``ref`` is the buffer torch allocated from the inferred metadata (``empty_strided``), so the
-    new buffer keeps the memory layout the sender produces.
-    """
+    """An empty tensor of ``shape`` with ``ref``'s dtype, device and dimension order (``ref`` is
+    torch's buffer, so the new one keeps the memory layout the sender produces)."""
     if ref.is_contiguous():
         return torch.empty(tuple(shape), dtype=ref.dtype, device=ref.device)
     # Outermost dimension first, as in ref's strides; allocate contiguous in that order.
@@ -241,23 +189,16 @@ def _empty_like_layout(shape: Sequence[int], ref: torch.Tensor) -> torch.Tensor:
 class VarlenPipelineRunner:
     """Runs one optimizer step's micro-batches, each with its own length, through a schedule.
 
-    Wraps a schedule built by torchtitan's ``pipelining_fn`` (``Schedule1F1B``,
-    ``ScheduleInterleaved1F1B``, or any single- or multi-stage schedule with the same runtime),
-    and replaces ``schedule.step(...)`` in the training step. The schedule must have been built
-    with ``scale_grads=False`` (torchtitan does): gradients are normalised by the loss instead.
+    Wraps a single- or multi-stage schedule built by torchtitan's ``pipelining_fn`` (with
+    ``scale_grads=False``: the loss normalises gradients) and replaces ``schedule.step(...)``.
 
     Args:
         schedule: the pipeline schedule of this rank.
-        seq_dim: the dimension of the tensors crossing stage boundaries (activations and their
-            gradients) that holds the micro-batch's tokens; 1 for torchtitan's ``[1, S, dim]``.
-        verify_seq_lens: debugging aid: before each step, check with two small all-reduces over
-            the pipeline group that every rank passed the same ``seq_lens`` (a mismatch is a
-            size error on gloo but a hang or silent corruption on NCCL). Off by default: the
-            point of the runner is that no shape information travels.
-        time_actions: time every forward and backward of every micro-batch on this rank's
-            stages (two ``perf_counter`` calls per action on CPU, CUDA events on GPU) and keep
-            them in :attr:`last_action_times` after each step, for calibrating the simulator's
-            pipeline timeline.
+        seq_dim: the token dimension of the tensors crossing stage boundaries (1 for ``[1, S, D]``).
+        verify_seq_lens: debugging aid: two all-reduces per step check that every rank of the
+            pipeline passed the same ``seq_lens`` (a mismatch hangs or corrupts on NCCL).
+        time_actions: time every forward and backward of every micro-batch on this rank's stages
+            into :attr:`last_action_times` (for the simulator's calibration).
     """
 
     def __init__(
@@ -275,27 +216,22 @@ class VarlenPipelineRunner:
         )
 
         if isinstance(schedule, PipelineScheduleSingle):
-            stages = [schedule._stage]
-            init_fn = schedule._initialize_stage
+            self.stages = [schedule._stage]
+            self._init_fn = schedule._initialize_stage
         elif isinstance(schedule, PipelineScheduleMulti):
-            stages = list(schedule._stages)
-            init_fn = schedule._initialize_stages
+            self.stages = list(schedule._stages)
+            self._init_fn = schedule._initialize_stages
         else:
             raise ValueError(
                 f"schedule must be a torch.distributed.pipelining PipelineScheduleSingle or "
                 f"PipelineScheduleMulti, got {type(schedule).__name__}"
             )
-        for attr in _PRIVATE_ATTRS["schedule"]:
-            if not hasattr(schedule, attr):
-                raise UnsupportedTorchVersionError(
-                    f"{type(schedule).__name__} has no attribute {attr!r} in torch "
-                    f"{torch.__version__}; the varlen runner needs it"
-                )
-        for stage in stages:
-            for attr in _PRIVATE_ATTRS["stage"]:
-                if not hasattr(stage, attr):
+        needs = [(schedule, _PRIVATE_ATTRS["schedule"])]
+        for obj, attrs in needs + [(stage, _PRIVATE_ATTRS["stage"]) for stage in self.stages]:
+            for attr in attrs:
+                if not hasattr(obj, attr):
                     raise UnsupportedTorchVersionError(
-                        f"{type(stage).__name__} has no attribute {attr!r} in torch "
+                        f"{type(obj).__name__} has no attribute {attr!r} in torch "
                         f"{torch.__version__}; the varlen runner needs it"
                     )
         if getattr(schedule, "scale_grads", False):
@@ -309,26 +245,19 @@ class VarlenPipelineRunner:
             raise ValueError(f"seq_dim must be a non-negative int, got {seq_dim!r}")
 
         self.schedule = schedule
-        self.stages = stages
         self.seq_dim = seq_dim
         self.verify_seq_lens = verify_seq_lens
         self.time_actions = time_actions
-        # Per-action times of the last step (time_actions=True), else None.
         self.last_action_times: PipelineActionTimes | None = None
-        self._init_fn = init_fn
-        init_params = inspect.signature(init_fn).parameters
+        init_params = inspect.signature(self._init_fn).parameters
         self._init_takes_target = "target" in init_params
         self._init_takes_loss_kwargs = "loss_kwargs" in init_params
         step_params = inspect.signature(schedule._step_microbatches).parameters
         self._step_takes_loss_kwargs = "loss_kwargs" in step_params
-        # Whether the buffers the schedule allocated at its last set-up still need checking
-        # against that step's seq_lens[0] (set-up happens on the first step and after an
-        # eval/train mode switch).
-        # A schedule already set up (by an earlier runner or schedule.step) cannot be checked:
-        # the lengths it was set up with are unknown.
+        # Whether the buffers of the schedule's last set-up (first step, eval/train switch) were
+        # checked against seq_lens[0]; a schedule set up elsewhere cannot be (lengths unknown).
         self._layout_checked = self._initialized_flags()[0] is True
 
-    # ------------------------------------------------------------------ properties
     @property
     def n_microbatches(self) -> int:
         """Micro-batches per step, fixed when the schedule was built."""
@@ -344,7 +273,6 @@ class VarlenPipelineRunner:
         """Whether this rank holds the last stage (it must pass ``targets``)."""
         return any(stage.is_last for stage in self.stages)
 
-    # ------------------------------------------------------------------ step
     def step(
         self,
         microbatch_inputs: Sequence[torch.Tensor] | None,
@@ -359,31 +287,47 @@ class VarlenPipelineRunner:
         """Forward and backward of all micro-batches of one step through the pipeline.
 
         Args:
-            microbatch_inputs: per micro-batch, the first stage's positional input (tokens
-                ``[1, S_i]``); required on ranks holding stage 0, ignored elsewhere.
-            microbatch_kwargs: per micro-batch, the keyword arguments every stage's forward
-                receives for that micro-batch (``attention_masks``, ``positions``, ...); the same
-                list on every rank of the pipeline. ``None`` means no keyword arguments.
-            targets: per micro-batch, the labels for the loss; required on ranks holding the last
-                stage, ignored elsewhere.
+            microbatch_inputs: the first stage's input per micro-batch (ranks holding stage 0).
+            microbatch_kwargs: the forward keyword arguments every stage receives per micro-batch
+                (``attention_masks``, ``positions``, ...), the same on every rank; None for none.
+            targets: the labels per micro-batch (ranks holding the last stage).
             seq_lens: per micro-batch, the length along ``seq_dim`` of the tensors that cross
-                stage boundaries (this rank's token count after CP/sequence sharding); identical
-                on every rank of the pipeline, so no shape exchange is needed.
-            global_valid_tokens: the global batch's valid-token count (see
-                :func:`torchtitan_wlb.pipeline.loss.global_valid_tokens`); each micro-batch's
-                loss is divided by it before backward, so gradients are those of the token mean
-                over the global batch. ``None`` back-propagates the raw loss.
-            losses: filled on last-stage ranks with one loss per micro-batch (already divided by
-                ``global_valid_tokens``: their sum is this rank's share of the global mean).
+                stage boundaries (after CP/sequence sharding), identical on every rank.
+            global_valid_tokens: each micro-batch's loss is divided by it before backward
+                (:func:`~torchtitan_wlb.pipeline.loss.global_valid_tokens`); None: raw loss.
+            losses: filled on last-stage ranks with the (divided) loss of every micro-batch.
             loss_kwargs: extra keyword arguments for the loss function (torch >= 2.13 only).
-
-        Returns:
-            What happened to this rank's receive buffers.
         """
         n = self.n_microbatches
-        lens = self._check_seq_lens(seq_lens, n)
-        arg_mbs = self._check_inputs(microbatch_inputs, targets, n)
-        kwarg_mbs = self._check_kwargs(microbatch_kwargs, n)
+        lens = [int(x) for x in seq_lens]
+        if len(lens) != n:
+            raise ValueError(
+                f"seq_lens has {len(lens)} entries but the schedule was built for {n} "
+                f"micro-batches per step; pass one length per micro-batch"
+            )
+        if any(x < 1 for x in lens):
+            raise ValueError(f"seq_lens must all be >= 1, got {lens}")
+        if self.has_first_stage and (microbatch_inputs is None or len(microbatch_inputs) != n):
+            got = "None" if microbatch_inputs is None else f"{len(microbatch_inputs)} entries"
+            raise ValueError(
+                f"this rank holds stage 0, so microbatch_inputs must have {n} entries "
+                f"(one input tensor per micro-batch), got {got}"
+            )
+        if self.has_last_stage and (targets is None or len(targets) != n):
+            got = "None" if targets is None else f"{len(targets)} entries"
+            raise ValueError(
+                f"this rank holds the last stage, so targets must have {n} entries "
+                f"(one label tensor per micro-batch), got {got}"
+            )
+        if microbatch_kwargs is not None and len(microbatch_kwargs) != n:
+            raise ValueError(
+                f"microbatch_kwargs has {len(microbatch_kwargs)} entries, expected {n} "
+                f"(one dict of forward keyword arguments per micro-batch)"
+            )
+        arg_mbs = None
+        if self.has_first_stage:
+            arg_mbs = [x if isinstance(x, tuple) else (x,) for x in microbatch_inputs]
+        kwarg_mbs = [dict(kw) for kw in microbatch_kwargs or [{}] * n]
         target_mbs = list(targets) if self.has_last_stage else None
         if loss_kwargs is not None and not self._step_takes_loss_kwargs:
             raise ValueError(
@@ -406,10 +350,8 @@ class VarlenPipelineRunner:
             for stage in self.stages:
                 stage.has_backward = schedule._has_backward
                 stage.clear_runtime_states()
-                # Shape validation compares every micro-batch with the single shape inferred
-                # from the first one, which varlen micro-batches legitimately differ from:
-                # torch 2.13 validates under TORCH_DISTRIBUTED_DEBUG=DETAIL only, older
-                # releases always validate the first stage's inputs and every stage's outputs.
+                # Shape validation compares every micro-batch with micro-batch 0's shapes (torch
+                # 2.13 under TORCH_DISTRIBUTED_DEBUG=DETAIL only, older releases always).
                 if hasattr(stage, "_runtime_validate"):
                     stage._runtime_validate = False
                 for name in _SHAPE_VALIDATORS:
@@ -439,55 +381,6 @@ class VarlenPipelineRunner:
                     stage._runtime_validate = flag
         return stats
 
-    # ------------------------------------------------------------------ helpers
-    @staticmethod
-    def _check_seq_lens(seq_lens: Sequence[int], n: int) -> list[int]:
-        lens = [int(x) for x in seq_lens]
-        if len(lens) != n:
-            raise ValueError(
-                f"seq_lens has {len(lens)} entries but the schedule was built for {n} "
-                f"micro-batches per step; pass one length per micro-batch"
-            )
-        bad = [x for x in lens if x < 1]
-        if bad:
-            raise ValueError(f"seq_lens must all be >= 1, got {lens}")
-        return lens
-
-    def _check_inputs(
-        self,
-        microbatch_inputs: Sequence[torch.Tensor] | None,
-        targets: Sequence[torch.Tensor] | None,
-        n: int,
-    ) -> list[tuple[Any, ...]] | None:
-        if self.has_first_stage and (microbatch_inputs is None or len(microbatch_inputs) != n):
-            got = "None" if microbatch_inputs is None else f"{len(microbatch_inputs)} entries"
-            raise ValueError(
-                f"this rank holds stage 0, so microbatch_inputs must have {n} entries "
-                f"(one input tensor per micro-batch), got {got}"
-            )
-        if self.has_last_stage and (targets is None or len(targets) != n):
-            got = "None" if targets is None else f"{len(targets)} entries"
-            raise ValueError(
-                f"this rank holds the last stage, so targets must have {n} entries "
-                f"(one label tensor per micro-batch), got {got}"
-            )
-        if not self.has_first_stage:
-            return None
-        return [x if isinstance(x, tuple) else (x,) for x in microbatch_inputs]
-
-    @staticmethod
-    def _check_kwargs(
-        microbatch_kwargs: Sequence[Mapping[str, Any]] | None, n: int
-    ) -> list[dict[str, Any]]:
-        if microbatch_kwargs is None:
-            return [{} for _ in range(n)]
-        if len(microbatch_kwargs) != n:
-            raise ValueError(
-                f"microbatch_kwargs has {len(microbatch_kwargs)} entries, expected {n} "
-                f"(one dict of forward keyword arguments per micro-batch)"
-            )
-        return [dict(kw) for kw in microbatch_kwargs]
-
     def _verify_same_seq_lens(self, lens: list[int]) -> None:
         """Raise on every rank if the ranks of the pipeline passed different ``seq_lens``."""
         import torch.distributed as dist
@@ -511,12 +404,8 @@ class VarlenPipelineRunner:
         target_mbs: list[torch.Tensor] | None,
         loss_kwargs: Mapping[str, Any] | None,
     ) -> None:
-        """Run the schedule's one-time stage set-up now, before buffers are resized.
-
-        The schedule would otherwise run it inside ``_step_microbatches`` (with micro-batch 0, on
-        all stages together) and overwrite the resized buffers. Calling it here is a no-op once
-        the stages are set up, and re-does the set-up after an eval/train mode switch.
-        """
+        """Run the schedule's one-time stage set-up now (a no-op once done), before the buffers
+        are resized: inside ``_step_microbatches`` it would overwrite them."""
         kwargs: dict[str, Any] = {}
         if self._init_takes_target:
             kwargs["target"] = target_mbs[0] if target_mbs is not None else None
@@ -558,8 +447,7 @@ class VarlenPipelineRunner:
                         else:
                             shape = list(buf.shape)
                             shape[self.seq_dim] = length
-                            # Older releases set requires_grad on activation buffers at
-                            # set-up and never again; keep it.
+                            # Older releases set requires_grad at set-up only; keep it.
                             buf = _empty_like_layout(shape, buf).requires_grad_(buf.requires_grad)
                             info.buffer = buf
                             resized += 1
