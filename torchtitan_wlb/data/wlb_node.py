@@ -22,7 +22,7 @@ from torchdata.nodes import BaseNode
 
 from torchtitan_wlb.cost_fit import CostModelSchedule
 from torchtitan_wlb.packing import Packer
-from torchtitan_wlb.packing.driver import next_plan, take_until
+from torchtitan_wlb.packing.driver import next_plan, pull_until, take_until
 from torchtitan_wlb.packing.placement import dp_order
 
 TOKEN_DTYPE = np.int32
@@ -224,15 +224,17 @@ class WLBPackingNode(BaseNode[dict]):
         else:
             ids_read: list[int] = []
             arrays = []
-            got = 0
-            while got < tokens:
+
+            def pull() -> int | None:
                 try:
                     doc_id, array = self._unpack(next(self.source))
                 except StopIteration:
-                    break
+                    return None
                 ids_read.append(doc_id)
                 arrays.append(array)
-                got += array.size
+                return array.size
+
+            pull_until(tokens, pull)
             doc_ids = np.asarray(ids_read, np.int64)
         lens = self._check(doc_ids, arrays)
         if int(lens.sum()) < tokens:
