@@ -51,7 +51,6 @@ assignment runs a bounded number of vectorised refinement passes, independent of
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,7 +62,6 @@ __all__ = [
     "CPPlan",
     "LocalAttentionSpec",
     "ShardingDraft",
-    "assign_whole_documents",
     "auto_hybrid_max_len",
     "causal_pairs",
     "default_hybrid_max_len",
@@ -479,27 +477,11 @@ def draft_sharding(
     if strategy == "per_document":
         table = _per_document_chunks(lens, cp_degree)
     elif strategy == "hybrid":
-        return _hybrid_draft(lens, doc_cu, cp_degree, _check_max_len(max_len))
+        table, max_len = _hybrid(lens, cp_degree, _check_max_len(max_len))
+        return ShardingDraft(strategy, lens, doc_cu, cp_degree, table, max_len)
     else:
         table = _per_sequence(lens, doc_cu, cp_degree)
     return ShardingDraft(strategy, lens, doc_cu, cp_degree, table)
-
-
-def _hybrid_draft(lens: np.ndarray, doc_cu: np.ndarray, c: int, max_len: int) -> ShardingDraft:
-    """Hybrid at ``max_len``; 0: at :func:`auto_hybrid_max_len` if that plan is balanced within
-    :data:`AUTO_TOLERANCE`, else at :func:`default_hybrid_max_len`."""
-    if max_len == 0:
-        floor = default_hybrid_max_len(c)
-        raised = auto_hybrid_max_len(lens, c)
-        if raised > floor:
-            draft = ShardingDraft("hybrid", lens, doc_cu, c, _hybrid(lens, c, raised), raised)
-            work = draft.rank_totals(causal_pairs(draft.q_len, draft.kv_len))
-            tokens = draft.rank_totals(draft.q_len)
-            work_tol, token_tol = AUTO_TOLERANCE
-            if work.max() <= work_tol * work.mean() and tokens.max() <= token_tol * tokens.mean():
-                return draft
-        max_len = floor
-    return ShardingDraft("hybrid", lens, doc_cu, c, _hybrid(lens, c, max_len), max_len)
 
 
 def _check_max_len(max_len: Any) -> int:
@@ -599,67 +581,39 @@ def _per_sequence(lens: np.ndarray, doc_cu: np.ndarray, c: int) -> tuple[np.ndar
     return seg_doc, seg_start, g_end - g_start, seg_slot, slot_order, slot_offsets
 
 
-REFINE_PASSES = 16
-"""Upper bound on hybrid's refinement passes (each one vectorised over the documents of two ranks)."""
+GREEDY_ROUNDS = 4
+"""Rounds of ``c`` whole documents (the longest ``8c``) that :func:`_deal_whole` deals greedily."""
+REFINE_PASSES = 4
+"""Upper bound on the refinement passes of :func:`_refine` (each vectorised over two ranks)."""
 REFINE_TOLERANCE = 1e-3
-"""Refinement stops once the busiest rank is within this fraction of the mean attention work."""
+"""Refinement stops once the busiest rank is within this fraction of the mean."""
+HYBRID_TOLERANCE = (1.01, 1.05)
+"""(attention work, tokens) max/mean that the automatic threshold's plan must stay within."""
 
 
-def assign_whole_documents(
-    lens: np.ndarray,
-    cp_degree: int,
-    base_pairs: np.ndarray | None = None,
-    base_tokens: np.ndarray | None = None,
-    refine_passes: int = REFINE_PASSES,
-) -> np.ndarray:
-    """``[len(lens)]`` CP rank of every whole document, balancing attention work and tokens.
-
-    ``base_pairs`` / ``base_tokens`` (``[c]``) are what every rank already holds (hybrid: its chunks
-    of the split documents). Two steps, both vectorised over the documents:
-
-    1. *Serpentine deal*: documents sorted by length (longest first) are dealt in rounds of ``c``,
-       alternating direction (ranks ``0..c-1``, then ``c-1..0``, ...). Every rank receives a similar
-       mix of long and short documents, so tokens and attention work (``d (d+1) / 2`` per document,
-       monotone in ``d``) are balanced together, up to about one document of each size class.
-    2. *Refinement*: at most ``refine_passes`` passes, each taking the ranks with the most and
-       the least attention work and applying the single move or swap of documents between them that
-       lowers the larger of the two the most (for every document of the busier rank, the partner
-       closest to half the gap is found by binary search). A pass never empties a rank.
-
-    Why not LPT: greedy longest-processing-time needs one step per document; the serpentine deal
-    gets within one document of it, and the refinement removes most of the rest.
-    """
-    lens = np.asarray(lens, dtype=np.int64)
-    c = int(cp_degree)
-    m = len(lens)
-    order = np.argsort(-lens, kind="stable")
-    rnd, pos = np.divmod(np.arange(m, dtype=np.int64), c)
-    rank = np.empty(m, dtype=np.int64)
-    rank[order] = np.where(rnd % 2 == 0, pos, c - 1 - pos)
-    if c == 1 or m == 0:
-        return rank
-    work = causal_pairs(lens, lens)
-    load = np.bincount(rank, weights=work, minlength=c)
+def _refine(lens: np.ndarray, rank: np.ndarray, weight: np.ndarray, c: int) -> np.ndarray:
+    """``rank`` (one whole-document assignment) after at most :data:`REFINE_PASSES` passes, each
+    applying the single move or swap of documents between the ranks with the most and the least
+    ``weight`` (tokens, or attention work) that lowers the larger of the two the most (for every
+    document of the busier rank, the partner closest to half the gap is found by binary search).
+    A pass never empties a rank. Returns ``rank`` itself when nothing moved."""
+    original, rank, moved = rank, rank.copy(), False
+    load = np.bincount(rank, weights=weight, minlength=c)
     tokens = np.bincount(rank, weights=lens, minlength=c)
-    if base_pairs is not None:
-        load += base_pairs
-    if base_tokens is not None:
-        tokens += base_tokens
-    for _ in range(refine_passes):
+    for _ in range(REFINE_PASSES):
         hi, lo = int(np.argmax(load)), int(np.argmin(load))
         gap = load[hi] - load[lo]
         if gap <= 0 or load[hi] <= load.mean() * (1.0 + REFINE_TOLERANCE):
             break
         on_hi = np.flatnonzero(rank == hi)
         on_lo = np.flatnonzero(rank == lo)
-        # Partner -1 = a plain move (moves no work back); others: swaps.
-        partner = np.append(-1, on_lo[np.argsort(work[on_lo], kind="stable")])
-        back = np.append(0.0, work[partner[1:]])
-        # For each document a of `hi`, the partners whose work is nearest below/above w_a - gap/2.
-        j = np.searchsorted(back, work[on_hi] - gap / 2)
+        # Partner -1 = a plain move (moves nothing back); others: swaps.
+        partner = np.append(-1, on_lo[np.argsort(weight[on_lo], kind="stable")])
+        back = np.append(0.0, weight[partner[1:]])
+        j = np.searchsorted(back, weight[on_hi] - gap / 2)
         cand_a = np.concatenate([on_hi, on_hi])
         cand_j = np.concatenate([np.maximum(j - 1, 0), np.minimum(j, len(back) - 1)])
-        delta = work[cand_a] - back[cand_j]  # work leaving hi for lo
+        delta = weight[cand_a] - back[cand_j]  # weight leaving hi for lo
         new_max = np.maximum(load[hi] - delta, load[lo] + delta)
         moved_tokens = lens[cand_a] - np.where(cand_j > 0, lens[partner[cand_j]], 0)
         valid = (delta > 0) & (new_max < load[hi]) & (tokens[hi] - moved_tokens > 0)
@@ -667,171 +621,182 @@ def assign_whole_documents(
             break
         best = int(np.argmin(np.where(valid, new_max, np.inf)))
         a, b = int(cand_a[best]), int(partner[cand_j[best]])
-        rank[a] = lo
+        rank[a], moved = lo, True
         if b >= 0:
             rank[b] = hi
         load[hi] -= delta[best]
         load[lo] += delta[best]
         tokens[hi] -= moved_tokens[best]
         tokens[lo] += moved_tokens[best]
-    return rank
+    return rank if moved else original
 
 
-SOLVER_ITERATIONS = 20
-"""Upper bound on the Gauss-Seidel sweeps of :func:`_split_fractions` (about ten are needed)."""
-SOLVER_TOLERANCE = 1e-5
-""":func:`_split_fractions` stops once no fraction moves by more than this (about a token of a
-100K-token document; chunk sizes are rounded to tokens anyway)."""
-AUTO_ABSORB = 0.75
-"""Automatic threshold: a whole document may cost at most this multiple of the split documents'
-per-rank attention work (see :func:`auto_hybrid_max_len`)."""
-AUTO_TOLERANCE = (1.01, 1.05)
-"""Automatic threshold: the (attention work, tokens) max/mean a plan at the raised threshold must
-stay within; otherwise the plan falls back to :func:`default_hybrid_max_len`."""
+def _deal_whole(
+    desc: np.ndarray, pairs: np.ndarray, first: np.ndarray, c: int
+) -> tuple[np.ndarray, ...]:
+    """``[K, n]`` CP rank of every document of ``desc`` (lengths, longest first; ``pairs`` their
+    attention work) under ``K`` thresholds at once, threshold ``k`` keeping ``desc[first[k]:]``
+    whole (rank ``-1``: split), and each rank's whole tokens and attention work ``[K, c]``.
 
-
-def auto_hybrid_max_len(lens: np.ndarray, cp_degree: int) -> int:
-    """Hybrid's automatic whole-document threshold for one micro-batch (``max_len = 0``).
-
-    The largest document length ``t`` (at least :func:`default_hybrid_max_len`) such that one whole
-    document of ``t`` tokens costs at most :data:`AUTO_ABSORB` times the per-rank attention work of
-    the documents longer than ``t`` (``sum(d (d+1) / 2) / c``). Why: whole documents leave an
-    imbalance of up to about one document's work, which the split documents absorb by their chunk
-    sizes (:func:`_compensating_chunks`); they can only do so while they carry comparable work.
-    Keeping more documents whole shrinks the K/V all-gather. Vectorised: one sort and a suffix sum.
+    Balances whole tokens per rank, on which the gathered K/V depend (every rank gathers as many
+    rows as the rank with the fewest whole tokens): for :data:`GREEDY_ROUNDS` rounds the next ``c``
+    documents, longest first, go to the ranks in order of their tokens so far (the longest to the
+    emptiest; the first two rounds are a serpentine); the shorter rest fills each rank's deficit
+    below the mean, cut at cumulative lengths. Attention work is left to the split documents'
+    chunk sizes (:func:`_balance`).
     """
-    c = int(cp_degree)
-    floor = default_hybrid_max_len(c)
-    d = np.sort(np.asarray(lens, dtype=np.int64))
-    work = causal_pairs(d, d)
-    longer = np.cumsum(work[::-1])[::-1]  # work of documents d[k:]
-    split_work = np.append(longer[1:], 0.0)  # ... of documents after d[k] (ties: conservative)
-    fits = work * c <= AUTO_ABSORB * split_work
-    fits &= np.append(d[1:] > d[:-1], True)  # a threshold keeps all documents of its length whole
-    return max(int(d[fits].max()), floor) if fits.any() else floor
+    n, k, rounds = len(desc), len(first), GREEDY_ROUNDS
+    rows = np.arange(k)[:, None]
+    greedy = first[:, None] + np.arange(rounds * c)
+    sizes = np.append(desc, np.zeros(rounds * c, dtype=desc.dtype))[greedy].reshape(k, rounds, c)
+    ranks = np.empty((k, rounds, c), dtype=np.int64)
+    ranks[:, 0], ranks[:, 1] = np.arange(c), np.arange(c)[::-1]
+    load = sizes[:, 0] + sizes[:, 1, ::-1]
+    for rnd in range(2, rounds):  # bounded, each round vectorised over the thresholds
+        ranks[:, rnd] = np.argsort(load, axis=1, kind="stable")
+        load[rows, ranks[:, rnd]] += sizes[:, rnd]
+    rank = np.full((k, n + rounds * c), -1, dtype=np.int64)
+    rank[rows, greedy] = ranks.reshape(k, -1)
+    # The rest in serpentine order (rounds of c, every other one reversed, read position-major):
+    # any run of it mixes long and short documents, so a run balances work along with tokens.
+    serp = np.arange(-(-n // c) * c).reshape(-1, c)
+    serp[1::2] = serp[1::2, ::-1]
+    idx = greedy[:, -1:] + 1 + serp.T.ravel()
+    valid = idx < n
+    sizes = np.where(valid, desc[np.minimum(idx, n - 1)], 0)
+    rest_total = sizes.sum(axis=1, keepdims=True)
+    deficit = np.maximum((load.sum(axis=1, keepdims=True) + rest_total) / c - load, 0.0)
+    bounds = np.cumsum(deficit, axis=1)
+    bounds *= rest_total / np.maximum(bounds[:, -1:], 1e-9)
+    offset = rows * (float(desc.sum()) + 1.0)  # one searchsorted for all thresholds
+    mid = np.cumsum(sizes, axis=1) - sizes / 2 + offset
+    at = np.nonzero(valid)[0]
+    hit = np.searchsorted((bounds + offset).ravel(), mid[valid]) - at * c
+    rank[at, idx[valid]] = np.minimum(hit, c - 1)
+    rank = rank[:, :n]
+    bins = np.where(rank >= 0, rank + rows * c, k * c).ravel()
+    w, q = (np.bincount(bins, np.tile(x, k), k * c + 1)[:-1].reshape(k, c) for x in (desc, pairs))
+    return rank, w, q
 
 
-def _split_fractions(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """``[2c]`` slot fractions ``f`` (summing to 1) of a document cut at ``cumsum(f)`` giving rank
-    ``r`` (slots ``r`` and ``2c-1-r``) the token share ``a[r]`` and the quadratic work share
-    ``b[r]`` (of ``d**2``; ``sum(b) = 1/2``), as far as reachable.
+def _balance(
+    w: np.ndarray, q: np.ndarray, s: np.ndarray, quad: np.ndarray, c: int
+) -> tuple[np.ndarray, ...]:
+    """The split documents' common chunk boundaries ``[K, 2c + 1]`` (fractions of a document) for
+    ``K`` placements (``w``, ``q``: ``[K, c]`` whole tokens and work per rank; ``s``, ``quad``:
+    ``[K, 1]`` split tokens and sum of squared split lengths), and, predicted before rounding to
+    tokens, ``[K]`` max/mean of attention work, max/mean of tokens, most gathered rows on a rank.
 
-    Rank ``r``'s head ``h`` and tail ``a - h``, starting at ``H`` and ``S`` (fractions of the
-    document), do work ``h (H + h/2) + (a - h)(S + (a - h)/2)``, which falls as ``h`` grows: one
-    quadratic per rank. Gauss-Seidel sweeps solve it rank after rank with the others' starts as
-    they stand; unreachable targets are clamped (``0 <= h <= a``). A loop over the ranks (scalar
-    arithmetic, about ten sweeps of ``c`` steps), never over documents.
+    The chunks give every rank the tokens and the attention work its whole documents lack. With
+    rank ``r``'s token share ``a_r`` and quadratic work share ``b_r`` (of ``d**2``), and ``A_r``,
+    ``B_r`` their sums over the ranks before it, the end of the heads before rank ``r`` is::
+
+        X_r = ((1 - 2 B_r) / (1 - A_r) - (1 - A_r)) / 2,   and its tail ends at X_r + 1 - A_r
+
+    (heads fill ``[0, X_r]`` and tails ``[X_r + 1 - A_r, 1]``, whose quadratic work is
+    ``(X_r**2 + 1 - (X_r + 1 - A_r)**2) / 2 = B_r``). Where a target is out of reach (a negative
+    chunk), the boundaries go from the even cut (head = tail = ``a_r / 2``) towards the exact
+    ones as far as every chunk stays non-negative.
     """
-    share, quad = a.tolist(), b.tolist()
-    head = [x / 2 for x in share]
-    for _ in range(SOLVER_ITERATIONS):
-        total_head = sum(head)
-        tails_after = sum(share) - total_head  # tails of ranks > r, before rank r's update
-        start = moved = 0.0
-        for r, (s_r, q_r) in enumerate(zip(share, quad, strict=True)):
-            old = head[r]
-            tails_after -= s_r - old
-            tail_start = total_head + tails_after
-            lin = start - tail_start - s_r
-            disc = lin * lin - 4 * (s_r * tail_start + s_r * s_r / 2 - q_r)
-            new = (-lin - math.sqrt(disc if disc > 0 else 0.0)) / 2
-            new = min(max(new, 0.0), s_r)
-            moved = max(moved, abs(new - old))
-            total_head += new - old
-            head[r] = new
-            start += new
-        if moved < SOLVER_TOLERANCE:
-            break
-    h = np.array(head)
-    return np.concatenate([h, (a - h)[::-1]])
+    a = np.maximum((w.sum(axis=1, keepdims=True) + s) / c - w, 0.0)
+    a /= np.maximum(a.sum(axis=1, keepdims=True), 1e-12)
+    b = ((q.sum(axis=1, keepdims=True) + (quad + s) / 2) / c - q - s * a / 2) / np.maximum(quad, 1)
+    before = a.cumsum(axis=1) - a
+    rest = np.maximum(1.0 - before, 1e-12)
+    # Shift of rank r's head start from the even cut's; its tail end moves by the same amount.
+    shift = ((1.0 - 2.0 * (b.cumsum(axis=1) - b)) / rest - rest - before) / 2.0
+    step = np.abs(np.diff(shift, axis=1, append=shift[:, -1:]))  # head grows, tail shrinks
+    reach = np.where(step > 0, a / (2 * step + 1e-300), 1.0).min(axis=1, keepdims=True)
+    x = before / 2 + np.where(s > 0, np.minimum(reach, 1.0), 0.0) * shift
+    y = x + rest
+    cum = np.concatenate([x, x[:, -1:] + rest[:, -1:] / 2, y[:, ::-1]], axis=1)
+    quad_share = np.diff((x * x - y * y) / 2, axis=1, append=0.0)  # (x**2 + 1 - y**2) / 2 = B
+    gathered = s * a
+    work = q + quad * quad_share + gathered / 2
+    tokens = w + gathered
+    return cum, _max_mean(work), _max_mean(tokens), gathered.max(axis=1)
 
 
-def _compensating_chunks(
-    split_lens: np.ndarray, whole_work: np.ndarray, whole_tokens: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """``[n_split, 2c]`` chunk sizes and starts of the split documents, cut with the same slot
-    fractions so that every rank's total (its whole documents plus its chunks) has the mean
-    attention work and the mean token count.
-
-    Why it is possible: a rank's two slots can hold a given number of tokens early (cheap under
-    causal attention) or late (expensive), so tokens and work are two separate controls per rank.
-    """
-    c = len(whole_work)
-    d = split_lens.astype(np.float64)
-    split_tokens = d.sum()
-    quad = (d * d).sum()
-    tokens = np.maximum((whole_tokens.sum() + split_tokens) / c - whole_tokens, 0.0)
-    a = tokens / tokens.sum()
-    # causal_pairs(s, start + s) = d**2 * (f F + f**2 / 2) + d f / 2 for a slot of fraction f at F.
-    mean_work = (whole_work.sum() + (quad + split_tokens) / 2) / c
-    b = np.maximum(mean_work - whole_work - split_tokens * a / 2, 0.0)
-    b *= 0.5 / b.sum() if b.sum() > 0 else 0.0
-    cum = np.zeros(2 * c + 1)
-    np.cumsum(_split_fractions(a, b), out=cum[1:])
-    cum[-1] = 1.0
-    bounds = np.floor(split_lens[:, None] * cum + 0.5).astype(np.int64)
-    return np.diff(bounds, axis=1), bounds[:, :-1]
+def _max_mean(x: np.ndarray) -> np.ndarray:
+    return x.max(axis=1) * x.shape[1] / x.sum(axis=1)
 
 
-def _rank_sums(per_slot: np.ndarray, c: int) -> np.ndarray:
-    """``[c]`` head slot + tail slot of a ``[2c]`` per-slot quantity."""
-    return per_slot[:c] + per_slot[::-1][:c]
+def _candidates(desc: np.ndarray, c: int, max_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(thresholds, first)``: hybrid's thresholds to evaluate and how many of the documents
+    ``desc`` (longest first) each one splits. ``max_len > 0``: that one; 0: every distinct length
+    from :func:`default_hybrid_max_len` up to ``T / c``, then the floor itself (the fallback).
 
-
-def _hybrid(lens: np.ndarray, c: int, max_len: int) -> tuple[np.ndarray, ...]:
-    """Segment table of hybrid sharding, document-major (= global order), plus ``doc_gathered``.
-
-    Documents longer than ``max_len`` are cut into ``2c`` chunks. With no whole document these are
-    exactly per-document sharding's; otherwise, after the whole documents are placed
-    (:func:`assign_whole_documents`), the chunks are resized with common slot fractions to even out
-    what the whole documents left unbalanced (:func:`_compensating_chunks`), kept only if that
-    lowers the busiest rank's attention work.
-    """
-    two_c = 2 * c
-    n = len(lens)
-    split = lens > max_len
-    split_tokens = int(lens[split].sum())
-    if c > 1 and n - np.count_nonzero(split) < c and split_tokens < c:
-        # Too few whole documents to give every rank one, and too few split tokens to give every
-        # rank a chunk: split the longest whole documents until the split ones hold c tokens.
-        whole = np.flatnonzero(~split)
-        longest = whole[np.argsort(-lens[whole], kind="stable")]
-        k = int(np.searchsorted(np.cumsum(lens[longest]), c - split_tokens)) + 1
-        split[longest[:k]] = True
-    split_docs = np.flatnonzero(split)
-    whole_docs = np.flatnonzero(~split)
-    split_lens, whole_lens = lens[split_docs], lens[whole_docs]
-    if len(whole_docs) == 0 or c == 1:
-        sizes, starts = _per_document_chunks(split_lens, c)
-        whole_rank = np.zeros(len(whole_docs), dtype=np.int64)
+    Where fewer than ``c`` documents stay whole and the split ones hold fewer than ``c`` tokens,
+    the longest whole ones are split too until they do, so that every rank holds a token."""
+    if max_len:
+        thresholds = np.array([max_len])
     else:
-        # Per-document chunks give every rank the same share of the split documents (up to a
-        # token per slot): the whole documents are balanced on top of that even base.
-        split_tokens = float(split_lens.sum())
-        split_work = float(causal_pairs(split_lens, split_lens).sum())
-        whole_rank = assign_whole_documents(
-            whole_lens,
-            c,
-            base_pairs=np.full(c, split_work / c),
-            base_tokens=np.full(c, split_tokens / c),
-            # With split documents to compensate, the serpentine deal is enough: refinement
-            # would trade token balance for work balance that the chunk sizes restore anyway.
-            refine_passes=0 if len(split_docs) else REFINE_PASSES,
-        )
+        distinct = desc > np.append(desc[1:], 0)  # a threshold keeps all of its length whole
+        floor = default_hybrid_max_len(c)
+        keep = distinct & (desc > floor) & (desc * c <= desc.sum())
+        thresholds = np.append(desc[keep], floor)
+    first = np.searchsorted(-desc, -thresholds, side="left")  # documents above each threshold
+    cum = np.cumsum(desc)
+    split_tokens = np.where(first > 0, cum[first - 1], 0)
+    few = (len(desc) - first < c) & (split_tokens < c) & (c > 1)
+    first = np.where(few, np.searchsorted(cum, c) + 1, first)
+    return thresholds, first
+
+
+def _hybrid(lens: np.ndarray, c: int, max_len: int) -> tuple[tuple[np.ndarray, ...], int]:
+    """Segment table of hybrid sharding (document-major = global order, then ``doc_gathered``)
+    and the threshold used (``max_len``, or the automatic one for 0).
+
+    Automatic threshold: every candidate of :func:`_candidates` is evaluated at once (one deal of
+    its whole documents, :func:`_deal_whole`, and the closed-form chunk sizes of its split ones,
+    :func:`_balance`); the one predicted within :data:`HYBRID_TOLERANCE` that gathers the fewest
+    K/V rows wins (ties: the higher threshold). Why search rather than a rule: more documents
+    whole means less K/V but a harder balance, and where that trade lands depends on the
+    micro-batch's lengths. The winner's deal is then refined (:func:`_refine`, on tokens, or on
+    attention work when nothing is split) if that balances better. With no whole document the
+    chunks are exactly per-document sharding's.
+    """
+    two_c, n = 2 * c, len(lens)
+    order = np.argsort(-lens, kind="stable")
+    desc = lens[order]
+    thresholds, first = _candidates(desc, c, max_len)
+    pick = 0
+    if c > 1 and first.min() < n:
+        pairs = causal_pairs(desc, desc)
+        dealt, w, q = _deal_whole(desc, pairs, first, c)
+        d = np.append(0.0, desc.astype(np.float64))
+        s, quad = np.cumsum(d)[first][:, None], np.cumsum(d * d)[first][:, None]
+        stats = _balance(w, q, s, quad, c)
+        pick = int(np.lexsort((-thresholds, stats[3], ~_balanced(stats)))[0])
+    n_split = int(first[pick])
+    split = np.zeros(n, dtype=bool)
+    split[order[:n_split]] = True
+    split_docs, whole_docs = np.flatnonzero(split), order[n_split:]
+    split_lens, whole_lens = lens[split_docs], lens[whole_docs]
+    whole_rank = np.zeros(len(whole_docs), dtype=np.int64)
+    sizes = None
+    if c > 1 and len(whole_docs):
+        whole_rank, whole_pairs = dealt[pick, n_split:], pairs[n_split:]
+        cum = stats[0][pick]
+        refined = _refine(whole_lens, whole_rank, whole_lens if n_split else whole_pairs, c)
+        if refined is not whole_rank:  # keep the refinement if it balances better
+            w = np.bincount(refined, weights=whole_lens, minlength=c)[None]
+            q = np.bincount(refined, weights=whole_pairs, minlength=c)[None]
+            here = slice(pick, pick + 1)
+            both = [
+                np.append(x[here], y, axis=0)
+                for x, y in zip(stats, _balance(w, q, s[here], quad[here], c), strict=True)
+            ]
+            if np.lexsort((both[1], both[3], ~_balanced(both)))[0]:
+                whole_rank, cum = refined, both[0][1]
+        if n_split:
+            bounds = np.floor(split_lens[:, None] * cum + 0.5).astype(np.int64)
+            sizes, starts = np.diff(bounds, axis=1), bounds[:, :-1]
+            held = np.bincount(whole_rank, weights=whole_lens, minlength=c)
+            if not np.all(held + _rank_sums(sizes.sum(axis=0), c) > 0):  # a rank left empty
+                sizes = None
+    if sizes is None:
         sizes, starts = _per_document_chunks(split_lens, c)
-        if len(split_docs):
-            whole_work = np.bincount(
-                whole_rank, weights=causal_pairs(whole_lens, whole_lens), minlength=c
-            )
-            whole_tokens = np.bincount(whole_rank, weights=whole_lens, minlength=c)
-            new_sizes, new_starts = _compensating_chunks(split_lens, whole_work, whole_tokens)
-            new_work = causal_pairs(new_sizes, new_starts + new_sizes).sum(axis=0)
-            better = (whole_work + _rank_sums(new_work, c)).max() <= (
-                whole_work.max() + split_work / c
-            )
-            holds = whole_tokens + _rank_sums(new_sizes.sum(axis=0), c) > 0  # no rank left empty
-            if better and holds.all():
-                sizes, starts = new_sizes, new_starts
     # One segment per whole document, 2c per split document, in document order.
     per_doc = np.where(split, two_c, 1)
     seg_cu = np.zeros(n + 1, dtype=np.int64)
@@ -845,18 +810,35 @@ def _hybrid(lens: np.ndarray, c: int, max_len: int) -> tuple[np.ndarray, ...]:
     seg_slot[chunk] = np.tile(np.arange(two_c, dtype=np.int64), len(split_docs))
     seg_start[chunk] = starts.ravel()
     seg_len[chunk] = sizes.ravel()
-    first = seg_cu[whole_docs]
-    seg_slot[first] = two_c - 1 - whole_rank  # a whole document sits in its rank's tail slot
-    seg_len[first] = lens[whole_docs]
+    first_seg = seg_cu[whole_docs]
+    seg_slot[first_seg] = two_c - 1 - whole_rank  # a whole document sits in its rank's tail slot
+    seg_len[first_seg] = whole_lens
     # Slot order: by slot, a slot's split chunks before its whole documents, then document order
     # (a stable sort on a small integer key).
     key = seg_slot * 2
-    key[first] += 1
+    key[first_seg] += 1
     small = np.int16 if 4 * c < np.iinfo(np.int16).max else np.int32  # int16: a radix sort
     slot_order = np.argsort(key.astype(small), kind="stable")
     slot_offsets = np.zeros(two_c + 1, dtype=np.int64)
     np.cumsum(np.bincount(seg_slot, minlength=two_c), out=slot_offsets[1:])
-    return seg_doc, seg_start, seg_len, seg_slot, slot_order, slot_offsets, split
+    table = (seg_doc, seg_start, seg_len, seg_slot, slot_order, slot_offsets, split)
+    return table, int(thresholds[pick])
+
+
+def _balanced(stats: tuple[np.ndarray, ...]) -> np.ndarray:
+    """Whether :func:`_balance`'s predicted work and token max/mean are within tolerance."""
+    return (stats[1] <= HYBRID_TOLERANCE[0]) & (stats[2] <= HYBRID_TOLERANCE[1])
+
+
+def auto_hybrid_max_len(lens: np.ndarray, cp_degree: int) -> int:
+    """Hybrid's automatic whole-document threshold for one micro-batch (``max_len = 0``, see
+    :func:`_hybrid`): never below :func:`default_hybrid_max_len`."""
+    return _hybrid(np.asarray(lens, dtype=np.int64), int(cp_degree), 0)[1]
+
+
+def _rank_sums(per_slot: np.ndarray, c: int) -> np.ndarray:
+    """``[c]`` head slot + tail slot of a ``[2c]`` per-slot quantity."""
+    return per_slot[:c] + per_slot[::-1][:c]
 
 
 def _finish(
