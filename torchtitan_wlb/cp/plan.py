@@ -600,17 +600,19 @@ def _refine(lens: np.ndarray, rank: np.ndarray, weight: np.ndarray, c: int) -> n
     original, rank, moved = rank, rank.copy(), False
     load = np.bincount(rank, weights=weight, minlength=c)
     tokens = np.bincount(rank, weights=lens, minlength=c)
+    limit = load.sum() / c * (1.0 + REFINE_TOLERANCE)  # moves keep the total
     for _ in range(REFINE_PASSES):
-        hi, lo = int(np.argmax(load)), int(np.argmin(load))
+        hi, lo = int(load.argmax()), int(load.argmin())
         gap = load[hi] - load[lo]
-        if gap <= 0 or load[hi] <= load.mean() * (1.0 + REFINE_TOLERANCE):
+        if load[hi] <= limit:
             break
-        on_hi = np.flatnonzero(rank == hi)
-        on_lo = np.flatnonzero(rank == lo)
+        on_hi = (rank == hi).nonzero()[0]
+        on_lo = (rank == lo).nonzero()[0]
         # Partner -1 = a plain move (moves nothing back); others: swaps.
-        partner = np.append(-1, on_lo[np.argsort(weight[on_lo], kind="stable")])
-        back = np.append(0.0, weight[partner[1:]])
-        j = np.searchsorted(back, weight[on_hi] - gap / 2)
+        partner = np.concatenate(([-1], on_lo[weight[on_lo].argsort(kind="stable")]))
+        back = weight[partner]
+        back[0] = 0.0
+        j = back.searchsorted(weight[on_hi] - gap / 2)
         cand_a = np.concatenate([on_hi, on_hi])
         cand_j = np.concatenate([np.maximum(j - 1, 0), np.minimum(j, len(back) - 1)])
         delta = weight[cand_a] - back[cand_j]  # weight leaving hi for lo
@@ -619,7 +621,7 @@ def _refine(lens: np.ndarray, rank: np.ndarray, weight: np.ndarray, c: int) -> n
         valid = (delta > 0) & (new_max < load[hi]) & (tokens[hi] - moved_tokens > 0)
         if not valid.any():
             break
-        best = int(np.argmin(np.where(valid, new_max, np.inf)))
+        best = int(np.where(valid, new_max, np.inf).argmin())
         a, b = int(cand_a[best]), int(partner[cand_j[best]])
         rank[a], moved = lo, True
         if b >= 0:
@@ -783,12 +785,12 @@ def _hybrid(lens: np.ndarray, c: int, max_len: int) -> tuple[tuple[np.ndarray, .
             w = np.bincount(refined, weights=whole_lens, minlength=c)[None]
             q = np.bincount(refined, weights=whole_pairs, minlength=c)[None]
             here = slice(pick, pick + 1)
-            both = [
-                np.append(x[here], y, axis=0)
-                for x, y in zip(stats, _balance(w, q, s[here], quad[here], c), strict=True)
+            again = _balance(w, q, s[here], quad[here], c)
+            rank_key = [
+                (not _balanced(x)[i], x[3][i], x[1][i]) for x, i in ((again, 0), (stats, pick))
             ]
-            if np.lexsort((both[1], both[3], ~_balanced(both)))[0]:
-                whole_rank, cum = refined, both[0][1]
+            if rank_key[0] <= rank_key[1]:
+                whole_rank, cum = refined, again[0][0]
         if n_split:
             bounds = np.floor(split_lens[:, None] * cum + 0.5).astype(np.int64)
             sizes, starts = np.diff(bounds, axis=1), bounds[:, :-1]
