@@ -1,52 +1,18 @@
-"""Context-parallel sharding plans for one packed micro-batch (pure NumPy).
+"""Context-parallel sharding plans for one packed micro-batch (pure NumPy, no torch).
 
-A packed micro-batch of ``T`` tokens holds documents of known lengths. Context parallelism over ``c``
-ranks cuts it into ``2c`` chunk *slots*; rank ``r`` keeps slot ``r`` (its *head*) and slot
-``2c - 1 - r`` (its *tail*), so that under causal attention an early, cheap slot is paired with a late,
-expensive one.
-
-* ``per_sequence`` (TorchTitan's head-tail balancer): the slots are ``2c`` contiguous pieces of the
-  whole packed sequence. Balanced for one long document, unbalanced for a pack of several documents
-  (the slot holding a long document's end does most of the work).
-* ``per_document`` (WLB-LLM): every document is cut into ``2c`` chunks and chunk ``j`` goes to slot
-  ``j``, so every rank does the same attention work for every document. No padding: each chunk gets
-  ``d // 2c`` tokens and the ``d % 2c`` remainder tokens are dealt one per slot, continuing from where
-  the previous document's remainder stopped (a counter carried across documents). Per-document work is
-  then balanced up to one token per slot.
-* ``hybrid``: documents up to ``max_len`` tokens stay *whole* on one rank (assigned so that every rank's
-  attention work and token count are balanced); longer ones are split into ``2c`` chunks exactly as
-  per-document sharding does (the remainder counter runs over the split documents only). A whole
-  document attends to its rank's local keys only, so the CP op all-gathers K/V of the split documents
-  alone (``doc_gathered``). The default ``max_len`` is ``2c * 128`` (:func:`default_hybrid_max_len`):
-  below it a per-document chunk would be shorter than a 128-token attention tile.
-
-Choosing between the two per micro-batch (``adaptive``) is :mod:`torchtitan_wlb.cp.adaptive`, which
-estimates both from a :class:`ShardingDraft` (the segments before the local layout is built); the
-tensors a rank feeds the CP op come from :mod:`torchtitan_wlb.cp.local`. This module imports no
-torch and nothing else of the package.
-
-**Padding policy.** Plans never add tokens. When ``T`` is not a multiple of ``2c``, slot sizes differ by
-at most one token (the first ``T % 2c`` slots, in dealing order ``0, 1, ..., 2c - 1``, get one more), so
-local lengths differ by at most two tokens across ranks; the CP op pads only its internal all-gather
-buffer to the longest local length. Since dealing starts at slot 0 and slots ``0..c-1`` belong to
-ranks ``0..c-1``, every rank holds at least one token whenever ``T >= c``; ``T < c`` is rejected.
-
-**Local layout.** Rank-major: rank ``r``'s tokens are its head slot's segments (in document order)
-followed by its tail slot's segments. Under hybrid sharding a whole document is one segment of its
-rank's tail slot, placed after the slot's split-document segments, so every rank's local tokens are
-``[head split segments][tail split segments][whole documents]`` and the gathered tokens are a prefix. A *segment* is the part of one document inside one slot; its
+With CP degree ``c`` a micro-batch is cut into ``2c`` chunk *slots*; rank ``r`` keeps slot ``r`` (its
+head) and slot ``2c - 1 - r`` (its tail), pairing an early, cheap slot with a late, expensive one under
+causal attention. The strategies (``per_sequence``, ``per_document``, ``hybrid``), the padding policy
+(none: local lengths differ by at most two tokens, hybrid aside) and the rank-major local layout are
+described in docs/context_parallel.md. A *segment* is the part of one document inside one slot; its
 queries attend to the document's prefix up to the segment's end (bottom-right causal). Within one slot
-each document appears at most once, which lets each half run as one varlen call whose key segments are
-disjoint ranges of the globally ordered keys (gaps between them are zero-query segments).
+a document appears at most once, so each half runs as one varlen call whose key segments are disjoint
+ranges of the globally ordered keys.
 
-**Hybrid padding.** Hybrid plans add no tokens either, but whole documents make local lengths differ
-by up to about one whole document between ranks (the assignment balances them); every rank holds at
-least one token whenever ``T >= c`` (if fewer than ``c`` documents are whole and the split ones have
-fewer than ``c`` tokens, the longest whole documents are split too until they have ``c``).
-
-Construction is vectorised: the cost is O(num_docs * 2c) for the segment table plus O(T) for the
-index arrays of the ranks that are asked for; no Python loop runs over documents (hybrid's rank
-assignment runs a bounded number of vectorised refinement passes, independent of the document count).
+Adaptive selection (:mod:`torchtitan_wlb.cp.adaptive`) estimates strategies from a
+:class:`ShardingDraft` (the segments before the layout); :mod:`torchtitan_wlb.cp.local` turns a plan
+into a rank's tensors. Construction is vectorised: O(n_docs * 2c) for the segment table plus O(T) for
+the index arrays a rank asks for; no Python loop runs over documents.
 """
 
 from __future__ import annotations
@@ -77,14 +43,8 @@ this runs a mostly padded tile."""
 
 
 def default_hybrid_max_len(cp_degree: int) -> int:
-    """Hybrid's default whole-document threshold: ``2 * cp_degree * ATTENTION_TILE`` tokens.
-
-    Why this length: per-document sharding cuts a document of ``d`` tokens into ``2c`` chunks of
-    ``d // 2c`` tokens, which is below the kernel's 128-token tile exactly when ``d < 2c * 128``.
-    Keeping documents up to that length whole means no split document ever yields a sub-tile chunk
-    (a split document has more than ``2c * 128`` tokens, so every chunk has at least 128), while
-    documents long enough to need the whole group's balance are still split.
-    """
+    """Hybrid's floor for the whole-document threshold: ``2 * cp_degree * ATTENTION_TILE``, the
+    length below which a per-document chunk (``d // 2c``) would be shorter than one tile."""
     return 2 * int(cp_degree) * ATTENTION_TILE
 
 
@@ -97,16 +57,10 @@ def causal_pairs(q_len: np.ndarray, kv_len: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class LocalAttentionSpec:
-    """What one rank's local attention needs, for its head half and its tail half.
-
-    Keys are indexed in *global token order* (the packed micro-batch order, as the CP op lays out the
-    all-gathered keys). Segment lists interleave zero-query "gap" segments so that consecutive key
-    segments are contiguous: ``[gap_0, doc_0 prefix, gap_1, doc_1 prefix, ..., final gap]``.
-
-    Keys of the two halves are the *gathered* keys only (all documents under per-sequence and
-    per-document sharding; the split documents under hybrid), in global order with the whole
-    documents left out. A rank's whole documents (hybrid) form a third, purely local varlen call:
-    local tokens ``[n_gather_tokens:]`` attend to themselves with ``cu_seqlens_whole`` on both sides.
+    """What one rank's local attention needs: its head half and tail half against the gathered keys
+    (in global order, whole documents left out; zero-query "gap" segments interleaved so that key
+    segments are contiguous), and hybrid's whole documents, local tokens ``[n_gather_tokens:]``,
+    against themselves.
 
     Attributes:
         n_head_tokens: local tokens of the head half (the tail half follows them).
@@ -341,14 +295,9 @@ class CPPlan:
         return int(np.count_nonzero(cut))
 
     def kv_gather_bytes(self, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-        """Bytes of K and V each rank receives in the CP op's forward all-gather.
-
-        The collective is padded to ``max_gather_len`` rows per rank, so every rank receives the
-        same amount: ``(c - 1) * max_gather_len`` rows of K and V, each
-        ``kv_heads * head_dim * dtype_bytes`` bytes. The backward's re-gather and its dK/dV
-        reduce-scatter each move the same amount again. Per-sequence and per-document sharding
-        gather the whole micro-batch; hybrid gathers the split documents only (0 when none).
-        """
+        """Bytes of K and V each rank receives in the CP op's forward all-gather (padded to
+        ``max_gather_len`` rows per rank: ``(c - 1) * max_gather_len`` rows); the backward's
+        re-gather and dK/dV reduce-scatter move as much again."""
         row = 2 * int(kv_heads) * int(head_dim) * int(dtype_bytes)
         return (self.cp_degree - 1) * self.max_gather_len * row
 
@@ -357,12 +306,8 @@ _ARANGE = np.arange(0, dtype=np.int64)
 
 
 def _arange(n: int) -> np.ndarray:
-    """A read-only ``arange(n)`` view of a cached array.
-
-    Why: building the index arrays needs ``arange(T)`` next to the output, and two fresh
-    megabyte-sized allocations per call cost more in page faults (~1 ms at T = 128K) than the
-    arithmetic itself; reusing one cached ramp keeps plan construction well under a millisecond.
-    """
+    """A read-only ``arange(n)`` view of a cached array: fresh megabyte-sized ramps per call cost
+    more in page faults (~1 ms at T = 128K) than the index arithmetic itself."""
     global _ARANGE
     if _ARANGE.size < n:
         _ARANGE = np.arange(max(n, 2 * _ARANGE.size), dtype=np.int64)
@@ -379,11 +324,8 @@ def _cumsum0(lengths: np.ndarray) -> np.ndarray:
 # ----------------------------------------------------------------------------------- building
 @dataclass(frozen=True)
 class ShardingDraft:
-    """One fixed strategy's segments of a micro-batch, before the local layout is built.
-
-    What a cost estimate needs (each segment's query length and the keys it sees), and what
-    :meth:`plan` finishes without recomputing: adaptive selection drafts the candidate strategies
-    and builds the layout of the winner only.
+    """One fixed strategy's segments of a micro-batch before the local layout is built: what a
+    cost estimate needs, so that adaptive selection builds the winner's layout only.
 
     Attributes:
         strategy: ``"per_sequence"``, ``"per_document"`` or ``"hybrid"``.
@@ -444,53 +386,74 @@ class ShardingDraft:
 
     def plan(self, requested: str | None = None) -> CPPlan:
         """The full plan; ``requested`` (default: the strategy itself) is recorded in it."""
-        requested = self.strategy if requested is None else requested
-        lens, cu, c = self.doc_lens, self.doc_cu, self.cp_degree
+        c, two_c = self.cp_degree, 2 * self.cp_degree
         if self.strategy == "per_document":
-            return _finish(lens, cu, c, self.strategy, requested, *_per_document_table(*self.table))
+            # Document-major table; the layout comes cheaply from the [n_docs, 2c] matrix: offset
+            # inside a slot = tokens of earlier documents in it, a tail slot (j >= c) follows its
+            # rank's head slot 2c-1-j.
+            sizes, starts = self.table
+            n = len(sizes)
+            slot_order = np.arange(n * two_c, dtype=np.int64).reshape(n, two_c).T.ravel()
+            slot_offsets = np.arange(two_c + 1, dtype=np.int64) * n
+            seg_slot = np.tile(np.arange(two_c, dtype=np.int64), n)
+            segs = (np.repeat(np.arange(n, dtype=np.int64), two_c), starts.ravel(), sizes.ravel())
+            segs = (*segs, seg_slot, slot_order, slot_offsets)
+            local_offset = np.cumsum(sizes, axis=0)
+            slot_tokens = local_offset[-1].copy()
+            local_offset -= sizes
+            local_offset[:, c:] += slot_tokens[:c][::-1]
+            local_offset = local_offset.ravel()
+        else:
+            segs = self.table[:6]
+            _, _, seg_len, _, slot_order, slot_offsets = segs
+            cum = np.zeros(len(seg_len) + 1, dtype=np.int64)
+            np.cumsum(seg_len[slot_order], out=cum[1:])
+            slot_tokens = cum[slot_offsets[1:]] - cum[slot_offsets[:-1]]
+            slot_base = np.where(np.arange(two_c) < c, 0, slot_tokens[::-1])  # tails follow heads
+            sorted_slot = np.repeat(np.arange(two_c, dtype=np.int64), np.diff(slot_offsets))
+            local_offset = np.empty(len(seg_len), dtype=np.int64)
+            local_offset[slot_order] = (
+                cum[:-1] - cum[slot_offsets[sorted_slot]] + slot_base[sorted_slot]
+            )
+        local_lens = slot_tokens[:c] + slot_tokens[::-1][:c]
+        gathered, gather_lens = self.doc_gathered, local_lens
         if self.strategy == "hybrid":
-            *raw, gathered = self.table
-            return _finish(
-                lens, cu, c, self.strategy, requested, *raw,
-                doc_gathered=gathered, max_len=self.max_len,
-            )  # fmt: skip
-        return _finish(lens, cu, c, self.strategy, requested, *self.table)
+            seg_doc, _, seg_len, seg_slot = segs[:4]
+            whole = ~gathered[seg_doc]
+            owner = np.minimum(seg_slot[whole], two_c - 1 - seg_slot[whole])
+            gather_lens = local_lens - np.bincount(owner, seg_len[whole], c).astype(np.int64)
+        return CPPlan(
+            self.doc_lens, self.doc_cu, c, self.strategy, requested or self.strategy, *segs,
+            slot_tokens, local_lens, local_offset, gathered, gather_lens, self.max_len,
+        )  # fmt: skip
 
 
 def draft_sharding(
     lens: np.ndarray, cp_degree: int, strategy: str, *, max_len: int = 0
 ) -> ShardingDraft:
-    """The segments of ``strategy`` (``"per_sequence" | "per_document" | "hybrid"``) for lengths
-    checked by :func:`validate_doc_lens`; ``draft_sharding(...).plan()`` is the plan.
-
-    ``max_len`` is hybrid's whole-document threshold: documents of at most ``max_len`` tokens stay
-    whole on one rank; 0 derives it per micro-batch (:func:`auto_hybrid_max_len`, never below
-    :func:`default_hybrid_max_len` = ``2 * cp_degree * 128``). Ignored by the other strategies. Choosing among strategies is ``torchtitan_wlb.cp.adaptive.build_cp_plan``.
-    """
+    """The segments of a fixed ``strategy`` for lengths checked by :func:`validate_doc_lens`
+    (``.plan()`` is the plan). ``max_len``: hybrid's whole-document threshold, 0 = chosen per
+    micro-batch (at least :func:`default_hybrid_max_len`); ignored by the other strategies."""
     if strategy not in FIXED_STRATEGIES:
         raise ValueError(
             f"fixed CP strategy {strategy!r} is not one of {FIXED_STRATEGIES} (adaptive selection "
             "is torchtitan_wlb.cp.adaptive.build_cp_plan)"
         )
-    doc_cu = np.zeros(len(lens) + 1, dtype=np.int64)
-    np.cumsum(lens, out=doc_cu[1:])
-    if strategy == "per_document":
-        table = _per_document_chunks(lens, cp_degree)
-    elif strategy == "hybrid":
-        table, max_len = _hybrid(lens, cp_degree, _check_max_len(max_len))
-        return ShardingDraft(strategy, lens, doc_cu, cp_degree, table, max_len)
-    else:
-        table = _per_sequence(lens, doc_cu, cp_degree)
-    return ShardingDraft(strategy, lens, doc_cu, cp_degree, table)
-
-
-def _check_max_len(max_len: Any) -> int:
-    if isinstance(max_len, bool) or not isinstance(max_len, int | np.integer) or max_len < 0:
+    bad = isinstance(max_len, bool) or not isinstance(max_len, int | np.integer) or max_len < 0
+    if strategy == "hybrid" and bad:
         raise ValueError(
             f"hybrid max_len must be an int >= 0 (0: 2 * cp_degree * {ATTENTION_TILE}); "
             f"got {max_len!r}"
         )
-    return int(max_len)
+    doc_cu = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=doc_cu[1:])
+    if strategy == "hybrid":
+        table, max_len = _hybrid(lens, cp_degree, int(max_len))
+    elif strategy == "per_document":
+        table, max_len = _per_document_chunks(lens, cp_degree), 0
+    else:
+        table, max_len = _per_sequence(lens, doc_cu, cp_degree), 0
+    return ShardingDraft(strategy, lens, doc_cu, cp_degree, table, max_len)
 
 
 def validate_doc_lens(doc_lens: Any, cp_degree: Any, seq_len: int | None = None) -> np.ndarray:
@@ -539,25 +502,6 @@ def _per_document_chunks(lens: np.ndarray, c: int) -> tuple[np.ndarray, np.ndarr
     return sizes, starts
 
 
-def _per_document_table(sizes: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Segment table of per-document sharding, document-major (= global order), plus its layout
-    (slot tokens and local offsets, computed on the [n_docs, 2c] matrix)."""
-    n, two_c = sizes.shape
-    c = two_c // 2
-    seg_doc = np.repeat(np.arange(n, dtype=np.int64), two_c)
-    seg_slot = np.tile(np.arange(two_c, dtype=np.int64), n)
-    slot_order = np.arange(n * two_c, dtype=np.int64).reshape(n, two_c).T.ravel()
-    slot_offsets = np.arange(two_c + 1, dtype=np.int64) * n
-    # Offset inside the slot = tokens of earlier documents in the same slot; a tail slot (j >= c)
-    # follows its rank's head slot 2c-1-j in the local layout.
-    local_offset = np.cumsum(sizes, axis=0)
-    slot_tokens = local_offset[-1].copy()
-    local_offset -= sizes
-    local_offset[:, c:] += slot_tokens[:c][::-1]
-    layout = (slot_tokens, local_offset.ravel())
-    return seg_doc, starts.ravel(), sizes.ravel(), seg_slot, slot_order, slot_offsets, layout
-
-
 def _per_sequence(lens: np.ndarray, doc_cu: np.ndarray, c: int) -> tuple[np.ndarray, ...]:
     """Segment table of per-sequence (head-tail) sharding, slot-major (= global order)."""
     two_c = 2 * c
@@ -582,9 +526,9 @@ def _per_sequence(lens: np.ndarray, doc_cu: np.ndarray, c: int) -> tuple[np.ndar
 
 
 GREEDY_ROUNDS = 4
-"""Rounds of ``c`` whole documents (the longest ``8c``) that :func:`_deal_whole` deals greedily."""
+"""Rounds of ``c`` whole documents (the longest ``4c``) that :func:`_deal_whole` deals greedily."""
 REFINE_PASSES = 4
-"""Upper bound on the refinement passes of :func:`_refine` (each vectorised over two ranks)."""
+"""Upper bound on the passes of :func:`_refine` (each vectorised over two ranks' documents)."""
 REFINE_TOLERANCE = 1e-3
 """Refinement stops once the busiest rank is within this fraction of the mean."""
 HYBRID_TOLERANCE = (1.01, 1.05)
@@ -593,10 +537,10 @@ HYBRID_TOLERANCE = (1.01, 1.05)
 
 def _refine(lens: np.ndarray, rank: np.ndarray, weight: np.ndarray, c: int) -> np.ndarray:
     """``rank`` (one whole-document assignment) after at most :data:`REFINE_PASSES` passes, each
-    applying the single move or swap of documents between the ranks with the most and the least
+    applying the move or swap of documents between the ranks with the most and the least
     ``weight`` (tokens, or attention work) that lowers the larger of the two the most (for every
-    document of the busier rank, the partner closest to half the gap is found by binary search).
-    A pass never empties a rank. Returns ``rank`` itself when nothing moved."""
+    document of the busier rank, the partner nearest half the gap, by binary search). A pass
+    never empties a rank. Returns ``rank`` itself when nothing moved."""
     original, rank, moved = rank, rank.copy(), False
     load = np.bincount(rank, weights=weight, minlength=c)
     tokens = np.bincount(rank, weights=lens, minlength=c)
@@ -633,19 +577,15 @@ def _refine(lens: np.ndarray, rank: np.ndarray, weight: np.ndarray, c: int) -> n
     return rank if moved else original
 
 
-def _deal_whole(
-    desc: np.ndarray, pairs: np.ndarray, first: np.ndarray, c: int
-) -> tuple[np.ndarray, ...]:
-    """``[K, n]`` CP rank of every document of ``desc`` (lengths, longest first; ``pairs`` their
-    attention work) under ``K`` thresholds at once, threshold ``k`` keeping ``desc[first[k]:]``
-    whole (rank ``-1``: split), and each rank's whole tokens and attention work ``[K, c]``.
+def _deal_whole(desc: np.ndarray, pairs: np.ndarray, first: np.ndarray, c: int) -> tuple:
+    """Whole documents dealt to ranks under ``K`` thresholds at once: ``[K, n]`` rank of every
+    document of ``desc`` (lengths, longest first; ``pairs``: their attention work), ``-1`` for the
+    ``first[k]`` split ones, and ``[K, c]`` whole tokens and work per rank.
 
-    Balances whole tokens per rank, on which the gathered K/V depend (every rank gathers as many
-    rows as the rank with the fewest whole tokens): for :data:`GREEDY_ROUNDS` rounds the next ``c``
-    documents, longest first, go to the ranks in order of their tokens so far (the longest to the
-    emptiest; the first two rounds are a serpentine); the shorter rest fills each rank's deficit
-    below the mean, cut at cumulative lengths. Attention work is left to the split documents'
-    chunk sizes (:func:`_balance`).
+    Balances tokens, on which the gathered K/V depend: :data:`GREEDY_ROUNDS` rounds of ``c``
+    documents go longest to emptiest (the first two: a serpentine), then the rest, in serpentine
+    order so that every run mixes long and short ones, fills each rank's deficit below the mean
+    (cut at cumulative lengths). Attention work is left to the split documents (:func:`_balance`).
     """
     n, k, rounds = len(desc), len(first), GREEDY_ROUNDS
     rows = np.arange(k)[:, None]
@@ -659,8 +599,6 @@ def _deal_whole(
         load[rows, ranks[:, rnd]] += sizes[:, rnd]
     rank = np.full((k, n + rounds * c), -1, dtype=np.int64)
     rank[rows, greedy] = ranks.reshape(k, -1)
-    # The rest in serpentine order (rounds of c, every other one reversed, read position-major):
-    # any run of it mixes long and short documents, so a run balances work along with tokens.
     serp = np.arange(-(-n // c) * c).reshape(-1, c)
     serp[1::2] = serp[1::2, ::-1]
     idx = greedy[:, -1:] + 1 + serp.T.ravel()
@@ -681,25 +619,15 @@ def _deal_whole(
     return rank, w, q
 
 
-def _balance(
-    w: np.ndarray, q: np.ndarray, s: np.ndarray, quad: np.ndarray, c: int
-) -> tuple[np.ndarray, ...]:
-    """The split documents' common chunk boundaries ``[K, 2c + 1]`` (fractions of a document) for
-    ``K`` placements (``w``, ``q``: ``[K, c]`` whole tokens and work per rank; ``s``, ``quad``:
-    ``[K, 1]`` split tokens and sum of squared split lengths), and, predicted before rounding to
-    tokens, ``[K]`` max/mean of attention work, max/mean of tokens, most gathered rows on a rank.
+def _balance(w: np.ndarray, q: np.ndarray, s: np.ndarray, quad: np.ndarray, c: int) -> tuple:
+    """Common chunk boundaries ``[K, 2c + 1]`` (fractions of a document) of the split documents
+    that give each rank the tokens and attention work its whole ones lack, for ``K`` placements
+    (``w``, ``q``: ``[K, c]`` whole tokens and work; ``s``, ``quad``: ``[K, 1]`` split tokens and
+    sum of squared split lengths); and, predicted, ``[K]`` work and token max/mean, the most
+    gathered rows on a rank and whether both balances are within :data:`HYBRID_TOLERANCE`.
 
-    The chunks give every rank the tokens and the attention work its whole documents lack. With
-    rank ``r``'s token share ``a_r`` and quadratic work share ``b_r`` (of ``d**2``), and ``A_r``,
-    ``B_r`` their sums over the ranks before it, the end of the heads before rank ``r`` is::
-
-        X_r = ((1 - 2 B_r) / (1 - A_r) - (1 - A_r)) / 2,   and its tail ends at X_r + 1 - A_r
-
-    (heads fill ``[0, X_r]`` and tails ``[X_r + 1 - A_r, 1]``, whose quadratic work is
-    ``(X_r**2 + 1 - (X_r + 1 - A_r)**2) / 2 = B_r``). Where a target is out of reach (a negative
-    chunk), the boundaries go from the even cut (head = tail = ``a_r / 2``) towards the exact
-    ones as far as every chunk stays non-negative.
-    """
+    Closed form (docs/context_parallel.md, "Hybrid sharding"); where a target is out of reach the
+    cut moves from the even one towards it as far as no chunk turns negative."""
     a = np.maximum((w.sum(axis=1, keepdims=True) + s) / c - w, 0.0)
     a /= np.maximum(a.sum(axis=1, keepdims=True), 1e-12)
     b = ((q.sum(axis=1, keepdims=True) + (quad + s) / 2) / c - q - s * a / 2) / np.maximum(quad, 1)
@@ -712,51 +640,38 @@ def _balance(
     x = before / 2 + np.where(s > 0, np.minimum(reach, 1.0), 0.0) * shift
     y = x + rest
     cum = np.concatenate([x, x[:, -1:] + rest[:, -1:] / 2, y[:, ::-1]], axis=1)
-    quad_share = np.diff((x * x - y * y) / 2, axis=1, append=0.0)  # (x**2 + 1 - y**2) / 2 = B
     gathered = s * a
-    work = q + quad * quad_share + gathered / 2
-    tokens = w + gathered
-    return cum, _max_mean(work), _max_mean(tokens), gathered.max(axis=1)
-
-
-def _max_mean(x: np.ndarray) -> np.ndarray:
-    return x.max(axis=1) * x.shape[1] / x.sum(axis=1)
+    work = q + quad * np.diff((x * x - y * y) / 2, axis=1, append=0.0) + gathered / 2
+    imbalance = [v.max(axis=1) * c / v.sum(axis=1) for v in (work, w + gathered)]
+    ok = (imbalance[0] <= HYBRID_TOLERANCE[0]) & (imbalance[1] <= HYBRID_TOLERANCE[1])
+    return cum, imbalance[0], imbalance[1], gathered.max(axis=1), ok
 
 
 def _candidates(desc: np.ndarray, c: int, max_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(thresholds, first)``: hybrid's thresholds to evaluate and how many of the documents
-    ``desc`` (longest first) each one splits. ``max_len > 0``: that one; 0: every distinct length
-    from :func:`default_hybrid_max_len` up to ``T / c``, then the floor itself (the fallback).
-
-    Where fewer than ``c`` documents stay whole and the split ones hold fewer than ``c`` tokens,
-    the longest whole ones are split too until they do, so that every rank holds a token."""
+    """Hybrid's thresholds to evaluate and how many documents of ``desc`` (longest first) each
+    splits: ``max_len``, or for 0 every distinct length from the floor up to ``T / c`` and the
+    floor. Where fewer than ``c`` documents stay whole and the split ones hold fewer than ``c``
+    tokens, the longest whole ones are split too until they do (every rank holds a token)."""
     if max_len:
         thresholds = np.array([max_len])
     else:
         distinct = desc > np.append(desc[1:], 0)  # a threshold keeps all of its length whole
         floor = default_hybrid_max_len(c)
-        keep = distinct & (desc > floor) & (desc * c <= desc.sum())
-        thresholds = np.append(desc[keep], floor)
+        thresholds = np.append(desc[distinct & (desc > floor) & (desc * c <= desc.sum())], floor)
     first = np.searchsorted(-desc, -thresholds, side="left")  # documents above each threshold
     cum = np.cumsum(desc)
-    split_tokens = np.where(first > 0, cum[first - 1], 0)
-    few = (len(desc) - first < c) & (split_tokens < c) & (c > 1)
-    first = np.where(few, np.searchsorted(cum, c) + 1, first)
-    return thresholds, first
+    few = (len(desc) - first < c) & (np.where(first > 0, cum[first - 1], 0) < c) & (c > 1)
+    return thresholds, np.where(few, np.searchsorted(cum, c) + 1, first)
 
 
 def _hybrid(lens: np.ndarray, c: int, max_len: int) -> tuple[tuple[np.ndarray, ...], int]:
     """Segment table of hybrid sharding (document-major = global order, then ``doc_gathered``)
-    and the threshold used (``max_len``, or the automatic one for 0).
+    and its threshold (``max_len``; 0: chosen here).
 
-    Automatic threshold: every candidate of :func:`_candidates` is evaluated at once (one deal of
-    its whole documents, :func:`_deal_whole`, and the closed-form chunk sizes of its split ones,
-    :func:`_balance`); the one predicted within :data:`HYBRID_TOLERANCE` that gathers the fewest
-    K/V rows wins (ties: the higher threshold). Why search rather than a rule: more documents
-    whole means less K/V but a harder balance, and where that trade lands depends on the
-    micro-batch's lengths. The winner's deal is then refined (:func:`_refine`, on tokens, or on
-    attention work when nothing is split) if that balances better. With no whole document the
-    chunks are exactly per-document sharding's.
+    All candidate thresholds are evaluated at once (:func:`_deal_whole`, :func:`_balance`) and the
+    balanced one that gathers the fewest K/V rows wins (ties: the higher): more documents whole
+    means less K/V but a harder balance, and where that trade lands depends on the lengths. The
+    winner's deal is refined (on tokens; on work when nothing is split) if that balances better.
     """
     two_c, n = 2 * c, len(lens)
     order = np.argsort(-lens, kind="stable")
@@ -769,7 +684,7 @@ def _hybrid(lens: np.ndarray, c: int, max_len: int) -> tuple[tuple[np.ndarray, .
         d = np.append(0.0, desc.astype(np.float64))
         s, quad = np.cumsum(d)[first][:, None], np.cumsum(d * d)[first][:, None]
         stats = _balance(w, q, s, quad, c)
-        pick = int(np.lexsort((-thresholds, stats[3], ~_balanced(stats)))[0])
+        pick = int(np.lexsort((-thresholds, stats[3], ~stats[4]))[0])
     n_split = int(first[pick])
     split = np.zeros(n, dtype=bool)
     split[order[:n_split]] = True
@@ -781,21 +696,19 @@ def _hybrid(lens: np.ndarray, c: int, max_len: int) -> tuple[tuple[np.ndarray, .
         whole_rank, whole_pairs = dealt[pick, n_split:], pairs[n_split:]
         cum = stats[0][pick]
         refined = _refine(whole_lens, whole_rank, whole_lens if n_split else whole_pairs, c)
-        if refined is not whole_rank:  # keep the refinement if it balances better
+        if refined is not whole_rank:
             w = np.bincount(refined, weights=whole_lens, minlength=c)[None]
             q = np.bincount(refined, weights=whole_pairs, minlength=c)[None]
-            here = slice(pick, pick + 1)
-            again = _balance(w, q, s[here], quad[here], c)
-            rank_key = [
-                (not _balanced(x)[i], x[3][i], x[1][i]) for x, i in ((again, 0), (stats, pick))
-            ]
-            if rank_key[0] <= rank_key[1]:
+            again = _balance(w, q, s[pick : pick + 1], quad[pick : pick + 1], c)
+            keys = [(not x[4][i], x[3][i], x[1][i]) for x, i in ((again, 0), (stats, pick))]
+            if keys[0] <= keys[1]:
                 whole_rank, cum = refined, again[0][0]
         if n_split:
             bounds = np.floor(split_lens[:, None] * cum + 0.5).astype(np.int64)
             sizes, starts = np.diff(bounds, axis=1), bounds[:, :-1]
+            slot = sizes.sum(axis=0)
             held = np.bincount(whole_rank, weights=whole_lens, minlength=c)
-            if not np.all(held + _rank_sums(sizes.sum(axis=0), c) > 0):  # a rank left empty
+            if not np.all(held + slot[:c] + slot[::-1][:c] > 0):  # a rank left empty
                 sizes = None
     if sizes is None:
         sizes, starts = _per_document_chunks(split_lens, c)
@@ -827,84 +740,7 @@ def _hybrid(lens: np.ndarray, c: int, max_len: int) -> tuple[tuple[np.ndarray, .
     return table, int(thresholds[pick])
 
 
-def _balanced(stats: tuple[np.ndarray, ...]) -> np.ndarray:
-    """Whether :func:`_balance`'s predicted work and token max/mean are within tolerance."""
-    return (stats[1] <= HYBRID_TOLERANCE[0]) & (stats[2] <= HYBRID_TOLERANCE[1])
-
-
 def auto_hybrid_max_len(lens: np.ndarray, cp_degree: int) -> int:
     """Hybrid's automatic whole-document threshold for one micro-batch (``max_len = 0``, see
     :func:`_hybrid`): never below :func:`default_hybrid_max_len`."""
     return _hybrid(np.asarray(lens, dtype=np.int64), int(cp_degree), 0)[1]
-
-
-def _rank_sums(per_slot: np.ndarray, c: int) -> np.ndarray:
-    """``[c]`` head slot + tail slot of a ``[2c]`` per-slot quantity."""
-    return per_slot[:c] + per_slot[::-1][:c]
-
-
-def _finish(
-    lens: np.ndarray,
-    doc_cu: np.ndarray,
-    c: int,
-    strategy: str,
-    requested: str,
-    seg_doc: np.ndarray,
-    seg_start: np.ndarray,
-    seg_len: np.ndarray,
-    seg_slot: np.ndarray,
-    slot_order: np.ndarray,
-    slot_offsets: np.ndarray,
-    layout: tuple[np.ndarray, np.ndarray] | None = None,
-    *,
-    doc_gathered: np.ndarray | None = None,
-    max_len: int = 0,
-) -> CPPlan:
-    """Slot sizes, rank lengths and each segment's offset inside its rank's local layout.
-
-    ``layout`` = (slot_tokens, seg_local_offset) when the caller computed them more cheaply
-    (per-document sharding does, from its [n_docs, 2c] matrix). ``doc_gathered`` (hybrid) marks
-    the documents whose K/V are gathered; ``None``: all of them."""
-    two_c = 2 * c
-    if layout is None:
-        sorted_lens = seg_len[slot_order]
-        cum = np.zeros(len(sorted_lens) + 1, dtype=np.int64)
-        np.cumsum(sorted_lens, out=cum[1:])
-        slot_tokens = cum[slot_offsets[1:]] - cum[slot_offsets[:-1]]
-        # Head slots start a rank's layout; a tail slot follows its rank's head slot (2c-1-j).
-        slot_base = np.where(np.arange(two_c) < c, 0, slot_tokens[::-1])
-        sorted_slot = np.repeat(np.arange(two_c, dtype=np.int64), np.diff(slot_offsets))
-        local_offset = np.empty(len(seg_len), dtype=np.int64)
-        local_offset[slot_order] = (
-            cum[:-1] - cum[slot_offsets[sorted_slot]] + slot_base[sorted_slot]
-        )
-    else:
-        slot_tokens, local_offset = layout
-    local_lens = slot_tokens[:c] + slot_tokens[::-1][:c]
-    if doc_gathered is None:
-        doc_gathered = np.ones(len(lens), dtype=bool)
-        gather_lens = local_lens
-    else:
-        whole = ~doc_gathered[seg_doc]
-        owner = np.minimum(seg_slot[whole], two_c - 1 - seg_slot[whole])
-        whole_tokens = np.bincount(owner, weights=seg_len[whole], minlength=c)
-        gather_lens = local_lens - whole_tokens.astype(np.int64)
-    return CPPlan(
-        doc_lens=lens,
-        doc_cu=doc_cu,
-        cp_degree=c,
-        strategy=strategy,
-        requested=requested,
-        seg_doc=seg_doc,
-        seg_start=seg_start,
-        seg_len=seg_len,
-        seg_slot=seg_slot,
-        slot_order=slot_order,
-        slot_offsets=slot_offsets,
-        slot_tokens=slot_tokens,
-        local_lens=local_lens,
-        seg_local_offset=local_offset,
-        doc_gathered=doc_gathered,
-        gather_lens=gather_lens,
-        max_len=max_len,
-    )
