@@ -590,33 +590,36 @@ def _deal_whole(desc: np.ndarray, pairs: np.ndarray, first: np.ndarray, c: int) 
     n, k, rounds = len(desc), len(first), GREEDY_ROUNDS
     rows = np.arange(k)[:, None]
     greedy = first[:, None] + np.arange(rounds * c)
-    sizes = np.append(desc, np.zeros(rounds * c, dtype=desc.dtype))[greedy].reshape(k, rounds, c)
+    pad = np.zeros(rounds * c, dtype=np.float64)
+    sizes, work = (np.append(x, pad)[greedy].reshape(k, rounds, c) for x in (desc, pairs))
     ranks = np.empty((k, rounds, c), dtype=np.int64)
     ranks[:, 0], ranks[:, 1] = np.arange(c), np.arange(c)[::-1]
-    load = sizes[:, 0] + sizes[:, 1, ::-1]
+    w, q = sizes[:, 0] + sizes[:, 1, ::-1], work[:, 0] + work[:, 1, ::-1]
     for rnd in range(2, rounds):  # bounded, each round vectorised over the thresholds
-        ranks[:, rnd] = np.argsort(load, axis=1, kind="stable")
-        load[rows, ranks[:, rnd]] += sizes[:, rnd]
+        ranks[:, rnd] = np.argsort(w, axis=1, kind="stable")
+        w[rows, ranks[:, rnd]] += sizes[:, rnd]
+        q[rows, ranks[:, rnd]] += work[:, rnd]
     rank = np.full((k, n + rounds * c), -1, dtype=np.int64)
     rank[rows, greedy] = ranks.reshape(k, -1)
-    serp = np.arange(-(-n // c) * c).reshape(-1, c)
-    serp[1::2] = serp[1::2, ::-1]
-    idx = greedy[:, -1:] + 1 + serp.T.ravel()
-    valid = idx < n
-    sizes = np.where(valid, desc[np.minimum(idx, n - 1)], 0)
-    rest_total = sizes.sum(axis=1, keepdims=True)
-    deficit = np.maximum((load.sum(axis=1, keepdims=True) + rest_total) / c - load, 0.0)
-    bounds = np.cumsum(deficit, axis=1)
-    bounds *= rest_total / np.maximum(bounds[:, -1:], 1e-9)
-    offset = rows * (float(desc.sum()) + 1.0)  # one searchsorted for all thresholds
-    mid = np.cumsum(sizes, axis=1) - sizes / 2 + offset
-    at = np.nonzero(valid)[0]
-    hit = np.searchsorted((bounds + offset).ravel(), mid[valid]) - at * c
-    rank[at, idx[valid]] = np.minimum(hit, c - 1)
-    rank = rank[:, :n]
-    bins = np.where(rank >= 0, rank + rows * c, k * c).ravel()
-    w, q = (np.bincount(bins, np.tile(x, k), k * c + 1)[:-1].reshape(k, c) for x in (desc, pairs))
-    return rank, w, q
+    if n > greedy[:, -1].min() + 1:  # documents beyond the greedy rounds
+        serp = np.arange(-(-n // c) * c).reshape(-1, c)
+        serp[1::2] = serp[1::2, ::-1]
+        idx = greedy[:, -1:] + 1 + serp.T.ravel()
+        valid = idx < n
+        sizes = np.where(valid, desc[np.minimum(idx, n - 1)], 0)
+        rest_total = sizes.sum(axis=1, keepdims=True)
+        deficit = np.maximum((w.sum(axis=1, keepdims=True) + rest_total) / c - w, 0.0)
+        bounds = np.cumsum(deficit, axis=1)
+        bounds *= rest_total / np.maximum(bounds[:, -1:], 1e-9)
+        offset = rows * (float(desc.sum()) + 1.0)  # one searchsorted for all thresholds
+        mid = np.cumsum(sizes, axis=1) - sizes / 2 + offset
+        at, doc = np.nonzero(valid)[0], idx[valid]
+        hit = np.searchsorted((bounds + offset).ravel(), mid[valid]) - at * c
+        bins = at * c + np.minimum(hit, c - 1)
+        rank[at, doc] = bins - at * c
+        w += np.bincount(bins, desc[doc], k * c).reshape(k, c)
+        q += np.bincount(bins, pairs[doc], k * c).reshape(k, c)
+    return rank[:, :n], w, q
 
 
 def _balance(w: np.ndarray, q: np.ndarray, s: np.ndarray, quad: np.ndarray, c: int) -> tuple:
