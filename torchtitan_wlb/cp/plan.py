@@ -525,8 +525,8 @@ def _per_sequence(lens: np.ndarray, doc_cu: np.ndarray, c: int) -> tuple[np.ndar
     return seg_doc, seg_start, g_end - g_start, seg_slot, slot_order, slot_offsets
 
 
-GREEDY_ROUNDS = 4
-"""Rounds of ``c`` whole documents (the longest ``4c``) that :func:`_deal_whole` deals greedily."""
+GREEDY_ROUNDS = 5
+"""Rounds of ``c`` whole documents (the longest ``5c``) that :func:`_deal_whole` deals greedily."""
 REFINE_PASSES = 4
 """Upper bound on the passes of :func:`_refine` (each vectorised over two ranks' documents)."""
 REFINE_TOLERANCE = 1e-3
