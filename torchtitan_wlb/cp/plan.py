@@ -247,27 +247,22 @@ class CPPlan:
             q_len = self.seg_len[segs]
             prefix = self.seg_start[segs] + q_len  # keys a segment sees: its document's prefix
             k_start = key_start[self.seg_doc[segs]]
-            gaps = np.append(k_start, total) - np.append(0, k_start + prefix)
             q_lens = np.zeros(2 * len(segs) + 1, dtype=np.int64)
             q_lens[1::2] = q_len
             k_lens = np.empty(2 * len(segs) + 1, dtype=np.int64)
-            k_lens[0::2] = gaps
             k_lens[1::2] = prefix
+            k_lens[0:-1:2], k_lens[-1] = k_start, total
+            k_lens[2::2] -= k_start + prefix  # gaps: up to the next start, or to the end
             halves.append(
                 (_cumsum0(q_lens), _cumsum0(k_lens), int(q_lens.max()), int(k_lens.max()))
             )
         (cq_h, ck_h, mq_h, mk_h), (cq_t, ck_t, mq_t, mk_t) = halves
         whole_lens = self.seg_len[whole]
+        longest_whole = int(whole_lens.max()) if len(whole_lens) else 0
         return LocalAttentionSpec(
-            n_head_tokens=int(self.slot_tokens[rank]),
-            n_gather_tokens=int(self.gather_lens[rank]),
-            cu_seqlens_q=(cq_h, cq_t),
-            cu_seqlens_k=(ck_h, ck_t),
-            max_seqlen_q=(mq_h, mq_t),
-            max_seqlen_k=(mk_h, mk_t),
-            cu_seqlens_whole=_cumsum0(whole_lens),
-            max_seqlen_whole=int(whole_lens.max()) if len(whole_lens) else 0,
-        )
+            int(self.slot_tokens[rank]), int(self.gather_lens[rank]), (cq_h, cq_t), (ck_h, ck_t),
+            (mq_h, mq_t), (mk_h, mk_t), _cumsum0(whole_lens), longest_whole,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------------------ statistics
     def rank_attention_pairs(self) -> np.ndarray:
@@ -410,7 +405,7 @@ class ShardingDraft:
             np.cumsum(seg_len[slot_order], out=cum[1:])
             slot_tokens = cum[slot_offsets[1:]] - cum[slot_offsets[:-1]]
             slot_base = np.where(np.arange(two_c) < c, 0, slot_tokens[::-1])  # tails follow heads
-            sorted_slot = np.repeat(np.arange(two_c, dtype=np.int64), np.diff(slot_offsets))
+            sorted_slot = np.repeat(np.arange(two_c), slot_offsets[1:] - slot_offsets[:-1])
             local_offset = np.empty(len(seg_len), dtype=np.int64)
             local_offset[slot_order] = (
                 cum[:-1] - cum[slot_offsets[sorted_slot]] + slot_base[sorted_slot]
@@ -591,7 +586,7 @@ def _deal_whole(desc: np.ndarray, pairs: np.ndarray, first: np.ndarray, c: int) 
     rows = np.arange(k)[:, None]
     greedy = first[:, None] + np.arange(rounds * c)
     pad = np.zeros(rounds * c, dtype=np.float64)
-    sizes, work = (np.append(x, pad)[greedy].reshape(k, rounds, c) for x in (desc, pairs))
+    sizes, work = (np.concatenate([x, pad])[greedy].reshape(k, rounds, c) for x in (desc, pairs))
     ranks = np.empty((k, rounds, c), dtype=np.int64)
     ranks[:, 0], ranks[:, 1] = np.arange(c), np.arange(c)[::-1]
     w, q = sizes[:, 0] + sizes[:, 1, ::-1], work[:, 0] + work[:, 1, ::-1]
@@ -638,29 +633,34 @@ def _balance(w: np.ndarray, q: np.ndarray, s: np.ndarray, quad: np.ndarray, c: i
     rest = np.maximum(1.0 - before, 1e-12)
     # Shift of rank r's head start from the even cut's; its tail end moves by the same amount.
     shift = ((1.0 - 2.0 * (b.cumsum(axis=1) - b)) / rest - rest - before) / 2.0
-    step = np.abs(np.diff(shift, axis=1, append=shift[:, -1:]))  # head grows, tail shrinks
+    step = np.zeros_like(shift)  # rank r's head grows by it, its tail shrinks (the last: 0)
+    step[:, :-1] = np.abs(shift[:, 1:] - shift[:, :-1])
     reach = np.where(step > 0, a / (2 * step + 1e-300), 1.0).min(axis=1, keepdims=True)
     x = before / 2 + np.where(s > 0, np.minimum(reach, 1.0), 0.0) * shift
     y = x + rest
     cum = np.concatenate([x, x[:, -1:] + rest[:, -1:] / 2, y[:, ::-1]], axis=1)
     gathered = s * a
-    work = q + quad * np.diff((x * x - y * y) / 2, axis=1, append=0.0) + gathered / 2
+    cum_work = np.zeros((len(x), c + 1))  # quadratic work before each rank: (x**2 + 1 - y**2) / 2
+    cum_work[:, :-1] = (x * x - y * y) / 2
+    work = q + quad * (cum_work[:, 1:] - cum_work[:, :-1]) + gathered / 2
     imbalance = [v.max(axis=1) * c / v.sum(axis=1) for v in (work, w + gathered)]
     ok = (imbalance[0] <= HYBRID_TOLERANCE[0]) & (imbalance[1] <= HYBRID_TOLERANCE[1])
     return cum, imbalance[0], imbalance[1], gathered.max(axis=1), ok
 
 
 def _candidates(desc: np.ndarray, c: int, max_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """Hybrid's thresholds to evaluate and how many documents of ``desc`` (longest first) each
-    splits: ``max_len``, or for 0 every distinct length from the floor up to ``T / c`` and the
-    floor. Where fewer than ``c`` documents stay whole and the split ones hold fewer than ``c``
-    tokens, the longest whole ones are split too until they do (every rank holds a token)."""
+    """Hybrid's thresholds to evaluate (``max_len``; 0: every distinct length from the floor to
+    ``T / c``, and the floor) and how many documents of ``desc`` (longest first) each splits; the
+    longest whole ones too while fewer than ``c`` are whole and fewer than ``c`` tokens split."""
     if max_len:
         thresholds = np.array([max_len])
     else:
-        distinct = desc > np.append(desc[1:], 0)  # a threshold keeps all of its length whole
+        distinct = np.ones(len(desc), dtype=bool)  # a threshold keeps all of its length whole
+        distinct[:-1] = desc[:-1] > desc[1:]
         floor = default_hybrid_max_len(c)
-        thresholds = np.append(desc[distinct & (desc > floor) & (desc * c <= desc.sum())], floor)
+        thresholds = np.concatenate(
+            [desc[distinct & (desc > floor) & (desc * c <= desc.sum())], [floor]]
+        )
     first = np.searchsorted(-desc, -thresholds, side="left")  # documents above each threshold
     cum = np.cumsum(desc)
     few = (len(desc) - first < c) & (np.where(first > 0, cum[first - 1], 0) < c) & (c > 1)
@@ -684,7 +684,8 @@ def _hybrid(lens: np.ndarray, c: int, max_len: int) -> tuple[tuple[np.ndarray, .
     if c > 1 and first.min() < n:
         pairs = causal_pairs(desc, desc)
         dealt, w, q = _deal_whole(desc, pairs, first, c)
-        d = np.append(0.0, desc.astype(np.float64))
+        d = np.zeros(n + 1)
+        d[1:] = desc
         s, quad = np.cumsum(d)[first][:, None], np.cumsum(d * d)[first][:, None]
         stats = _balance(w, q, s, quad, c)
         pick = int(np.lexsort((-thresholds, stats[3], ~stats[4]))[0])
@@ -708,7 +709,7 @@ def _hybrid(lens: np.ndarray, c: int, max_len: int) -> tuple[tuple[np.ndarray, .
                 whole_rank, cum = refined, again[0][0]
         if n_split:
             bounds = np.floor(split_lens[:, None] * cum + 0.5).astype(np.int64)
-            sizes, starts = np.diff(bounds, axis=1), bounds[:, :-1]
+            sizes, starts = bounds[:, 1:] - bounds[:, :-1], bounds[:, :-1]
             slot = sizes.sum(axis=0)
             held = np.bincount(whole_rank, weights=whole_lens, minlength=c)
             if not np.all(held + slot[:c] + slot[::-1][:c] > 0):  # a rank left empty
