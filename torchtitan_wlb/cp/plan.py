@@ -673,8 +673,7 @@ def _hybrid(lens: np.ndarray, c: int, max_len: int) -> tuple[tuple[np.ndarray, .
 
     All candidate thresholds are evaluated at once (:func:`_deal_whole`, :func:`_balance`) and the
     balanced one that gathers the fewest K/V rows wins (ties: the higher): more documents whole
-    means less K/V but a harder balance, and where that trade lands depends on the lengths. The
-    winner's deal is refined (on tokens; on work when nothing is split) if that balances better.
+    means less K/V but a harder balance, and where that trade lands depends on the lengths.
     """
     two_c, n = 2 * c, len(lens)
     order = np.argsort(-lens, kind="stable")
@@ -684,9 +683,20 @@ def _hybrid(lens: np.ndarray, c: int, max_len: int) -> tuple[tuple[np.ndarray, .
     if c > 1 and first.min() < n:
         pairs = causal_pairs(desc, desc)
         dealt, w, q = _deal_whole(desc, pairs, first, c)
-        d = np.zeros(n + 1)
-        d[1:] = desc
+        d = np.concatenate([[0.0], desc])
         s, quad = np.cumsum(d)[first][:, None], np.cumsum(d * d)[first][:, None]
+        # The likeliest winner (the highest threshold whose whole documents fit the ranks' token
+        # shares) is also evaluated with its deal refined, on tokens (on work if nothing is split).
+        g = int((w.max(axis=1) * c <= desc.sum()).argmax())
+        f = int(first[g])
+        part = dealt[g, f:]
+        row = _refine(desc[f:], part, desc[f:] if f else pairs[f:], c) if f < n else part
+        if row is not part:
+            take = np.append(np.arange(len(first)), g)
+            thresholds, first, s, quad = thresholds[take], first[take], s[take], quad[take]
+            dealt, w, q = dealt[take], w[take], q[take]
+            dealt[-1, f:] = row
+            w[-1], q[-1] = (np.bincount(row, x[f:], c) for x in (desc, pairs))
         stats = _balance(w, q, s, quad, c)
         pick = int(np.lexsort((-thresholds, stats[3], ~stats[4]))[0])
     n_split = int(first[pick])
@@ -694,19 +704,9 @@ def _hybrid(lens: np.ndarray, c: int, max_len: int) -> tuple[tuple[np.ndarray, .
     split[order[:n_split]] = True
     split_docs, whole_docs = np.flatnonzero(split), order[n_split:]
     split_lens, whole_lens = lens[split_docs], lens[whole_docs]
-    whole_rank = np.zeros(len(whole_docs), dtype=np.int64)
-    sizes = None
+    whole_rank, sizes = np.zeros(len(whole_docs), dtype=np.int64), None
     if c > 1 and len(whole_docs):
-        whole_rank, whole_pairs = dealt[pick, n_split:], pairs[n_split:]
-        cum = stats[0][pick]
-        refined = _refine(whole_lens, whole_rank, whole_lens if n_split else whole_pairs, c)
-        if refined is not whole_rank:
-            w = np.bincount(refined, weights=whole_lens, minlength=c)[None]
-            q = np.bincount(refined, weights=whole_pairs, minlength=c)[None]
-            again = _balance(w, q, s[pick : pick + 1], quad[pick : pick + 1], c)
-            keys = [(not x[4][i], x[3][i], x[1][i]) for x, i in ((again, 0), (stats, pick))]
-            if keys[0] <= keys[1]:
-                whole_rank, cum = refined, again[0][0]
+        whole_rank, cum = dealt[pick, n_split:], stats[0][pick]
         if n_split:
             bounds = np.floor(split_lens[:, None] * cum + 0.5).astype(np.int64)
             sizes, starts = bounds[:, 1:] - bounds[:, :-1], bounds[:, :-1]
