@@ -528,6 +528,8 @@ REFINE_TOLERANCE = 1e-3
 """Refinement stops once the busiest rank is within this fraction of the mean."""
 HYBRID_TOLERANCE = (1.01, 1.05)
 """(attention work, tokens) max/mean that the automatic threshold's plan must stay within."""
+SEARCH_CELLS = 4096
+"""Thresholds x documents the search deals at most (beyond: evenly spaced thresholds)."""
 
 
 def _refine(lens: np.ndarray, rank: np.ndarray, weight: np.ndarray, c: int) -> np.ndarray:
@@ -565,10 +567,8 @@ def _refine(lens: np.ndarray, rank: np.ndarray, weight: np.ndarray, c: int) -> n
         rank[a], moved = lo, True
         if b >= 0:
             rank[b] = hi
-        load[hi] -= delta[best]
-        load[lo] += delta[best]
-        tokens[hi] -= moved_tokens[best]
-        tokens[lo] += moved_tokens[best]
+        load[[hi, lo]] += (-delta[best], delta[best])
+        tokens[[hi, lo]] += (-moved_tokens[best], moved_tokens[best])
     return rank if moved else original
 
 
@@ -658,9 +658,9 @@ def _candidates(desc: np.ndarray, c: int, max_len: int) -> tuple[np.ndarray, np.
         distinct = np.ones(len(desc), dtype=bool)  # a threshold keeps all of its length whole
         distinct[:-1] = desc[:-1] > desc[1:]
         floor = default_hybrid_max_len(c)
-        thresholds = np.concatenate(
-            [desc[distinct & (desc > floor) & (desc * c <= desc.sum())], [floor]]
-        )
+        fit = desc[distinct & (desc > floor) & (desc * c <= desc.sum())]
+        pick = np.linspace(0, len(fit), min(len(fit) + 1, max(2, SEARCH_CELLS // len(desc))))
+        thresholds = np.append(fit, floor)[pick.round().astype(int)]  # the highest and the floor
     first = np.searchsorted(-desc, -thresholds, side="left")  # documents above each threshold
     cum = np.cumsum(desc)
     few = (len(desc) - first < c) & (np.where(first > 0, cum[first - 1], 0) < c) & (c > 1)
