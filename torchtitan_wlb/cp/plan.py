@@ -672,8 +672,8 @@ def _hybrid(lens: np.ndarray, c: int, max_len: int) -> tuple[tuple[np.ndarray, .
     and its threshold (``max_len``; 0: chosen here).
 
     All candidate thresholds are evaluated at once (:func:`_deal_whole`, :func:`_balance`) and the
-    balanced one that gathers the fewest K/V rows wins (ties: the higher): more documents whole
-    means less K/V but a harder balance, and where that trade lands depends on the lengths.
+    balanced one that gathers the fewest K/V rows wins (none: the least unbalanced; ties: the higher
+    threshold): more documents whole, less K/V but a harder balance, a trade set by the lengths.
     """
     two_c, n = 2 * c, len(lens)
     order = np.argsort(-lens, kind="stable")
@@ -698,7 +698,7 @@ def _hybrid(lens: np.ndarray, c: int, max_len: int) -> tuple[tuple[np.ndarray, .
             dealt[-1, f:] = row
             w[-1], q[-1] = (np.bincount(row, x[f:], c) for x in (desc, pairs))
         stats = _balance(w, q, s, quad, c)
-        pick = int(np.lexsort((-thresholds, stats[3], ~stats[4]))[0])
+        pick = int(np.lexsort((-thresholds, np.where(stats[4], stats[3], stats[1]), ~stats[4]))[0])
     n_split = int(first[pick])
     split = np.zeros(n, dtype=bool)
     split[order[:n_split]] = True
