@@ -152,11 +152,16 @@ def test_adaptive_picks_lower_estimate():
     # per-document cuts them into 2-token chunks.
     many_short = build_cp_plan(np.full(64, 32), 8, "adaptive")
     assert many_short.strategy == "hybrid" and many_short.flops_imbalance() == 1.0
-    # Two long documents plus small ones: per-document keeps ranks balanced, so it is chosen.
-    long_docs = build_cp_plan(np.array([4096, 4096, 64, 64, 64]), 2, "adaptive")
+    # Two long documents plus small ones: per-document keeps ranks balanced, so it beats
+    # per-sequence; hybrid keeps the two whole, one per rank, gathers nothing and beats both.
+    lens = np.array([4096, 4096, 64, 64, 64])
+    long_docs = build_cp_plan(lens, 2, "adaptive", candidates=("per_sequence", "per_document"))
     est = long_docs.estimated_seconds
     assert long_docs.strategy == "per_document" and est["per_document"] < est["per_sequence"]
     assert long_docs.flops_imbalance() == pytest.approx(1.0)
+    with_hybrid = build_cp_plan(lens, 2, "adaptive")
+    assert with_hybrid.strategy == "hybrid" and with_hybrid.gathered_len == 0
+    assert with_hybrid.flops_imbalance() == pytest.approx(1.0, abs=1e-3)
     per_seq = build_cp_plan(np.array([4096, 4096, 64, 64, 64]), 2, "per_sequence")
     assert per_seq.flops_imbalance() > 1.02
 

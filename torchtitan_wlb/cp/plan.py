@@ -1,57 +1,22 @@
-"""Context-parallel sharding plans for one packed micro-batch (pure NumPy).
+"""Context-parallel sharding plans for one packed micro-batch (pure NumPy, no torch).
 
-A packed micro-batch of ``T`` tokens holds documents of known lengths. Context parallelism over ``c``
-ranks cuts it into ``2c`` chunk *slots*; rank ``r`` keeps slot ``r`` (its *head*) and slot
-``2c - 1 - r`` (its *tail*), so that under causal attention an early, cheap slot is paired with a late,
-expensive one.
-
-* ``per_sequence`` (TorchTitan's head-tail balancer): the slots are ``2c`` contiguous pieces of the
-  whole packed sequence. Balanced for one long document, unbalanced for a pack of several documents
-  (the slot holding a long document's end does most of the work).
-* ``per_document`` (WLB-LLM): every document is cut into ``2c`` chunks and chunk ``j`` goes to slot
-  ``j``, so every rank does the same attention work for every document. No padding: each chunk gets
-  ``d // 2c`` tokens and the ``d % 2c`` remainder tokens are dealt one per slot, continuing from where
-  the previous document's remainder stopped (a counter carried across documents). Per-document work is
-  then balanced up to one token per slot.
-* ``hybrid``: documents up to ``max_len`` tokens stay *whole* on one rank (assigned so that every rank's
-  attention work and token count are balanced); longer ones are split into ``2c`` chunks exactly as
-  per-document sharding does (the remainder counter runs over the split documents only). A whole
-  document attends to its rank's local keys only, so the CP op all-gathers K/V of the split documents
-  alone (``doc_gathered``). The default ``max_len`` is ``2c * 128`` (:func:`default_hybrid_max_len`):
-  below it a per-document chunk would be shorter than a 128-token attention tile.
-
-Choosing between the two per micro-batch (``adaptive``) is :mod:`torchtitan_wlb.cp.adaptive`, which
-estimates both from a :class:`ShardingDraft` (the segments before the local layout is built); the
-tensors a rank feeds the CP op come from :mod:`torchtitan_wlb.cp.local`. This module imports no
-torch and nothing else of the package.
-
-**Padding policy.** Plans never add tokens. When ``T`` is not a multiple of ``2c``, slot sizes differ by
-at most one token (the first ``T % 2c`` slots, in dealing order ``0, 1, ..., 2c - 1``, get one more), so
-local lengths differ by at most two tokens across ranks; the CP op pads only its internal all-gather
-buffer to the longest local length. Since dealing starts at slot 0 and slots ``0..c-1`` belong to
-ranks ``0..c-1``, every rank holds at least one token whenever ``T >= c``; ``T < c`` is rejected.
-
-**Local layout.** Rank-major: rank ``r``'s tokens are its head slot's segments (in document order)
-followed by its tail slot's segments. Under hybrid sharding a whole document is one segment of its
-rank's tail slot, placed after the slot's split-document segments, so every rank's local tokens are
-``[head split segments][tail split segments][whole documents]`` and the gathered tokens are a prefix. A *segment* is the part of one document inside one slot; its
+With CP degree ``c`` a micro-batch is cut into ``2c`` chunk *slots*; rank ``r`` keeps slot ``r`` (its
+head) and slot ``2c - 1 - r`` (its tail), pairing an early, cheap slot with a late, expensive one under
+causal attention. The strategies (``per_sequence``, ``per_document``, ``hybrid``), the padding policy
+(none: local lengths differ by at most two tokens, hybrid aside) and the rank-major local layout are
+described in docs/context_parallel.md. A *segment* is the part of one document inside one slot; its
 queries attend to the document's prefix up to the segment's end (bottom-right causal). Within one slot
-each document appears at most once, which lets each half run as one varlen call whose key segments are
-disjoint ranges of the globally ordered keys (gaps between them are zero-query segments).
+a document appears at most once, so each half runs as one varlen call whose key segments are disjoint
+ranges of the globally ordered keys.
 
-**Hybrid padding.** Hybrid plans add no tokens either, but whole documents make local lengths differ
-by up to about one whole document between ranks (the assignment balances them); every rank holds at
-least one token whenever ``T >= c`` (if fewer than ``c`` documents are whole and the split ones have
-fewer than ``c`` tokens, the longest whole documents are split too until they have ``c``).
-
-Construction is vectorised: the cost is O(num_docs * 2c) for the segment table plus O(T) for the
-index arrays of the ranks that are asked for; no Python loop runs over documents (hybrid's rank
-assignment runs a bounded number of vectorised refinement passes, independent of the document count).
+Adaptive selection (:mod:`torchtitan_wlb.cp.adaptive`) estimates strategies from a
+:class:`ShardingDraft` (the segments before the layout); :mod:`torchtitan_wlb.cp.local` turns a plan
+into a rank's tensors. Construction is vectorised: O(n_docs * 2c) for the segment table plus O(T) for
+the index arrays a rank asks for; no Python loop runs over documents.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,7 +28,6 @@ __all__ = [
     "CPPlan",
     "LocalAttentionSpec",
     "ShardingDraft",
-    "assign_whole_documents",
     "auto_hybrid_max_len",
     "causal_pairs",
     "default_hybrid_max_len",
@@ -79,14 +43,8 @@ this runs a mostly padded tile."""
 
 
 def default_hybrid_max_len(cp_degree: int) -> int:
-    """Hybrid's default whole-document threshold: ``2 * cp_degree * ATTENTION_TILE`` tokens.
-
-    Why this length: per-document sharding cuts a document of ``d`` tokens into ``2c`` chunks of
-    ``d // 2c`` tokens, which is below the kernel's 128-token tile exactly when ``d < 2c * 128``.
-    Keeping documents up to that length whole means no split document ever yields a sub-tile chunk
-    (a split document has more than ``2c * 128`` tokens, so every chunk has at least 128), while
-    documents long enough to need the whole group's balance are still split.
-    """
+    """Hybrid's floor for the whole-document threshold: ``2 * cp_degree * ATTENTION_TILE``, the
+    length below which a per-document chunk (``d // 2c``) would be shorter than one tile."""
     return 2 * int(cp_degree) * ATTENTION_TILE
 
 
@@ -99,16 +57,10 @@ def causal_pairs(q_len: np.ndarray, kv_len: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class LocalAttentionSpec:
-    """What one rank's local attention needs, for its head half and its tail half.
-
-    Keys are indexed in *global token order* (the packed micro-batch order, as the CP op lays out the
-    all-gathered keys). Segment lists interleave zero-query "gap" segments so that consecutive key
-    segments are contiguous: ``[gap_0, doc_0 prefix, gap_1, doc_1 prefix, ..., final gap]``.
-
-    Keys of the two halves are the *gathered* keys only (all documents under per-sequence and
-    per-document sharding; the split documents under hybrid), in global order with the whole
-    documents left out. A rank's whole documents (hybrid) form a third, purely local varlen call:
-    local tokens ``[n_gather_tokens:]`` attend to themselves with ``cu_seqlens_whole`` on both sides.
+    """What one rank's local attention needs: its head half and tail half against the gathered keys
+    (in global order, whole documents left out; zero-query "gap" segments interleaved so that key
+    segments are contiguous), and hybrid's whole documents, local tokens ``[n_gather_tokens:]``,
+    against themselves.
 
     Attributes:
         n_head_tokens: local tokens of the head half (the tail half follows them).
@@ -295,27 +247,22 @@ class CPPlan:
             q_len = self.seg_len[segs]
             prefix = self.seg_start[segs] + q_len  # keys a segment sees: its document's prefix
             k_start = key_start[self.seg_doc[segs]]
-            gaps = np.append(k_start, total) - np.append(0, k_start + prefix)
             q_lens = np.zeros(2 * len(segs) + 1, dtype=np.int64)
             q_lens[1::2] = q_len
             k_lens = np.empty(2 * len(segs) + 1, dtype=np.int64)
-            k_lens[0::2] = gaps
             k_lens[1::2] = prefix
+            k_lens[0:-1:2], k_lens[-1] = k_start, total
+            k_lens[2::2] -= k_start + prefix  # gaps: up to the next start, or to the end
             halves.append(
                 (_cumsum0(q_lens), _cumsum0(k_lens), int(q_lens.max()), int(k_lens.max()))
             )
         (cq_h, ck_h, mq_h, mk_h), (cq_t, ck_t, mq_t, mk_t) = halves
         whole_lens = self.seg_len[whole]
+        longest_whole = int(whole_lens.max()) if len(whole_lens) else 0
         return LocalAttentionSpec(
-            n_head_tokens=int(self.slot_tokens[rank]),
-            n_gather_tokens=int(self.gather_lens[rank]),
-            cu_seqlens_q=(cq_h, cq_t),
-            cu_seqlens_k=(ck_h, ck_t),
-            max_seqlen_q=(mq_h, mq_t),
-            max_seqlen_k=(mk_h, mk_t),
-            cu_seqlens_whole=_cumsum0(whole_lens),
-            max_seqlen_whole=int(whole_lens.max()) if len(whole_lens) else 0,
-        )
+            int(self.slot_tokens[rank]), int(self.gather_lens[rank]), (cq_h, cq_t), (ck_h, ck_t),
+            (mq_h, mq_t), (mk_h, mk_t), _cumsum0(whole_lens), longest_whole,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------------------ statistics
     def rank_attention_pairs(self) -> np.ndarray:
@@ -343,14 +290,9 @@ class CPPlan:
         return int(np.count_nonzero(cut))
 
     def kv_gather_bytes(self, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-        """Bytes of K and V each rank receives in the CP op's forward all-gather.
-
-        The collective is padded to ``max_gather_len`` rows per rank, so every rank receives the
-        same amount: ``(c - 1) * max_gather_len`` rows of K and V, each
-        ``kv_heads * head_dim * dtype_bytes`` bytes. The backward's re-gather and its dK/dV
-        reduce-scatter each move the same amount again. Per-sequence and per-document sharding
-        gather the whole micro-batch; hybrid gathers the split documents only (0 when none).
-        """
+        """Bytes of K and V each rank receives in the CP op's forward all-gather (padded to
+        ``max_gather_len`` rows per rank: ``(c - 1) * max_gather_len`` rows); the backward's
+        re-gather and dK/dV reduce-scatter move as much again."""
         row = 2 * int(kv_heads) * int(head_dim) * int(dtype_bytes)
         return (self.cp_degree - 1) * self.max_gather_len * row
 
@@ -359,12 +301,8 @@ _ARANGE = np.arange(0, dtype=np.int64)
 
 
 def _arange(n: int) -> np.ndarray:
-    """A read-only ``arange(n)`` view of a cached array.
-
-    Why: building the index arrays needs ``arange(T)`` next to the output, and two fresh
-    megabyte-sized allocations per call cost more in page faults (~1 ms at T = 128K) than the
-    arithmetic itself; reusing one cached ramp keeps plan construction well under a millisecond.
-    """
+    """A read-only ``arange(n)`` view of a cached array: fresh megabyte-sized ramps per call cost
+    more in page faults (~1 ms at T = 128K) than the index arithmetic itself."""
     global _ARANGE
     if _ARANGE.size < n:
         _ARANGE = np.arange(max(n, 2 * _ARANGE.size), dtype=np.int64)
@@ -381,11 +319,8 @@ def _cumsum0(lengths: np.ndarray) -> np.ndarray:
 # ----------------------------------------------------------------------------------- building
 @dataclass(frozen=True)
 class ShardingDraft:
-    """One fixed strategy's segments of a micro-batch, before the local layout is built.
-
-    What a cost estimate needs (each segment's query length and the keys it sees), and what
-    :meth:`plan` finishes without recomputing: adaptive selection drafts the candidate strategies
-    and builds the layout of the winner only.
+    """One fixed strategy's segments of a micro-batch before the local layout is built: what a
+    cost estimate needs, so that adaptive selection builds the winner's layout only.
 
     Attributes:
         strategy: ``"per_sequence"``, ``"per_document"`` or ``"hybrid"``.
@@ -446,69 +381,74 @@ class ShardingDraft:
 
     def plan(self, requested: str | None = None) -> CPPlan:
         """The full plan; ``requested`` (default: the strategy itself) is recorded in it."""
-        requested = self.strategy if requested is None else requested
-        lens, cu, c = self.doc_lens, self.doc_cu, self.cp_degree
+        c, two_c = self.cp_degree, 2 * self.cp_degree
         if self.strategy == "per_document":
-            return _finish(lens, cu, c, self.strategy, requested, *_per_document_table(*self.table))
+            # Document-major table; the layout comes cheaply from the [n_docs, 2c] matrix: offset
+            # inside a slot = tokens of earlier documents in it, a tail slot (j >= c) follows its
+            # rank's head slot 2c-1-j.
+            sizes, starts = self.table
+            n = len(sizes)
+            slot_order = np.arange(n * two_c, dtype=np.int64).reshape(n, two_c).T.ravel()
+            slot_offsets = np.arange(two_c + 1, dtype=np.int64) * n
+            seg_slot = np.tile(np.arange(two_c, dtype=np.int64), n)
+            segs = (np.repeat(np.arange(n, dtype=np.int64), two_c), starts.ravel(), sizes.ravel())
+            segs = (*segs, seg_slot, slot_order, slot_offsets)
+            local_offset = np.cumsum(sizes, axis=0)
+            slot_tokens = local_offset[-1].copy()
+            local_offset -= sizes
+            local_offset[:, c:] += slot_tokens[:c][::-1]
+            local_offset = local_offset.ravel()
+        else:
+            segs = self.table[:6]
+            _, _, seg_len, _, slot_order, slot_offsets = segs
+            cum = np.zeros(len(seg_len) + 1, dtype=np.int64)
+            np.cumsum(seg_len[slot_order], out=cum[1:])
+            slot_tokens = cum[slot_offsets[1:]] - cum[slot_offsets[:-1]]
+            slot_base = np.where(np.arange(two_c) < c, 0, slot_tokens[::-1])  # tails follow heads
+            sorted_slot = np.repeat(np.arange(two_c), slot_offsets[1:] - slot_offsets[:-1])
+            local_offset = np.empty(len(seg_len), dtype=np.int64)
+            local_offset[slot_order] = (
+                cum[:-1] - cum[slot_offsets[sorted_slot]] + slot_base[sorted_slot]
+            )
+        local_lens = slot_tokens[:c] + slot_tokens[::-1][:c]
+        gathered, gather_lens = self.doc_gathered, local_lens
         if self.strategy == "hybrid":
-            *raw, gathered = self.table
-            return _finish(
-                lens, cu, c, self.strategy, requested, *raw,
-                doc_gathered=gathered, max_len=self.max_len,
-            )  # fmt: skip
-        return _finish(lens, cu, c, self.strategy, requested, *self.table)
+            seg_doc, _, seg_len, seg_slot = segs[:4]
+            whole = ~gathered[seg_doc]
+            owner = np.minimum(seg_slot[whole], two_c - 1 - seg_slot[whole])
+            gather_lens = local_lens - np.bincount(owner, seg_len[whole], c).astype(np.int64)
+        return CPPlan(
+            self.doc_lens, self.doc_cu, c, self.strategy, requested or self.strategy, *segs,
+            slot_tokens, local_lens, local_offset, gathered, gather_lens, self.max_len,
+        )  # fmt: skip
 
 
 def draft_sharding(
     lens: np.ndarray, cp_degree: int, strategy: str, *, max_len: int = 0
 ) -> ShardingDraft:
-    """The segments of ``strategy`` (``"per_sequence" | "per_document" | "hybrid"``) for lengths
-    checked by :func:`validate_doc_lens`; ``draft_sharding(...).plan()`` is the plan.
-
-    ``max_len`` is hybrid's whole-document threshold: documents of at most ``max_len`` tokens stay
-    whole on one rank; 0 derives it per micro-batch (:func:`auto_hybrid_max_len`, never below
-    :func:`default_hybrid_max_len` = ``2 * cp_degree * 128``). Ignored by the other strategies. Choosing among strategies is ``torchtitan_wlb.cp.adaptive.build_cp_plan``.
-    """
+    """The segments of a fixed ``strategy`` for lengths checked by :func:`validate_doc_lens`
+    (``.plan()`` is the plan). ``max_len``: hybrid's whole-document threshold, 0 = chosen per
+    micro-batch (at least :func:`default_hybrid_max_len`); ignored by the other strategies."""
     if strategy not in FIXED_STRATEGIES:
         raise ValueError(
             f"fixed CP strategy {strategy!r} is not one of {FIXED_STRATEGIES} (adaptive selection "
             "is torchtitan_wlb.cp.adaptive.build_cp_plan)"
         )
-    doc_cu = np.zeros(len(lens) + 1, dtype=np.int64)
-    np.cumsum(lens, out=doc_cu[1:])
-    if strategy == "per_document":
-        table = _per_document_chunks(lens, cp_degree)
-    elif strategy == "hybrid":
-        return _hybrid_draft(lens, doc_cu, cp_degree, _check_max_len(max_len))
-    else:
-        table = _per_sequence(lens, doc_cu, cp_degree)
-    return ShardingDraft(strategy, lens, doc_cu, cp_degree, table)
-
-
-def _hybrid_draft(lens: np.ndarray, doc_cu: np.ndarray, c: int, max_len: int) -> ShardingDraft:
-    """Hybrid at ``max_len``; 0: at :func:`auto_hybrid_max_len` if that plan is balanced within
-    :data:`AUTO_TOLERANCE`, else at :func:`default_hybrid_max_len`."""
-    if max_len == 0:
-        floor = default_hybrid_max_len(c)
-        raised = auto_hybrid_max_len(lens, c)
-        if raised > floor:
-            draft = ShardingDraft("hybrid", lens, doc_cu, c, _hybrid(lens, c, raised), raised)
-            work = draft.rank_totals(causal_pairs(draft.q_len, draft.kv_len))
-            tokens = draft.rank_totals(draft.q_len)
-            work_tol, token_tol = AUTO_TOLERANCE
-            if work.max() <= work_tol * work.mean() and tokens.max() <= token_tol * tokens.mean():
-                return draft
-        max_len = floor
-    return ShardingDraft("hybrid", lens, doc_cu, c, _hybrid(lens, c, max_len), max_len)
-
-
-def _check_max_len(max_len: Any) -> int:
-    if isinstance(max_len, bool) or not isinstance(max_len, int | np.integer) or max_len < 0:
+    bad = isinstance(max_len, bool) or not isinstance(max_len, int | np.integer) or max_len < 0
+    if strategy == "hybrid" and bad:
         raise ValueError(
             f"hybrid max_len must be an int >= 0 (0: 2 * cp_degree * {ATTENTION_TILE}); "
             f"got {max_len!r}"
         )
-    return int(max_len)
+    doc_cu = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=doc_cu[1:])
+    if strategy == "hybrid":
+        table, max_len = _hybrid(lens, cp_degree, int(max_len))
+    elif strategy == "per_document":
+        table, max_len = _per_document_chunks(lens, cp_degree), 0
+    else:
+        table, max_len = _per_sequence(lens, doc_cu, cp_degree), 0
+    return ShardingDraft(strategy, lens, doc_cu, cp_degree, table, max_len)
 
 
 def validate_doc_lens(doc_lens: Any, cp_degree: Any, seq_len: int | None = None) -> np.ndarray:
@@ -557,25 +497,6 @@ def _per_document_chunks(lens: np.ndarray, c: int) -> tuple[np.ndarray, np.ndarr
     return sizes, starts
 
 
-def _per_document_table(sizes: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Segment table of per-document sharding, document-major (= global order), plus its layout
-    (slot tokens and local offsets, computed on the [n_docs, 2c] matrix)."""
-    n, two_c = sizes.shape
-    c = two_c // 2
-    seg_doc = np.repeat(np.arange(n, dtype=np.int64), two_c)
-    seg_slot = np.tile(np.arange(two_c, dtype=np.int64), n)
-    slot_order = np.arange(n * two_c, dtype=np.int64).reshape(n, two_c).T.ravel()
-    slot_offsets = np.arange(two_c + 1, dtype=np.int64) * n
-    # Offset inside the slot = tokens of earlier documents in the same slot; a tail slot (j >= c)
-    # follows its rank's head slot 2c-1-j in the local layout.
-    local_offset = np.cumsum(sizes, axis=0)
-    slot_tokens = local_offset[-1].copy()
-    local_offset -= sizes
-    local_offset[:, c:] += slot_tokens[:c][::-1]
-    layout = (slot_tokens, local_offset.ravel())
-    return seg_doc, starts.ravel(), sizes.ravel(), seg_slot, slot_order, slot_offsets, layout
-
-
 def _per_sequence(lens: np.ndarray, doc_cu: np.ndarray, c: int) -> tuple[np.ndarray, ...]:
     """Segment table of per-sequence (head-tail) sharding, slot-major (= global order)."""
     two_c = 2 * c
@@ -599,239 +520,202 @@ def _per_sequence(lens: np.ndarray, doc_cu: np.ndarray, c: int) -> tuple[np.ndar
     return seg_doc, seg_start, g_end - g_start, seg_slot, slot_order, slot_offsets
 
 
-REFINE_PASSES = 16
-"""Upper bound on hybrid's refinement passes (each one vectorised over the documents of two ranks)."""
+GREEDY_ROUNDS = 5
+"""Rounds of ``c`` whole documents (the longest ``5c``) that :func:`_deal_whole` deals greedily."""
+REFINE_PASSES = 4
+"""Upper bound on the passes of :func:`_refine` (each vectorised over two ranks' documents)."""
 REFINE_TOLERANCE = 1e-3
-"""Refinement stops once the busiest rank is within this fraction of the mean attention work."""
+"""Refinement stops once the busiest rank is within this fraction of the mean."""
+HYBRID_TOLERANCE = (1.01, 1.05)
+"""(attention work, tokens) max/mean that the automatic threshold's plan must stay within."""
+SEARCH_CELLS = 4096
+"""Thresholds x documents the search deals at most (beyond: evenly spaced thresholds)."""
 
 
-def assign_whole_documents(
-    lens: np.ndarray,
-    cp_degree: int,
-    base_pairs: np.ndarray | None = None,
-    base_tokens: np.ndarray | None = None,
-    refine_passes: int = REFINE_PASSES,
-) -> np.ndarray:
-    """``[len(lens)]`` CP rank of every whole document, balancing attention work and tokens.
-
-    ``base_pairs`` / ``base_tokens`` (``[c]``) are what every rank already holds (hybrid: its chunks
-    of the split documents). Two steps, both vectorised over the documents:
-
-    1. *Serpentine deal*: documents sorted by length (longest first) are dealt in rounds of ``c``,
-       alternating direction (ranks ``0..c-1``, then ``c-1..0``, ...). Every rank receives a similar
-       mix of long and short documents, so tokens and attention work (``d (d+1) / 2`` per document,
-       monotone in ``d``) are balanced together, up to about one document of each size class.
-    2. *Refinement*: at most ``refine_passes`` passes, each taking the ranks with the most and
-       the least attention work and applying the single move or swap of documents between them that
-       lowers the larger of the two the most (for every document of the busier rank, the partner
-       closest to half the gap is found by binary search). A pass never empties a rank.
-
-    Why not LPT: greedy longest-processing-time needs one step per document; the serpentine deal
-    gets within one document of it, and the refinement removes most of the rest.
-    """
-    lens = np.asarray(lens, dtype=np.int64)
-    c = int(cp_degree)
-    m = len(lens)
-    order = np.argsort(-lens, kind="stable")
-    rnd, pos = np.divmod(np.arange(m, dtype=np.int64), c)
-    rank = np.empty(m, dtype=np.int64)
-    rank[order] = np.where(rnd % 2 == 0, pos, c - 1 - pos)
-    if c == 1 or m == 0:
-        return rank
-    work = causal_pairs(lens, lens)
-    load = np.bincount(rank, weights=work, minlength=c)
+def _refine(lens: np.ndarray, rank: np.ndarray, weight: np.ndarray, c: int) -> np.ndarray:
+    """``rank`` (one whole-document assignment) after at most :data:`REFINE_PASSES` passes, each
+    applying the move or swap of documents between the ranks with the most and the least
+    ``weight`` (tokens, or attention work) that lowers the larger of the two the most (for every
+    document of the busier rank, the partner nearest half the gap, by binary search). A pass
+    never empties a rank. Returns ``rank`` itself when nothing moved."""
+    original, rank, moved = rank, rank.copy(), False
+    load = np.bincount(rank, weights=weight, minlength=c)
     tokens = np.bincount(rank, weights=lens, minlength=c)
-    if base_pairs is not None:
-        load += base_pairs
-    if base_tokens is not None:
-        tokens += base_tokens
-    for _ in range(refine_passes):
-        hi, lo = int(np.argmax(load)), int(np.argmin(load))
+    limit = load.sum() / c * (1.0 + REFINE_TOLERANCE)  # moves keep the total
+    for _ in range(REFINE_PASSES):
+        hi, lo = int(load.argmax()), int(load.argmin())
         gap = load[hi] - load[lo]
-        if gap <= 0 or load[hi] <= load.mean() * (1.0 + REFINE_TOLERANCE):
+        if load[hi] <= limit:
             break
-        on_hi = np.flatnonzero(rank == hi)
-        on_lo = np.flatnonzero(rank == lo)
-        # Partner -1 = a plain move (moves no work back); others: swaps.
-        partner = np.append(-1, on_lo[np.argsort(work[on_lo], kind="stable")])
-        back = np.append(0.0, work[partner[1:]])
-        # For each document a of `hi`, the partners whose work is nearest below/above w_a - gap/2.
-        j = np.searchsorted(back, work[on_hi] - gap / 2)
+        on_hi = (rank == hi).nonzero()[0]
+        on_lo = (rank == lo).nonzero()[0]
+        # Partner -1 = a plain move (moves nothing back); others: swaps.
+        partner = np.concatenate(([-1], on_lo[weight[on_lo].argsort(kind="stable")]))
+        back = weight[partner]
+        back[0] = 0.0
+        j = back.searchsorted(weight[on_hi] - gap / 2)
         cand_a = np.concatenate([on_hi, on_hi])
         cand_j = np.concatenate([np.maximum(j - 1, 0), np.minimum(j, len(back) - 1)])
-        delta = work[cand_a] - back[cand_j]  # work leaving hi for lo
+        delta = weight[cand_a] - back[cand_j]  # weight leaving hi for lo
         new_max = np.maximum(load[hi] - delta, load[lo] + delta)
         moved_tokens = lens[cand_a] - np.where(cand_j > 0, lens[partner[cand_j]], 0)
         valid = (delta > 0) & (new_max < load[hi]) & (tokens[hi] - moved_tokens > 0)
         if not valid.any():
             break
-        best = int(np.argmin(np.where(valid, new_max, np.inf)))
+        best = int(np.where(valid, new_max, np.inf).argmin())
         a, b = int(cand_a[best]), int(partner[cand_j[best]])
-        rank[a] = lo
+        rank[a], moved = lo, True
         if b >= 0:
             rank[b] = hi
-        load[hi] -= delta[best]
-        load[lo] += delta[best]
-        tokens[hi] -= moved_tokens[best]
-        tokens[lo] += moved_tokens[best]
-    return rank
+        load[[hi, lo]] += (-delta[best], delta[best])
+        tokens[[hi, lo]] += (-moved_tokens[best], moved_tokens[best])
+    return rank if moved else original
 
 
-SOLVER_ITERATIONS = 20
-"""Upper bound on the Gauss-Seidel sweeps of :func:`_split_fractions` (about ten are needed)."""
-SOLVER_TOLERANCE = 1e-5
-""":func:`_split_fractions` stops once no fraction moves by more than this (about a token of a
-100K-token document; chunk sizes are rounded to tokens anyway)."""
-AUTO_ABSORB = 0.75
-"""Automatic threshold: a whole document may cost at most this multiple of the split documents'
-per-rank attention work (see :func:`auto_hybrid_max_len`)."""
-AUTO_TOLERANCE = (1.01, 1.05)
-"""Automatic threshold: the (attention work, tokens) max/mean a plan at the raised threshold must
-stay within; otherwise the plan falls back to :func:`default_hybrid_max_len`."""
+def _deal_whole(desc: np.ndarray, pairs: np.ndarray, first: np.ndarray, c: int) -> tuple:
+    """Whole documents dealt to ranks under ``K`` thresholds at once: ``[K, n]`` rank of every
+    document of ``desc`` (lengths, longest first; ``pairs``: their attention work), ``-1`` for the
+    ``first[k]`` split ones, and ``[K, c]`` whole tokens and work per rank.
 
-
-def auto_hybrid_max_len(lens: np.ndarray, cp_degree: int) -> int:
-    """Hybrid's automatic whole-document threshold for one micro-batch (``max_len = 0``).
-
-    The largest document length ``t`` (at least :func:`default_hybrid_max_len`) such that one whole
-    document of ``t`` tokens costs at most :data:`AUTO_ABSORB` times the per-rank attention work of
-    the documents longer than ``t`` (``sum(d (d+1) / 2) / c``). Why: whole documents leave an
-    imbalance of up to about one document's work, which the split documents absorb by their chunk
-    sizes (:func:`_compensating_chunks`); they can only do so while they carry comparable work.
-    Keeping more documents whole shrinks the K/V all-gather. Vectorised: one sort and a suffix sum.
+    Balances tokens, on which the gathered K/V depend: :data:`GREEDY_ROUNDS` rounds of ``c``
+    documents go longest to emptiest (the first two: a serpentine), then the rest, in serpentine
+    order so that every run mixes long and short ones, fills each rank's deficit below the mean
+    (cut at cumulative lengths). Attention work is left to the split documents (:func:`_balance`).
     """
-    c = int(cp_degree)
-    floor = default_hybrid_max_len(c)
-    d = np.sort(np.asarray(lens, dtype=np.int64))
-    work = causal_pairs(d, d)
-    longer = np.cumsum(work[::-1])[::-1]  # work of documents d[k:]
-    split_work = np.append(longer[1:], 0.0)  # ... of documents after d[k] (ties: conservative)
-    fits = work * c <= AUTO_ABSORB * split_work
-    fits &= np.append(d[1:] > d[:-1], True)  # a threshold keeps all documents of its length whole
-    return max(int(d[fits].max()), floor) if fits.any() else floor
+    n, k, rounds = len(desc), len(first), GREEDY_ROUNDS
+    rows = np.arange(k)[:, None]
+    greedy = first[:, None] + np.arange(rounds * c)
+    pad = np.zeros(rounds * c, dtype=np.float64)
+    sizes, work = (np.concatenate([x, pad])[greedy].reshape(k, rounds, c) for x in (desc, pairs))
+    ranks = np.empty((k, rounds, c), dtype=np.int64)
+    ranks[:, 0], ranks[:, 1] = np.arange(c), np.arange(c)[::-1]
+    w, q = sizes[:, 0] + sizes[:, 1, ::-1], work[:, 0] + work[:, 1, ::-1]
+    for rnd in range(2, rounds):  # bounded, each round vectorised over the thresholds
+        ranks[:, rnd] = np.argsort(w, axis=1, kind="stable")
+        w[rows, ranks[:, rnd]] += sizes[:, rnd]
+        q[rows, ranks[:, rnd]] += work[:, rnd]
+    rank = np.full((k, n + rounds * c), -1, dtype=np.int64)
+    rank[rows, greedy] = ranks.reshape(k, -1)
+    if n > greedy[:, -1].min() + 1:  # documents beyond the greedy rounds
+        serp = np.arange(-(-n // c) * c).reshape(-1, c)
+        serp[1::2] = serp[1::2, ::-1]
+        idx = greedy[:, -1:] + 1 + serp.T.ravel()
+        valid = idx < n
+        sizes = np.where(valid, desc[np.minimum(idx, n - 1)], 0)
+        rest_total = sizes.sum(axis=1, keepdims=True)
+        deficit = np.maximum((w.sum(axis=1, keepdims=True) + rest_total) / c - w, 0.0)
+        bounds = np.cumsum(deficit, axis=1)
+        bounds *= rest_total / np.maximum(bounds[:, -1:], 1e-9)
+        offset = rows * (float(desc.sum()) + 1.0)  # one searchsorted for all thresholds
+        mid = np.cumsum(sizes, axis=1) - sizes / 2 + offset
+        at, doc = np.nonzero(valid)[0], idx[valid]
+        hit = np.searchsorted((bounds + offset).ravel(), mid[valid]) - at * c
+        bins = at * c + np.minimum(hit, c - 1)
+        rank[at, doc] = bins - at * c
+        w += np.bincount(bins, desc[doc], k * c).reshape(k, c)
+        q += np.bincount(bins, pairs[doc], k * c).reshape(k, c)
+    return rank[:, :n], w, q
 
 
-def _split_fractions(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """``[2c]`` slot fractions ``f`` (summing to 1) of a document cut at ``cumsum(f)`` giving rank
-    ``r`` (slots ``r`` and ``2c-1-r``) the token share ``a[r]`` and the quadratic work share
-    ``b[r]`` (of ``d**2``; ``sum(b) = 1/2``), as far as reachable.
+def _balance(w: np.ndarray, q: np.ndarray, s: np.ndarray, quad: np.ndarray, c: int) -> tuple:
+    """Common chunk boundaries ``[K, 2c + 1]`` (fractions of a document) of the split documents
+    that give each rank the tokens and attention work its whole ones lack, for ``K`` placements
+    (``w``, ``q``: ``[K, c]`` whole tokens and work; ``s``, ``quad``: ``[K, 1]`` split tokens and
+    sum of squared split lengths); and, predicted, ``[K]`` work and token max/mean, the most
+    gathered rows on a rank and whether both balances are within :data:`HYBRID_TOLERANCE`.
 
-    Rank ``r``'s head ``h`` and tail ``a - h``, starting at ``H`` and ``S`` (fractions of the
-    document), do work ``h (H + h/2) + (a - h)(S + (a - h)/2)``, which falls as ``h`` grows: one
-    quadratic per rank. Gauss-Seidel sweeps solve it rank after rank with the others' starts as
-    they stand; unreachable targets are clamped (``0 <= h <= a``). A loop over the ranks (scalar
-    arithmetic, about ten sweeps of ``c`` steps), never over documents.
-    """
-    share, quad = a.tolist(), b.tolist()
-    head = [x / 2 for x in share]
-    for _ in range(SOLVER_ITERATIONS):
-        total_head = sum(head)
-        tails_after = sum(share) - total_head  # tails of ranks > r, before rank r's update
-        start = moved = 0.0
-        for r, (s_r, q_r) in enumerate(zip(share, quad, strict=True)):
-            old = head[r]
-            tails_after -= s_r - old
-            tail_start = total_head + tails_after
-            lin = start - tail_start - s_r
-            disc = lin * lin - 4 * (s_r * tail_start + s_r * s_r / 2 - q_r)
-            new = (-lin - math.sqrt(disc if disc > 0 else 0.0)) / 2
-            new = min(max(new, 0.0), s_r)
-            moved = max(moved, abs(new - old))
-            total_head += new - old
-            head[r] = new
-            start += new
-        if moved < SOLVER_TOLERANCE:
-            break
-    h = np.array(head)
-    return np.concatenate([h, (a - h)[::-1]])
+    Closed form (docs/context_parallel.md, "Hybrid sharding"); where a target is out of reach the
+    cut moves from the even one towards it as far as no chunk turns negative."""
+    a = np.maximum((w.sum(axis=1, keepdims=True) + s) / c - w, 0.0)
+    a /= np.maximum(a.sum(axis=1, keepdims=True), 1e-12)
+    b = ((q.sum(axis=1, keepdims=True) + (quad + s) / 2) / c - q - s * a / 2) / np.maximum(quad, 1)
+    before = a.cumsum(axis=1) - a
+    rest = np.maximum(1.0 - before, 1e-12)
+    # Shift of rank r's head start from the even cut's; its tail end moves by the same amount.
+    shift = ((1.0 - 2.0 * (b.cumsum(axis=1) - b)) / rest - rest - before) / 2.0
+    step = np.zeros_like(shift)  # rank r's head grows by it, its tail shrinks (the last: 0)
+    step[:, :-1] = np.abs(shift[:, 1:] - shift[:, :-1])
+    reach = np.where(step > 0, a / (2 * step + 1e-300), 1.0).min(axis=1, keepdims=True)
+    x = before / 2 + np.where(s > 0, np.minimum(reach, 1.0), 0.0) * shift
+    y = x + rest
+    cum = np.concatenate([x, x[:, -1:] + rest[:, -1:] / 2, y[:, ::-1]], axis=1)
+    gathered = s * a
+    cum_work = np.zeros((len(x), c + 1))  # quadratic work before each rank: (x**2 + 1 - y**2) / 2
+    cum_work[:, :-1] = (x * x - y * y) / 2
+    work = q + quad * (cum_work[:, 1:] - cum_work[:, :-1]) + gathered / 2
+    imbalance = [v.max(axis=1) * c / v.sum(axis=1) for v in (work, w + gathered)]
+    ok = (imbalance[0] <= HYBRID_TOLERANCE[0]) & (imbalance[1] <= HYBRID_TOLERANCE[1])
+    return cum, imbalance[0], imbalance[1], gathered.max(axis=1), ok
 
 
-def _compensating_chunks(
-    split_lens: np.ndarray, whole_work: np.ndarray, whole_tokens: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """``[n_split, 2c]`` chunk sizes and starts of the split documents, cut with the same slot
-    fractions so that every rank's total (its whole documents plus its chunks) has the mean
-    attention work and the mean token count.
-
-    Why it is possible: a rank's two slots can hold a given number of tokens early (cheap under
-    causal attention) or late (expensive), so tokens and work are two separate controls per rank.
-    """
-    c = len(whole_work)
-    d = split_lens.astype(np.float64)
-    split_tokens = d.sum()
-    quad = (d * d).sum()
-    tokens = np.maximum((whole_tokens.sum() + split_tokens) / c - whole_tokens, 0.0)
-    a = tokens / tokens.sum()
-    # causal_pairs(s, start + s) = d**2 * (f F + f**2 / 2) + d f / 2 for a slot of fraction f at F.
-    mean_work = (whole_work.sum() + (quad + split_tokens) / 2) / c
-    b = np.maximum(mean_work - whole_work - split_tokens * a / 2, 0.0)
-    b *= 0.5 / b.sum() if b.sum() > 0 else 0.0
-    cum = np.zeros(2 * c + 1)
-    np.cumsum(_split_fractions(a, b), out=cum[1:])
-    cum[-1] = 1.0
-    bounds = np.floor(split_lens[:, None] * cum + 0.5).astype(np.int64)
-    return np.diff(bounds, axis=1), bounds[:, :-1]
-
-
-def _rank_sums(per_slot: np.ndarray, c: int) -> np.ndarray:
-    """``[c]`` head slot + tail slot of a ``[2c]`` per-slot quantity."""
-    return per_slot[:c] + per_slot[::-1][:c]
-
-
-def _hybrid(lens: np.ndarray, c: int, max_len: int) -> tuple[np.ndarray, ...]:
-    """Segment table of hybrid sharding, document-major (= global order), plus ``doc_gathered``.
-
-    Documents longer than ``max_len`` are cut into ``2c`` chunks. With no whole document these are
-    exactly per-document sharding's; otherwise, after the whole documents are placed
-    (:func:`assign_whole_documents`), the chunks are resized with common slot fractions to even out
-    what the whole documents left unbalanced (:func:`_compensating_chunks`), kept only if that
-    lowers the busiest rank's attention work.
-    """
-    two_c = 2 * c
-    n = len(lens)
-    split = lens > max_len
-    split_tokens = int(lens[split].sum())
-    if c > 1 and n - np.count_nonzero(split) < c and split_tokens < c:
-        # Too few whole documents to give every rank one, and too few split tokens to give every
-        # rank a chunk: split the longest whole documents until the split ones hold c tokens.
-        whole = np.flatnonzero(~split)
-        longest = whole[np.argsort(-lens[whole], kind="stable")]
-        k = int(np.searchsorted(np.cumsum(lens[longest]), c - split_tokens)) + 1
-        split[longest[:k]] = True
-    split_docs = np.flatnonzero(split)
-    whole_docs = np.flatnonzero(~split)
-    split_lens, whole_lens = lens[split_docs], lens[whole_docs]
-    if len(whole_docs) == 0 or c == 1:
-        sizes, starts = _per_document_chunks(split_lens, c)
-        whole_rank = np.zeros(len(whole_docs), dtype=np.int64)
+def _candidates(desc: np.ndarray, c: int, max_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Hybrid's thresholds to evaluate (``max_len``; 0: every distinct length from the floor to
+    ``T / c``, and the floor) and how many documents of ``desc`` (longest first) each splits; the
+    longest whole ones too while fewer than ``c`` are whole and fewer than ``c`` tokens split."""
+    if max_len:
+        thresholds = np.array([max_len])
     else:
-        # Per-document chunks give every rank the same share of the split documents (up to a
-        # token per slot): the whole documents are balanced on top of that even base.
-        split_tokens = float(split_lens.sum())
-        split_work = float(causal_pairs(split_lens, split_lens).sum())
-        whole_rank = assign_whole_documents(
-            whole_lens,
-            c,
-            base_pairs=np.full(c, split_work / c),
-            base_tokens=np.full(c, split_tokens / c),
-            # With split documents to compensate, the serpentine deal is enough: refinement
-            # would trade token balance for work balance that the chunk sizes restore anyway.
-            refine_passes=0 if len(split_docs) else REFINE_PASSES,
-        )
+        distinct = np.ones(len(desc), dtype=bool)  # a threshold keeps all of its length whole
+        distinct[:-1] = desc[:-1] > desc[1:]
+        floor = default_hybrid_max_len(c)
+        fit = desc[distinct & (desc > floor) & (desc * c <= desc.sum())]
+        pick = np.linspace(0, len(fit), min(len(fit) + 1, max(2, SEARCH_CELLS // len(desc))))
+        thresholds = np.append(fit, floor)[pick.round().astype(int)]  # the highest and the floor
+    first = np.searchsorted(-desc, -thresholds, side="left")  # documents above each threshold
+    cum = np.cumsum(desc)
+    few = (len(desc) - first < c) & (np.where(first > 0, cum[first - 1], 0) < c) & (c > 1)
+    return thresholds, np.where(few, np.searchsorted(cum, c) + 1, first)
+
+
+def _hybrid(lens: np.ndarray, c: int, max_len: int) -> tuple[tuple[np.ndarray, ...], int]:
+    """Segment table of hybrid sharding (document-major = global order, then ``doc_gathered``)
+    and its threshold (``max_len``; 0: chosen here).
+
+    All candidate thresholds are evaluated at once (:func:`_deal_whole`, :func:`_balance`) and the
+    balanced one that gathers the fewest K/V rows wins (none: the least unbalanced; ties: the higher
+    threshold): more documents whole, less K/V but a harder balance, a trade set by the lengths.
+    """
+    two_c, n = 2 * c, len(lens)
+    order = np.argsort(-lens, kind="stable")
+    desc = lens[order]
+    thresholds, first = _candidates(desc, c, max_len)
+    pick = 0
+    if c > 1 and first.min() < n:
+        pairs = causal_pairs(desc, desc)
+        dealt, w, q = _deal_whole(desc, pairs, first, c)
+        d = np.concatenate([[0.0], desc])
+        s, quad = np.cumsum(d)[first][:, None], np.cumsum(d * d)[first][:, None]
+        # The likeliest winner (the highest threshold whose whole documents fit the ranks' token
+        # shares) is also evaluated with its deal refined, on tokens (on work if nothing is split).
+        g = int((w.max(axis=1) * c <= desc.sum()).argmax())
+        f = int(first[g])
+        part = dealt[g, f:]
+        row = _refine(desc[f:], part, desc[f:] if f else pairs[f:], c) if f < n else part
+        if row is not part:
+            take = np.append(np.arange(len(first)), g)
+            thresholds, first, s, quad = thresholds[take], first[take], s[take], quad[take]
+            dealt, w, q = dealt[take], w[take], q[take]
+            dealt[-1, f:] = row
+            w[-1], q[-1] = (np.bincount(row, x[f:], c) for x in (desc, pairs))
+        stats = _balance(w, q, s, quad, c)
+        pick = int(np.lexsort((-thresholds, np.where(stats[4], stats[3], stats[1]), ~stats[4]))[0])
+    n_split = int(first[pick])
+    split = np.zeros(n, dtype=bool)
+    split[order[:n_split]] = True
+    split_docs, whole_docs = np.flatnonzero(split), order[n_split:]
+    split_lens, whole_lens = lens[split_docs], lens[whole_docs]
+    whole_rank, sizes = np.zeros(len(whole_docs), dtype=np.int64), None
+    if c > 1 and len(whole_docs):
+        whole_rank, cum = dealt[pick, n_split:], stats[0][pick]
+        if n_split:
+            bounds = np.floor(split_lens[:, None] * cum + 0.5).astype(np.int64)
+            sizes, starts = bounds[:, 1:] - bounds[:, :-1], bounds[:, :-1]
+            slot = sizes.sum(axis=0)
+            held = np.bincount(whole_rank, weights=whole_lens, minlength=c)
+            if not np.all(held + slot[:c] + slot[::-1][:c] > 0):  # a rank left empty
+                sizes = None
+    if sizes is None:
         sizes, starts = _per_document_chunks(split_lens, c)
-        if len(split_docs):
-            whole_work = np.bincount(
-                whole_rank, weights=causal_pairs(whole_lens, whole_lens), minlength=c
-            )
-            whole_tokens = np.bincount(whole_rank, weights=whole_lens, minlength=c)
-            new_sizes, new_starts = _compensating_chunks(split_lens, whole_work, whole_tokens)
-            new_work = causal_pairs(new_sizes, new_starts + new_sizes).sum(axis=0)
-            better = (whole_work + _rank_sums(new_work, c)).max() <= (
-                whole_work.max() + split_work / c
-            )
-            holds = whole_tokens + _rank_sums(new_sizes.sum(axis=0), c) > 0  # no rank left empty
-            if better and holds.all():
-                sizes, starts = new_sizes, new_starts
     # One segment per whole document, 2c per split document, in document order.
     per_doc = np.where(split, two_c, 1)
     seg_cu = np.zeros(n + 1, dtype=np.int64)
@@ -845,82 +729,22 @@ def _hybrid(lens: np.ndarray, c: int, max_len: int) -> tuple[np.ndarray, ...]:
     seg_slot[chunk] = np.tile(np.arange(two_c, dtype=np.int64), len(split_docs))
     seg_start[chunk] = starts.ravel()
     seg_len[chunk] = sizes.ravel()
-    first = seg_cu[whole_docs]
-    seg_slot[first] = two_c - 1 - whole_rank  # a whole document sits in its rank's tail slot
-    seg_len[first] = lens[whole_docs]
+    first_seg = seg_cu[whole_docs]
+    seg_slot[first_seg] = two_c - 1 - whole_rank  # a whole document sits in its rank's tail slot
+    seg_len[first_seg] = whole_lens
     # Slot order: by slot, a slot's split chunks before its whole documents, then document order
     # (a stable sort on a small integer key).
     key = seg_slot * 2
-    key[first] += 1
+    key[first_seg] += 1
     small = np.int16 if 4 * c < np.iinfo(np.int16).max else np.int32  # int16: a radix sort
     slot_order = np.argsort(key.astype(small), kind="stable")
     slot_offsets = np.zeros(two_c + 1, dtype=np.int64)
     np.cumsum(np.bincount(seg_slot, minlength=two_c), out=slot_offsets[1:])
-    return seg_doc, seg_start, seg_len, seg_slot, slot_order, slot_offsets, split
+    table = (seg_doc, seg_start, seg_len, seg_slot, slot_order, slot_offsets, split)
+    return table, int(thresholds[pick])
 
 
-def _finish(
-    lens: np.ndarray,
-    doc_cu: np.ndarray,
-    c: int,
-    strategy: str,
-    requested: str,
-    seg_doc: np.ndarray,
-    seg_start: np.ndarray,
-    seg_len: np.ndarray,
-    seg_slot: np.ndarray,
-    slot_order: np.ndarray,
-    slot_offsets: np.ndarray,
-    layout: tuple[np.ndarray, np.ndarray] | None = None,
-    *,
-    doc_gathered: np.ndarray | None = None,
-    max_len: int = 0,
-) -> CPPlan:
-    """Slot sizes, rank lengths and each segment's offset inside its rank's local layout.
-
-    ``layout`` = (slot_tokens, seg_local_offset) when the caller computed them more cheaply
-    (per-document sharding does, from its [n_docs, 2c] matrix). ``doc_gathered`` (hybrid) marks
-    the documents whose K/V are gathered; ``None``: all of them."""
-    two_c = 2 * c
-    if layout is None:
-        sorted_lens = seg_len[slot_order]
-        cum = np.zeros(len(sorted_lens) + 1, dtype=np.int64)
-        np.cumsum(sorted_lens, out=cum[1:])
-        slot_tokens = cum[slot_offsets[1:]] - cum[slot_offsets[:-1]]
-        # Head slots start a rank's layout; a tail slot follows its rank's head slot (2c-1-j).
-        slot_base = np.where(np.arange(two_c) < c, 0, slot_tokens[::-1])
-        sorted_slot = np.repeat(np.arange(two_c, dtype=np.int64), np.diff(slot_offsets))
-        local_offset = np.empty(len(seg_len), dtype=np.int64)
-        local_offset[slot_order] = (
-            cum[:-1] - cum[slot_offsets[sorted_slot]] + slot_base[sorted_slot]
-        )
-    else:
-        slot_tokens, local_offset = layout
-    local_lens = slot_tokens[:c] + slot_tokens[::-1][:c]
-    if doc_gathered is None:
-        doc_gathered = np.ones(len(lens), dtype=bool)
-        gather_lens = local_lens
-    else:
-        whole = ~doc_gathered[seg_doc]
-        owner = np.minimum(seg_slot[whole], two_c - 1 - seg_slot[whole])
-        whole_tokens = np.bincount(owner, weights=seg_len[whole], minlength=c)
-        gather_lens = local_lens - whole_tokens.astype(np.int64)
-    return CPPlan(
-        doc_lens=lens,
-        doc_cu=doc_cu,
-        cp_degree=c,
-        strategy=strategy,
-        requested=requested,
-        seg_doc=seg_doc,
-        seg_start=seg_start,
-        seg_len=seg_len,
-        seg_slot=seg_slot,
-        slot_order=slot_order,
-        slot_offsets=slot_offsets,
-        slot_tokens=slot_tokens,
-        local_lens=local_lens,
-        seg_local_offset=local_offset,
-        doc_gathered=doc_gathered,
-        gather_lens=gather_lens,
-        max_len=max_len,
-    )
+def auto_hybrid_max_len(lens: np.ndarray, cp_degree: int) -> int:
+    """Hybrid's automatic whole-document threshold for one micro-batch (``max_len = 0``, see
+    :func:`_hybrid`): never below :func:`default_hybrid_max_len`."""
+    return _hybrid(np.asarray(lens, dtype=np.int64), int(cp_degree), 0)[1]
