@@ -38,6 +38,7 @@ ROOMS = {
     f"{PACKAGE}.pipeline": "pipeline",
     f"{PACKAGE}.cpu_support": "platform",
     f"{PACKAGE}.parent_watch": "platform",
+    f"{PACKAGE}.device_clock": "platform",
     f"{PACKAGE}.metrics": "trainer",
     f"{PACKAGE}.log_filter": "trainer",
     f"{PACKAGE}.audit_log": "trainer",
