@@ -38,6 +38,7 @@ ROOMS = {
     f"{PACKAGE}.pipeline": "pipeline",
     f"{PACKAGE}.cpu_support": "platform",
     f"{PACKAGE}.parent_watch": "platform",
+    f"{PACKAGE}.device_clock": "platform",
     f"{PACKAGE}.metrics": "trainer",
     f"{PACKAGE}.log_filter": "trainer",
     f"{PACKAGE}.audit_log": "trainer",
@@ -54,8 +55,9 @@ ROOMS = {
 # NumPy) and the data nodes; attention kernels, the CP plan (pure NumPy), the CP op with its tensor
 # adapters ("cp.op"), adaptive selection with its profile ("cp"), then the model; the pipeline; the
 # trainer; tools and the simulator on top, neither importing the other. config holds the [wlb]
-# section and takes its accepted values from the registries below it; "platform" (cpu_support)
-# makes TorchTitan run on CPU and imports nothing of the package. A new module needs a room here.
+# section and takes its accepted values from the registries below it; "platform" (cpu_support,
+# parent_watch, device_clock) makes TorchTitan run on CPU, stops orphans and times the device, and
+# imports nothing of the package. A new module needs a room here.
 _CP = {"attention", "cp.plan", "cp.op", "cp"}
 _BELOW_PIPELINE = {
     "platform", "cost_model", "workloads", "catalogue", "packing", "config", "data", "models"

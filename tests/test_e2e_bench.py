@@ -23,6 +23,26 @@ def test_measured_imbalance_is_time_weighted_per_layout():
     assert e2e_bench.measured_imbalance(pp, [1], "pp2") == pytest.approx(6 / 4)
 
 
+def test_device_clock_figures_read_the_device_times():
+    """The device-clock variants read the device times, the existing keys the wall times."""
+    rec = {"micro_batch_times_s": [1.0, 3.0], "micro_batch_device_times_s": [1.0, 1.0],
+           "micro_batch_doc_lens": [[2, 3], [4]], "wlb/step_time_s": 4.0}  # fmt: skip
+    logs = [{1: rec}]
+    assert e2e_bench.measured_imbalance(logs, [1], "dp2") == pytest.approx(1.5)
+    assert e2e_bench.measured_imbalance(logs, [1], "dp2", device=True) == pytest.approx(1.0)
+    act = {"stages": [0], "fwd_s": [[1.0, 2.0]], "bwd_s": [[1.0, 4.0]], "doc_lens": [[2], [3]],
+           "fwd_device_s": [[1.0, 1.0]], "bwd_device_s": [[2.0, 2.0]]}  # fmt: skip
+    pp = [{1: {"pp_actions": [act], "wlb/step_time_s": 7.0}}]
+    assert e2e_bench.measured_imbalance(pp, [1], "pp2", device=True) == pytest.approx(1.0)
+    mbs = e2e_bench.calibration_records(logs, [1])["microbatches"]
+    assert [(m["seconds"], m["device_s"]) for m in mbs] == [(1.0, 1.0), (3.0, 1.0)]
+    # a = 0, b = 0, c = 1 predicts the device times exactly, the wall times off by 2/3 on one
+    assert e2e_bench.fit_error(mbs, [0.0, 0.0, 1.0], cp=1, key="device_s") == 0.0
+    assert e2e_bench.fit_error(mbs, [0.0, 0.0, 1.0], cp=1) == pytest.approx(1 / 3)
+    [first, second] = e2e_bench.calibration_records(pp, [1])["microbatches"]
+    assert (first["seconds"], first["device_s"], second["bwd_device_s"]) == (2.0, 3.0, 2.0)
+
+
 def test_speedups_are_time_to_train_ratios():
     res = {
         "plain_4d": {"time_to_train_s": 30.0, "step_time_s": 1.0, "peak_mem_mb": 100.0},

@@ -258,7 +258,10 @@ def _check_action_times(runner: VarlenPipelineRunner, n_mb: int) -> None:
     for fwd, bwd in zip(times.fwd_s, times.bwd_s, strict=True):
         assert len(fwd) == len(bwd) == n_mb
         assert all(t > 0 for t in fwd) and all(t > 0 for t in bwd)
-    assert set(times.to_dict()) == {"stages", "fwd_s", "bwd_s"}
+    for fwd, bwd in zip(times.fwd_device_s, times.bwd_device_s, strict=True):
+        assert len(fwd) == len(bwd) == n_mb
+        assert all(t > 0 for t in fwd) and all(t > 0 for t in bwd)
+    assert set(times.to_dict()) == {"stages", "fwd_s", "bwd_s", "fwd_device_s", "bwd_device_s"}
     for stage in runner.stages:
         assert "forward_one_chunk" not in vars(stage)
         assert "backward_one_chunk" not in vars(stage)

@@ -84,6 +84,8 @@ class WLBMetricsProcessor(MetricsProcessor):
         super().__init__(job_config, parallel_dims, tag)
         self.wlb_metrics: dict[str, float] = {}
         self.micro_batch_times: list[float] = []
+        self.micro_batch_device_times: list[float] = []
+        self.device_clock = "wall"  # the trainer's DeviceClock kind (torchtitan_wlb.device_clock)
         self.doc_ids: list[int] = []
         self.micro_batch_doc_lens: list[list[int]] = []
         self.pp_actions: list[dict[str, Any]] = []
@@ -120,9 +122,16 @@ class WLBMetricsProcessor(MetricsProcessor):
         if self.jsonl_path is not None:
             self.doc_ids.extend(doc_ids.tolist())
 
-    def record_micro_batch_time(self, seconds: float, doc_lens: list[int] | None = None) -> None:
-        """A micro-batch's measured forward+backward time and, for calibration, its documents."""
+    def record_micro_batch_time(
+        self,
+        seconds: float,
+        doc_lens: list[int] | None = None,
+        device_seconds: float | None = None,
+    ) -> None:
+        """A micro-batch's measured forward+backward wall time, its time on the device clock
+        (None: the wall time) and, for calibration, its documents."""
         self.micro_batch_times.append(seconds)
+        self.micro_batch_device_times.append(seconds if device_seconds is None else device_seconds)
         if doc_lens is not None and self.jsonl_path is not None:
             self.micro_batch_doc_lens.append(doc_lens)
 
@@ -161,6 +170,8 @@ class WLBMetricsProcessor(MetricsProcessor):
                 "grad_norm": float(grad_norm),
                 "peak_mem_gib": mem.max_reserved_gib,
                 "micro_batch_times_s": list(self.micro_batch_times),
+                "micro_batch_device_times_s": list(self.micro_batch_device_times),
+                "device_clock": self.device_clock,
                 "doc_ids": sorted(self.doc_ids),
                 "micro_batch_doc_lens": list(self.micro_batch_doc_lens),
                 **({"pp_actions": list(self.pp_actions)} if self.pp_actions else {}),
@@ -197,6 +208,7 @@ class WLBMetricsProcessor(MetricsProcessor):
         logger.info("wlb  " + "  ".join(parts))
         self.wlb_metrics.clear()
         self.micro_batch_times.clear()
+        self.micro_batch_device_times.clear()
         self.doc_ids.clear()
         self.micro_batch_doc_lens.clear()
         self.pp_actions.clear()

@@ -28,6 +28,7 @@ from torchtitan_wlb.attention.metadata import DocumentAttentionMetadata, metadat
 from torchtitan_wlb.audit_log import AuditLog
 from torchtitan_wlb.cost_fit import FitStats, OnlineFitter
 from torchtitan_wlb.data.sources import BUILTIN_NAME
+from torchtitan_wlb.device_clock import DeviceClock
 from torchtitan_wlb.models.llama3_wlb import cost_model_for_job
 from torchtitan_wlb.validate import check_job_config
 
@@ -97,7 +98,11 @@ class WLBTrainer(Trainer):
         self._cost_model = cost_model_for_job(job_config) if documents else None
         schedule = getattr(self.dataloader, "cost_schedule", None)
         self._fitter = OnlineFitter(schedule) if schedule is not None else None
-        # (sum d^2, sum d, seconds) of this step's micro-batches on this rank, for the fitter.
+        # The fit's clock: the device's, not the wall's (a CPU's wall time includes the time the
+        # OS gave to other processes); the metrics keep both.
+        self._clock = DeviceClock(self.device)
+        self.metrics_processor.device_clock = self._clock.kind
+        # (sum d^2, sum d, device seconds) of this step's micro-batches on this rank, for the fit.
         self._fit_rows: list[tuple[float, float, float]] = []
         self._fit_features: tuple[float, float] | None = None
         self._micro_batches_done = 0
@@ -279,7 +284,7 @@ class WLBTrainer(Trainer):
         self, *, input_dict: dict[str, Any], labels: Tensor, global_valid_tokens: Tensor
     ) -> Tensor:
         self._micro_batches_done += 1
-        start = time.perf_counter()
+        start = self._clock.read()
         if self._pp_runner is None:
             loss = super().forward_backward_step(
                 input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
@@ -289,14 +294,12 @@ class WLBTrainer(Trainer):
             if loss is None:  # micro-batch collected; the pipeline runs at the step's last one
                 self._maybe_refit()
                 return torch.zeros((), device=self.device)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        seconds = time.perf_counter() - start
+        wall, device = self._clock.since(start)
         # Under PP the time covers the whole step's micro-batches (the schedule interleaves them).
         doc_lens = None if self._pp_runner is not None else self._last_doc_lens
-        self.metrics_processor.record_micro_batch_time(seconds, doc_lens)
+        self.metrics_processor.record_micro_batch_time(wall, doc_lens, device_seconds=device)
         if self._pp_runner is None and self._fit_features is not None:
-            self._fit_rows.append((*self._fit_features, seconds))
+            self._fit_rows.append((*self._fit_features, device))
         self._fit_features = None
         self._flush_cp_stats()
         self._maybe_refit()
@@ -389,7 +392,7 @@ class WLBTrainer(Trainer):
             )
         times, whole = runner.last_action_times, len(step_doc_lens) == len(pending)
         if times is not None and self._fitter is not None and whole:
-            per_mb = np.sum(times.fwd_s, axis=0) + np.sum(times.bwd_s, axis=0)
+            per_mb = np.sum(times.fwd_device_s, axis=0) + np.sum(times.bwd_device_s, axis=0)
             for lens, seconds in zip(step_doc_lens, per_mb.tolist(), strict=True):
                 d = np.asarray(lens, np.float64)
                 self._fit_rows.append((float(d @ d), float(d.sum()), seconds))

@@ -14,13 +14,14 @@ from __future__ import annotations
 import inspect
 import os
 import re
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
+from torchtitan_wlb.device_clock import CUDA, DeviceClock
 from torchtitan_wlb.pipeline.loss import token_mean_loss
 
 # (major, minor) bounds, both inclusive, of the supported torch releases (docs/pipeline.md).
@@ -81,20 +82,31 @@ class PipelineActionTimes:
     """Compute time of every pipeline action of one step on this rank: one row per local stage,
     one column per micro-batch, forward (with the loss) and backward (with the weight backward).
     Waiting for neighbouring stages happens outside these calls, so these are the per-action
-    costs a pipeline timeline plays."""
+    costs a pipeline timeline plays. ``fwd_s`` / ``bwd_s``: wall time (CUDA events on a GPU);
+    ``fwd_device_s`` / ``bwd_device_s``: the same actions on the device clock
+    (:mod:`torchtitan_wlb.device_clock`: on CPU with one intra-op thread, this thread's CPU time,
+    which leaves out the time the OS gave to other processes), what the online cost model fits."""
 
     stage_indices: list[int]
     fwd_s: list[list[float]]
     bwd_s: list[list[float]]
+    fwd_device_s: list[list[float]]
+    bwd_device_s: list[list[float]]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"stages": self.stage_indices, "fwd_s": self.fwd_s, "bwd_s": self.bwd_s}
+        return {
+            "stages": self.stage_indices,
+            "fwd_s": self.fwd_s,
+            "bwd_s": self.bwd_s,
+            "fwd_device_s": self.fwd_device_s,
+            "bwd_device_s": self.bwd_device_s,
+        }
 
 
 class _ActionTimer:
     """Instance-level wrappers around each stage's per-micro-batch calls and the schedule's loss,
     removed after the step. On CUDA they record events read once afterwards, so timing adds no
-    synchronisation inside the schedule."""
+    synchronisation inside the schedule; elsewhere they read the :class:`DeviceClock`."""
 
     _STAGE_METHODS = {
         "forward_one_chunk": 0,
@@ -106,12 +118,12 @@ class _ActionTimer:
         self.schedule = schedule
         self.stages = list(stages)
         self.row = {id(stage): i for i, stage in enumerate(self.stages)}
-        # (row, kind 0 fwd / 1 bwd, mb, CPU seconds or (start, end) CUDA events)
+        # (row, kind 0 fwd / 1 bwd, mb, (wall, device) seconds or (start, end) CUDA events)
         self.samples: list[tuple[int, int, int, Any]] = []
         self.n_mb = n_mb
-        self.cuda = any(
-            getattr(getattr(s, "device", None), "type", "cpu") == "cuda" for s in self.stages
-        )
+        types = {getattr(getattr(s, "device", None), "type", "cpu") for s in self.stages}
+        self.clock = DeviceClock("cuda" if "cuda" in types else "cpu")
+        self.cuda = self.clock.kind == CUDA
         self._installed: list[tuple[Any, str]] = []
 
     def _measure(self, row: int, kind: int, mb: int, fn: Callable[[], Any]) -> Any:
@@ -122,9 +134,9 @@ class _ActionTimer:
             end.record()
             self.samples.append((row, kind, mb, (start, end)))
             return out
-        t0 = time.perf_counter()
+        start = self.clock.read()
         out = fn()
-        self.samples.append((row, kind, mb, time.perf_counter() - t0))
+        self.samples.append((row, kind, mb, self.clock.since(start)))
         return out
 
     def install(self) -> None:
@@ -163,14 +175,20 @@ class _ActionTimer:
     def result(self) -> PipelineActionTimes:
         if self.cuda and self.samples:
             torch.cuda.synchronize()
-        fwd = [[0.0] * self.n_mb for _ in self.stages]
-        bwd = [[0.0] * self.n_mb for _ in self.stages]
+        # [wall, device] x [fwd, bwd] x stage x micro-batch
+        sums = np.zeros((2, 2, len(self.stages), self.n_mb))
         for row, kind, mb, sample in self.samples:
-            sec = sample[0].elapsed_time(sample[1]) / 1e3 if self.cuda else sample
+            if self.cuda:
+                sample = (sample[0].elapsed_time(sample[1]) / 1e3,) * 2
             if 0 <= mb < self.n_mb:
-                (fwd if kind == 0 else bwd)[row][mb] += float(sec)
+                sums[:, kind, row, mb] += sample
+        (fwd, bwd), (fwd_dev, bwd_dev) = sums.tolist()
         return PipelineActionTimes(
-            stage_indices=[int(s.stage_index) for s in self.stages], fwd_s=fwd, bwd_s=bwd
+            stage_indices=[int(s.stage_index) for s in self.stages],
+            fwd_s=fwd,
+            bwd_s=bwd,
+            fwd_device_s=fwd_dev,
+            bwd_device_s=bwd_dev,
         )
 
 

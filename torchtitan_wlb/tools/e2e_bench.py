@@ -162,6 +162,10 @@ def run_mode(
         "imbalance": float(np.mean([rec["wlb/imbalance"] for rec in first])),
         "predicted_imbalance": top / mean if mean else 1.0,
         "measured_imbalance": measured_imbalance(per_rank, steps_done, args.parallel),
+        "measured_imbalance_device": measured_imbalance(
+            per_rank, steps_done, args.parallel, device=True
+        ),
+        "device_clock": per_rank[0][steps_done[0]].get("device_clock", "wall"),
         "max_tokens_per_microbatch": max(rec["wlb/max_tokens"] for rec in first),
         "docs_trained": len(set(trained)),
         "docs_repeated": len(trained) - len(set(trained)),
@@ -180,12 +184,18 @@ def run_mode(
         coef = [adopted[-1][f"wlb/cost_refit_{k}"] for k in "abc"]
         out["fit_coefficients"] = dict(zip("abc", coef, strict=True))
         cp = 2 if args.parallel == "cp2" else 1
-        out["fit_mean_abs_error"] = fit_error(out["records"]["microbatches"], coef, cp)
+        mbs = out["records"]["microbatches"]
+        # On the clock the fit used (the device clock), and on the wall clock beside it.
+        out["fit_mean_abs_error"] = fit_error(mbs, coef, cp, key="device_s")
+        out["fit_mean_abs_error_wall"] = fit_error(mbs, coef, cp)
     return out
 
 
-def fit_error(micro_batches: list[dict[str, Any]], coef: list[float], cp: int) -> float:
-    """Mean absolute relative error of ``t = a Σd² + b Σd + c`` on recorded micro-batches.
+def fit_error(
+    micro_batches: list[dict[str, Any]], coef: list[float], cp: int, key: str = "seconds"
+) -> float:
+    """Mean absolute relative error of ``t = a Σd² + b Σd + c`` on recorded micro-batches, ``t``
+    their ``key`` (``seconds``: wall time; ``device_s``: the device clock's).
 
     Under CP a rank's time is predicted from its share of the work, taken as ``1 / cp`` of the
     micro-batch (the trainer's fit uses the plan's exact per-rank share)."""
@@ -193,30 +203,33 @@ def fit_error(micro_batches: list[dict[str, Any]], coef: list[float], cp: int) -
         return float("nan")
     sq = np.array([float(np.square(np.asarray(m["doc_lens"], float)).sum()) for m in micro_batches])
     lin = np.array([float(np.sum(m["doc_lens"])) for m in micro_batches])
-    t = np.array([m["seconds"] for m in micro_batches])
+    t = np.array([m[key] for m in micro_batches])
     pred = (coef[0] * sq + coef[1] * lin) / cp + coef[2]
     return float(np.mean(np.abs(pred - t) / t))
 
 
-def measured_imbalance(per_rank: list[dict[int, dict]], steps: list[int], parallel: str) -> float:
+def measured_imbalance(
+    per_rank: list[dict[int, dict]], steps: list[int], parallel: str, device: bool = False
+) -> float:
     """Measured micro-batch imbalance, time-weighted: Σ over steps of the slowest micro-batch's
-    forward+backward over Σ of the mean.
+    forward+backward over Σ of the mean; on the wall clock, or with ``device`` on the device clock
+    (on CPU the ranks' thread CPU time, which leaves out time the OS gave to other processes).
 
     With PP each stage's micro-batches are compared (a stage waits for its slowest); with CP the
     ranks run the same micro-batches, so a micro-batch's time is its slowest rank's; otherwise
     every rank's micro-batches are pooled.
     """
+    fwd, bwd = ("fwd_device_s", "bwd_device_s") if device else ("fwd_s", "bwd_s")
+    mbs = "micro_batch_device_times_s" if device else "micro_batch_times_s"
     top = total = 0.0
     for s in steps:
         if parallel == "pp2":
             acts = [act for r in per_rank for act in r[s].get("pp_actions", [])]
-            groups = [
-                np.add(f, b) for a in acts for f, b in zip(a["fwd_s"], a["bwd_s"], strict=True)
-            ]
+            groups = [np.add(f, b) for a in acts for f, b in zip(a[fwd], a[bwd], strict=True)]
         elif parallel == "cp2":
-            groups = [np.max([r[s]["micro_batch_times_s"] for r in per_rank], axis=0)]
+            groups = [np.max([r[s][mbs] for r in per_rank], axis=0)]
         else:
-            groups = [np.concatenate([r[s]["micro_batch_times_s"] for r in per_rank])]
+            groups = [np.concatenate([r[s][mbs] for r in per_rank])]
         for times in groups:
             if times.size:
                 top += float(times.max())
@@ -231,6 +244,7 @@ def calibration_records(per_rank: list[dict[int, dict]], steps: list[int]) -> di
     pipeline parallelism (the log has ``pp_actions``) there is one record per micro-batch *and
     stage*: ``seconds`` is that stage's forward + backward, with ``fwd_s``, ``bwd_s``, ``stage`` and
     ``mb`` (the micro-batch's index in the step, the order the schedule runs them) added.
+    ``device_s`` (and ``fwd_device_s``, ``bwd_device_s``) are the same on the device clock.
     """
     micro_batches = []
     for rank, rank_log in enumerate(per_rank):
@@ -238,17 +252,24 @@ def calibration_records(per_rank: list[dict[int, dict]], steps: list[int]) -> di
             rec = rank_log[s]
             for act in rec.get("pp_actions") or []:
                 lens_list = act.get("doc_lens") or []
-                for stage, fwd, bwd in zip(act["stages"], act["fwd_s"], act["bwd_s"], strict=True):
-                    for mb, (lens, f, b) in enumerate(zip(lens_list, fwd, bwd, strict=False)):
+                per_stage = zip(
+                    act["stages"], act["fwd_s"], act["bwd_s"], act["fwd_device_s"],
+                    act["bwd_device_s"], strict=True,
+                )  # fmt: skip
+                for stage, *times in per_stage:
+                    for mb, (lens, f, b, fd, bd) in enumerate(zip(lens_list, *times, strict=False)):
                         micro_batches.append(
                             {"doc_lens": lens, "seconds": f + b, "fwd_s": f, "bwd_s": b,
+                             "device_s": fd + bd, "fwd_device_s": fd, "bwd_device_s": bd,
                              "stage": stage, "mb": mb, "step": s, "rank": rank}
                         )  # fmt: skip
             if rec.get("pp_actions"):
                 continue
-            times = rec["micro_batch_times_s"]
-            for lens, sec in zip(rec.get("micro_batch_doc_lens", []), times, strict=False):
-                micro_batches.append({"doc_lens": lens, "seconds": sec, "step": s, "rank": rank})
+            times = zip(rec["micro_batch_times_s"], rec["micro_batch_device_times_s"], strict=True)
+            for lens, (sec, dev) in zip(rec.get("micro_batch_doc_lens", []), times, strict=False):
+                micro_batches.append(
+                    {"doc_lens": lens, "seconds": sec, "device_s": dev, "step": s, "rank": rank}
+                )
     step_times = [
         {"step": s, "seconds": max(r[s]["wlb/step_time_s"] for r in per_rank)} for s in steps
     ]
@@ -350,18 +371,22 @@ def main(argv: list[str] | None = None) -> int:
         data, floor_data = workdir / "docs.jsonl", workdir / "floor.jsonl"
         write_jsonl(lengths, data, args.seed)
         bar = progress(desc="e2e_bench", unit="step")
-        floors: list[float] = []
         if args.floor_steps:
             n_docs = args.floor_steps * args.micro_batches
             write_jsonl(np.full(n_docs, args.context_len, np.int64), floor_data, args.seed)
         for run in range(args.runs):
             tag, rundir = f"run {run + 1}/{args.runs}", workdir / f"run{run}"
+            floor_key: dict[str, float] = {}
             if args.floor_steps:
                 floor = run_mode(FLOOR, args, floor_data, rundir, bar)
-                floors.append(floor["measured_imbalance"])
+                wall, device = floor["measured_imbalance"], floor["measured_imbalance_device"]
+                floor_key = {
+                    "measured_imbalance_floor": wall,
+                    "measured_imbalance_floor_device": device,
+                }
                 bar.write(
                     f"{tag} floor     {floor['steps']} steps of identical micro-batches: "
-                    f"measured imbalance {floors[-1]:.3f}",
+                    f"measured imbalance {wall:.3f} (device clock {device:.3f})",
                     file=sys.stderr,
                 )
             results = {}
@@ -371,11 +396,11 @@ def main(argv: list[str] | None = None) -> int:
                 bar.write(
                     f"{tag} {label:9s} {res['steps']} steps, {res['time_to_train_s']:.1f}s to "
                     f"train  median step {res['step_time_s']:.3f}s  imbalance predicted "
-                    f"{res['predicted_imbalance']:.3f} measured {res['measured_imbalance']:.3f}  "
+                    f"{res['predicted_imbalance']:.3f} measured {res['measured_imbalance']:.3f} "
+                    f"(device clock {res['measured_imbalance_device']:.3f})  "
                     f"peak {res['peak_mem_mb']:.0f} MB",
                     file=sys.stderr,
                 )
-            floor_key = {"measured_imbalance_floor": floors[-1]} if floors else {}
             extra = sharding_speedups(results, modes, shardings) if shardings else {}
             runs.append({"modes": results, **speedups(results), **floor_key, **extra})
         bar.close()

@@ -1,0 +1,53 @@
+"""The clock that times a rank's compute for the metrics and the online cost model.
+
+Wall time on a CPU shared with other processes (the other ranks, the loader threads, other jobs)
+includes the time the OS gave to them: noise no cost model can predict. On a GPU the trainer times
+the device (CUDA events, or the wall clock after a synchronize). The CPU analogue is the CPU time
+of the thread that runs the compute (``time.thread_time``): with one intra-op thread
+(``torch.get_num_threads() == 1``) forward and backward run on the calling thread (autograd runs a
+CPU graph on the thread that calls ``backward``), and a blocking wait in a gloo collective sleeps
+on a condition variable, costing none. With more intra-op threads the work spreads over torch's
+thread pool, whose time the calling thread's clock misses, so the device clock is the wall clock
+then. Everything that feeds the online fit reads :class:`DeviceClock`; the wall time is kept
+beside it (docs/cost_model.md).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+CUDA, THREAD_CPU, WALL = "cuda", "thread_cpu", "wall"
+
+
+def clock_kind(device_type: str) -> str:
+    """The device clock for a rank computing on ``device_type``: ``"cuda"`` (synchronized wall
+    time, or CUDA events where the caller records them), ``"thread_cpu"`` (this thread's CPU time,
+    on CPU with one intra-op thread) or ``"wall"`` (any other device or thread count)."""
+    if device_type == "cuda":
+        return CUDA
+    if device_type == "cpu" and torch.get_num_threads() == 1:
+        return THREAD_CPU
+    return WALL
+
+
+class DeviceClock:
+    """Reads the wall clock and the device clock together; stateless between :meth:`read` and
+    :meth:`since`, so timed regions may nest. The kind is fixed when the clock is built."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self.kind = clock_kind(self.device.type)
+
+    def read(self) -> tuple[float, float]:
+        """A start mark: (wall, thread CPU time; 0 unless the clock is ``thread_cpu``)."""
+        return time.perf_counter(), time.thread_time() if self.kind == THREAD_CPU else 0.0
+
+    def since(self, start: tuple[float, float]) -> tuple[float, float]:
+        """(wall seconds, device seconds) since ``start``; on CUDA after a synchronize, and the
+        device seconds are then the wall seconds."""
+        if self.kind == CUDA:
+            torch.cuda.synchronize(self.device)
+        wall = time.perf_counter() - start[0]
+        return wall, time.thread_time() - start[1] if self.kind == THREAD_CPU else wall
