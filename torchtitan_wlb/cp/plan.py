@@ -539,36 +539,44 @@ def _refine(lens: np.ndarray, rank: np.ndarray, weight: np.ndarray, c: int) -> n
     document of the busier rank, the partner nearest half the gap, by binary search). A pass
     never empties a rank. Returns ``rank`` itself when nothing moved."""
     original, rank, moved = rank, rank.copy(), False
-    load = np.bincount(rank, weights=weight, minlength=c)
-    tokens = np.bincount(rank, weights=lens, minlength=c)
-    limit = load.sum() / c * (1.0 + REFINE_TOLERANCE)  # moves keep the total
+    load_arr = np.bincount(rank, weights=weight, minlength=c)
+    limit = load_arr.sum() / c * (1.0 + REFINE_TOLERANCE)  # moves keep the total
+    load = load_arr.tolist()  # c Python floats: cheaper than NumPy scalars for the bookkeeping
+    tokens = np.bincount(rank, weights=lens, minlength=c).tolist()
+    ranks = range(c)
     for _ in range(REFINE_PASSES):
-        hi, lo = int(load.argmax()), int(load.argmin())
-        gap = load[hi] - load[lo]
-        if load[hi] <= limit:
+        hi, lo = max(ranks, key=load.__getitem__), min(ranks, key=load.__getitem__)
+        load_hi, load_lo = load[hi], load[lo]
+        if load_hi <= limit:
             break
         on_hi = (rank == hi).nonzero()[0]
         on_lo = (rank == lo).nonzero()[0]
         # Partner -1 = a plain move (moves nothing back); others: swaps.
-        partner = np.concatenate(([-1], on_lo[weight[on_lo].argsort(kind="stable")]))
-        back = weight[partner]
-        back[0] = 0.0
-        j = back.searchsorted(weight[on_hi] - gap / 2)
+        w_lo = weight[on_lo]
+        sort = w_lo.argsort(kind="stable")
+        partner = np.empty(len(on_lo) + 1, dtype=np.int64)
+        partner[0], partner[1:] = -1, on_lo[sort]
+        back = np.empty(len(on_lo) + 1)
+        back[0], back[1:] = 0.0, w_lo[sort]
+        w_hi = weight[on_hi]
+        j = back.searchsorted(w_hi - (load_hi - load_lo) / 2)
         cand_a = np.concatenate([on_hi, on_hi])
         cand_j = np.concatenate([np.maximum(j - 1, 0), np.minimum(j, len(back) - 1)])
-        delta = weight[cand_a] - back[cand_j]  # weight leaving hi for lo
-        new_max = np.maximum(load[hi] - delta, load[lo] + delta)
+        delta = np.concatenate([w_hi, w_hi]) - back[cand_j]  # weight leaving hi for lo
+        new_max = np.maximum(load_hi - delta, load_lo + delta)
         moved_tokens = lens[cand_a] - np.where(cand_j > 0, lens[partner[cand_j]], 0)
-        valid = (delta > 0) & (new_max < load[hi]) & (tokens[hi] - moved_tokens > 0)
+        valid = (delta > 0) & (new_max < load_hi) & (tokens[hi] - moved_tokens > 0)
         if not valid.any():
             break
-        best = int(np.where(valid, new_max, np.inf).argmin())
+        new_max[~valid] = np.inf
+        best = int(new_max.argmin())
         a, b = int(cand_a[best]), int(partner[cand_j[best]])
         rank[a], moved = lo, True
         if b >= 0:
             rank[b] = hi
-        load[[hi, lo]] += (-delta[best], delta[best])
-        tokens[[hi, lo]] += (-moved_tokens[best], moved_tokens[best])
+        step, step_tokens = float(delta[best]), float(moved_tokens[best])
+        load[hi], load[lo] = load_hi - step, load_lo + step
+        tokens[hi], tokens[lo] = tokens[hi] - step_tokens, tokens[lo] + step_tokens
     return rank if moved else original
 
 
@@ -648,23 +656,28 @@ def _balance(w: np.ndarray, q: np.ndarray, s: np.ndarray, quad: np.ndarray, c: i
     return cum, imbalance[0], imbalance[1], gathered.max(axis=1), ok
 
 
-def _candidates(desc: np.ndarray, c: int, max_len: int) -> tuple[np.ndarray, np.ndarray]:
+def _candidates(desc: np.ndarray, cum: np.ndarray, c: int, max_len: int) -> tuple:
     """Hybrid's thresholds to evaluate (``max_len``; 0: every distinct length from the floor to
-    ``T / c``, and the floor) and how many documents of ``desc`` (longest first) each splits; the
-    longest whole ones too while fewer than ``c`` are whole and fewer than ``c`` tokens split."""
+    ``T / c``, and the floor) and how many documents of ``desc`` (longest first; ``cum``: its
+    cumulative sum from 0) each splits; the longest whole ones too while fewer than ``c`` are
+    whole and fewer than ``c`` tokens split."""
+    n = len(desc)
     if max_len:
         thresholds = np.array([max_len])
     else:
-        distinct = np.ones(len(desc), dtype=bool)  # a threshold keeps all of its length whole
-        distinct[:-1] = desc[:-1] > desc[1:]
+        keep = desc * c <= cum[-1]  # a threshold keeps all of its length whole: distinct ones
+        keep[:-1] &= desc[:-1] > desc[1:]
         floor = default_hybrid_max_len(c)
-        fit = desc[distinct & (desc > floor) & (desc * c <= desc.sum())]
-        pick = np.linspace(0, len(fit), min(len(fit) + 1, max(2, SEARCH_CELLS // len(desc))))
-        thresholds = np.append(fit, floor)[pick.round().astype(int)]  # the highest and the floor
-    first = np.searchsorted(-desc, -thresholds, side="left")  # documents above each threshold
-    cum = np.cumsum(desc)
-    few = (len(desc) - first < c) & (np.where(first > 0, cum[first - 1], 0) < c) & (c > 1)
-    return thresholds, np.where(few, np.searchsorted(cum, c) + 1, first)
+        keep &= desc > floor
+        fit = desc[keep]
+        m = min(len(fit) + 1, max(2, SEARCH_CELLS // n))  # evenly spaced, the highest and floor
+        pick = (np.arange(m) * (len(fit) / max(m - 1, 1))).round().astype(np.int64)
+        thresholds = np.concatenate((fit, [floor]))[pick]
+    first = (-desc).searchsorted(-thresholds)  # documents above each threshold
+    if c > 1:
+        few = (n - first < c) & (cum[first] < c)
+        first = np.where(few, cum[1:].searchsorted(c) + 1, first)
+    return thresholds, first
 
 
 def _hybrid(lens: np.ndarray, c: int, max_len: int) -> tuple[tuple[np.ndarray, ...], int]:
@@ -678,13 +691,16 @@ def _hybrid(lens: np.ndarray, c: int, max_len: int) -> tuple[tuple[np.ndarray, .
     two_c, n = 2 * c, len(lens)
     order = np.argsort(-lens, kind="stable")
     desc = lens[order]
-    thresholds, first = _candidates(desc, c, max_len)
+    cum = np.zeros(n + 1, dtype=np.int64)
+    desc.cumsum(out=cum[1:])
+    thresholds, first = _candidates(desc, cum, c, max_len)
     pick = 0
     if c > 1 and first.min() < n:
         pairs = causal_pairs(desc, desc)
         dealt, w, q = _deal_whole(desc, pairs, first, c)
-        d = np.concatenate([[0.0], desc])
-        s, quad = np.cumsum(d)[first][:, None], np.cumsum(d * d)[first][:, None]
+        d = np.zeros(n + 1)
+        np.multiply(desc, desc, out=d[1:])
+        s, quad = cum[first].astype(np.float64)[:, None], d.cumsum()[first][:, None]
         # The likeliest winner (the highest threshold whose whole documents fit the ranks' token
         # shares) is also evaluated with its deal refined, on tokens (on work if nothing is split).
         g = int((w.max(axis=1) * c <= desc.sum()).argmax())
