@@ -235,28 +235,32 @@ class CPPlan:
 
     def local_attention_spec(self, rank: int) -> LocalAttentionSpec:
         """cu_seqlens of ``rank``'s varlen calls (head half, tail half, whole documents)."""
-        key_start = self._doc_key_start()
-        total = self.gathered_len
         head, tail = self._rank_segments(rank)
-        gathered = self.doc_gathered[self.seg_doc[tail]]
-        n_tail_split = int(np.count_nonzero(gathered))  # whole documents follow the split ones
-        whole = tail[n_tail_split:]
-        halves = []
-        for segs in (head, tail[:n_tail_split]):  # two halves, not a loop over documents
-            segs = segs[self.seg_len[segs] > 0]
-            q_len = self.seg_len[segs]
-            prefix = self.seg_start[segs] + q_len  # keys a segment sees: its document's prefix
-            k_start = key_start[self.seg_doc[segs]]
-            q_lens = np.zeros(2 * len(segs) + 1, dtype=np.int64)
-            q_lens[1::2] = q_len
-            k_lens = np.empty(2 * len(segs) + 1, dtype=np.int64)
-            k_lens[1::2] = prefix
-            k_lens[0:-1:2], k_lens[-1] = k_start, total
-            k_lens[2::2] -= k_start + prefix  # gaps: up to the next start, or to the end
-            halves.append(
-                (_cumsum0(q_lens), _cumsum0(k_lens), int(q_lens.max()), int(k_lens.max()))
-            )
-        (cq_h, ck_h, mq_h, mk_h), (cq_t, ck_t, mq_t, mk_t) = halves
+        n_tail_split = int(np.count_nonzero(self.doc_gathered[self.seg_doc[tail]]))
+        whole = tail[n_tail_split:]  # whole documents follow the split ones
+        # Both halves in one pass: head entries [0, 2 * n_head + 1), the tail's after them; each
+        # segment's queries at an odd slot, the key gap before it at the slot before.
+        segs = np.concatenate((head, tail[:n_tail_split]))
+        nonempty = self.seg_len[segs] > 0
+        n_head = int(np.count_nonzero(nonempty[: len(head)]))
+        segs = segs[nonempty]
+        q_len = self.seg_len[segs]
+        end = self.seg_start[segs] + q_len  # keys a segment sees: its document's prefix
+        k_start = self._doc_key_start()[self.seg_doc[segs]]
+        m, cut = 2 * len(segs) + 2, 2 * n_head + 1
+        pos = np.arange(1, m - 1, 2)
+        pos[n_head:] += 1
+        lens = np.zeros((2, m), dtype=np.int64)  # (query lengths, key lengths with gaps)
+        lens[0, pos], lens[1, pos] = q_len, end
+        lens[1, pos - 1] = k_start
+        lens[1, cut - 1] = lens[1, m - 1] = self.gathered_len
+        end += k_start
+        lens[1, pos + 1] -= end  # gaps: up to the next start, or to the end
+        cum = np.zeros((2, m + 1), dtype=np.int32)
+        np.cumsum(lens, axis=1, out=cum[:, 1:])
+        (cq_h, ck_h), tail_cum = cum[:, : cut + 1], cum[:, cut:] - cum[:, cut : cut + 1]
+        (mq_h, mq_t), (mk_h, mk_t) = np.maximum.reduceat(lens, [0, cut], axis=1).tolist()
+        cq_t, ck_t = tail_cum
         whole_lens = self.seg_len[whole]
         longest_whole = int(whole_lens.max()) if len(whole_lens) else 0
         return LocalAttentionSpec(
@@ -593,15 +597,16 @@ def _deal_whole(desc: np.ndarray, pairs: np.ndarray, first: np.ndarray, c: int) 
     n, k, rounds = len(desc), len(first), GREEDY_ROUNDS
     rows = np.arange(k)[:, None]
     greedy = first[:, None] + np.arange(rounds * c)
-    pad = np.zeros(rounds * c, dtype=np.float64)
-    sizes, work = (np.concatenate([x, pad])[greedy].reshape(k, rounds, c) for x in (desc, pairs))
+    padded = np.zeros((2, n + rounds * c))  # lengths and work, zero past the last document
+    padded[0, :n], padded[1, :n] = desc, pairs
+    both = padded[:, greedy].reshape(2, k, rounds, c)  # [2, K, rounds, c]: (sizes, work)
     ranks = np.empty((k, rounds, c), dtype=np.int64)
     ranks[:, 0], ranks[:, 1] = np.arange(c), np.arange(c)[::-1]
-    w, q = sizes[:, 0] + sizes[:, 1, ::-1], work[:, 0] + work[:, 1, ::-1]
+    wq = both[:, :, 0] + both[:, :, 1, ::-1]  # [2, K, c]: whole tokens and work per rank
+    w, q = wq
     for rnd in range(2, rounds):  # bounded, each round vectorised over the thresholds
-        ranks[:, rnd] = np.argsort(w, axis=1, kind="stable")
-        w[rows, ranks[:, rnd]] += sizes[:, rnd]
-        q[rows, ranks[:, rnd]] += work[:, rnd]
+        ranks[:, rnd] = to = w.argsort(axis=1, kind="stable")
+        wq[:, rows, to] += both[:, :, rnd]
     rank = np.full((k, n + rounds * c), -1, dtype=np.int64)
     rank[rows, greedy] = ranks.reshape(k, -1)
     if n > greedy[:, -1].min() + 1:  # documents beyond the greedy rounds
