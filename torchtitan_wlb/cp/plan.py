@@ -548,36 +548,37 @@ def _refine(lens: np.ndarray, rank: np.ndarray, weight: np.ndarray, c: int) -> n
     load = load_arr.tolist()  # c Python floats: cheaper than NumPy scalars for the bookkeeping
     tokens = np.bincount(rank, weights=lens, minlength=c).tolist()
     ranks = range(c)
+    by_weight = weight.argsort(kind="stable")  # partners by weight: the lightest rank's part
+    sorted_weight, sorted_lens = weight[by_weight], lens[by_weight]
     for _ in range(REFINE_PASSES):
         hi, lo = max(ranks, key=load.__getitem__), min(ranks, key=load.__getitem__)
         load_hi, load_lo = load[hi], load[lo]
         if load_hi <= limit:
             break
         on_hi = (rank == hi).nonzero()[0]
-        on_lo = (rank == lo).nonzero()[0]
-        # Partner -1 = a plain move (moves nothing back); others: swaps.
-        w_lo = weight[on_lo]
-        sort = w_lo.argsort(kind="stable")
-        partner = np.empty(len(on_lo) + 1, dtype=np.int64)
-        partner[0], partner[1:] = -1, on_lo[sort]
-        back = np.empty(len(on_lo) + 1)
-        back[0], back[1:] = 0.0, w_lo[sort]
+        on_lo = rank[by_weight] == lo
+        # Partner 0 = a plain move (moves nothing back); others: swaps.
+        n_lo = int(np.count_nonzero(on_lo)) + 1
+        partner, back_lens = np.zeros((2, n_lo), dtype=np.int64)
+        partner[1:], back_lens[1:] = by_weight[on_lo], sorted_lens[on_lo]
+        back = np.zeros(n_lo, dtype=weight.dtype)
+        back[1:] = sorted_weight[on_lo]
         w_hi = weight[on_hi]
         j = back.searchsorted(w_hi - (load_hi - load_lo) / 2)
         cand_a = np.concatenate([on_hi, on_hi])
-        cand_j = np.concatenate([np.maximum(j - 1, 0), np.minimum(j, len(back) - 1)])
+        cand_j = np.concatenate([np.maximum(j - 1, 0), np.minimum(j, n_lo - 1)])
         delta = np.concatenate([w_hi, w_hi]) - back[cand_j]  # weight leaving hi for lo
         new_max = np.maximum(load_hi - delta, load_lo + delta)
-        moved_tokens = lens[cand_a] - np.where(cand_j > 0, lens[partner[cand_j]], 0)
+        moved_tokens = lens[cand_a] - back_lens[cand_j]
         valid = (delta > 0) & (new_max < load_hi) & (tokens[hi] - moved_tokens > 0)
         if not valid.any():
             break
         new_max[~valid] = np.inf
         best = int(new_max.argmin())
-        a, b = int(cand_a[best]), int(partner[cand_j[best]])
+        a, b = int(cand_a[best]), int(cand_j[best])
         rank[a], moved = lo, True
-        if b >= 0:
-            rank[b] = hi
+        if b:
+            rank[partner[b]] = hi
         step, step_tokens = float(delta[best]), float(moved_tokens[best])
         load[hi], load[lo] = load_hi - step, load_lo + step
         tokens[hi], tokens[lo] = tokens[hi] - step_tokens, tokens[lo] + step_tokens
