@@ -598,18 +598,22 @@ def _deal_whole(desc: np.ndarray, pairs: np.ndarray, first: np.ndarray, c: int) 
     n, k, rounds = len(desc), len(first), GREEDY_ROUNDS
     rows = np.arange(k)[:, None]
     greedy = first[:, None] + np.arange(rounds * c)
-    padded = np.zeros((2, n + rounds * c))  # lengths and work, zero past the last document
-    padded[0, :n], padded[1, :n] = desc, pairs
-    both = padded[:, greedy].reshape(2, k, rounds, c)  # [2, K, rounds, c]: (sizes, work)
+    # Flat (1-D) gathers and scatters: NumPy's multi-axis fancy indexing costs ~10x more here.
+    width = n + rounds * c
+    padded = np.zeros(2 * width)  # lengths, then work, zero past the last document
+    padded[:n], padded[width : width + n] = desc, pairs
+    per_round = greedy.reshape(k, rounds, c).transpose(1, 0, 2)[:, None]
+    both = padded[per_round + np.array([0, width])[:, None, None]]  # [rounds, 2, K, c]
     ranks = np.empty((k, rounds, c), dtype=np.int64)
     ranks[:, 0], ranks[:, 1] = np.arange(c), np.arange(c)[::-1]
-    wq = both[:, :, 0] + both[:, :, 1, ::-1]  # [2, K, c]: whole tokens and work per rank
-    w, q = wq
+    wq = both[0] + both[1, :, :, ::-1]  # [2, K, c]: whole tokens and work per rank
+    w, q, flat = *wq, wq.reshape(-1)
+    cell = np.arange(0, 2 * k * c, c).reshape(2, k, 1)
     for rnd in range(2, rounds):  # bounded, each round vectorised over the thresholds
         ranks[:, rnd] = to = w.argsort(axis=1, kind="stable")
-        wq[:, rows, to] += both[:, :, rnd]
-    rank = np.full((k, n + rounds * c), -1, dtype=np.int64)
-    rank[rows, greedy] = ranks.reshape(k, -1)
+        flat[(cell + to).ravel()] += both[rnd].ravel()
+    rank = np.full(k * width, -1, dtype=np.int64)
+    rank[(rows * width + greedy).ravel()] = ranks.ravel()
     if n > greedy[:, -1].min() + 1:  # documents beyond the greedy rounds
         serp = np.arange(-(-n // c) * c).reshape(-1, c)
         serp[1::2] = serp[1::2, ::-1]
@@ -625,10 +629,10 @@ def _deal_whole(desc: np.ndarray, pairs: np.ndarray, first: np.ndarray, c: int) 
         at, doc = np.nonzero(valid)[0], idx[valid]
         hit = np.searchsorted((bounds + offset).ravel(), mid[valid]) - at * c
         bins = at * c + np.minimum(hit, c - 1)
-        rank[at, doc] = bins - at * c
+        rank[at * width + doc] = bins - at * c
         w += np.bincount(bins, desc[doc], k * c).reshape(k, c)
         q += np.bincount(bins, pairs[doc], k * c).reshape(k, c)
-    return rank[:, :n], w, q
+    return rank.reshape(k, width)[:, :n], w, q
 
 
 def _balance(w: np.ndarray, q: np.ndarray, s: np.ndarray, quad: np.ndarray, c: int) -> tuple:
