@@ -588,7 +588,7 @@ def _refine(lens: np.ndarray, rank: np.ndarray, weight: np.ndarray, c: int) -> n
 def _deal_whole(desc: np.ndarray, pairs: np.ndarray, first: np.ndarray, c: int) -> tuple:
     """Whole documents dealt to ranks under ``K`` thresholds at once: ``[K, n]`` rank of every
     document of ``desc`` (lengths, longest first; ``pairs``: their attention work), ``-1`` for the
-    ``first[k]`` split ones, and ``[K, c]`` whole tokens and work per rank.
+    ``first[k]`` split ones, and ``[2, K, c]`` whole tokens and work per rank.
 
     Balances tokens, on which the gathered K/V depend: :data:`GREEDY_ROUNDS` rounds of ``c``
     documents go longest to emptiest (the first two: a serpentine), then the rest, in serpentine
@@ -632,36 +632,39 @@ def _deal_whole(desc: np.ndarray, pairs: np.ndarray, first: np.ndarray, c: int) 
         rank[at * width + doc] = bins - at * c
         w += np.bincount(bins, desc[doc], k * c).reshape(k, c)
         q += np.bincount(bins, pairs[doc], k * c).reshape(k, c)
-    return rank.reshape(k, width)[:, :n], w, q
+    return rank.reshape(k, width)[:, :n], wq
 
 
-def _balance(w: np.ndarray, q: np.ndarray, s: np.ndarray, quad: np.ndarray, c: int) -> tuple:
+def _balance(wq: np.ndarray, s: np.ndarray, quad: np.ndarray, c: int) -> tuple:
     """Common chunk boundaries ``[K, 2c + 1]`` (fractions of a document) of the split documents
     that give each rank the tokens and attention work its whole ones lack, for ``K`` placements
-    (``w``, ``q``: ``[K, c]`` whole tokens and work; ``s``, ``quad``: ``[K, 1]`` split tokens and
+    (``wq``: ``[2, K, c]`` whole tokens and work; ``s``, ``quad``: ``[K, 1]`` split tokens and
     sum of squared split lengths); and, predicted, ``[K]`` work and token max/mean, the most
     gathered rows on a rank and whether both balances are within :data:`HYBRID_TOLERANCE`.
 
     Closed form (docs/context_parallel.md, "Hybrid sharding"); where a target is out of reach the
     cut moves from the even one towards it as far as no chunk turns negative."""
-    a = np.maximum((w.sum(axis=1, keepdims=True) + s) / c - w, 0.0)
+    (w, q), (w_total, q_total) = wq, wq.sum(axis=2, keepdims=True)
+    a = np.maximum((w_total + s) / c - w, 0.0)
     a /= np.maximum(a.sum(axis=1, keepdims=True), 1e-12)
-    b = ((q.sum(axis=1, keepdims=True) + (quad + s) / 2) / c - q - s * a / 2) / np.maximum(quad, 1)
+    b = ((q_total + (quad + s) / 2) / c - q - s * a / 2) / np.maximum(quad, 1)
     before = a.cumsum(axis=1) - a
     rest = np.maximum(1.0 - before, 1e-12)
     # Shift of rank r's head start from the even cut's; its tail end moves by the same amount.
     shift = ((1.0 - 2.0 * (b.cumsum(axis=1) - b)) / rest - rest - before) / 2.0
-    step = np.zeros_like(shift)  # rank r's head grows by it, its tail shrinks (the last: 0)
-    step[:, :-1] = np.abs(shift[:, 1:] - shift[:, :-1])
-    reach = np.where(step > 0, a / (2 * step + 1e-300), 1.0).min(axis=1, keepdims=True)
+    step = np.abs(shift[:, 1:] - shift[:, :-1])  # rank r's head grows by it, its tail shrinks
+    reach = np.where(step > 0, a[:, :-1] / (2 * step + 1e-300), 1.0).min(axis=1, keepdims=True)
     x = before / 2 + np.where(s > 0, np.minimum(reach, 1.0), 0.0) * shift
     y = x + rest
     cum = np.concatenate([x, x[:, -1:] + rest[:, -1:] / 2, y[:, ::-1]], axis=1)
     gathered = s * a
     cum_work = np.zeros((len(x), c + 1))  # quadratic work before each rank: (x**2 + 1 - y**2) / 2
     cum_work[:, :-1] = (x * x - y * y) / 2
-    work = q + quad * (cum_work[:, 1:] - cum_work[:, :-1]) + gathered / 2
-    imbalance = [v.max(axis=1) * c / v.sum(axis=1) for v in (work, w + gathered)]
+    work_tokens = np.empty_like(wq)  # (attention work, tokens) per rank
+    np.add(q, quad * (cum_work[:, 1:] - cum_work[:, :-1]), out=work_tokens[0])
+    work_tokens[0] += gathered / 2
+    np.add(w, gathered, out=work_tokens[1])
+    imbalance = work_tokens.max(axis=2) * c / work_tokens.sum(axis=2)
     ok = (imbalance[0] <= HYBRID_TOLERANCE[0]) & (imbalance[1] <= HYBRID_TOLERANCE[1])
     return cum, imbalance[0], imbalance[1], gathered.max(axis=1), ok
 
@@ -707,23 +710,23 @@ def _hybrid(lens: np.ndarray, c: int, max_len: int) -> tuple[tuple[np.ndarray, .
     pick = 0
     if c > 1 and first.min() < n:
         pairs = causal_pairs(desc, desc)
-        dealt, w, q = _deal_whole(desc, pairs, first, c)
-        d = np.zeros(n + 1)
-        np.multiply(desc, desc, out=d[1:])
-        s, quad = cum[first].astype(np.float64)[:, None], d.cumsum()[first][:, None]
+        dealt, wq = _deal_whole(desc, pairs, first, c)
         # The likeliest winner (the highest threshold whose whole documents fit the ranks' token
-        # shares) is also evaluated with its deal refined, on tokens (on work if nothing is split).
-        g = int((w.max(axis=1) * c <= desc.sum()).argmax())
+        # shares) is also evaluated with its deal refined, on tokens (on work if nothing is split):
+        # an extra candidate ``g`` at the end (its deal: ``row``).
+        g = int((wq[0].max(axis=1) * c <= cum[-1]).argmax())
         f = int(first[g])
         part = dealt[g, f:]
         row = _refine(desc[f:], part, desc[f:] if f else pairs[f:], c) if f < n else part
         if row is not part:
-            take = np.append(np.arange(len(first)), g)
-            thresholds, first, s, quad = thresholds[take], first[take], s[take], quad[take]
-            dealt, w, q = dealt[take], w[take], q[take]
-            dealt[-1, f:] = row
-            w[-1], q[-1] = (np.bincount(row, x[f:], c) for x in (desc, pairs))
-        stats = _balance(w, q, s, quad, c)
+            take = np.arange(len(first) + 1)
+            take[-1] = g
+            thresholds, first, wq = thresholds[take], first[take], wq[:, take]
+            wq[:, -1] = np.bincount(row, desc[f:], c), np.bincount(row, pairs[f:], c)
+        d = np.zeros(n + 1)
+        np.multiply(desc, desc, out=d[1:])
+        s, quad = cum[first].astype(np.float64)[:, None], d.cumsum()[first][:, None]
+        stats = _balance(wq, s, quad, c)
         pick = int(np.lexsort((-thresholds, np.where(stats[4], stats[3], stats[1]), ~stats[4]))[0])
     n_split = int(first[pick])
     split = np.zeros(n, dtype=bool)
@@ -732,7 +735,8 @@ def _hybrid(lens: np.ndarray, c: int, max_len: int) -> tuple[tuple[np.ndarray, .
     split_lens, whole_lens = lens[split_docs], lens[whole_docs]
     whole_rank, sizes = np.zeros(len(whole_docs), dtype=np.int64), None
     if c > 1 and len(whole_docs):
-        whole_rank, cum = dealt[pick, n_split:], stats[0][pick]
+        whole_rank = row if pick == len(dealt) else dealt[pick, n_split:]
+        cum = stats[0][pick]
         if n_split:
             bounds = np.floor(split_lens[:, None] * cum + 0.5).astype(np.int64)
             sizes, starts = bounds[:, 1:] - bounds[:, :-1], bounds[:, :-1]
