@@ -18,6 +18,7 @@ the index arrays a rank asks for; no Python loop runs over documents.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -206,9 +207,10 @@ class CPPlan:
     def _all_gathered(self) -> bool:
         return self.gathered_len == self.seq_len
 
+    @cached_property
     def _doc_key_start(self) -> np.ndarray:
         """``[n_docs]`` start of each gathered document in the gathered key order (the packed order
-        with whole documents left out)."""
+        with whole documents left out); cached, as ``kv_order`` and every rank's spec need it."""
         if self._all_gathered():
             return self.doc_cu[:-1]
         gathered = np.where(self.doc_gathered, self.doc_lens, 0)
@@ -226,9 +228,9 @@ class CPPlan:
             segs = np.flatnonzero(self.doc_gathered[self.seg_doc])
         seg_slot, seg_doc = self.seg_slot[segs], self.seg_doc[segs]
         seg_start, seg_len = self.seg_start[segs], self.seg_len[segs]
-        owner = self.slot_owner()[seg_slot]
+        owner = np.minimum(seg_slot, 2 * self.cp_degree - 1 - seg_slot)
         gathered = owner * self.max_gather_len + self.seg_local_offset[segs]
-        key_start = self._doc_key_start()[seg_doc] + seg_start
+        key_start = self._doc_key_start[seg_doc] + seg_start
         order = np.repeat(gathered - key_start, seg_len)
         order += _arange(self.gathered_len)
         return order
@@ -246,7 +248,7 @@ class CPPlan:
         segs = segs[nonempty]
         q_len = self.seg_len[segs]
         end = self.seg_start[segs] + q_len  # keys a segment sees: its document's prefix
-        k_start = self._doc_key_start()[self.seg_doc[segs]]
+        k_start = self._doc_key_start[self.seg_doc[segs]]
         m, cut = 2 * len(segs) + 2, 2 * n_head + 1
         pos = np.arange(1, m - 1, 2)
         pos[n_head:] += 1
@@ -257,7 +259,7 @@ class CPPlan:
         end += k_start
         lens[1, pos + 1] -= end  # gaps: up to the next start, or to the end
         cum = np.zeros((2, m + 1), dtype=np.int32)
-        np.cumsum(lens, axis=1, out=cum[:, 1:])
+        lens.cumsum(axis=1, out=cum[:, 1:])
         (cq_h, ck_h), tail_cum = cum[:, : cut + 1], cum[:, cut:] - cum[:, cut : cut + 1]
         (mq_h, mq_t), (mk_h, mk_t) = np.maximum.reduceat(lens, [0, cut], axis=1).tolist()
         cq_t, ck_t = tail_cum
@@ -406,9 +408,10 @@ class ShardingDraft:
             segs = self.table[:6]
             _, _, seg_len, _, slot_order, slot_offsets = segs
             cum = np.zeros(len(seg_len) + 1, dtype=np.int64)
-            np.cumsum(seg_len[slot_order], out=cum[1:])
+            seg_len[slot_order].cumsum(out=cum[1:])
             slot_tokens = cum[slot_offsets[1:]] - cum[slot_offsets[:-1]]
-            slot_base = np.where(np.arange(two_c) < c, 0, slot_tokens[::-1])  # tails follow heads
+            slot_base = np.zeros(two_c, dtype=np.int64)
+            slot_base[c:] = slot_tokens[c - 1 :: -1]  # tails follow heads
             sorted_slot = np.repeat(np.arange(two_c), slot_offsets[1:] - slot_offsets[:-1])
             local_offset = np.empty(len(seg_len), dtype=np.int64)
             local_offset[slot_order] = (
@@ -622,12 +625,12 @@ def _deal_whole(desc: np.ndarray, pairs: np.ndarray, first: np.ndarray, c: int) 
         sizes = np.where(valid, desc[np.minimum(idx, n - 1)], 0)
         rest_total = sizes.sum(axis=1, keepdims=True)
         deficit = np.maximum((w.sum(axis=1, keepdims=True) + rest_total) / c - w, 0.0)
-        bounds = np.cumsum(deficit, axis=1)
+        bounds = deficit.cumsum(axis=1)
         bounds *= rest_total / np.maximum(bounds[:, -1:], 1e-9)
         offset = rows * (float(desc.sum()) + 1.0)  # one searchsorted for all thresholds
-        mid = np.cumsum(sizes, axis=1) - sizes / 2 + offset
-        at, doc = np.nonzero(valid)[0], idx[valid]
-        hit = np.searchsorted((bounds + offset).ravel(), mid[valid]) - at * c
+        mid = sizes.cumsum(axis=1) - sizes / 2 + offset
+        at, doc = valid.nonzero()[0], idx[valid]
+        hit = (bounds + offset).ravel().searchsorted(mid[valid]) - at * c
         bins = at * c + np.minimum(hit, c - 1)
         rank[at * width + doc] = bins - at * c
         w += np.bincount(bins, desc[doc], k * c).reshape(k, c)
@@ -702,7 +705,7 @@ def _hybrid(lens: np.ndarray, c: int, max_len: int) -> tuple[tuple[np.ndarray, .
     threshold): more documents whole, less K/V but a harder balance, a trade set by the lengths.
     """
     two_c, n = 2 * c, len(lens)
-    order = np.argsort(-lens, kind="stable")
+    order = (-lens).argsort(kind="stable")
     desc = lens[order]
     cum = np.zeros(n + 1, dtype=np.int64)
     desc.cumsum(out=cum[1:])
@@ -749,14 +752,14 @@ def _hybrid(lens: np.ndarray, c: int, max_len: int) -> tuple[tuple[np.ndarray, .
     # One segment per whole document, 2c per split document, in document order.
     per_doc = np.where(split, two_c, 1)
     seg_cu = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(per_doc, out=seg_cu[1:])
+    per_doc.cumsum(out=seg_cu[1:])
     n_seg = int(seg_cu[-1])
     seg_doc = np.repeat(np.arange(n, dtype=np.int64), per_doc)
     seg_slot = np.empty(n_seg, dtype=np.int64)
     seg_start = np.zeros(n_seg, dtype=np.int64)
     seg_len = np.empty(n_seg, dtype=np.int64)
     chunk = (seg_cu[split_docs][:, None] + np.arange(two_c)).ravel()
-    seg_slot[chunk] = np.tile(np.arange(two_c, dtype=np.int64), len(split_docs))
+    seg_slot[chunk] = np.arange(len(chunk)) % two_c
     seg_start[chunk] = starts.ravel()
     seg_len[chunk] = sizes.ravel()
     first_seg = seg_cu[whole_docs]
@@ -766,10 +769,10 @@ def _hybrid(lens: np.ndarray, c: int, max_len: int) -> tuple[tuple[np.ndarray, .
     # (a stable sort on a small integer key).
     key = seg_slot * 2
     key[first_seg] += 1
-    small = np.int16 if 4 * c < np.iinfo(np.int16).max else np.int32  # int16: a radix sort
-    slot_order = np.argsort(key.astype(small), kind="stable")
+    small = np.int16 if 4 * c < 32767 else np.int32  # int16: a radix sort
+    slot_order = key.astype(small).argsort(kind="stable")
     slot_offsets = np.zeros(two_c + 1, dtype=np.int64)
-    np.cumsum(np.bincount(seg_slot, minlength=two_c), out=slot_offsets[1:])
+    np.bincount(seg_slot, minlength=two_c).cumsum(out=slot_offsets[1:])
     table = (seg_doc, seg_start, seg_len, seg_slot, slot_order, slot_offsets, split)
     return table, int(thresholds[pick])
 
