@@ -240,8 +240,8 @@ class CPPlan:
         head, tail = self._rank_segments(rank)
         n_tail_split = int(np.count_nonzero(self.doc_gathered[self.seg_doc[tail]]))
         whole = tail[n_tail_split:]  # whole documents follow the split ones
-        # Both halves in one pass: head entries [0, 2 * n_head + 1), the tail's after them; each
-        # segment's queries at an odd slot, the key gap before it at the slot before.
+        # Both halves at once: head entries [0, 2 * n_head + 1), the tail's after them; queries
+        # at odd entries, the key gap before each segment at the entry before.
         segs = np.concatenate((head, tail[:n_tail_split]))
         nonempty = self.seg_len[segs] > 0
         n_head = int(np.count_nonzero(nonempty[: len(head)]))
@@ -260,9 +260,8 @@ class CPPlan:
         lens[1, pos + 1] -= end  # gaps: up to the next start, or to the end
         cum = np.zeros((2, m + 1), dtype=np.int32)
         lens.cumsum(axis=1, out=cum[:, 1:])
-        (cq_h, ck_h), tail_cum = cum[:, : cut + 1], cum[:, cut:] - cum[:, cut : cut + 1]
+        (cq_h, ck_h), (cq_t, ck_t) = cum[:, : cut + 1], cum[:, cut:] - cum[:, cut : cut + 1]
         (mq_h, mq_t), (mk_h, mk_t) = np.maximum.reduceat(lens, [0, cut], axis=1).tolist()
-        cq_t, ck_t = tail_cum
         whole_lens = self.seg_len[whole]
         longest_whole = int(whole_lens.max()) if len(whole_lens) else 0
         return LocalAttentionSpec(
@@ -410,8 +409,8 @@ class ShardingDraft:
             cum = np.zeros(len(seg_len) + 1, dtype=np.int64)
             seg_len[slot_order].cumsum(out=cum[1:])
             slot_tokens = cum[slot_offsets[1:]] - cum[slot_offsets[:-1]]
-            slot_base = np.zeros(two_c, dtype=np.int64)
-            slot_base[c:] = slot_tokens[c - 1 :: -1]  # tails follow heads
+            slot_base = np.zeros(two_c, dtype=np.int64)  # tails follow heads
+            slot_base[c:] = slot_tokens[c - 1 :: -1]
             sorted_slot = np.repeat(np.arange(two_c), slot_offsets[1:] - slot_offsets[:-1])
             local_offset = np.empty(len(seg_len), dtype=np.int64)
             local_offset[slot_order] = (
@@ -546,27 +545,21 @@ def _refine(lens: np.ndarray, rank: np.ndarray, weight: np.ndarray, c: int) -> n
     document of the busier rank, the partner nearest half the gap, by binary search). A pass
     never empties a rank. Returns ``rank`` itself when nothing moved."""
     original, rank, moved = rank, rank.copy(), False
-    load_arr = np.bincount(rank, weights=weight, minlength=c)
-    limit = load_arr.sum() / c * (1.0 + REFINE_TOLERANCE)  # moves keep the total
-    load = load_arr.tolist()  # c Python floats: cheaper than NumPy scalars for the bookkeeping
-    tokens = np.bincount(rank, weights=lens, minlength=c).tolist()
-    ranks = range(c)
-    by_weight = weight.argsort(kind="stable")  # partners by weight: the lightest rank's part
-    sorted_weight, sorted_lens = weight[by_weight], lens[by_weight]
+    load = np.bincount(rank, weights=weight, minlength=c)
+    limit = load.sum() / c * (1.0 + REFINE_TOLERANCE)  # moves keep the total
+    # Bookkeeping in Python floats (c of them: cheaper than NumPy scalars); partners by weight.
+    load, tokens = load.tolist(), np.bincount(rank, weights=lens, minlength=c).tolist()
+    ranks, by_weight = range(c), weight.argsort(kind="stable")
+    by_weight = (by_weight, weight[by_weight], lens[by_weight])
     for _ in range(REFINE_PASSES):
         hi, lo = max(ranks, key=load.__getitem__), min(ranks, key=load.__getitem__)
         load_hi, load_lo = load[hi], load[lo]
         if load_hi <= limit:
             break
         on_hi = (rank == hi).nonzero()[0]
-        on_lo = rank[by_weight] == lo
-        # Partner 0 = a plain move (moves nothing back); others: swaps.
-        n_lo = int(np.count_nonzero(on_lo)) + 1
-        partner, back_lens = np.zeros((2, n_lo), dtype=np.int64)
-        partner[1:], back_lens[1:] = by_weight[on_lo], sorted_lens[on_lo]
-        back = np.zeros(n_lo, dtype=weight.dtype)
-        back[1:] = sorted_weight[on_lo]
-        w_hi = weight[on_hi]
+        on_lo = rank[by_weight[0]] == lo  # lo's documents, lightest first; partner 0: a move
+        partner, back, back_lens = (np.concatenate(([0], x[on_lo])) for x in by_weight)
+        w_hi, n_lo = weight[on_hi], len(partner)
         j = back.searchsorted(w_hi - (load_hi - load_lo) / 2)
         cand_a = np.concatenate([on_hi, on_hi])
         cand_j = np.concatenate([np.maximum(j - 1, 0), np.minimum(j, n_lo - 1)])
