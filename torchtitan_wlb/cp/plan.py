@@ -240,8 +240,7 @@ class CPPlan:
         head, tail = self._rank_segments(rank)
         n_tail_split = int(np.count_nonzero(self.doc_gathered[self.seg_doc[tail]]))
         whole = tail[n_tail_split:]  # whole documents follow the split ones
-        # Both halves at once: head entries [0, 2 * n_head + 1), the tail's after them; queries
-        # at odd entries, the key gap before each segment at the entry before.
+        # Both halves at once (head entries first): queries at odd entries, key gaps before them.
         segs = np.concatenate((head, tail[:n_tail_split]))
         nonempty = self.seg_len[segs] > 0
         n_head = int(np.count_nonzero(nonempty[: len(head)]))
@@ -256,8 +255,7 @@ class CPPlan:
         lens[0, pos], lens[1, pos] = q_len, end
         lens[1, pos - 1] = k_start
         lens[1, cut - 1] = lens[1, m - 1] = self.gathered_len
-        end += k_start
-        lens[1, pos + 1] -= end  # gaps: up to the next start, or to the end
+        lens[1, pos + 1] -= end + k_start  # gaps: up to the next start, or to the end
         cum = np.zeros((2, m + 1), dtype=np.int32)
         lens.cumsum(axis=1, out=cum[:, 1:])
         (cq_h, ck_h), (cq_t, ck_t) = cum[:, : cut + 1], cum[:, cut:] - cum[:, cut : cut + 1]
@@ -409,8 +407,7 @@ class ShardingDraft:
             cum = np.zeros(len(seg_len) + 1, dtype=np.int64)
             seg_len[slot_order].cumsum(out=cum[1:])
             slot_tokens = cum[slot_offsets[1:]] - cum[slot_offsets[:-1]]
-            slot_base = np.zeros(two_c, dtype=np.int64)  # tails follow heads
-            slot_base[c:] = slot_tokens[c - 1 :: -1]
+            slot_base = np.concatenate((np.zeros(c, np.int64), slot_tokens[c - 1 :: -1]))  # tails
             sorted_slot = np.repeat(np.arange(two_c), slot_offsets[1:] - slot_offsets[:-1])
             local_offset = np.empty(len(seg_len), dtype=np.int64)
             local_offset[slot_order] = (
@@ -547,9 +544,8 @@ def _refine(lens: np.ndarray, rank: np.ndarray, weight: np.ndarray, c: int) -> n
     original, rank, moved = rank, rank.copy(), False
     load = np.bincount(rank, weights=weight, minlength=c)
     limit = load.sum() / c * (1.0 + REFINE_TOLERANCE)  # moves keep the total
-    # Bookkeeping in Python floats (c of them: cheaper than NumPy scalars); partners by weight.
     load, tokens = load.tolist(), np.bincount(rank, weights=lens, minlength=c).tolist()
-    ranks, by_weight = range(c), weight.argsort(kind="stable")
+    ranks, by_weight = range(c), weight.argsort(kind="stable")  # Python floats: cheaper here
     by_weight = (by_weight, weight[by_weight], lens[by_weight])
     for _ in range(REFINE_PASSES):
         hi, lo = max(ranks, key=load.__getitem__), min(ranks, key=load.__getitem__)
@@ -571,9 +567,8 @@ def _refine(lens: np.ndarray, rank: np.ndarray, weight: np.ndarray, c: int) -> n
             break
         new_max[~valid] = np.inf
         best = int(new_max.argmin())
-        a, b = int(cand_a[best]), int(cand_j[best])
-        rank[a], moved = lo, True
-        if b:
+        rank[cand_a[best]], moved = lo, True
+        if b := int(cand_j[best]):
             rank[partner[b]] = hi
         step, step_tokens = float(delta[best]), float(moved_tokens[best])
         load[hi], load[lo] = load_hi - step, load_lo + step
@@ -592,10 +587,8 @@ def _deal_whole(desc: np.ndarray, pairs: np.ndarray, first: np.ndarray, c: int) 
     (cut at cumulative lengths). Attention work is left to the split documents (:func:`_balance`).
     """
     n, k, rounds = len(desc), len(first), GREEDY_ROUNDS
-    rows = np.arange(k)[:, None]
-    greedy = first[:, None] + np.arange(rounds * c)
-    # Flat (1-D) gathers and scatters: NumPy's multi-axis fancy indexing costs ~10x more here.
-    width = n + rounds * c
+    rows, greedy = np.arange(k)[:, None], first[:, None] + np.arange(rounds * c)
+    width = n + rounds * c  # flat (1-D) gathers and scatters: multi-axis ones cost ~10x more
     padded = np.zeros(2 * width)  # lengths, then work, zero past the last document
     padded[:n], padded[width : width + n] = desc, pairs
     per_round = greedy.reshape(k, rounds, c).transpose(1, 0, 2)[:, None]
@@ -603,8 +596,7 @@ def _deal_whole(desc: np.ndarray, pairs: np.ndarray, first: np.ndarray, c: int) 
     ranks = np.empty((k, rounds, c), dtype=np.int64)
     ranks[:, 0], ranks[:, 1] = np.arange(c), np.arange(c)[::-1]
     wq = both[0] + both[1, :, :, ::-1]  # [2, K, c]: whole tokens and work per rank
-    w, q, flat = *wq, wq.reshape(-1)
-    cell = np.arange(0, 2 * k * c, c).reshape(2, k, 1)
+    (w, q), flat, cell = wq, wq.reshape(-1), np.arange(0, 2 * k * c, c).reshape(2, k, 1)
     for rnd in range(2, rounds):  # bounded, each round vectorised over the thresholds
         ranks[:, rnd] = to = w.argsort(axis=1, kind="stable")
         flat[(cell + to).ravel()] += both[rnd].ravel()
@@ -676,8 +668,7 @@ def _candidates(desc: np.ndarray, cum: np.ndarray, c: int, max_len: int) -> tupl
     else:
         keep = desc * c <= cum[-1]  # a threshold keeps all of its length whole: distinct ones
         keep[:-1] &= desc[:-1] > desc[1:]
-        floor = default_hybrid_max_len(c)
-        keep &= desc > floor
+        keep &= desc > (floor := default_hybrid_max_len(c))
         fit = desc[keep]
         m = min(len(fit) + 1, max(2, SEARCH_CELLS // n))  # evenly spaced, the highest and floor
         pick = (np.arange(m) * (len(fit) / max(m - 1, 1))).round().astype(np.int64)
@@ -708,20 +699,17 @@ def _hybrid(lens: np.ndarray, c: int, max_len: int) -> tuple[tuple[np.ndarray, .
         pairs = causal_pairs(desc, desc)
         dealt, wq = _deal_whole(desc, pairs, first, c)
         # The likeliest winner (the highest threshold whose whole documents fit the ranks' token
-        # shares) is also evaluated with its deal refined, on tokens (on work if nothing is split):
-        # an extra candidate ``g`` at the end (its deal: ``row``).
+        # shares) is also evaluated with its deal refined, on tokens (on work if nothing is split).
         g = int((wq[0].max(axis=1) * c <= cum[-1]).argmax())
         f = int(first[g])
         part = dealt[g, f:]
         row = _refine(desc[f:], part, desc[f:] if f else pairs[f:], c) if f < n else part
         if row is not part:
-            take = np.arange(len(first) + 1)
-            take[-1] = g
+            take = np.concatenate((np.arange(len(first)), [g]))
             thresholds, first, wq = thresholds[take], first[take], wq[:, take]
             wq[:, -1] = np.bincount(row, desc[f:], c), np.bincount(row, pairs[f:], c)
-        d = np.zeros(n + 1)
-        np.multiply(desc, desc, out=d[1:])
-        s, quad = cum[first].astype(np.float64)[:, None], d.cumsum()[first][:, None]
+        squares = np.concatenate(([0], desc * desc)).cumsum()  # exact in int64 and float64
+        s, quad = (x[first].astype(np.float64)[:, None] for x in (cum, squares))
         stats = _balance(wq, s, quad, c)
         pick = int(np.lexsort((-thresholds, np.where(stats[4], stats[3], stats[1]), ~stats[4]))[0])
     n_split = int(first[pick])
@@ -731,8 +719,7 @@ def _hybrid(lens: np.ndarray, c: int, max_len: int) -> tuple[tuple[np.ndarray, .
     split_lens, whole_lens = lens[split_docs], lens[whole_docs]
     whole_rank, sizes = np.zeros(len(whole_docs), dtype=np.int64), None
     if c > 1 and len(whole_docs):
-        whole_rank = row if pick == len(dealt) else dealt[pick, n_split:]
-        cum = stats[0][pick]
+        whole_rank, cum = row if pick == len(dealt) else dealt[pick, n_split:], stats[0][pick]
         if n_split:
             bounds = np.floor(split_lens[:, None] * cum + 0.5).astype(np.int64)
             sizes, starts = bounds[:, 1:] - bounds[:, :-1], bounds[:, :-1]
@@ -748,9 +735,7 @@ def _hybrid(lens: np.ndarray, c: int, max_len: int) -> tuple[tuple[np.ndarray, .
     per_doc.cumsum(out=seg_cu[1:])
     n_seg = int(seg_cu[-1])
     seg_doc = np.repeat(np.arange(n, dtype=np.int64), per_doc)
-    seg_slot = np.empty(n_seg, dtype=np.int64)
-    seg_start = np.zeros(n_seg, dtype=np.int64)
-    seg_len = np.empty(n_seg, dtype=np.int64)
+    seg_slot, seg_start, seg_len = np.zeros((3, n_seg), dtype=np.int64)
     chunk = (seg_cu[split_docs][:, None] + np.arange(two_c)).ravel()
     seg_slot[chunk] = np.arange(len(chunk)) % two_c
     seg_start[chunk] = starts.ravel()
@@ -759,11 +744,10 @@ def _hybrid(lens: np.ndarray, c: int, max_len: int) -> tuple[tuple[np.ndarray, .
     seg_slot[first_seg] = two_c - 1 - whole_rank  # a whole document sits in its rank's tail slot
     seg_len[first_seg] = whole_lens
     # Slot order: by slot, a slot's split chunks before its whole documents, then document order
-    # (a stable sort on a small integer key).
+    # (a stable sort on a small integer key: int16, a radix sort).
     key = seg_slot * 2
     key[first_seg] += 1
-    small = np.int16 if 4 * c < 32767 else np.int32  # int16: a radix sort
-    slot_order = key.astype(small).argsort(kind="stable")
+    slot_order = key.astype(np.int16 if 4 * c < 32767 else np.int32).argsort(kind="stable")
     slot_offsets = np.zeros(two_c + 1, dtype=np.int64)
     np.bincount(seg_slot, minlength=two_c).cumsum(out=slot_offsets[1:])
     table = (seg_doc, seg_start, seg_len, seg_slot, slot_order, slot_offsets, split)
