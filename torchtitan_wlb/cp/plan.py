@@ -546,30 +546,29 @@ def _refine(lens: np.ndarray, rank: np.ndarray, weight: np.ndarray, c: int) -> n
     limit = load.sum() / c * (1.0 + REFINE_TOLERANCE)  # moves keep the total
     load, tokens = load.tolist(), np.bincount(rank, weights=lens, minlength=c).tolist()
     ranks, by_weight = range(c), weight.argsort(kind="stable")  # Python floats: cheaper here
-    by_weight = (by_weight, weight[by_weight], lens[by_weight])
+    partners = np.zeros((3, len(lens) + 1))  # (document, weight, tokens) by weight; 0: a move
+    partners[:, 1:] = by_weight, weight[by_weight], lens[by_weight]
     for _ in range(REFINE_PASSES):
         hi, lo = max(ranks, key=load.__getitem__), min(ranks, key=load.__getitem__)
         load_hi, load_lo = load[hi], load[lo]
         if load_hi <= limit:
             break
         on_hi = (rank == hi).nonzero()[0]
-        on_lo = rank[by_weight[0]] == lo  # lo's documents, lightest first; partner 0: a move
-        partner, back, back_lens = (np.concatenate(([0], x[on_lo])) for x in by_weight)
-        w_hi, n_lo = weight[on_hi], len(partner)
+        partner, back, back_lens = partners[:, np.concatenate(([True], rank[by_weight] == lo))]
+        w_hi = weight[on_hi]
         j = back.searchsorted(w_hi - (load_hi - load_lo) / 2)
         cand_a = np.concatenate([on_hi, on_hi])
-        cand_j = np.concatenate([np.maximum(j - 1, 0), np.minimum(j, n_lo - 1)])
+        cand_j = np.concatenate([j - 1, j]).clip(0, len(back) - 1)
         delta = np.concatenate([w_hi, w_hi]) - back[cand_j]  # weight leaving hi for lo
         new_max = np.maximum(load_hi - delta, load_lo + delta)
         moved_tokens = lens[cand_a] - back_lens[cand_j]
-        valid = (delta > 0) & (new_max < load_hi) & (tokens[hi] - moved_tokens > 0)
-        if not valid.any():
+        valid = (delta > 0) & (new_max < load_hi) & (moved_tokens < tokens[hi])
+        best = int(np.where(valid, new_max, np.inf).argmin())
+        if not valid[best]:
             break
-        new_max[~valid] = np.inf
-        best = int(new_max.argmin())
         rank[cand_a[best]], moved = lo, True
         if b := int(cand_j[best]):
-            rank[partner[b]] = hi
+            rank[int(partner[b])] = hi
         step, step_tokens = float(delta[best]), float(moved_tokens[best])
         load[hi], load[lo] = load_hi - step, load_lo + step
         tokens[hi], tokens[lo] = tokens[hi] - step_tokens, tokens[lo] + step_tokens
