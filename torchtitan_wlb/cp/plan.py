@@ -225,7 +225,7 @@ class CPPlan:
         elif self.gathered_len == 0:
             return np.zeros(0, dtype=np.int64)
         else:
-            segs = np.flatnonzero(self.doc_gathered[self.seg_doc])
+            segs = self.doc_gathered[self.seg_doc].nonzero()[0]
         seg_slot, seg_doc = self.seg_slot[segs], self.seg_doc[segs]
         seg_start, seg_len = self.seg_start[segs], self.seg_len[segs]
         owner = np.minimum(seg_slot, 2 * self.cp_degree - 1 - seg_slot)
@@ -714,7 +714,7 @@ def _hybrid(lens: np.ndarray, c: int, max_len: int) -> tuple[tuple[np.ndarray, .
     n_split = int(first[pick])
     split = np.zeros(n, dtype=bool)
     split[order[:n_split]] = True
-    split_docs, whole_docs = np.flatnonzero(split), order[n_split:]
+    split_docs, whole_docs = split.nonzero()[0], order[n_split:]
     split_lens, whole_lens = lens[split_docs], lens[whole_docs]
     whole_rank, sizes = np.zeros(len(whole_docs), dtype=np.int64), None
     if c > 1 and len(whole_docs):
