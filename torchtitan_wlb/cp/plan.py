@@ -18,6 +18,7 @@ the index arrays a rank asks for; no Python loop runs over documents.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -206,9 +207,10 @@ class CPPlan:
     def _all_gathered(self) -> bool:
         return self.gathered_len == self.seq_len
 
+    @cached_property
     def _doc_key_start(self) -> np.ndarray:
         """``[n_docs]`` start of each gathered document in the gathered key order (the packed order
-        with whole documents left out)."""
+        with whole documents left out); cached, as ``kv_order`` and every rank's spec need it."""
         if self._all_gathered():
             return self.doc_cu[:-1]
         gathered = np.where(self.doc_gathered, self.doc_lens, 0)
@@ -223,40 +225,41 @@ class CPPlan:
         elif self.gathered_len == 0:
             return np.zeros(0, dtype=np.int64)
         else:
-            segs = np.flatnonzero(self.doc_gathered[self.seg_doc])
+            segs = self.doc_gathered[self.seg_doc].nonzero()[0]
         seg_slot, seg_doc = self.seg_slot[segs], self.seg_doc[segs]
         seg_start, seg_len = self.seg_start[segs], self.seg_len[segs]
-        owner = self.slot_owner()[seg_slot]
+        owner = np.minimum(seg_slot, 2 * self.cp_degree - 1 - seg_slot)
         gathered = owner * self.max_gather_len + self.seg_local_offset[segs]
-        key_start = self._doc_key_start()[seg_doc] + seg_start
+        key_start = self._doc_key_start[seg_doc] + seg_start
         order = np.repeat(gathered - key_start, seg_len)
         order += _arange(self.gathered_len)
         return order
 
     def local_attention_spec(self, rank: int) -> LocalAttentionSpec:
         """cu_seqlens of ``rank``'s varlen calls (head half, tail half, whole documents)."""
-        key_start = self._doc_key_start()
-        total = self.gathered_len
         head, tail = self._rank_segments(rank)
-        gathered = self.doc_gathered[self.seg_doc[tail]]
-        n_tail_split = int(np.count_nonzero(gathered))  # whole documents follow the split ones
-        whole = tail[n_tail_split:]
-        halves = []
-        for segs in (head, tail[:n_tail_split]):  # two halves, not a loop over documents
-            segs = segs[self.seg_len[segs] > 0]
-            q_len = self.seg_len[segs]
-            prefix = self.seg_start[segs] + q_len  # keys a segment sees: its document's prefix
-            k_start = key_start[self.seg_doc[segs]]
-            q_lens = np.zeros(2 * len(segs) + 1, dtype=np.int64)
-            q_lens[1::2] = q_len
-            k_lens = np.empty(2 * len(segs) + 1, dtype=np.int64)
-            k_lens[1::2] = prefix
-            k_lens[0:-1:2], k_lens[-1] = k_start, total
-            k_lens[2::2] -= k_start + prefix  # gaps: up to the next start, or to the end
-            halves.append(
-                (_cumsum0(q_lens), _cumsum0(k_lens), int(q_lens.max()), int(k_lens.max()))
-            )
-        (cq_h, ck_h, mq_h, mk_h), (cq_t, ck_t, mq_t, mk_t) = halves
+        n_tail_split = int(np.count_nonzero(self.doc_gathered[self.seg_doc[tail]]))
+        whole = tail[n_tail_split:]  # whole documents follow the split ones
+        # Both halves at once (head entries first): queries at odd entries, key gaps before them.
+        segs = np.concatenate((head, tail[:n_tail_split]))
+        nonempty = self.seg_len[segs] > 0
+        n_head = int(np.count_nonzero(nonempty[: len(head)]))
+        segs = segs[nonempty]
+        q_len = self.seg_len[segs]
+        end = self.seg_start[segs] + q_len  # keys a segment sees: its document's prefix
+        k_start = self._doc_key_start[self.seg_doc[segs]]
+        m, cut = 2 * len(segs) + 2, 2 * n_head + 1
+        pos = np.arange(1, m - 1, 2)
+        pos[n_head:] += 1
+        lens = np.zeros((2, m), dtype=np.int64)  # (query lengths, key lengths with gaps)
+        lens[0, pos], lens[1, pos] = q_len, end
+        lens[1, pos - 1] = k_start
+        lens[1, cut - 1] = lens[1, m - 1] = self.gathered_len
+        lens[1, pos + 1] -= end + k_start  # gaps: up to the next start, or to the end
+        cum = np.zeros((2, m + 1), dtype=np.int32)
+        lens.cumsum(axis=1, out=cum[:, 1:])
+        (cq_h, ck_h), (cq_t, ck_t) = cum[:, : cut + 1], cum[:, cut:] - cum[:, cut : cut + 1]
+        (mq_h, mq_t), (mk_h, mk_t) = np.maximum.reduceat(lens, [0, cut], axis=1).tolist()
         whole_lens = self.seg_len[whole]
         longest_whole = int(whole_lens.max()) if len(whole_lens) else 0
         return LocalAttentionSpec(
@@ -402,9 +405,9 @@ class ShardingDraft:
             segs = self.table[:6]
             _, _, seg_len, _, slot_order, slot_offsets = segs
             cum = np.zeros(len(seg_len) + 1, dtype=np.int64)
-            np.cumsum(seg_len[slot_order], out=cum[1:])
+            seg_len[slot_order].cumsum(out=cum[1:])
             slot_tokens = cum[slot_offsets[1:]] - cum[slot_offsets[:-1]]
-            slot_base = np.where(np.arange(two_c) < c, 0, slot_tokens[::-1])  # tails follow heads
+            slot_base = np.concatenate((np.zeros(c, np.int64), slot_tokens[c - 1 :: -1]))  # tails
             sorted_slot = np.repeat(np.arange(two_c), slot_offsets[1:] - slot_offsets[:-1])
             local_offset = np.empty(len(seg_len), dtype=np.int64)
             local_offset[slot_order] = (
@@ -540,42 +543,42 @@ def _refine(lens: np.ndarray, rank: np.ndarray, weight: np.ndarray, c: int) -> n
     never empties a rank. Returns ``rank`` itself when nothing moved."""
     original, rank, moved = rank, rank.copy(), False
     load = np.bincount(rank, weights=weight, minlength=c)
-    tokens = np.bincount(rank, weights=lens, minlength=c)
     limit = load.sum() / c * (1.0 + REFINE_TOLERANCE)  # moves keep the total
+    load, tokens = load.tolist(), np.bincount(rank, weights=lens, minlength=c).tolist()
+    ranks, by_weight = range(c), weight.argsort(kind="stable")  # Python floats: cheaper here
+    partners = np.zeros((3, len(lens) + 1))  # (document, weight, tokens) by weight; 0: a move
+    partners[:, 1:] = by_weight, weight[by_weight], lens[by_weight]
     for _ in range(REFINE_PASSES):
-        hi, lo = int(load.argmax()), int(load.argmin())
-        gap = load[hi] - load[lo]
-        if load[hi] <= limit:
+        hi, lo = max(ranks, key=load.__getitem__), min(ranks, key=load.__getitem__)
+        load_hi, load_lo = load[hi], load[lo]
+        if load_hi <= limit:
             break
         on_hi = (rank == hi).nonzero()[0]
-        on_lo = (rank == lo).nonzero()[0]
-        # Partner -1 = a plain move (moves nothing back); others: swaps.
-        partner = np.concatenate(([-1], on_lo[weight[on_lo].argsort(kind="stable")]))
-        back = weight[partner]
-        back[0] = 0.0
-        j = back.searchsorted(weight[on_hi] - gap / 2)
+        partner, back, back_lens = partners[:, np.concatenate(([True], rank[by_weight] == lo))]
+        w_hi = weight[on_hi]
+        j = back.searchsorted(w_hi - (load_hi - load_lo) / 2)
         cand_a = np.concatenate([on_hi, on_hi])
-        cand_j = np.concatenate([np.maximum(j - 1, 0), np.minimum(j, len(back) - 1)])
-        delta = weight[cand_a] - back[cand_j]  # weight leaving hi for lo
-        new_max = np.maximum(load[hi] - delta, load[lo] + delta)
-        moved_tokens = lens[cand_a] - np.where(cand_j > 0, lens[partner[cand_j]], 0)
-        valid = (delta > 0) & (new_max < load[hi]) & (tokens[hi] - moved_tokens > 0)
-        if not valid.any():
-            break
+        cand_j = np.concatenate([j - 1, j]).clip(0, len(back) - 1)
+        delta = np.concatenate([w_hi, w_hi]) - back[cand_j]  # weight leaving hi for lo
+        new_max = np.maximum(load_hi - delta, load_lo + delta)
+        moved_tokens = lens[cand_a] - back_lens[cand_j]
+        valid = (delta > 0) & (new_max < load_hi) & (moved_tokens < tokens[hi])
         best = int(np.where(valid, new_max, np.inf).argmin())
-        a, b = int(cand_a[best]), int(partner[cand_j[best]])
-        rank[a], moved = lo, True
-        if b >= 0:
-            rank[b] = hi
-        load[[hi, lo]] += (-delta[best], delta[best])
-        tokens[[hi, lo]] += (-moved_tokens[best], moved_tokens[best])
+        if not valid[best]:
+            break
+        rank[cand_a[best]], moved = lo, True
+        if b := int(cand_j[best]):
+            rank[int(partner[b])] = hi
+        step, step_tokens = float(delta[best]), float(moved_tokens[best])
+        load[hi], load[lo] = load_hi - step, load_lo + step
+        tokens[hi], tokens[lo] = tokens[hi] - step_tokens, tokens[lo] + step_tokens
     return rank if moved else original
 
 
 def _deal_whole(desc: np.ndarray, pairs: np.ndarray, first: np.ndarray, c: int) -> tuple:
     """Whole documents dealt to ranks under ``K`` thresholds at once: ``[K, n]`` rank of every
     document of ``desc`` (lengths, longest first; ``pairs``: their attention work), ``-1`` for the
-    ``first[k]`` split ones, and ``[K, c]`` whole tokens and work per rank.
+    ``first[k]`` split ones, and ``[2, K, c]`` whole tokens and work per rank.
 
     Balances tokens, on which the gathered K/V depend: :data:`GREEDY_ROUNDS` rounds of ``c``
     documents go longest to emptiest (the first two: a serpentine), then the rest, in serpentine
@@ -583,19 +586,21 @@ def _deal_whole(desc: np.ndarray, pairs: np.ndarray, first: np.ndarray, c: int) 
     (cut at cumulative lengths). Attention work is left to the split documents (:func:`_balance`).
     """
     n, k, rounds = len(desc), len(first), GREEDY_ROUNDS
-    rows = np.arange(k)[:, None]
-    greedy = first[:, None] + np.arange(rounds * c)
-    pad = np.zeros(rounds * c, dtype=np.float64)
-    sizes, work = (np.concatenate([x, pad])[greedy].reshape(k, rounds, c) for x in (desc, pairs))
+    rows, greedy = np.arange(k)[:, None], first[:, None] + np.arange(rounds * c)
+    width = n + rounds * c  # flat (1-D) gathers and scatters: multi-axis ones cost ~10x more
+    padded = np.zeros(2 * width)  # lengths, then work, zero past the last document
+    padded[:n], padded[width : width + n] = desc, pairs
+    per_round = greedy.reshape(k, rounds, c).transpose(1, 0, 2)[:, None]
+    both = padded[per_round + np.array([0, width])[:, None, None]]  # [rounds, 2, K, c]
     ranks = np.empty((k, rounds, c), dtype=np.int64)
     ranks[:, 0], ranks[:, 1] = np.arange(c), np.arange(c)[::-1]
-    w, q = sizes[:, 0] + sizes[:, 1, ::-1], work[:, 0] + work[:, 1, ::-1]
+    wq = both[0] + both[1, :, :, ::-1]  # [2, K, c]: whole tokens and work per rank
+    (w, q), flat, cell = wq, wq.reshape(-1), np.arange(0, 2 * k * c, c).reshape(2, k, 1)
     for rnd in range(2, rounds):  # bounded, each round vectorised over the thresholds
-        ranks[:, rnd] = np.argsort(w, axis=1, kind="stable")
-        w[rows, ranks[:, rnd]] += sizes[:, rnd]
-        q[rows, ranks[:, rnd]] += work[:, rnd]
-    rank = np.full((k, n + rounds * c), -1, dtype=np.int64)
-    rank[rows, greedy] = ranks.reshape(k, -1)
+        ranks[:, rnd] = to = w.argsort(axis=1, kind="stable")
+        flat[(cell + to).ravel()] += both[rnd].ravel()
+    rank = np.full(k * width, -1, dtype=np.int64)
+    rank[(rows * width + greedy).ravel()] = ranks.ravel()
     if n > greedy[:, -1].min() + 1:  # documents beyond the greedy rounds
         serp = np.arange(-(-n // c) * c).reshape(-1, c)
         serp[1::2] = serp[1::2, ::-1]
@@ -604,67 +609,74 @@ def _deal_whole(desc: np.ndarray, pairs: np.ndarray, first: np.ndarray, c: int) 
         sizes = np.where(valid, desc[np.minimum(idx, n - 1)], 0)
         rest_total = sizes.sum(axis=1, keepdims=True)
         deficit = np.maximum((w.sum(axis=1, keepdims=True) + rest_total) / c - w, 0.0)
-        bounds = np.cumsum(deficit, axis=1)
+        bounds = deficit.cumsum(axis=1)
         bounds *= rest_total / np.maximum(bounds[:, -1:], 1e-9)
         offset = rows * (float(desc.sum()) + 1.0)  # one searchsorted for all thresholds
-        mid = np.cumsum(sizes, axis=1) - sizes / 2 + offset
-        at, doc = np.nonzero(valid)[0], idx[valid]
-        hit = np.searchsorted((bounds + offset).ravel(), mid[valid]) - at * c
+        mid = sizes.cumsum(axis=1) - sizes / 2 + offset
+        at, doc = valid.nonzero()[0], idx[valid]
+        hit = (bounds + offset).ravel().searchsorted(mid[valid]) - at * c
         bins = at * c + np.minimum(hit, c - 1)
-        rank[at, doc] = bins - at * c
+        rank[at * width + doc] = bins - at * c
         w += np.bincount(bins, desc[doc], k * c).reshape(k, c)
         q += np.bincount(bins, pairs[doc], k * c).reshape(k, c)
-    return rank[:, :n], w, q
+    return rank.reshape(k, width)[:, :n], wq
 
 
-def _balance(w: np.ndarray, q: np.ndarray, s: np.ndarray, quad: np.ndarray, c: int) -> tuple:
+def _balance(wq: np.ndarray, s: np.ndarray, quad: np.ndarray, c: int) -> tuple:
     """Common chunk boundaries ``[K, 2c + 1]`` (fractions of a document) of the split documents
     that give each rank the tokens and attention work its whole ones lack, for ``K`` placements
-    (``w``, ``q``: ``[K, c]`` whole tokens and work; ``s``, ``quad``: ``[K, 1]`` split tokens and
+    (``wq``: ``[2, K, c]`` whole tokens and work; ``s``, ``quad``: ``[K, 1]`` split tokens and
     sum of squared split lengths); and, predicted, ``[K]`` work and token max/mean, the most
     gathered rows on a rank and whether both balances are within :data:`HYBRID_TOLERANCE`.
 
     Closed form (docs/context_parallel.md, "Hybrid sharding"); where a target is out of reach the
     cut moves from the even one towards it as far as no chunk turns negative."""
-    a = np.maximum((w.sum(axis=1, keepdims=True) + s) / c - w, 0.0)
+    (w, q), (w_total, q_total) = wq, wq.sum(axis=2, keepdims=True)
+    a = np.maximum((w_total + s) / c - w, 0.0)
     a /= np.maximum(a.sum(axis=1, keepdims=True), 1e-12)
-    b = ((q.sum(axis=1, keepdims=True) + (quad + s) / 2) / c - q - s * a / 2) / np.maximum(quad, 1)
+    b = ((q_total + (quad + s) / 2) / c - q - s * a / 2) / np.maximum(quad, 1)
     before = a.cumsum(axis=1) - a
     rest = np.maximum(1.0 - before, 1e-12)
     # Shift of rank r's head start from the even cut's; its tail end moves by the same amount.
     shift = ((1.0 - 2.0 * (b.cumsum(axis=1) - b)) / rest - rest - before) / 2.0
-    step = np.zeros_like(shift)  # rank r's head grows by it, its tail shrinks (the last: 0)
-    step[:, :-1] = np.abs(shift[:, 1:] - shift[:, :-1])
-    reach = np.where(step > 0, a / (2 * step + 1e-300), 1.0).min(axis=1, keepdims=True)
+    step = np.abs(shift[:, 1:] - shift[:, :-1])  # rank r's head grows by it, its tail shrinks
+    reach = np.where(step > 0, a[:, :-1] / (2 * step + 1e-300), 1.0).min(axis=1, keepdims=True)
     x = before / 2 + np.where(s > 0, np.minimum(reach, 1.0), 0.0) * shift
     y = x + rest
     cum = np.concatenate([x, x[:, -1:] + rest[:, -1:] / 2, y[:, ::-1]], axis=1)
     gathered = s * a
     cum_work = np.zeros((len(x), c + 1))  # quadratic work before each rank: (x**2 + 1 - y**2) / 2
     cum_work[:, :-1] = (x * x - y * y) / 2
-    work = q + quad * (cum_work[:, 1:] - cum_work[:, :-1]) + gathered / 2
-    imbalance = [v.max(axis=1) * c / v.sum(axis=1) for v in (work, w + gathered)]
+    work_tokens = np.empty_like(wq)  # (attention work, tokens) per rank
+    np.add(q, quad * (cum_work[:, 1:] - cum_work[:, :-1]), out=work_tokens[0])
+    work_tokens[0] += gathered / 2
+    np.add(w, gathered, out=work_tokens[1])
+    imbalance = work_tokens.max(axis=2) * c / work_tokens.sum(axis=2)
     ok = (imbalance[0] <= HYBRID_TOLERANCE[0]) & (imbalance[1] <= HYBRID_TOLERANCE[1])
     return cum, imbalance[0], imbalance[1], gathered.max(axis=1), ok
 
 
-def _candidates(desc: np.ndarray, c: int, max_len: int) -> tuple[np.ndarray, np.ndarray]:
+def _candidates(desc: np.ndarray, cum: np.ndarray, c: int, max_len: int) -> tuple:
     """Hybrid's thresholds to evaluate (``max_len``; 0: every distinct length from the floor to
-    ``T / c``, and the floor) and how many documents of ``desc`` (longest first) each splits; the
-    longest whole ones too while fewer than ``c`` are whole and fewer than ``c`` tokens split."""
+    ``T / c``, and the floor) and how many documents of ``desc`` (longest first; ``cum``: its
+    cumulative sum from 0) each splits; the longest whole ones too while fewer than ``c`` are
+    whole and fewer than ``c`` tokens split."""
+    n = len(desc)
     if max_len:
         thresholds = np.array([max_len])
     else:
-        distinct = np.ones(len(desc), dtype=bool)  # a threshold keeps all of its length whole
-        distinct[:-1] = desc[:-1] > desc[1:]
-        floor = default_hybrid_max_len(c)
-        fit = desc[distinct & (desc > floor) & (desc * c <= desc.sum())]
-        pick = np.linspace(0, len(fit), min(len(fit) + 1, max(2, SEARCH_CELLS // len(desc))))
-        thresholds = np.append(fit, floor)[pick.round().astype(int)]  # the highest and the floor
-    first = np.searchsorted(-desc, -thresholds, side="left")  # documents above each threshold
-    cum = np.cumsum(desc)
-    few = (len(desc) - first < c) & (np.where(first > 0, cum[first - 1], 0) < c) & (c > 1)
-    return thresholds, np.where(few, np.searchsorted(cum, c) + 1, first)
+        keep = desc * c <= cum[-1]  # a threshold keeps all of its length whole: distinct ones
+        keep[:-1] &= desc[:-1] > desc[1:]
+        keep &= desc > (floor := default_hybrid_max_len(c))
+        fit = desc[keep]
+        m = min(len(fit) + 1, max(2, SEARCH_CELLS // n))  # evenly spaced, the highest and floor
+        pick = (np.arange(m) * (len(fit) / max(m - 1, 1))).round().astype(np.int64)
+        thresholds = np.concatenate((fit, [floor]))[pick]
+    first = (-desc).searchsorted(-thresholds)  # documents above each threshold
+    if c > 1:
+        few = (n - first < c) & (cum[first] < c)
+        first = np.where(few, cum[1:].searchsorted(c) + 1, first)
+    return thresholds, first
 
 
 def _hybrid(lens: np.ndarray, c: int, max_len: int) -> tuple[tuple[np.ndarray, ...], int]:
@@ -676,37 +688,37 @@ def _hybrid(lens: np.ndarray, c: int, max_len: int) -> tuple[tuple[np.ndarray, .
     threshold): more documents whole, less K/V but a harder balance, a trade set by the lengths.
     """
     two_c, n = 2 * c, len(lens)
-    order = np.argsort(-lens, kind="stable")
+    order = (-lens).argsort(kind="stable")
     desc = lens[order]
-    thresholds, first = _candidates(desc, c, max_len)
+    cum = np.zeros(n + 1, dtype=np.int64)
+    desc.cumsum(out=cum[1:])
+    thresholds, first = _candidates(desc, cum, c, max_len)
     pick = 0
     if c > 1 and first.min() < n:
         pairs = causal_pairs(desc, desc)
-        dealt, w, q = _deal_whole(desc, pairs, first, c)
-        d = np.concatenate([[0.0], desc])
-        s, quad = np.cumsum(d)[first][:, None], np.cumsum(d * d)[first][:, None]
+        dealt, wq = _deal_whole(desc, pairs, first, c)
         # The likeliest winner (the highest threshold whose whole documents fit the ranks' token
         # shares) is also evaluated with its deal refined, on tokens (on work if nothing is split).
-        g = int((w.max(axis=1) * c <= desc.sum()).argmax())
+        g = int((wq[0].max(axis=1) * c <= cum[-1]).argmax())
         f = int(first[g])
         part = dealt[g, f:]
         row = _refine(desc[f:], part, desc[f:] if f else pairs[f:], c) if f < n else part
         if row is not part:
-            take = np.append(np.arange(len(first)), g)
-            thresholds, first, s, quad = thresholds[take], first[take], s[take], quad[take]
-            dealt, w, q = dealt[take], w[take], q[take]
-            dealt[-1, f:] = row
-            w[-1], q[-1] = (np.bincount(row, x[f:], c) for x in (desc, pairs))
-        stats = _balance(w, q, s, quad, c)
+            take = np.concatenate((np.arange(len(first)), [g]))
+            thresholds, first, wq = thresholds[take], first[take], wq[:, take]
+            wq[:, -1] = np.bincount(row, desc[f:], c), np.bincount(row, pairs[f:], c)
+        squares = np.concatenate(([0], desc * desc)).cumsum()  # exact in int64 and float64
+        s, quad = (x[first].astype(np.float64)[:, None] for x in (cum, squares))
+        stats = _balance(wq, s, quad, c)
         pick = int(np.lexsort((-thresholds, np.where(stats[4], stats[3], stats[1]), ~stats[4]))[0])
     n_split = int(first[pick])
     split = np.zeros(n, dtype=bool)
     split[order[:n_split]] = True
-    split_docs, whole_docs = np.flatnonzero(split), order[n_split:]
+    split_docs, whole_docs = split.nonzero()[0], order[n_split:]
     split_lens, whole_lens = lens[split_docs], lens[whole_docs]
     whole_rank, sizes = np.zeros(len(whole_docs), dtype=np.int64), None
     if c > 1 and len(whole_docs):
-        whole_rank, cum = dealt[pick, n_split:], stats[0][pick]
+        whole_rank, cum = row if pick == len(dealt) else dealt[pick, n_split:], stats[0][pick]
         if n_split:
             bounds = np.floor(split_lens[:, None] * cum + 0.5).astype(np.int64)
             sizes, starts = bounds[:, 1:] - bounds[:, :-1], bounds[:, :-1]
@@ -719,27 +731,24 @@ def _hybrid(lens: np.ndarray, c: int, max_len: int) -> tuple[tuple[np.ndarray, .
     # One segment per whole document, 2c per split document, in document order.
     per_doc = np.where(split, two_c, 1)
     seg_cu = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(per_doc, out=seg_cu[1:])
+    per_doc.cumsum(out=seg_cu[1:])
     n_seg = int(seg_cu[-1])
     seg_doc = np.repeat(np.arange(n, dtype=np.int64), per_doc)
-    seg_slot = np.empty(n_seg, dtype=np.int64)
-    seg_start = np.zeros(n_seg, dtype=np.int64)
-    seg_len = np.empty(n_seg, dtype=np.int64)
+    seg_slot, seg_start, seg_len = np.zeros((3, n_seg), dtype=np.int64)
     chunk = (seg_cu[split_docs][:, None] + np.arange(two_c)).ravel()
-    seg_slot[chunk] = np.tile(np.arange(two_c, dtype=np.int64), len(split_docs))
+    seg_slot[chunk] = np.arange(len(chunk)) % two_c
     seg_start[chunk] = starts.ravel()
     seg_len[chunk] = sizes.ravel()
     first_seg = seg_cu[whole_docs]
     seg_slot[first_seg] = two_c - 1 - whole_rank  # a whole document sits in its rank's tail slot
     seg_len[first_seg] = whole_lens
     # Slot order: by slot, a slot's split chunks before its whole documents, then document order
-    # (a stable sort on a small integer key).
+    # (a stable sort on a small integer key: int16, a radix sort).
     key = seg_slot * 2
     key[first_seg] += 1
-    small = np.int16 if 4 * c < np.iinfo(np.int16).max else np.int32  # int16: a radix sort
-    slot_order = np.argsort(key.astype(small), kind="stable")
+    slot_order = key.astype(np.int16 if 4 * c < 32767 else np.int32).argsort(kind="stable")
     slot_offsets = np.zeros(two_c + 1, dtype=np.int64)
-    np.cumsum(np.bincount(seg_slot, minlength=two_c), out=slot_offsets[1:])
+    np.bincount(seg_slot, minlength=two_c).cumsum(out=slot_offsets[1:])
     table = (seg_doc, seg_start, seg_len, seg_slot, slot_order, slot_offsets, split)
     return table, int(thresholds[pick])
 
