@@ -101,88 +101,121 @@ class WLB:
     mode: Mode = ""
     """Preset of the paper's configurations, overriding `packing` and `cp_sharding`: "plain_4d"
     (original + per_sequence), "fixed_4d" (fixed_greedy + per_document), "wlb" (wlb + adaptive)."""
+
     packing: Packing = "wlb"
     """How documents become micro-batches: "original" (TorchTitan-style sequential fill of
     fixed-length sequences), "fixed_greedy", "solver", "wlb" or "wlb_paper"."""
+
     cp_sharding: CPSharding = "adaptive"
     """How a micro-batch is split over the CP group: "per_sequence", "per_document", "hybrid"
     (documents up to `cp_hybrid_max_len` whole on one rank, longer ones split), "adaptive"."""
+
     cp_hybrid_max_len: int = 0
-    """"hybrid": the longest document kept whole on one CP rank, in tokens; 0 means
-    2 x context_parallel_degree x 128 (shorter per-document chunks than a 128-token tile)."""
+    """"hybrid": the longest document kept whole on one CP rank, in tokens; 0 chooses it per
+    micro-batch: the length from 2 x context_parallel_degree x 128 (below it per-document chunks
+    are shorter than a 128-token tile) up that keeps the ranks balanced and gathers the least K/V."""
+
     attention_backend: AttentionBackend = "auto"
     """Document-masked attention kernel: "auto", "cpu", "flash" (flash-attn varlen, CUDA),
     "torch_varlen" (torch.nn.attention.varlen, CUDA)."""
+
     reset_positions: bool = True
     """Restart RoPE positions at 0 at every document (False: positions run over the packed
     sequence, as in TorchTitan)."""
+
     long_doc_policy: LongDocPolicy = "split"
     """A document longer than `max_doc_len`: "split" into consecutive pieces (no token lost),
     "truncate" (keep the head, count the dropped tokens in the log), "error" (stop)."""
+
     max_doc_len: int = 0
     """Longest document piece in tokens; 0 means `training.seq_len`."""
+
     micro_batch_max_len: int = 0
     """S_max, the token cap of a "wlb" / "wlb_paper" micro-batch (from activation memory); 0 means
     1.25 x `training.seq_len`, else >= it. The fixed-length packers cap at `training.seq_len`."""
+
     queue_thresholds: list[int] = field(default_factory=list)
     """Outlier queue thresholds L_1 < ... < L_n in tokens ("wlb", "wlb_paper"). Empty: derived
     from the cost model (docs/packing.md); `tools.pack_bench --tune` tunes them on a sample."""
+
     max_delay_steps: int = 12
     """K: an outlier waits at most this many optimizer steps before it is forced out ("wlb" raises
     it up to `adaptive_max_delay_steps` while the token-weighted delay is under `delay_target`)."""
+
     adaptive_max_delay_steps: int = 32
     """Upper bound of the adaptive K ("wlb"); equal to `max_delay_steps` disables adaptation."""
+
     delay_target: float = 0.3
     """Token-weighted mean delay, in steps, that the adaptive K steers towards ("wlb")."""
+
     balance_target: float = 1.01
     """"wlb" releases a waiting outlier group only if the step's predicted max/mean workload stays
     within this factor (>= 1)."""
+
     release_slack: float = 0.25
     """"wlb": how much extra imbalance an ageing outlier may accept to leave its queue early
     rather than be forced out alone at K (>= 0)."""
+
     packing_window: int = 1
     """Global batches packed together by "fixed_greedy" and "solver" (Table 2's G)."""
+
     solver_node_limit: int = 200
     """"solver": HiGHS branch-and-bound nodes per packing window. Deterministic: every rank, and a
     resumed run, computes the same plan whatever its load."""
+
     solver_time_limit_s: float = 60.0
     """"solver": safety net per packing window, in seconds; reaching it before
     `solver_node_limit` stops the run (a plan cut by time depends on the machine's load)."""
+
     cost_model: CostModelKind = "analytic"
     """Workload model W(d): "analytic" (FLOPs of the model), "coefficients" (`attn_coef`,
     `linear_coef`), "profile" (JSON table at `cost_profile`), "online" (refitted to measured
     micro-batch times while training, the fit_* fields; docs/cost_model.md)."""
+
     fit_warmup_steps: int = 2
     """"online": the first steps' times are not used (allocator and kernel warm-up)."""
+
     fit_window_steps: int = 8
     """"online": a refit uses the micro-batches of the last this many steps."""
+
     fit_holdout_steps: int = 2
     """"online": the window's newest steps, held out; a refit is adopted only if it predicts them
     better than the model in use. In [1, fit_window_steps)."""
+
     fit_interval_steps: int = 4
     """"online": steps between refits (the first after fit_warmup_steps + fit_window_steps)."""
+
     fit_apply_lag_steps: int = 3
     """"online": a refit decided after step s packs step s + this onwards (>= 1), the same step on
     every DP rank and after a resume."""
+
     attn_coef: float = 0.0
     """W_a(d) = attn_coef * d^2 when cost_model = "coefficients"."""
+
     linear_coef: float = 0.0
     """W_l(d) = linear_coef * d when cost_model = "coefficients"."""
+
     cost_profile: str = ""
     """Path of a measured cost profile (JSON) when cost_model = "profile"."""
+
     cp_profile: str = ""
     """Attention throughput profile for adaptive CP sharding; empty: the shipped default."""
+
     cp_bandwidth_gbps: float = DEFAULT_CP_BANDWIDTH_GBPS
     """"adaptive": per-GPU bandwidth of the CP collectives in GB/s, pricing each sharding's K/V
     gather. 50: a CP group across nodes; 200-400 inside one NVLink node; a few for gloo on CPU."""
+
     text_field: str = "text"
     """Field holding the document text in jsonl / parquet / Hugging Face datasets."""
+
     loader: Loader = "documents"
     """ "documents": the WLB document pipeline (boundaries reach the model). "torchtitan":
     TorchTitan's own concatenate-and-chop loader, unchanged (no document masking)."""
+
     epochs: int = 0
     """Passes over the dataset; 0 repeats forever. With n > 0 the packing queues are flushed at the
     end of the data and the run stops when it runs out."""
+
     metrics_jsonl: bool = False
     """Also write every logged step's metrics, per rank and at full precision, to
     <dump_folder>/wlb_metrics/rank_<rank>.jsonl."""
