@@ -1,9 +1,6 @@
-"""The train spec's dataloader: documents -> packing -> micro-batch tensors, as torchdata nodes.
-
-DocumentNode -> WLBPackingNode -> Prefetcher (packing off the critical path) -> MicroBatchNode;
-docs/data.md describes the graph. ``[wlb] loader = "torchtitan"`` returns TorchTitan's own loader.
-The saved state carries the *data fingerprint* (:func:`data_fingerprint`): resuming under other
-settings that decide which documents each step trains is refused, naming the setting.
+"""The train spec's dataloader: documents -> packing -> micro-batch tensors, as torchdata nodes
+(docs/data.md). Its state carries the data fingerprint, so that a resume under settings that change
+which documents each step trains is refused, naming the setting.
 """
 
 from __future__ import annotations
@@ -17,14 +14,13 @@ import torch
 from torchdata.nodes import BaseNode, Loader, Prefetcher
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.config import JobConfig
-from torchtitan.tools.logging import logger
 
 from torchtitan_wlb.config import ConfigError
 from torchtitan_wlb.cost_fit import CostModelSchedule
 from torchtitan_wlb.cost_model import CostModel
 from torchtitan_wlb.data.collate import MicroBatchNode
 from torchtitan_wlb.data.documents import DocumentNode
-from torchtitan_wlb.data.sources import BUILTIN_NAME, TextSource
+from torchtitan_wlb.data.sources import TextSource
 from torchtitan_wlb.data.wlb_node import WLBPackingNode
 from torchtitan_wlb.packing import Packer, PackingConfig, build_packer, packing_config
 
@@ -42,17 +38,10 @@ WLB_KNOBS = {
 
 
 class WLBDataLoader(BaseDataLoader):
-    """A stateful loader over a torchdata node graph, checkpointed per DP rank.
-
-    Args:
-        root: the last node of the graph (yields ``(input_dict, labels)``).
-        dp_rank, dp_world_size: this rank's place in the DP group; restoring under another DP
-            degree is refused (the global packing plan depends on it).
-        fingerprint: :func:`data_fingerprint` of this run; saved, and compared on restore.
-        packer: the graph's packer, to read pending documents out of a state (:meth:`accounting`).
-        cost_schedule: the online cost model's schedule the packing node reads (the trainer's
-            fitter writes it), else None.
-    """
+    """A stateful loader over a torchdata node graph (``root`` yields ``(input_dict, labels)``),
+    checkpointed per DP rank with :func:`data_fingerprint`; ``packer`` lets :meth:`accounting`
+    read pending documents out of a state; ``cost_schedule`` is the online cost model's schedule
+    the packing node reads (the trainer's fitter writes it)."""
 
     def __init__(
         self,
@@ -273,11 +262,6 @@ def build_wlb_dataloader(
     )
     root = MicroBatchNode(
         Prefetcher(packed, prefetch_factor=2), reset_positions=wlb.reset_positions
-    )
-    logger.info(
-        f"WLB data pipeline: dataset {job_config.training.dataset!r}, packing {wlb.packing!r}, "
-        f"{n} micro-batches per step"
-        + (" (built-in corpus)" if job_config.training.dataset == BUILTIN_NAME else "")
     )
     return WLBDataLoader(
         root,

@@ -1,9 +1,7 @@
 """Where document texts come from: the built-in corpus, local files, or Hugging Face datasets.
 
-Every source is a restartable sequence of texts: ``open_texts(start)`` yields ``(index, text)``
-from text number ``start`` on, so the document node can checkpoint "texts consumed so far" and
-resume exactly without keeping texts in its state. Bad data fails loudly with the file and line
-(an empty or malformed document is an error, never a silent skip).
+Sources restart at any text number, so a checkpoint keeps a count, not texts. Bad data fails
+loudly with the file and line, never a silent skip.
 """
 
 from __future__ import annotations
@@ -49,11 +47,8 @@ def _stdlib_docstrings(stdlib: str) -> list[str]:
 
 
 def build_builtin_corpus() -> list[str]:
-    """Real English text from the running Python installation, with a long-tailed length mix:
-    the reference-manual topics of ``pydoc_data`` (the long tail) and the standard library's
-    docstrings, interleaved in a fixed seeded order (docs/data.md). Nothing is downloaded or
-    stored in this repository.
-    """
+    """Real English text with a long-tailed length mix, from the running Python installation
+    (``pydoc_data`` topics and stdlib docstrings in a seeded order; docs/data.md): no download."""
     from pydoc_data.topics import topics
 
     import numpy as np

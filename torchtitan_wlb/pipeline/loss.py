@@ -1,9 +1,7 @@
 """Loss normalisation for variable-length micro-batches: the mean over all tokens of the batch.
 
-Averaging per micro-batch would give a token of a short micro-batch more weight than one of a long
-one. Instead every micro-batch's summed loss is divided by the valid-token count of the whole
-global batch (all micro-batches on all DP ranks), so the summed loss and its gradient equal
-single-device training on the same documents (docs/pipeline.md, "Loss normalisation").
+A per-micro-batch mean would weight a short micro-batch's tokens more than a long one's, so each
+summed loss is divided by the global batch's valid-token count (docs/pipeline.md).
 """
 
 from __future__ import annotations
@@ -43,10 +41,7 @@ def global_valid_tokens(
     Count before CP sharding and reduce over the DP ranks, or after it and reduce over DP x CP;
     never include PP ranks (they hold the same micro-batches).
     """
-    count = torch.as_tensor(local_count, dtype=torch.int64)
-    if device is not None:
-        count = count.to(device)
-    count = count.clone()
+    count = torch.as_tensor(local_count, dtype=torch.int64, device=device).clone()
     if isinstance(group, DeviceMesh):
         if group.ndim != 1:
             raise ValueError(

@@ -1,12 +1,8 @@
 """Variable-length micro-batches through torch.distributed.pipelining schedules.
 
-torch sizes a stage's receive buffers once, from the first micro-batch, and torchtitan splits one
-``[B, S]`` tensor so that every micro-batch of a step shares one shape. Every rank of a pipeline
-knows the per-micro-batch token counts (the packing plan is computed identically on all ranks), so
-before each step the runner gives every micro-batch's receive buffers its own length and hands the
-schedule per-micro-batch lists of inputs, targets and keyword metadata: no padding and no shape
-exchange (docs/pipeline.md). All access to private pipelining attributes lives in this module and
-is gated on the torch versions it was checked against.
+torch sizes receive buffers once, from micro-batch 0; every rank knows each micro-batch's length
+from the packing plan, so the runner re-sizes them before each step: no padding, no shape exchange
+(docs/pipeline.md). The only module touching private pipelining state, gated on verified torches.
 """
 
 from __future__ import annotations
@@ -15,7 +11,7 @@ import inspect
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -79,13 +75,10 @@ class VarlenStepStats:
 
 @dataclass
 class PipelineActionTimes:
-    """Compute time of every pipeline action of one step on this rank: one row per local stage,
-    one column per micro-batch, forward (with the loss) and backward (with the weight backward).
-    Waiting for neighbouring stages happens outside these calls, so these are the per-action
-    costs a pipeline timeline plays. ``fwd_s`` / ``bwd_s``: wall time (CUDA events on a GPU);
-    ``fwd_device_s`` / ``bwd_device_s``: the same actions on the device clock
-    (:mod:`torchtitan_wlb.device_clock`: on CPU with one intra-op thread, this thread's CPU time,
-    which leaves out the time the OS gave to other processes), what the online cost model fits."""
+    """Compute seconds of every pipeline action of one step on this rank (row: local stage,
+    column: micro-batch; forward includes the loss, backward the weight backward), without the
+    waits for neighbours: the per-action costs a pipeline timeline plays. ``*_device_s`` are on
+    the device clock, which the online cost model fits (docs/pipeline.md)."""
 
     stage_indices: list[int]
     fwd_s: list[list[float]]
@@ -94,13 +87,8 @@ class PipelineActionTimes:
     bwd_device_s: list[list[float]]
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "stages": self.stage_indices,
-            "fwd_s": self.fwd_s,
-            "bwd_s": self.bwd_s,
-            "fwd_device_s": self.fwd_device_s,
-            "bwd_device_s": self.bwd_device_s,
-        }
+        times = asdict(self)
+        return {"stages": times.pop("stage_indices"), **times}
 
 
 class _ActionTimer:
@@ -182,14 +170,9 @@ class _ActionTimer:
                 sample = (sample[0].elapsed_time(sample[1]) / 1e3,) * 2
             if 0 <= mb < self.n_mb:
                 sums[:, kind, row, mb] += sample
-        (fwd, bwd), (fwd_dev, bwd_dev) = sums.tolist()
-        return PipelineActionTimes(
-            stage_indices=[int(s.stage_index) for s in self.stages],
-            fwd_s=fwd,
-            bwd_s=bwd,
-            fwd_device_s=fwd_dev,
-            bwd_device_s=bwd_dev,
-        )
+        # Field order: fwd_s, bwd_s, fwd_device_s, bwd_device_s.
+        stages = [int(s.stage_index) for s in self.stages]
+        return PipelineActionTimes(stages, *sums.reshape(4, len(self.stages), self.n_mb).tolist())
 
 
 def _empty_like_layout(shape: Sequence[int], ref: torch.Tensor) -> torch.Tensor:
@@ -325,23 +308,16 @@ class VarlenPipelineRunner:
             )
         if any(x < 1 for x in lens):
             raise ValueError(f"seq_lens must all be >= 1, got {lens}")
-        if self.has_first_stage and (microbatch_inputs is None or len(microbatch_inputs) != n):
-            got = "None" if microbatch_inputs is None else f"{len(microbatch_inputs)} entries"
-            raise ValueError(
-                f"this rank holds stage 0, so microbatch_inputs must have {n} entries "
-                f"(one input tensor per micro-batch), got {got}"
-            )
-        if self.has_last_stage and (targets is None or len(targets) != n):
-            got = "None" if targets is None else f"{len(targets)} entries"
-            raise ValueError(
-                f"this rank holds the last stage, so targets must have {n} entries "
-                f"(one label tensor per micro-batch), got {got}"
-            )
-        if microbatch_kwargs is not None and len(microbatch_kwargs) != n:
-            raise ValueError(
-                f"microbatch_kwargs has {len(microbatch_kwargs)} entries, expected {n} "
-                f"(one dict of forward keyword arguments per micro-batch)"
-            )
+        for name, values, needed, why in (
+            ("microbatch_inputs", microbatch_inputs, self.has_first_stage, "rank holds stage 0"),
+            ("targets", targets, self.has_last_stage, "rank holds the last stage"),
+            ("microbatch_kwargs", microbatch_kwargs, microbatch_kwargs is not None, "a dict each"),
+        ):
+            if needed and (values is None or len(values) != n):
+                got = "None" if values is None else f"{len(values)} entries"
+                raise ValueError(
+                    f"{name} must have {n} entries, one per micro-batch ({why}), got {got}"
+                )
         arg_mbs = None
         if self.has_first_stage:
             arg_mbs = [x if isinstance(x, tuple) else (x,) for x in microbatch_inputs]
@@ -438,11 +414,9 @@ class VarlenPipelineRunner:
     def _initialized_flags(self) -> tuple[Any, Any]:
         """The schedule's (forward, backward) set-up flags; they change when it (re-)sets up."""
         sched = self.schedule
-        if hasattr(sched, "_stage_forward_initialized"):
-            return sched._stage_forward_initialized, sched._stage_backward_initialized
-        return (
-            getattr(sched, "_stages_forward_initialized", None),
-            getattr(sched, "_stages_backward_initialized", None),
+        prefix = "_stage" if hasattr(sched, "_stage_forward_initialized") else "_stages"
+        return tuple(
+            getattr(sched, f"{prefix}_{k}_initialized", None) for k in ("forward", "backward")
         )
 
     def _resize_recv_buffers(self, lens: list[int]) -> VarlenStepStats:
