@@ -78,8 +78,7 @@ class WLBDataLoader(BaseDataLoader):
         if state_dict["world_size"] != self.dp_world_size:
             raise ConfigError(
                 f"resume refused: the dataloader checkpoint was written with DP degree "
-                f"{state_dict['world_size']}, this run has {self.dp_world_size}: the packing plan "
-                "depends on it, so resuming under another DP degree is not supported"
+                f"{state_dict['world_size']}, this run has {self.dp_world_size}; the plan needs it"
             )
         saved = state_dict.get(FINGERPRINT_KEY)
         if saved is not None:
@@ -125,10 +124,7 @@ def _find_state(state: Any, match: Callable[[dict], bool]) -> dict | None:
 
 def packing_config_from_job(job_config: Any, num_micro_batches: int) -> PackingConfig:
     """The packers' configuration for this job (N micro-batches per step across DP ranks).
-
-    Training bounds the solver by work (every rank must compute the same plan), with a generous
-    time limit as a safety net; PackingConfig's defaults (time only) are the benchmarks'.
-    """
+    Training bounds the solver by work, not time: every rank must compute the same plan."""
     wlb = job_config.wlb
     return packing_config(
         wlb.packing,
@@ -245,9 +241,8 @@ def build_wlb_dataloader(
         )
     if job_config.training.local_batch_size != 1:
         raise ValueError(
-            f"[training] local_batch_size = {job_config.training.local_batch_size}: with document "
-            "packing every micro-batch is one packed sequence, so it must be 1 (set the number of "
-            "micro-batches per step with [training] global_batch_size)"
+            f"[training] local_batch_size = {job_config.training.local_batch_size} must be 1 with "
+            "document packing (set the micro-batches per step with [training] global_batch_size)"
         )
     if cost_model is None:
         raise ValueError("build_wlb_dataloader needs the job's cost model for document packing")
