@@ -157,18 +157,16 @@ def data_fingerprint(
     }
     if wlb.loader != "documents":
         return fp
-    config = packing_config_from_job(job_config, n)
+    smax = wlb.micro_batch_max_len
+    if cost_model is not None:  # resolved, so that spelling the default out is no change
+        smax = build_packer(wlb.packing, packing_config_from_job(job_config, n), cost_model).cap
     fp.update(
         {
             "[wlb] text_field": wlb.text_field,
             "[wlb] max_doc_len": wlb.max_doc_len or training.seq_len,
             "[wlb] long_doc_policy": wlb.long_doc_policy,
             "[wlb] packing": wlb.packing,
-            "[wlb] micro_batch_max_len (S_max)": (
-                build_packer(wlb.packing, config, cost_model).cap
-                if cost_model is not None
-                else wlb.micro_batch_max_len
-            ),
+            "[wlb] micro_batch_max_len (S_max)": smax,
             "[wlb] queue_thresholds": list(wlb.queue_thresholds),
             **{f"[wlb] {k}": getattr(wlb, k) for k in (*WLB_KNOBS, "solver_node_limit")},
         }
@@ -258,11 +256,7 @@ def build_wlb_dataloader(
     root = MicroBatchNode(
         Prefetcher(packed, prefetch_factor=2), reset_positions=wlb.reset_positions
     )
+    fingerprint = data_fingerprint(job_config, dp_world_size, cost_model)
     return WLBDataLoader(
-        root,
-        dp_rank=dp_rank,
-        dp_world_size=dp_world_size,
-        fingerprint=data_fingerprint(job_config, dp_world_size, cost_model),
-        packer=packer,
-        cost_schedule=schedule,
+        root, dp_rank, dp_world_size, fingerprint=fingerprint, packer=packer, cost_schedule=schedule
     )

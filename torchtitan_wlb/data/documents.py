@@ -15,7 +15,7 @@ from torchtitan.tools.logging import logger
 
 from torchtitan_wlb.data.sources import DataError, TextSource
 
-# The node's state: counters, each an attribute of the node.
+# The node's state: counters, each an attribute of the node of the same name.
 _STATE = ("epoch", "texts_done", "pieces_done", "next_doc_id", "truncated_tokens", "truncated_docs")
 
 

@@ -73,17 +73,11 @@ def builtin_corpus() -> list[str]:
 
 @dataclass
 class TextSource:
-    """A restartable stream of document texts.
+    """A restartable stream of document texts."""
 
-    Attributes:
-        kind: one of "wlb_builtin", "jsonl", "parquet", "text", "hf".
-        path: file, directory or glob (local kinds), dataset name or local path ("hf").
-        text_field: the field holding the text (jsonl, parquet, hf).
-    """
-
-    kind: str
-    path: str = ""
-    text_field: str = "text"
+    kind: str  # "wlb_builtin", "jsonl", "parquet", "text" or "hf"
+    path: str = ""  # file, directory or glob (local kinds); dataset name or local path ("hf")
+    text_field: str = "text"  # the field holding the text (jsonl, parquet, hf)
 
     def __post_init__(self) -> None:
         if self.kind == BUILTIN_NAME:

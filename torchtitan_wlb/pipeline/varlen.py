@@ -86,11 +86,8 @@ def global_valid_tokens(
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """A rank's valid-token count summed over ``group`` (a process group or 1-D device mesh;
-    None: the default group, or the local count when no process group exists), on ``device``.
-
-    Count before CP sharding and reduce over the DP ranks, or after it and reduce over DP x CP;
-    never include PP ranks (they hold the same micro-batches).
-    """
+    None: the default group, if any), on ``device``. Never include PP ranks: they hold the same
+    micro-batches (docs/pipeline.md says which group)."""
     count = torch.as_tensor(local_count, dtype=torch.int64, device=device).clone()
     if isinstance(group, DeviceMesh):
         if group.ndim != 1:
@@ -150,11 +147,8 @@ class _ActionTimer:
     removed after the step. On CUDA they record events read once afterwards, so timing adds no
     synchronisation inside the schedule; elsewhere they read the :class:`DeviceClock`."""
 
-    _STAGE_METHODS = {
-        "forward_one_chunk": 0,
-        "backward_one_chunk": 1,
-        "backward_weight_one_chunk": 1,
-    }
+    # Stage methods timed, as a forward (0) or a backward (1).
+    _TIMED = {"forward_one_chunk": 0, "backward_one_chunk": 1, "backward_weight_one_chunk": 1}
 
     def __init__(self, schedule: Any, stages: Sequence[Any], n_mb: int):
         self.schedule = schedule
@@ -184,7 +178,7 @@ class _ActionTimer:
     def install(self) -> None:
         for stage in self.stages:
             row = self.row[id(stage)]
-            for name, kind in self._STAGE_METHODS.items():
+            for name, kind in self._TIMED.items():
                 original = getattr(stage, name, None)
                 if original is None or name in vars(stage):
                     continue
@@ -337,13 +331,12 @@ class VarlenPipelineRunner:
 
         Args:
             microbatch_inputs: the first stage's input per micro-batch (ranks holding stage 0).
-            microbatch_kwargs: the forward keyword arguments every stage receives per micro-batch
-                (``attention_masks``, ``positions``, ...), the same on every rank; None for none.
+            microbatch_kwargs: per micro-batch, the forward keyword arguments of every stage
+                (``attention_masks``, ``positions``, ...), the same on every rank; or None.
             targets: the labels per micro-batch (ranks holding the last stage).
             seq_lens: per micro-batch, the length along ``seq_dim`` of the tensors that cross
                 stage boundaries (after CP/sequence sharding), identical on every rank.
-            global_valid_tokens: each micro-batch's loss is divided by it before backward
-                (:func:`global_valid_tokens`); None: raw loss.
+            global_valid_tokens: divides each micro-batch's loss before backward; None: raw loss.
             losses: filled on last-stage ranks with the (divided) loss of every micro-batch.
             loss_kwargs: extra keyword arguments for the loss function (torch >= 2.13 only).
         """
