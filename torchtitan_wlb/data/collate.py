@@ -1,13 +1,8 @@
-"""From packed micro-batches to the tensors TorchTitan's training step consumes.
+"""From packed micro-batches to the tensors TorchTitan's training step consumes (docs/data.md).
 
-The packing node yields one item per optimizer step; ``train_step`` pulls one ``(input_dict,
-labels)`` per gradient-accumulation micro-batch. :class:`MicroBatchNode` unrolls each step and
-turns every micro-batch into tensors that keep the document boundaries (``input``, ``positions``,
-``doc_lens``, ``doc_ids``, and ``wlb_stats`` on a step's first micro-batch; docs/data.md). Labels
-never cross a document boundary: the last position of every document is ``IGNORE_INDEX``.
-
-State: the source's state *before* the current step plus how many of its micro-batches were
-already handed out, so a checkpoint taken between micro-batches also resumes exactly.
+The packing node yields one item per optimizer step, ``train_step`` pulls one micro-batch at a
+time; the state (the source's state before the step, micro-batches handed out) lets a checkpoint
+taken between micro-batches resume exactly.
 """
 
 from __future__ import annotations
@@ -67,7 +62,8 @@ def collate_micro_batch(
 
 
 class MicroBatchNode(BaseNode[BatchT]):
-    """Unrolls per-step packed items into per-micro-batch training tensors.
+    """Unrolls per-step packed items into per-micro-batch tensors (``doc_ids`` when packed, and
+    the step's ``wlb_stats`` on its first micro-batch).
 
     Args:
         source: node yielding ``{"micro_batches": [{"tokens", "doc_lens", ...}], "stats": {...}}``

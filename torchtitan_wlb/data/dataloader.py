@@ -1,9 +1,6 @@
-"""The train spec's dataloader: documents -> packing -> micro-batch tensors, as torchdata nodes.
-
-DocumentNode -> WLBPackingNode -> Prefetcher (packing off the critical path) -> MicroBatchNode;
-docs/data.md describes the graph. ``[wlb] loader = "torchtitan"`` returns TorchTitan's own loader.
-The saved state carries the *data fingerprint* (:func:`data_fingerprint`): resuming under other
-settings that decide which documents each step trains is refused, naming the setting.
+"""The train spec's dataloader: documents -> packing -> micro-batch tensors, as torchdata nodes
+(docs/data.md). Its state carries the data fingerprint, so that a resume under settings that change
+which documents each step trains is refused, naming the setting.
 """
 
 from __future__ import annotations
@@ -17,14 +14,13 @@ import torch
 from torchdata.nodes import BaseNode, Loader, Prefetcher
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.config import JobConfig
-from torchtitan.tools.logging import logger
 
 from torchtitan_wlb.config import ConfigError
 from torchtitan_wlb.cost_fit import CostModelSchedule
 from torchtitan_wlb.cost_model import CostModel
 from torchtitan_wlb.data.collate import MicroBatchNode
 from torchtitan_wlb.data.documents import DocumentNode
-from torchtitan_wlb.data.sources import BUILTIN_NAME, TextSource
+from torchtitan_wlb.data.sources import TextSource
 from torchtitan_wlb.data.wlb_node import WLBPackingNode
 from torchtitan_wlb.packing import Packer, PackingConfig, build_packer, packing_config
 
@@ -42,17 +38,10 @@ WLB_KNOBS = {
 
 
 class WLBDataLoader(BaseDataLoader):
-    """A stateful loader over a torchdata node graph, checkpointed per DP rank.
-
-    Args:
-        root: the last node of the graph (yields ``(input_dict, labels)``).
-        dp_rank, dp_world_size: this rank's place in the DP group; restoring under another DP
-            degree is refused (the global packing plan depends on it).
-        fingerprint: :func:`data_fingerprint` of this run; saved, and compared on restore.
-        packer: the graph's packer, to read pending documents out of a state (:meth:`accounting`).
-        cost_schedule: the online cost model's schedule the packing node reads (the trainer's
-            fitter writes it), else None.
-    """
+    """A stateful loader over a torchdata node graph (``root`` yields ``(input_dict, labels)``),
+    checkpointed per DP rank with :func:`data_fingerprint`; ``packer`` lets :meth:`accounting`
+    read pending documents out of a state; ``cost_schedule`` is the online cost model's schedule
+    the packing node reads (the trainer's fitter writes it)."""
 
     def __init__(
         self,
@@ -89,8 +78,7 @@ class WLBDataLoader(BaseDataLoader):
         if state_dict["world_size"] != self.dp_world_size:
             raise ConfigError(
                 f"resume refused: the dataloader checkpoint was written with DP degree "
-                f"{state_dict['world_size']}, this run has {self.dp_world_size}: the packing plan "
-                "depends on it, so resuming under another DP degree is not supported"
+                f"{state_dict['world_size']}, this run has {self.dp_world_size}; the plan needs it"
             )
         saved = state_dict.get(FINGERPRINT_KEY)
         if saved is not None:
@@ -136,10 +124,7 @@ def _find_state(state: Any, match: Callable[[dict], bool]) -> dict | None:
 
 def packing_config_from_job(job_config: Any, num_micro_batches: int) -> PackingConfig:
     """The packers' configuration for this job (N micro-batches per step across DP ranks).
-
-    Training bounds the solver by work (every rank must compute the same plan), with a generous
-    time limit as a safety net; PackingConfig's defaults (time only) are the benchmarks'.
-    """
+    Training bounds the solver by work, not time: every rank must compute the same plan."""
     wlb = job_config.wlb
     return packing_config(
         wlb.packing,
@@ -172,18 +157,16 @@ def data_fingerprint(
     }
     if wlb.loader != "documents":
         return fp
-    config = packing_config_from_job(job_config, n)
+    smax = wlb.micro_batch_max_len
+    if cost_model is not None:  # resolved, so that spelling the default out is no change
+        smax = build_packer(wlb.packing, packing_config_from_job(job_config, n), cost_model).cap
     fp.update(
         {
             "[wlb] text_field": wlb.text_field,
             "[wlb] max_doc_len": wlb.max_doc_len or training.seq_len,
             "[wlb] long_doc_policy": wlb.long_doc_policy,
             "[wlb] packing": wlb.packing,
-            "[wlb] micro_batch_max_len (S_max)": (
-                build_packer(wlb.packing, config, cost_model).cap
-                if cost_model is not None
-                else wlb.micro_batch_max_len
-            ),
+            "[wlb] micro_batch_max_len (S_max)": smax,
             "[wlb] queue_thresholds": list(wlb.queue_thresholds),
             **{f"[wlb] {k}": getattr(wlb, k) for k in (*WLB_KNOBS, "solver_node_limit")},
         }
@@ -256,9 +239,8 @@ def build_wlb_dataloader(
         )
     if job_config.training.local_batch_size != 1:
         raise ValueError(
-            f"[training] local_batch_size = {job_config.training.local_batch_size}: with document "
-            "packing every micro-batch is one packed sequence, so it must be 1 (set the number of "
-            "micro-batches per step with [training] global_batch_size)"
+            f"[training] local_batch_size = {job_config.training.local_batch_size} must be 1 with "
+            "document packing (set the micro-batches per step with [training] global_batch_size)"
         )
     if cost_model is None:
         raise ValueError("build_wlb_dataloader needs the job's cost model for document packing")
@@ -274,16 +256,7 @@ def build_wlb_dataloader(
     root = MicroBatchNode(
         Prefetcher(packed, prefetch_factor=2), reset_positions=wlb.reset_positions
     )
-    logger.info(
-        f"WLB data pipeline: dataset {job_config.training.dataset!r}, packing {wlb.packing!r}, "
-        f"{n} micro-batches per step"
-        + (" (built-in corpus)" if job_config.training.dataset == BUILTIN_NAME else "")
-    )
+    fingerprint = data_fingerprint(job_config, dp_world_size, cost_model)
     return WLBDataLoader(
-        root,
-        dp_rank=dp_rank,
-        dp_world_size=dp_world_size,
-        fingerprint=data_fingerprint(job_config, dp_world_size, cost_model),
-        packer=packer,
-        cost_schedule=schedule,
+        root, dp_rank, dp_world_size, fingerprint=fingerprint, packer=packer, cost_schedule=schedule
     )

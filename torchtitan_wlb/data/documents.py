@@ -1,10 +1,7 @@
-"""The document stream: texts -> tokenized documents, long ones split by a documented policy.
+"""The document stream: texts -> tokenized documents, long ones split by a policy (docs/data.md).
 
-Yields ``{"doc_id", "tokens" (int32), "parent_id", "piece", "epoch"}`` per document or piece;
-``doc_id`` counts emitted pieces from 0, ``parent_id`` is the text's index in its epoch. Every rank
-reads the same global stream (the packing plan is global), so the node is not sharded by rank.
-The long-document policies are described in docs/data.md. The state is a few integers (epoch,
-texts consumed, pieces of the current text emitted): restoring re-reads the source from there.
+Not sharded by rank: the packing plan is global. The state is a few counters (epoch, texts read,
+pieces of the current text emitted); restoring re-reads the source from there.
 """
 
 from __future__ import annotations
@@ -18,9 +15,14 @@ from torchtitan.tools.logging import logger
 
 from torchtitan_wlb.data.sources import DataError, TextSource
 
+# The node's state: counters, each an attribute of the node of the same name.
+_STATE = ("epoch", "texts_done", "pieces_done", "next_doc_id", "truncated_tokens", "truncated_docs")
+
 
 class DocumentNode(BaseNode[dict]):
-    """Tokenized documents from a :class:`TextSource`.
+    """Tokenized documents from a :class:`TextSource`: ``{"doc_id", "tokens" (int32),
+    "parent_id", "piece", "epoch"}`` per piece (``doc_id`` counts pieces from 0, ``parent_id`` is
+    the text's index in its epoch).
 
     Args:
         source: where texts come from.
@@ -55,25 +57,17 @@ class DocumentNode(BaseNode[dict]):
         self.policy = policy
         self.epochs = epochs
         self._it: Iterator[dict] | None = None
-        self._epoch = 0
-        self._texts_done = 0
-        self._pieces_done = 0
-        self._next_doc_id = 0
-        self.truncated_tokens = 0
-        self.truncated_docs = 0
+        self._set_counters(None)
+
+    def _set_counters(self, state: dict | None) -> None:
+        # truncated_docs is missing from states saved before it was counted.
+        state = dict.fromkeys(_STATE, 0) if state is None else {"truncated_docs": 0, **state}
+        for key in _STATE:
+            setattr(self, key, int(state[key]))
 
     def reset(self, initial_state: dict | None = None) -> None:
         super().reset(initial_state)
-        if initial_state is not None:
-            self._epoch = int(initial_state["epoch"])
-            self._texts_done = int(initial_state["texts_done"])
-            self._pieces_done = int(initial_state["pieces_done"])
-            self._next_doc_id = int(initial_state["next_doc_id"])
-            self.truncated_tokens = int(initial_state["truncated_tokens"])
-            self.truncated_docs = int(initial_state.get("truncated_docs", 0))
-        else:
-            self._epoch = self._texts_done = self._pieces_done = self._next_doc_id = 0
-            self.truncated_tokens = self.truncated_docs = 0
+        self._set_counters(initial_state)
         self._it = self._generate()
 
     def _pieces(self, index: int, text: str) -> list[np.ndarray]:
@@ -101,28 +95,28 @@ class DocumentNode(BaseNode[dict]):
         return np.array_split(tokens, np.arange(self.max_doc_len, tokens.size, self.max_doc_len))
 
     def _generate(self) -> Iterator[dict]:
-        while self.epochs == 0 or self._epoch < self.epochs:
-            for index, text in self.source.open_texts(self._texts_done):
+        while self.epochs == 0 or self.epoch < self.epochs:
+            for index, text in self.source.open_texts(self.texts_done):
                 pieces = self._pieces(index, text)
-                for p in range(self._pieces_done, len(pieces)):
-                    self._pieces_done = p + 1
-                    doc_id = self._next_doc_id
-                    self._next_doc_id += 1
+                for p in range(self.pieces_done, len(pieces)):
+                    self.pieces_done = p + 1
+                    doc_id = self.next_doc_id
+                    self.next_doc_id += 1
                     yield {
                         "doc_id": doc_id,
                         "tokens": pieces[p],
                         "parent_id": index,
                         "piece": p,
-                        "epoch": self._epoch,
+                        "epoch": self.epoch,
                     }
-                self._texts_done = index + 1
-                self._pieces_done = 0
-            if self._texts_done == 0:
+                self.texts_done = index + 1
+                self.pieces_done = 0
+            if self.texts_done == 0:
                 raise DataError(
                     f"{self.source.kind} source {self.source.path or ''!r} holds no document"
                 )
-            self._epoch += 1
-            self._texts_done = 0
+            self.epoch += 1
+            self.texts_done = 0
 
     def next(self) -> dict:
         assert self._it is not None, "reset() must be called before next()"
@@ -147,11 +141,4 @@ class DocumentNode(BaseNode[dict]):
         return ids, tokens
 
     def get_state(self) -> dict:
-        return {
-            "epoch": self._epoch,
-            "texts_done": self._texts_done,
-            "pieces_done": self._pieces_done,
-            "next_doc_id": self._next_doc_id,
-            "truncated_tokens": self.truncated_tokens,
-            "truncated_docs": self.truncated_docs,
-        }
+        return {key: getattr(self, key) for key in _STATE}

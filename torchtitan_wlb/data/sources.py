@@ -1,14 +1,13 @@
 """Where document texts come from: the built-in corpus, local files, or Hugging Face datasets.
 
-Every source is a restartable sequence of texts: ``open_texts(start)`` yields ``(index, text)``
-from text number ``start`` on, so the document node can checkpoint "texts consumed so far" and
-resume exactly without keeping texts in its state. Bad data fails loudly with the file and line
-(an empty or malformed document is an error, never a silent skip).
+Sources restart at any text number, so a checkpoint keeps a count, not texts. Bad data fails
+loudly with the file and line, never a silent skip.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import glob
 import itertools
 import json
@@ -31,9 +30,15 @@ _CORPUS_VERSION = 1
 _DOC_NODES = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 
 
-def _stdlib_docstrings(stdlib: str) -> list[str]:
-    docs: list[str] = []
-    for root, dirs, files in os.walk(stdlib):
+def build_builtin_corpus() -> list[str]:
+    """Real English text with a long-tailed length mix, from the running Python installation
+    (``pydoc_data`` topics and stdlib docstrings in a seeded order; docs/data.md): no download."""
+    from pydoc_data.topics import topics
+
+    import numpy as np
+
+    docs = [topics[k] for k in sorted(topics)]
+    for root, dirs, files in os.walk(sysconfig.get_paths()["stdlib"]):
         dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS)
         for name in sorted(f for f in files if f.endswith(".py")):
             try:
@@ -45,21 +50,6 @@ def _stdlib_docstrings(stdlib: str) -> list[str]:
                 doc = ast.get_docstring(node) if isinstance(node, _DOC_NODES) else None
                 if doc and len(doc) >= _MIN_DOC_CHARS:
                     docs.append(doc)
-    return docs
-
-
-def build_builtin_corpus() -> list[str]:
-    """Real English text from the running Python installation, with a long-tailed length mix:
-    the reference-manual topics of ``pydoc_data`` (the long tail) and the standard library's
-    docstrings, interleaved in a fixed seeded order (docs/data.md). Nothing is downloaded or
-    stored in this repository.
-    """
-    from pydoc_data.topics import topics
-
-    import numpy as np
-
-    docs = [topics[k] for k in sorted(topics)]
-    docs += _stdlib_docstrings(sysconfig.get_paths()["stdlib"])
     order = np.random.default_rng(20250707).permutation(len(docs))
     return [docs[i] for i in order]
 
@@ -69,36 +59,25 @@ def builtin_corpus() -> list[str]:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     ver = f"{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}"
     path = os.path.join(base, "torchtitan_wlb", f"builtin_corpus_v{_CORPUS_VERSION}_py{ver}.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        pass
+    with contextlib.suppress(OSError, ValueError), open(path, encoding="utf-8") as f:
+        return json.load(f)
     docs = build_builtin_corpus()
-    try:
+    with contextlib.suppress(OSError):  # a read-only home still trains; it rebuilds next time
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(docs, f)
         os.replace(tmp, path)  # atomic: concurrent ranks never read a half-written file
-    except OSError:
-        pass  # a read-only home still trains; it only rebuilds next time
     return docs
 
 
 @dataclass
 class TextSource:
-    """A restartable stream of document texts.
+    """A restartable stream of document texts."""
 
-    Attributes:
-        kind: one of "wlb_builtin", "jsonl", "parquet", "text", "hf".
-        path: file, directory or glob (local kinds), dataset name or local path ("hf").
-        text_field: the field holding the text (jsonl, parquet, hf).
-    """
-
-    kind: str
-    path: str = ""
-    text_field: str = "text"
+    kind: str  # "wlb_builtin", "jsonl", "parquet", "text" or "hf"
+    path: str = ""  # file, directory or glob (local kinds); dataset name or local path ("hf")
+    text_field: str = "text"  # the field holding the text (jsonl, parquet, hf)
 
     def __post_init__(self) -> None:
         if self.kind == BUILTIN_NAME:

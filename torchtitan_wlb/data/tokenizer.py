@@ -1,8 +1,7 @@
 """Tokenizers: an offline byte-level one (the default) and TorchTitan's Hugging Face one.
 
-The default run must work offline, so it cannot download a tokenizer. Bytes need no vocabulary
-file, handle any text losslessly and keep documents long in tokens, which makes attention
-imbalance visible at small scale.
+Bytes need no download or vocabulary file, encode any text losslessly and keep documents long in
+tokens, which makes attention imbalance visible at small scale.
 """
 
 from __future__ import annotations
@@ -22,28 +21,23 @@ class ByteTokenizer(BaseTokenizer):
     """UTF-8 bytes as tokens 0..255, plus BOS (256), EOS (257) and PAD (258); the vocabulary
     size is rounded up to 264, a multiple of 8, for an aligned embedding table."""
 
-    BOS = 256
-    EOS = 257
-    PAD = 258
-    VOCAB_SIZE = 264
-
     def __init__(self) -> None:
         super().__init__()
-        self.bos_id, self.eos_id, self.pad_id = self.BOS, self.EOS, self.PAD
+        self.bos_id, self.eos_id, self.pad_id = 256, 257, 258
 
     def encode(self, text: str, add_bos: bool = True, add_eos: bool = True) -> list[int]:
         ids = list(text.encode("utf-8"))
         if add_bos:
-            ids.insert(0, self.BOS)
+            ids.insert(0, self.bos_id)
         if add_eos:
-            ids.append(self.EOS)
+            ids.append(self.eos_id)
         return ids
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
     def get_vocab_size(self) -> int:
-        return self.VOCAB_SIZE
+        return 264
 
 
 def build_wlb_tokenizer(job_config: JobConfig) -> BaseTokenizer:

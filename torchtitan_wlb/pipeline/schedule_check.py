@@ -1,8 +1,7 @@
 """Start-up check of a pipeline configuration for variable-length micro-batches.
 
-torch raises on a micro-batch count a schedule cannot take only when the schedule is built, after
-process groups and model splitting; this pure-Python check mirrors torch 2.13's schedules and
-torchtitan 0.2.2's ``pipeline_llm`` so that WLB configs are refused before any of that.
+torch refuses a bad micro-batch count only once the schedule is built, after process groups and
+model splitting; this pure-Python mirror of torch 2.13's schedules refuses it before any of that.
 """
 
 from __future__ import annotations
@@ -31,14 +30,9 @@ def check_pp_microbatches(
         raise ValueError(f"the number of micro-batches must be an int >= 1, got {n_microbatches!r}")
     if stages_per_rank is None:
         stages_per_rank = 1 if style == "single" else 2
-    if style == "single" and stages_per_rank != 1:
-        raise ValueError(
-            f"{name} runs exactly 1 stage per rank, got stages_per_rank={stages_per_rank}"
-        )
-    if style == "multi" and stages_per_rank < 2:
-        raise ValueError(
-            f"{name} needs at least 2 stages per rank, got stages_per_rank={stages_per_rank}"
-        )
+    if (stages_per_rank != 1) if style == "single" else (stages_per_rank < 2):
+        needs = "runs exactly 1 stage" if style == "single" else "needs at least 2 stages"
+        raise ValueError(f"{name} {needs} per rank, got stages_per_rank={stages_per_rank}")
     if name == "1F1B" and n_microbatches < pp_degree:
         raise ValueError(
             f"1F1B needs at least pipeline_parallel_degree={pp_degree} micro-batches per step, "

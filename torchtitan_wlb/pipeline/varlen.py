@@ -1,28 +1,28 @@
-"""Variable-length micro-batches through torch.distributed.pipelining schedules.
+"""Variable-length micro-batches through torch.distributed.pipelining schedules, and their loss.
 
-torch sizes a stage's receive buffers once, from the first micro-batch, and torchtitan splits one
-``[B, S]`` tensor so that every micro-batch of a step shares one shape. Every rank of a pipeline
-knows the per-micro-batch token counts (the packing plan is computed identically on all ranks), so
-before each step the runner gives every micro-batch's receive buffers its own length and hands the
-schedule per-micro-batch lists of inputs, targets and keyword metadata: no padding and no shape
-exchange (docs/pipeline.md). All access to private pipelining attributes lives in this module and
-is gated on the torch versions it was checked against.
+torch sizes receive buffers once, from micro-batch 0; every rank knows each micro-batch's length
+from the packing plan, so the runner re-sizes them before each step: no padding, no shape exchange.
+The only module touching private pipelining state, gated on verified torches. A per-micro-batch
+loss mean would weight a short micro-batch's tokens more than a long one's, so each summed loss is
+divided by the global batch's valid-token count (docs/pipeline.md).
 """
 
 from __future__ import annotations
 
 import inspect
+import itertools
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan_wlb.device_clock import CUDA, DeviceClock
-from torchtitan_wlb.pipeline.loss import token_mean_loss
 
 # (major, minor) bounds, both inclusive, of the supported torch releases (docs/pipeline.md).
 SUPPORTED_TORCH_RANGE: tuple[tuple[int, int], tuple[int, int]] = ((2, 11), (2, 13))
@@ -37,10 +37,6 @@ _PRIVATE_ATTRS = {
 }
 # Stage methods of older releases that check each micro-batch against the first one's shapes.
 _SHAPE_VALIDATORS = ("_validate_fwd_input", "_validate_fwd_outputs")
-
-
-def _skip_validation(*args: Any, **kwargs: Any) -> None:
-    """Stands in for a stage's shape validator while a varlen step runs."""
 
 
 class UnsupportedTorchVersionError(RuntimeError):
@@ -61,11 +57,62 @@ def check_torch_version(version: str | None = None) -> None:
     low, high = SUPPORTED_TORCH_RANGE
     if not (low <= (int(match.group(1)), int(match.group(2))) <= high):
         raise UnsupportedTorchVersionError(
-            f"torchtitan_wlb.pipeline.varlen relies on private torch.distributed.pipelining "
-            f"internals verified on torch {low[0]}.{low[1]} to {high[0]}.{high[1]}, but torch "
-            f"{version} is installed; install a torch in that range, or set "
-            f"{ALLOW_UNVERIFIED_ENV}=1 to try it anyway (then run tests/test_pipeline_varlen.py)"
+            f"the varlen pipeline runner uses private pipelining internals verified on torch "
+            f"{low[0]}.{low[1]} to {high[0]}.{high[1]}, not {version}; install one of those, or "
+            f"set {ALLOW_UNVERIFIED_ENV}=1 to try (then run tests/test_pipeline_varlen.py)"
         )
+
+
+# torch's and torchtitan's ignored label, written here rather than imported: importing torchtitan
+# before cpu_support.activate() binds its device type (validate imports this module first).
+IGNORE_INDEX = -100
+
+
+def count_valid_tokens(
+    labels: torch.Tensor | Sequence[torch.Tensor], ignore_index: int = IGNORE_INDEX
+) -> torch.Tensor:
+    """Number of labels != ``ignore_index`` over one tensor or all micro-batches (int64 scalar)."""
+    if isinstance(labels, torch.Tensor):
+        return (labels != ignore_index).sum(dtype=torch.int64)
+    if len(labels) == 0:
+        raise ValueError("labels is an empty sequence; pass at least one label tensor")
+    return torch.stack([(t != ignore_index).sum(dtype=torch.int64) for t in labels]).sum()
+
+
+def global_valid_tokens(
+    local_count: torch.Tensor | int,
+    group: dist.ProcessGroup | DeviceMesh | None = None,
+    *,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """A rank's valid-token count summed over ``group`` (a process group or 1-D device mesh;
+    None: the default group, if any), on ``device``. Never include PP ranks: they hold the same
+    micro-batches (docs/pipeline.md says which group)."""
+    count = torch.as_tensor(local_count, dtype=torch.int64, device=device).clone()
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(
+                f"group must be a 1-D DeviceMesh (flatten it first), got one with "
+                f"{group.ndim} dims {group.mesh_dim_names}"
+            )
+        group = group.get_group()
+    if group is None and not dist.is_initialized():
+        return count
+    dist.all_reduce(count, op=dist.ReduceOp.SUM, group=group)
+    return count
+
+
+def token_mean_loss(
+    loss_sum_fn: Callable[..., torch.Tensor], global_count: torch.Tensor | int
+) -> Callable[..., torch.Tensor]:
+    """``loss_sum_fn(pred, target) / global_count`` for a sum-reduced loss; the count is clamped
+    to 1, so a global batch with no valid token gives loss 0 instead of NaN."""
+    denominator = torch.as_tensor(global_count).clamp(min=1)
+
+    def loss_fn(pred: Any, target: Any, **kwargs: Any) -> torch.Tensor:
+        return loss_sum_fn(pred, target, **kwargs) / denominator
+
+    return loss_fn
 
 
 @dataclass
@@ -79,13 +126,10 @@ class VarlenStepStats:
 
 @dataclass
 class PipelineActionTimes:
-    """Compute time of every pipeline action of one step on this rank: one row per local stage,
-    one column per micro-batch, forward (with the loss) and backward (with the weight backward).
-    Waiting for neighbouring stages happens outside these calls, so these are the per-action
-    costs a pipeline timeline plays. ``fwd_s`` / ``bwd_s``: wall time (CUDA events on a GPU);
-    ``fwd_device_s`` / ``bwd_device_s``: the same actions on the device clock
-    (:mod:`torchtitan_wlb.device_clock`: on CPU with one intra-op thread, this thread's CPU time,
-    which leaves out the time the OS gave to other processes), what the online cost model fits."""
+    """Compute seconds of every pipeline action of one step on this rank (row: local stage,
+    column: micro-batch; forward includes the loss, backward the weight backward), without the
+    waits for neighbours: the per-action costs a pipeline timeline plays. ``*_device_s`` are on
+    the device clock, which the online cost model fits (docs/pipeline.md)."""
 
     stage_indices: list[int]
     fwd_s: list[list[float]]
@@ -94,13 +138,8 @@ class PipelineActionTimes:
     bwd_device_s: list[list[float]]
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "stages": self.stage_indices,
-            "fwd_s": self.fwd_s,
-            "bwd_s": self.bwd_s,
-            "fwd_device_s": self.fwd_device_s,
-            "bwd_device_s": self.bwd_device_s,
-        }
+        times = asdict(self)
+        return {"stages": times.pop("stage_indices"), **times}
 
 
 class _ActionTimer:
@@ -108,11 +147,8 @@ class _ActionTimer:
     removed after the step. On CUDA they record events read once afterwards, so timing adds no
     synchronisation inside the schedule; elsewhere they read the :class:`DeviceClock`."""
 
-    _STAGE_METHODS = {
-        "forward_one_chunk": 0,
-        "backward_one_chunk": 1,
-        "backward_weight_one_chunk": 1,
-    }
+    # Stage methods timed, as a forward (0) or a backward (1).
+    _TIMED = {"forward_one_chunk": 0, "backward_one_chunk": 1, "backward_weight_one_chunk": 1}
 
     def __init__(self, schedule: Any, stages: Sequence[Any], n_mb: int):
         self.schedule = schedule
@@ -142,7 +178,7 @@ class _ActionTimer:
     def install(self) -> None:
         for stage in self.stages:
             row = self.row[id(stage)]
-            for name, kind in self._STAGE_METHODS.items():
+            for name, kind in self._TIMED.items():
                 original = getattr(stage, name, None)
                 if original is None or name in vars(stage):
                     continue
@@ -182,22 +218,15 @@ class _ActionTimer:
                 sample = (sample[0].elapsed_time(sample[1]) / 1e3,) * 2
             if 0 <= mb < self.n_mb:
                 sums[:, kind, row, mb] += sample
-        (fwd, bwd), (fwd_dev, bwd_dev) = sums.tolist()
-        return PipelineActionTimes(
-            stage_indices=[int(s.stage_index) for s in self.stages],
-            fwd_s=fwd,
-            bwd_s=bwd,
-            fwd_device_s=fwd_dev,
-            bwd_device_s=bwd_dev,
-        )
+        # Field order: fwd_s, bwd_s, fwd_device_s, bwd_device_s.
+        stages = [int(s.stage_index) for s in self.stages]
+        return PipelineActionTimes(stages, *sums.reshape(4, len(self.stages), self.n_mb).tolist())
 
 
 def _empty_like_layout(shape: Sequence[int], ref: torch.Tensor) -> torch.Tensor:
     """An empty tensor of ``shape`` with ``ref``'s dtype, device and dimension order (``ref`` is
     torch's buffer, so the new one keeps the memory layout the sender produces)."""
-    if ref.is_contiguous():
-        return torch.empty(tuple(shape), dtype=ref.dtype, device=ref.device)
-    # Outermost dimension first, as in ref's strides; allocate contiguous in that order.
+    # Outermost dimension first, as in ref's strides (the identity when ref is contiguous).
     order = sorted(range(ref.dim()), key=lambda d: (-ref.stride(d), d))
     permuted = torch.empty([shape[d] for d in order], dtype=ref.dtype, device=ref.device)
     inverse = [order.index(d) for d in range(ref.dim())]
@@ -213,10 +242,8 @@ class VarlenPipelineRunner:
     Args:
         schedule: the pipeline schedule of this rank.
         seq_dim: the token dimension of the tensors crossing stage boundaries (1 for ``[1, S, D]``).
-        verify_seq_lens: debugging aid: two all-reduces per step check that every rank of the
-            pipeline passed the same ``seq_lens`` (a mismatch hangs or corrupts on NCCL).
-        time_actions: time every forward and backward of every micro-batch on this rank's stages
-            into :attr:`last_action_times` (for the simulator's calibration).
+        verify_seq_lens: debugging aid: check every step that all ranks passed the same lengths.
+        time_actions: time every action on this rank's stages into :attr:`last_action_times`.
     """
 
     def __init__(
@@ -254,10 +281,9 @@ class VarlenPipelineRunner:
                     )
         if getattr(schedule, "scale_grads", False):
             raise ValueError(
-                "schedule.scale_grads=True divides gradients by the number of micro-batches, "
-                "which reweights tokens of micro-batches of different lengths; build the schedule "
-                "with scale_grads=False (torchtitan's build_pipeline_schedule does) and pass "
-                "global_valid_tokens to step()"
+                "schedule.scale_grads=True reweights the tokens of micro-batches of different "
+                "lengths; build it with scale_grads=False (torchtitan's build_pipeline_schedule "
+                "does) and pass global_valid_tokens to step()"
             )
         if not isinstance(seq_dim, int) or seq_dim < 0:
             raise ValueError(f"seq_dim must be a non-negative int, got {seq_dim!r}")
@@ -267,9 +293,8 @@ class VarlenPipelineRunner:
         self.verify_seq_lens = verify_seq_lens
         self.time_actions = time_actions
         self.last_action_times: PipelineActionTimes | None = None
-        init_params = inspect.signature(self._init_fn).parameters
-        self._init_takes_target = "target" in init_params
-        self._init_takes_loss_kwargs = "loss_kwargs" in init_params
+        # Releases differ in what the set-up and the step take (target, loss_kwargs).
+        self._init_params = set(inspect.signature(self._init_fn).parameters)
         step_params = inspect.signature(schedule._step_microbatches).parameters
         self._step_takes_loss_kwargs = "loss_kwargs" in step_params
         # Whether the buffers of the schedule's last set-up (first step, eval/train switch) were
@@ -306,13 +331,12 @@ class VarlenPipelineRunner:
 
         Args:
             microbatch_inputs: the first stage's input per micro-batch (ranks holding stage 0).
-            microbatch_kwargs: the forward keyword arguments every stage receives per micro-batch
-                (``attention_masks``, ``positions``, ...), the same on every rank; None for none.
+            microbatch_kwargs: per micro-batch, the forward keyword arguments of every stage
+                (``attention_masks``, ``positions``, ...), the same on every rank; or None.
             targets: the labels per micro-batch (ranks holding the last stage).
             seq_lens: per micro-batch, the length along ``seq_dim`` of the tensors that cross
                 stage boundaries (after CP/sequence sharding), identical on every rank.
-            global_valid_tokens: each micro-batch's loss is divided by it before backward
-                (:func:`~torchtitan_wlb.pipeline.loss.global_valid_tokens`); None: raw loss.
+            global_valid_tokens: divides each micro-batch's loss before backward; None: raw loss.
             losses: filled on last-stage ranks with the (divided) loss of every micro-batch.
             loss_kwargs: extra keyword arguments for the loss function (torch >= 2.13 only).
         """
@@ -325,23 +349,16 @@ class VarlenPipelineRunner:
             )
         if any(x < 1 for x in lens):
             raise ValueError(f"seq_lens must all be >= 1, got {lens}")
-        if self.has_first_stage and (microbatch_inputs is None or len(microbatch_inputs) != n):
-            got = "None" if microbatch_inputs is None else f"{len(microbatch_inputs)} entries"
-            raise ValueError(
-                f"this rank holds stage 0, so microbatch_inputs must have {n} entries "
-                f"(one input tensor per micro-batch), got {got}"
-            )
-        if self.has_last_stage and (targets is None or len(targets) != n):
-            got = "None" if targets is None else f"{len(targets)} entries"
-            raise ValueError(
-                f"this rank holds the last stage, so targets must have {n} entries "
-                f"(one label tensor per micro-batch), got {got}"
-            )
-        if microbatch_kwargs is not None and len(microbatch_kwargs) != n:
-            raise ValueError(
-                f"microbatch_kwargs has {len(microbatch_kwargs)} entries, expected {n} "
-                f"(one dict of forward keyword arguments per micro-batch)"
-            )
+        for name, values, needed, why in (
+            ("microbatch_inputs", microbatch_inputs, self.has_first_stage, "rank holds stage 0"),
+            ("targets", targets, self.has_last_stage, "rank holds the last stage"),
+            ("microbatch_kwargs", microbatch_kwargs, microbatch_kwargs is not None, "a dict each"),
+        ):
+            if needed and (values is None or len(values) != n):
+                got = "None" if values is None else f"{len(values)} entries"
+                raise ValueError(
+                    f"{name} must have {n} entries, one per micro-batch ({why}), got {got}"
+                )
         arg_mbs = None
         if self.has_first_stage:
             arg_mbs = [x if isinstance(x, tuple) else (x,) for x in microbatch_inputs]
@@ -352,6 +369,7 @@ class VarlenPipelineRunner:
                 f"loss_kwargs is not supported by {type(self.schedule).__name__} in torch "
                 f"{torch.__version__}; pass loss_kwargs=None"
             )
+        loss_kwargs = dict(loss_kwargs) if loss_kwargs else None
 
         if self.verify_seq_lens:
             self._verify_same_seq_lens(lens)
@@ -374,13 +392,11 @@ class VarlenPipelineRunner:
                     stage._runtime_validate = False
                 for name in _SHAPE_VALIDATORS:
                     if hasattr(stage, name) and name not in vars(stage):
-                        setattr(stage, name, _skip_validation)
+                        setattr(stage, name, lambda *args, **kwargs: None)
                         shadowed.append((stage, name))
             self._ensure_initialized(arg_mbs, kwarg_mbs, target_mbs, loss_kwargs)
             stats = self._resize_recv_buffers(lens)
-            step_kwargs: dict[str, Any] = {}
-            if self._step_takes_loss_kwargs:
-                step_kwargs["loss_kwargs"] = dict(loss_kwargs) if loss_kwargs else None
+            step_kwargs = {"loss_kwargs": loss_kwargs} if self._step_takes_loss_kwargs else {}
             if timer is not None:
                 timer.install()
             schedule._step_microbatches(
@@ -401,8 +417,6 @@ class VarlenPipelineRunner:
 
     def _verify_same_seq_lens(self, lens: list[int]) -> None:
         """Raise on every rank if the ranks of the pipeline passed different ``seq_lens``."""
-        import torch.distributed as dist
-
         stage = self.stages[0]
         local = torch.tensor(lens, dtype=torch.int64, device=stage.device)
         high, low = local.clone(), local.clone()
@@ -410,9 +424,8 @@ class VarlenPipelineRunner:
         dist.all_reduce(low, op=dist.ReduceOp.MIN, group=stage.group)
         if not torch.equal(high, low):
             raise ValueError(
-                f"the pipeline's ranks passed different seq_lens (this rank: {lens}; per "
-                f"micro-batch min {low.tolist()}, max {high.tolist()}); every rank of a pipeline "
-                f"must derive them from the same packing plan"
+                f"the pipeline's ranks passed different seq_lens (this rank: {lens}; min "
+                f"{low.tolist()}, max {high.tolist()}); derive them from the same packing plan"
             )
 
     def _ensure_initialized(
@@ -420,15 +433,12 @@ class VarlenPipelineRunner:
         arg_mbs: list[tuple[Any, ...]] | None,
         kwarg_mbs: list[dict[str, Any]],
         target_mbs: list[torch.Tensor] | None,
-        loss_kwargs: Mapping[str, Any] | None,
+        loss_kwargs: dict[str, Any] | None,
     ) -> None:
         """Run the schedule's one-time stage set-up now (a no-op once done), before the buffers
         are resized: inside ``_step_microbatches`` it would overwrite them."""
-        kwargs: dict[str, Any] = {}
-        if self._init_takes_target:
-            kwargs["target"] = target_mbs[0] if target_mbs is not None else None
-        if self._init_takes_loss_kwargs:
-            kwargs["loss_kwargs"] = dict(loss_kwargs) if loss_kwargs else None
+        optional = {"target": target_mbs[0] if target_mbs else None, "loss_kwargs": loss_kwargs}
+        kwargs = {k: v for k, v in optional.items() if k in self._init_params}
         args0 = arg_mbs[0] if arg_mbs is not None else ()
         before = self._initialized_flags()
         self._init_fn(args0, kwarg_mbs[0], **kwargs)
@@ -438,11 +448,9 @@ class VarlenPipelineRunner:
     def _initialized_flags(self) -> tuple[Any, Any]:
         """The schedule's (forward, backward) set-up flags; they change when it (re-)sets up."""
         sched = self.schedule
-        if hasattr(sched, "_stage_forward_initialized"):
-            return sched._stage_forward_initialized, sched._stage_backward_initialized
-        return (
-            getattr(sched, "_stages_forward_initialized", None),
-            getattr(sched, "_stages_backward_initialized", None),
+        prefix = "_stage" if hasattr(sched, "_stage_forward_initialized") else "_stages"
+        return tuple(
+            getattr(sched, f"{prefix}_{k}_initialized", None) for k in ("forward", "backward")
         )
 
     def _resize_recv_buffers(self, lens: list[int]) -> VarlenStepStats:
@@ -452,24 +460,23 @@ class VarlenPipelineRunner:
             tables = [stage.args_recv_info]
             if stage.has_backward:
                 tables.append(stage.grad_recv_info)
-            for table in tables:
-                for mb, length in enumerate(lens):
-                    for info in table[mb]:
-                        buf = getattr(info, "buffer", None)
-                        if buf is None:  # root input of stage 0, or an output without gradient
-                            continue
-                        if not self._layout_checked:
-                            self._check_layout(stage, info, buf, lens[0])
-                        if buf.shape[self.seq_dim] == length:
-                            reused += 1
-                        else:
-                            shape = list(buf.shape)
-                            shape[self.seq_dim] = length
-                            # Older releases set requires_grad at set-up only; keep it.
-                            buf = _empty_like_layout(shape, buf).requires_grad_(buf.requires_grad)
-                            info.buffer = buf
-                            resized += 1
-                        nbytes += buf.numel() * buf.element_size()
+            for table, (mb, length) in itertools.product(tables, enumerate(lens)):
+                for info in table[mb]:
+                    buf = getattr(info, "buffer", None)
+                    if buf is None:  # root input of stage 0, or an output without gradient
+                        continue
+                    if not self._layout_checked:
+                        self._check_layout(stage, info, buf, lens[0])
+                    if buf.shape[self.seq_dim] == length:
+                        reused += 1
+                    else:
+                        shape = list(buf.shape)
+                        shape[self.seq_dim] = length
+                        # Older releases set requires_grad at set-up only; keep it.
+                        buf = _empty_like_layout(shape, buf).requires_grad_(buf.requires_grad)
+                        info.buffer = buf
+                        resized += 1
+                    nbytes += buf.numel() * buf.element_size()
         self._layout_checked = True
         return VarlenStepStats(buffers_resized=resized, buffers_reused=reused, recv_bytes=nbytes)
 
@@ -479,13 +486,11 @@ class VarlenPipelineRunner:
         if meta is not None and hasattr(meta, "placements"):
             raise ValueError(
                 f"stage {stage.stage_index} receives a DTensor ({info!r}); variable-length "
-                f"micro-batches support plain tensors between stages only (with TP, convert "
-                f"stage outputs to local tensors)"
+                f"micro-batches take plain tensors between stages only (convert TP outputs)"
             )
         if buf.dim() <= self.seq_dim or buf.shape[self.seq_dim] != first_len:
             raise ValueError(
-                f"stage {stage.stage_index} was set up from micro-batch 0 with a receive buffer "
-                f"of shape {tuple(buf.shape)}, whose dim seq_dim={self.seq_dim} should equal "
-                f"seq_lens[0]={first_len}; seq_lens must be the token counts of the tensors that "
-                f"cross stage boundaries (after CP/sequence sharding) and seq_dim their dimension"
+                f"stage {stage.stage_index}'s receive buffer from micro-batch 0 has shape "
+                f"{tuple(buf.shape)}, whose dim seq_dim={self.seq_dim} should equal seq_lens[0]="
+                f"{first_len}: pass the token counts of the tensors crossing stages (after CP)"
             )
