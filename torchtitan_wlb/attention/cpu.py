@@ -1,10 +1,8 @@
 """Vectorised document-masked causal attention for CPU (and any device without a varlen kernel).
 
-Why buckets: a Python loop over documents costs a kernel chain per document, and padding every
-segment to the longest costs ``segments * max_len**2``. Segments are instead grouped by their
-(query, key) lengths rounded up to a geometric grid and each group runs as one masked SDPA; long
-segments are cut into query blocks that see keys up to their own diagonal, so the dense work
-tracks the causal work (docs/context_parallel.md). Autograd flows through plain tensor ops.
+Segments are grouped by their (query, key) lengths rounded up to a geometric grid, one masked SDPA
+per group: a loop over documents would cost a kernel chain each, padding to the longest
+``segments * max_len**2`` (docs/context_parallel.md). Autograd flows through plain tensor ops.
 """
 
 from __future__ import annotations
@@ -12,8 +10,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-
-__all__ = ["cpu_document_attention", "bucket_length"]
 
 MIN_BUCKET = 16
 QUERY_BLOCK = 256  # query rows per dense block: bounds the masked (wasted) part of the work

@@ -1,9 +1,6 @@
-"""The attention metadata the model receives through ``attention_masks``.
-
-The model's attention does not know whether context parallelism is on:
-:func:`attention_from_metadata` runs plain document attention, or asks the rank's CP metadata to run
-the CP op (``cp`` is built on this package, so this package only knows the
-:class:`ContextParallelAttention` protocol).
+"""The attention metadata the model receives through ``attention_masks``: the model's attention
+does not know whether context parallelism is on (``cp`` is built on this package, so this package
+only knows the :class:`ContextParallelAttention` protocol).
 """
 
 from __future__ import annotations
@@ -15,13 +12,6 @@ import torch
 
 from torchtitan_wlb.attention.varlen import document_attention
 
-__all__ = [
-    "ContextParallelAttention",
-    "DocumentAttentionMetadata",
-    "attention_from_metadata",
-    "metadata_from_doc_lens",
-]
-
 
 class ContextParallelAttention(Protocol):
     """One rank's context-parallel attention, carried by the metadata (implemented by the CP op's
@@ -31,7 +21,6 @@ class ContextParallelAttention(Protocol):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str
     ) -> torch.Tensor:
         """Document-masked causal attention of this rank's local ``q, k, v`` over the CP group."""
-        ...
 
 
 @dataclass

@@ -12,9 +12,7 @@ import torch
 from torch import Tensor
 
 from torchtitan_wlb.attention.cpu import cpu_document_attention
-from torchtitan_wlb.attention.cuda import cuda_attention, flash_available, torch_varlen_available
-
-__all__ = ["BACKENDS", "check_qkv", "document_attention", "resolve_backend"]
+from torchtitan_wlb.attention.cuda import cuda_attention, cuda_available
 
 BACKENDS = ("auto", "cpu", "flash", "torch_varlen")
 
@@ -26,11 +24,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}")
     is_cuda = device.type == "cuda"
     if backend == "auto":
-        if is_cuda and flash_available():
-            return "flash"
-        if is_cuda and torch_varlen_available():
-            return "torch_varlen"
-        return "cpu"
+        return next((b for b in ("flash", "torch_varlen") if is_cuda and cuda_available(b)), "cpu")
     if backend in ("flash", "torch_varlen") and not is_cuda:
         raise ValueError(f"attention backend {backend!r} needs CUDA tensors, got device {device}")
     return backend

@@ -21,8 +21,6 @@ from torch.distributed.tensor.experimental import implicit_replication, register
 
 from torchtitan_wlb.attention.varlen import check_qkv, document_attention, resolve_backend
 
-__all__ = ["CPAttentionMetadata", "cp_attention"]
-
 
 @dataclass
 class CPAttentionMetadata:
@@ -35,15 +33,8 @@ class CPAttentionMetadata:
         local_len: tokens this rank holds (``q.shape[0]``).
         max_gather_len: all-gather buffer rows per rank (0: nothing split, no collective).
         kv_order: int64 all-gather buffer row of every gathered token, in packed order.
-        n_head_tokens: local tokens of the head half; the tail half follows.
-        n_gather_tokens: local tokens of both halves; the rank's whole documents follow.
-        cu_seqlens_q: int32 ``(head, tail)`` query boundaries within each half.
-        cu_seqlens_k: int32 ``(head, tail)`` key boundaries in gathered order (gaps interleaved).
-        max_seqlen_q: ``(head, tail)`` longest query segment.
-        max_seqlen_k: ``(head, tail)`` longest key segment.
-        cu_seqlens_whole: int32 boundaries of the whole documents from local token
-            ``n_gather_tokens`` on (``[0]`` when there are none).
-        max_seqlen_whole: longest whole document (0 when none).
+        n_head_tokens ... max_seqlen_whole: the rank's
+            :class:`~torchtitan_wlb.cp.plan.LocalAttentionSpec`, arrays as tensors.
     """
 
     group_name: str

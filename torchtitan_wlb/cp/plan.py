@@ -1,18 +1,9 @@
 """Context-parallel sharding plans for one packed micro-batch (pure NumPy, no torch).
 
-With CP degree ``c`` a micro-batch is cut into ``2c`` chunk *slots*; rank ``r`` keeps slot ``r`` (its
-head) and slot ``2c - 1 - r`` (its tail), pairing an early, cheap slot with a late, expensive one under
-causal attention. The strategies (``per_sequence``, ``per_document``, ``hybrid``), the padding policy
-(none: local lengths differ by at most two tokens, hybrid aside) and the rank-major local layout are
-described in docs/context_parallel.md. A *segment* is the part of one document inside one slot; its
-queries attend to the document's prefix up to the segment's end (bottom-right causal). Within one slot
-a document appears at most once, so each half runs as one varlen call whose key segments are disjoint
-ranges of the globally ordered keys.
-
-Adaptive selection (:mod:`torchtitan_wlb.cp.adaptive`) estimates strategies from a
-:class:`ShardingDraft` (the segments before the layout); :mod:`torchtitan_wlb.cp.local` turns a plan
-into a rank's tensors. Construction is vectorised: O(n_docs * 2c) for the segment table plus O(T) for
-the index arrays a rank asks for; no Python loop runs over documents.
+With CP degree ``c`` a micro-batch is cut into ``2c`` chunk *slots*; rank ``r`` keeps slot ``r``
+(head) and slot ``2c - 1 - r`` (tail), pairing a cheap slot with an expensive one under causal
+attention. A *segment* is the part of one document inside one slot. Strategies, padding and the
+local layout: docs/context_parallel.md. Construction is vectorised: no Python loop over documents.
 """
 
 from __future__ import annotations
@@ -22,19 +13,6 @@ from functools import cached_property
 from typing import Any
 
 import numpy as np
-
-__all__ = [
-    "ATTENTION_TILE",
-    "FIXED_STRATEGIES",
-    "CPPlan",
-    "LocalAttentionSpec",
-    "ShardingDraft",
-    "auto_hybrid_max_len",
-    "causal_pairs",
-    "default_hybrid_max_len",
-    "draft_sharding",
-    "validate_doc_lens",
-]
 
 FIXED_STRATEGIES = ("per_sequence", "per_document", "hybrid")
 
@@ -92,8 +70,8 @@ class LocalAttentionSpec:
 class CPPlan:
     """How one packed micro-batch is split over ``cp_degree`` ranks.
 
-    The segment table lists, in global token order, every (document, slot) piece. Every array is
-    int64 unless stated otherwise.
+    The segment table lists every (document, slot) piece in global token order. Arrays are int64
+    unless stated otherwise.
 
     Attributes:
         doc_lens: ``[n_docs]`` document lengths of the micro-batch.
@@ -104,21 +82,18 @@ class CPPlan:
         seg_doc: ``[S]`` document of each segment.
         seg_start: ``[S]`` first position of the segment inside its document.
         seg_len: ``[S]`` tokens of the segment (0 for chunks of documents shorter than ``2c``).
-        seg_slot: ``[S]`` chunk slot ``0 .. 2c-1`` of the segment (a hybrid whole document sits in
-            its rank's tail slot).
+        seg_slot: ``[S]`` slot ``0 .. 2c-1`` (a hybrid whole document sits in its rank's tail slot).
         slot_order: ``[S]`` segment ids sorted by (slot, gathered before whole, document).
         slot_offsets: ``[2c + 1]`` range of ``slot_order`` holding each slot.
         slot_tokens: ``[2c]`` tokens per slot.
         local_lens: ``[c]`` tokens per rank (head slot + tail slot).
         seg_local_offset: ``[S]`` offset of each segment inside its rank's local layout.
         doc_gathered: ``[n_docs]`` bool, whether the document's K/V go through the CP op's
-            all-gather: every document under per-sequence and per-document sharding, the split
-            ones under hybrid (a whole document attends to its own rank's keys only).
-        gather_lens: ``[c]`` local tokens of each rank whose K/V are gathered (a prefix of its local
-            layout; equal to ``local_lens`` unless hybrid keeps documents whole).
+            all-gather (all of them, except hybrid's whole documents).
+        gather_lens: ``[c]`` local tokens of each rank whose K/V are gathered (a prefix of its
+            local layout).
         max_len: hybrid's whole-document threshold in tokens (0 for the other strategies).
-        estimated_seconds: ``{strategy: estimated max-rank latency}`` when adaptive selection ran,
-            else empty.
+        estimated_seconds: ``{strategy: predicted max-rank latency}`` if adaptive selection ran.
     """
 
     doc_lens: np.ndarray
@@ -167,13 +142,10 @@ class CPPlan:
         slots = np.arange(2 * self.cp_degree)
         return np.minimum(slots, 2 * self.cp_degree - 1 - slots)
 
-    def _check_rank(self, rank: int) -> None:
-        if not 0 <= rank < self.cp_degree:
-            raise ValueError(f"rank {rank} is outside the CP group [0, {self.cp_degree})")
-
     def _rank_segments(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
         """Segment ids of the head slot and of the tail slot of ``rank``, each in local order."""
-        self._check_rank(rank)
+        if not 0 <= rank < self.cp_degree:
+            raise ValueError(f"rank {rank} is outside the CP group [0, {self.cp_degree})")
         off = self.slot_offsets
         tail = 2 * self.cp_degree - 1 - rank
         return (
@@ -268,11 +240,14 @@ class CPPlan:
         )  # fmt: skip
 
     # ------------------------------------------------------------------------------ statistics
+    def rank_totals(self, per_segment: np.ndarray) -> np.ndarray:
+        """``[c]`` sums of a ``[S]`` per-segment quantity over each rank's segments."""
+        owner = self.slot_owner()[self.seg_slot]
+        return np.bincount(owner, weights=per_segment, minlength=self.cp_degree)
+
     def rank_attention_pairs(self) -> np.ndarray:
         """``[c]`` causal (query, key) pairs each rank computes: proportional to attention FLOPs."""
-        pairs = causal_pairs(self.seg_len, self.seg_start + self.seg_len)
-        owner = self.slot_owner()[self.seg_slot]
-        return np.bincount(owner, weights=pairs, minlength=self.cp_degree)
+        return self.rank_totals(causal_pairs(self.seg_len, self.seg_start + self.seg_len))
 
     def flops_imbalance(self) -> float:
         """max / mean of the per-rank attention FLOPs (1.0 is perfect balance)."""
@@ -523,24 +498,19 @@ def _per_sequence(lens: np.ndarray, doc_cu: np.ndarray, c: int) -> tuple[np.ndar
     return seg_doc, seg_start, g_end - g_start, seg_slot, slot_order, slot_offsets
 
 
-GREEDY_ROUNDS = 5
-"""Rounds of ``c`` whole documents (the longest ``5c``) that :func:`_deal_whole` deals greedily."""
-REFINE_PASSES = 4
-"""Upper bound on the passes of :func:`_refine` (each vectorised over two ranks' documents)."""
-REFINE_TOLERANCE = 1e-3
-"""Refinement stops once the busiest rank is within this fraction of the mean."""
-HYBRID_TOLERANCE = (1.01, 1.05)
-"""(attention work, tokens) max/mean that the automatic threshold's plan must stay within."""
-SEARCH_CELLS = 4096
-"""Thresholds x documents the search deals at most (beyond: evenly spaced thresholds)."""
+# The hybrid search's knobs (docs/context_parallel.md, "Hybrid sharding").
+GREEDY_ROUNDS = 5  # rounds of c whole documents (the longest 5c) dealt greedily
+REFINE_PASSES = 4  # upper bound on the refinement's passes
+REFINE_TOLERANCE = 1e-3  # refinement stops once the busiest rank is this close to the mean
+HYBRID_TOLERANCE = (1.01, 1.05)  # (attention work, tokens) max/mean the chosen plan must keep
+SEARCH_CELLS = 4096  # thresholds x documents dealt at most (beyond: evenly spaced thresholds)
 
 
 def _refine(lens: np.ndarray, rank: np.ndarray, weight: np.ndarray, c: int) -> np.ndarray:
-    """``rank`` (one whole-document assignment) after at most :data:`REFINE_PASSES` passes, each
-    applying the move or swap of documents between the ranks with the most and the least
-    ``weight`` (tokens, or attention work) that lowers the larger of the two the most (for every
-    document of the busier rank, the partner nearest half the gap, by binary search). A pass
-    never empties a rank. Returns ``rank`` itself when nothing moved."""
+    """``rank`` (one whole-document assignment) after at most :data:`REFINE_PASSES` moves or swaps
+    between the ranks with the most and the least ``weight`` (for every document of the busier
+    rank, the partner nearest half the gap, by binary search); never empties a rank. Returns
+    ``rank`` itself when nothing moved."""
     original, rank, moved = rank, rank.copy(), False
     load = np.bincount(rank, weights=weight, minlength=c)
     limit = load.sum() / c * (1.0 + REFINE_TOLERANCE)  # moves keep the total
@@ -578,13 +548,8 @@ def _refine(lens: np.ndarray, rank: np.ndarray, weight: np.ndarray, c: int) -> n
 def _deal_whole(desc: np.ndarray, pairs: np.ndarray, first: np.ndarray, c: int) -> tuple:
     """Whole documents dealt to ranks under ``K`` thresholds at once: ``[K, n]`` rank of every
     document of ``desc`` (lengths, longest first; ``pairs``: their attention work), ``-1`` for the
-    ``first[k]`` split ones, and ``[2, K, c]`` whole tokens and work per rank.
-
-    Balances tokens, on which the gathered K/V depend: :data:`GREEDY_ROUNDS` rounds of ``c``
-    documents go longest to emptiest (the first two: a serpentine), then the rest, in serpentine
-    order so that every run mixes long and short ones, fills each rank's deficit below the mean
-    (cut at cumulative lengths). Attention work is left to the split documents (:func:`_balance`).
-    """
+    ``first[k]`` split ones, and ``[2, K, c]`` whole tokens and work per rank. Balances tokens;
+    attention work is left to the split documents (:func:`_balance`)."""
     n, k, rounds = len(desc), len(first), GREEDY_ROUNDS
     rows, greedy = np.arange(k)[:, None], first[:, None] + np.arange(rounds * c)
     width = n + rounds * c  # flat (1-D) gathers and scatters: multi-axis ones cost ~10x more
@@ -627,10 +592,8 @@ def _balance(wq: np.ndarray, s: np.ndarray, quad: np.ndarray, c: int) -> tuple:
     that give each rank the tokens and attention work its whole ones lack, for ``K`` placements
     (``wq``: ``[2, K, c]`` whole tokens and work; ``s``, ``quad``: ``[K, 1]`` split tokens and
     sum of squared split lengths); and, predicted, ``[K]`` work and token max/mean, the most
-    gathered rows on a rank and whether both balances are within :data:`HYBRID_TOLERANCE`.
-
-    Closed form (docs/context_parallel.md, "Hybrid sharding"); where a target is out of reach the
-    cut moves from the even one towards it as far as no chunk turns negative."""
+    gathered rows on a rank and whether both balances are within :data:`HYBRID_TOLERANCE`. Closed
+    form; an unreachable target is approached as far as no chunk turns negative."""
     (w, q), (w_total, q_total) = wq, wq.sum(axis=2, keepdims=True)
     a = np.maximum((w_total + s) / c - w, 0.0)
     a /= np.maximum(a.sum(axis=1, keepdims=True), 1e-12)
@@ -681,12 +644,8 @@ def _candidates(desc: np.ndarray, cum: np.ndarray, c: int, max_len: int) -> tupl
 
 def _hybrid(lens: np.ndarray, c: int, max_len: int) -> tuple[tuple[np.ndarray, ...], int]:
     """Segment table of hybrid sharding (document-major = global order, then ``doc_gathered``)
-    and its threshold (``max_len``; 0: chosen here).
-
-    All candidate thresholds are evaluated at once (:func:`_deal_whole`, :func:`_balance`) and the
-    balanced one that gathers the fewest K/V rows wins (none: the least unbalanced; ties: the higher
-    threshold): more documents whole, less K/V but a harder balance, a trade set by the lengths.
-    """
+    and its threshold (``max_len``; 0: chosen here: the balanced candidate that gathers the fewest
+    K/V rows, else the least unbalanced; ties: the higher threshold)."""
     two_c, n = 2 * c, len(lens)
     order = (-lens).argsort(kind="stable")
     desc = lens[order]

@@ -1,11 +1,8 @@
 """Achieved attention throughput by (q_len, kv_len): the table adaptive CP selection looks up.
 
-Why measured: a kernel runs small query chunks far below its peak (a 128-token tile holding 20 real
-queries is mostly padding), so whether per-document sharding's better balance beats its lower
-throughput depends on kernel and hardware. ``tflops[i, j]`` is the *padded* forward + backward
-FLOPs of a segment with ``lengths[i]`` queries and ``lengths[j]`` keys (rounded up to ``tile``)
-over its measured time; lookups take the largest grid point <= the length, clamped to the grid
-(docs/context_parallel.md: the shipped CPU table and how to measure one).
+Measured, because a kernel runs small query chunks far below its peak (a 128-row tile holding 20
+queries is mostly padding), and by how much depends on kernel and hardware (docs/context_parallel.md:
+the table's definition, the shipped CPU table and how to measure one).
 """
 
 from __future__ import annotations
@@ -24,14 +21,6 @@ from torchtitan_wlb.cp.plan import causal_pairs
 
 if TYPE_CHECKING:
     from torchtitan_wlb.cp.plan import CPPlan
-
-__all__ = [
-    "CPProfile",
-    "attention_flops",
-    "default_profile",
-    "measure_profile",
-    "resolve_profile",
-]
 
 # Forward (QK^T and PV: 2 matmuls x 2 FLOPs per multiply-add) plus backward (2.5x forward: five
 # matmuls), per (query, key) pair, per head, per head-dim element.
@@ -85,9 +74,7 @@ class CPProfile:
         need = np.triu(np.ones_like(table, dtype=bool))  # q_len <= kv_len
         missing = need & ~(np.isfinite(table) & (table > 0))
         if missing.any():
-            pairs = [
-                (int(grid[i]), int(grid[j])) for i, j in zip(*np.nonzero(missing), strict=True)
-            ]
+            pairs = [(int(grid[i]), int(grid[j])) for i, j in np.argwhere(missing)]
             raise ValueError(
                 f"profile table has missing or non-positive entries for (q_len, kv_len) = "
                 f"{pairs[:8]}{' ...' if len(pairs) > 8 else ''}; re-measure with "
@@ -152,8 +139,7 @@ class CPProfile:
     def estimate_plan_seconds(self, plan: CPPlan) -> float:
         """Estimated attention time of the slowest rank under ``plan``."""
         seconds = self.segment_seconds(plan.seg_len, plan.seg_start + plan.seg_len)
-        owner = np.minimum(plan.seg_slot, 2 * plan.cp_degree - 1 - plan.seg_slot)
-        return float(np.bincount(owner, weights=seconds, minlength=plan.cp_degree).max())
+        return float(plan.rank_totals(seconds).max())
 
     # ------------------------------------------------------------------------------------ I/O
     def to_json(self) -> str:

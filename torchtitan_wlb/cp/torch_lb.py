@@ -1,13 +1,8 @@
-"""torch's CP load-balancer interface, both ways: this project's plans as a torch ``_LoadBalancer``,
-and torch's own balancers measured by what each rank holds.
-
-:class:`PlanLoadBalancer` lets a CP path written against torch's API (TorchTitan's) shard with the
-plans. :func:`torch_assignment` runs torch 2.13's ``_HeadTailLoadBalancer``,
-``_PerDocumentHeadTailLoadBalancer`` and ``_PTRRLoadBalancer`` on a micro-batch, each with the
-smallest padding its divisibility rule needs, and derives every rank's tokens from their rearrange
-indices as ``_context_parallel_shard`` does (``c`` equal contiguous pieces), so the figures are what
-torch's code does rather than what it is meant to do. :func:`assignment_stats` measures any
-token-to-rank assignment, the plans' too, the same way (docs/benchmarks_cp.md).
+"""torch's CP load-balancer interface, both ways: this project's plans as a torch ``_LoadBalancer``
+(:class:`PlanLoadBalancer`, for CP code written against torch's API, TorchTitan's included), and
+torch 2.13's own balancers run on a micro-batch and measured by the tokens each rank ends up with,
+as ``_context_parallel_shard`` cuts them (:func:`torch_assignment`): what torch's code does, not
+what it is meant to do. How each is padded and measured: docs/benchmarks_cp.md.
 """
 
 from __future__ import annotations
@@ -21,26 +16,12 @@ import numpy as np
 import torch
 from torch.distributed.tensor.experimental._context_parallel import _LoadBalancer
 
-from torchtitan_wlb.cp.plan import CPPlan, draft_sharding, validate_doc_lens
-
-__all__ = [
-    "TORCH_BALANCERS",
-    "SMALL_CHUNK",
-    "Assignment",
-    "PlanLoadBalancer",
-    "assignment_stats",
-    "plan_assignment",
-    "ptrr_block_counts",
-    "torch_assignment",
-]
+from torchtitan_wlb.cp.plan import ATTENTION_TILE, CPPlan, draft_sharding, validate_doc_lens
 
 
 class PlanLoadBalancer(_LoadBalancer):
-    """This project's CP plans behind torch's ``_LoadBalancer`` interface.
-
-    Rearrange indices: the plans' rank-major layout, each rank's piece padded to the longest local
-    length with positions ``T, T + 1, ...`` (local lengths may differ). Pad buffers to
-    ``seq_length`` first, loss ignored (docs/context_parallel.md).
+    """This project's CP plans behind torch's ``_LoadBalancer`` interface (usage and layout:
+    docs/context_parallel.md).
 
     Args:
         seq_length_per_doc: document lengths per batch row (``[[...]]`` for one micro-batch, as
@@ -52,7 +33,7 @@ class PlanLoadBalancer(_LoadBalancer):
 
     Attributes:
         plans: one :class:`CPPlan` per batch row: the first ``plans[b].local_lens[r]`` rows of rank
-            ``r``'s piece are its tokens; build the CP op's metadata from them.
+            ``r``'s piece are its tokens, the rest padding positions ``T, T + 1, ...``.
         seq_length: padded length the buffers must have (``c`` x the longest local length).
     """
 
@@ -81,15 +62,11 @@ class PlanLoadBalancer(_LoadBalancer):
         """``(B, seq_length)`` int64: the plans' padded rank-major order, or (``restore``) its
         inverse."""
         c, padded = self.world_size, self.seq_length
-        piece = padded // c
         out = np.empty((len(self.plans), padded), dtype=np.int64)
         for b, plan in enumerate(self.plans):  # batch rows
             order = out[b]
-            filled = np.zeros(padded, dtype=bool)
-            for r in range(c):  # CP ranks, not documents
-                n = int(plan.local_lens[r])
-                order[r * piece : r * piece + n] = plan.token_indices(r)
-                filled[r * piece : r * piece + n] = True
+            filled = (np.arange(padded // c) < plan.local_lens[:, None]).ravel()
+            order[filled] = np.concatenate([plan.token_indices(r) for r in range(c)])
             order[~filled] = np.arange(plan.seq_len, padded)
             if restore:
                 order[order.copy()] = np.arange(padded)
@@ -97,9 +74,7 @@ class PlanLoadBalancer(_LoadBalancer):
 
 
 TORCH_BALANCERS = ("torch_head_tail", "torch_per_document", "torch_ptrr")
-SMALL_CHUNK = 128
-"""Tokens of the attention kernel tile (flash-attention's 128-row block, flex-attention's default
-block): a chunk shorter than this wastes part of every tile it occupies."""
+SMALL_CHUNK = ATTENTION_TILE  # also flex-attention's default block
 
 
 @dataclass(frozen=True)
