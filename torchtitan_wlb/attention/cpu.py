@@ -31,12 +31,8 @@ def bucket_length(lengths: Tensor) -> Tensor:
 def cpu_document_attention(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, scale: float
 ) -> Tensor:
-    """Segment-wise causal attention, bottom-right aligned, by bucketed dense SDPA.
-
-    Shapes follow :func:`torchtitan_wlb.attention.document_attention` (already validated there).
-    Query rows that see no key (``l_q > l_k``, the first ``l_q - l_k`` rows) return zeros, matching
-    the flash-attention convention.
-    """
+    """:func:`torchtitan_wlb.attention.document_attention` (arguments validated there) by bucketed
+    dense SDPA; query rows that see no key return zeros, as flash-attention's do."""
     total_q, n_heads, _ = q.shape
     total_k, n_kv_heads, _ = k.shape
     out_dim = v.shape[-1]

@@ -1,8 +1,6 @@
-"""CUDA varlen backends: flash-attn's ``flash_attn_varlen_func`` and ``torch.nn.attention.varlen``.
-
-Both implement :func:`document_attention`'s semantics natively (packed ``[tokens, heads, dim]``,
-int32 ``cu_seqlens``, causal aligned bottom-right as in flash-attn >= 2.1, GQA). Imports are
-guarded so this module loads on CPU-only installs; availability is probed once.
+"""CUDA varlen backends: flash-attn's ``flash_attn_varlen_func`` and ``torch.nn.attention.varlen``,
+both :func:`document_attention`'s semantics natively. Imports are guarded (and probed once) so that
+this module loads on CPU-only installs.
 """
 
 from __future__ import annotations

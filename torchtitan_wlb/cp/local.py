@@ -1,8 +1,5 @@
-"""This rank's share of a CP plan as tensors: its tokens of any tensor, and the CP op's metadata.
-
-The plan is index arithmetic in NumPy; these adapters turn its index arrays into tensors on the
-compute device and check them against the process group (once per micro-batch; usage in
-docs/context_parallel.md).
+"""This rank's share of a CP plan as tensors: its tokens of any tensor, and the CP op's metadata,
+checked against the process group (the plan itself is NumPy, and knows no torch).
 """
 
 from __future__ import annotations

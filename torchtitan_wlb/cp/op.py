@@ -1,9 +1,7 @@
 """All-gather-KV context-parallel document attention (Llama 3 style) as a ``torch.library`` op.
 
-A rank's local tokens are ``[head half][tail half][whole documents]``: the halves' K/V are
-all-gathered (pieces of split documents), whole documents (hybrid) attend to their local K/V.
-Backward re-gathers K/V (memory per layer stays at the local size), recomputes the local attention
-under autograd and reduce-scatters the gathered rows' dK/dV. How and why: docs/context_parallel.md.
+Backward re-gathers K/V, so that memory per layer stays at the local size, recomputes the local
+attention under autograd and reduce-scatters the gathered rows' dK/dV (docs/context_parallel.md).
 """
 
 from __future__ import annotations

@@ -36,23 +36,19 @@ def causal_pairs(q_len: np.ndarray, kv_len: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class LocalAttentionSpec:
-    """What one rank's local attention needs: its head half and tail half against the gathered keys
-    (in global order, whole documents left out; zero-query "gap" segments interleaved so that key
-    segments are contiguous), and hybrid's whole documents, local tokens ``[n_gather_tokens:]``,
-    against themselves.
+    """One rank's varlen calls: its head and tail halves against the gathered keys (zero-query
+    "gap" segments interleaved so that key segments are contiguous), and hybrid's whole documents,
+    local tokens ``[n_gather_tokens:]``, against themselves.
 
     Attributes:
         n_head_tokens: local tokens of the head half (the tail half follows them).
-        n_gather_tokens: local tokens whose K/V enter the all-gather (head and tail halves); the
-            whole documents follow them.
-        cu_seqlens_q: ``(head, tail)`` int32 cumulative query lengths into the local tokens of each
-            half (each starts at 0).
-        cu_seqlens_k: ``(head, tail)`` int32 cumulative key lengths into the gathered key order
-            (each ends at the number of gathered tokens, ``T`` without hybrid).
+        n_gather_tokens: local tokens whose K/V are all-gathered (both halves; whole documents follow).
+        cu_seqlens_q: ``(head, tail)`` int32 query boundaries within each half (each from 0).
+        cu_seqlens_k: ``(head, tail)`` int32 key boundaries in the gathered key order.
         max_seqlen_q: ``(head, tail)`` longest query segment.
         max_seqlen_k: ``(head, tail)`` longest key segment (gaps included).
-        cu_seqlens_whole: int32 document boundaries of the whole documents, relative to local
-            token ``n_gather_tokens`` (``[0]`` when the rank has none).
+        cu_seqlens_whole: int32 boundaries of the whole documents from local token
+            ``n_gather_tokens`` on (``[0]`` when the rank has none).
         max_seqlen_whole: longest whole document (0 when none).
     """
 
@@ -233,10 +229,11 @@ class CPPlan:
         (cq_h, ck_h), (cq_t, ck_t) = cum[:, : cut + 1], cum[:, cut:] - cum[:, cut : cut + 1]
         (mq_h, mq_t), (mk_h, mk_t) = np.maximum.reduceat(lens, [0, cut], axis=1).tolist()
         whole_lens = self.seg_len[whole]
-        longest_whole = int(whole_lens.max()) if len(whole_lens) else 0
+        cu_whole = np.zeros(len(whole_lens) + 1, dtype=np.int32)
+        whole_lens.cumsum(out=cu_whole[1:])
         return LocalAttentionSpec(
             int(self.slot_tokens[rank]), int(self.gather_lens[rank]), (cq_h, cq_t), (ck_h, ck_t),
-            (mq_h, mq_t), (mk_h, mk_t), _cumsum0(whole_lens), longest_whole,
+            (mq_h, mq_t), (mk_h, mk_t), cu_whole, int(whole_lens.max(initial=0)),
         )  # fmt: skip
 
     # ------------------------------------------------------------------------------ statistics
@@ -286,12 +283,6 @@ def _arange(n: int) -> np.ndarray:
         _ARANGE = np.arange(max(n, 2 * _ARANGE.size), dtype=np.int64)
         _ARANGE.flags.writeable = False
     return _ARANGE[:n]
-
-
-def _cumsum0(lengths: np.ndarray) -> np.ndarray:
-    out = np.zeros(len(lengths) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=out[1:])
-    return out
 
 
 # ----------------------------------------------------------------------------------- building

@@ -110,31 +110,21 @@ class CPProfile:
         lut = self._grid_lut
         top = len(lut) - 1
         qi = lut[np.clip(q_len, 0, top)]
-        ki = lut[np.clip(kv_len, 0, top)]
-        np.maximum(ki, qi, out=ki)
-        qi *= len(self.lengths)
-        qi += ki
-        return self.table.ravel()[qi]
+        ki = np.maximum(lut[np.clip(kv_len, 0, top)], qi)
+        return self.table.ravel()[qi * len(self.lengths) + ki]
 
     def segment_seconds(self, q_len: np.ndarray, kv_len: np.ndarray) -> np.ndarray:
         """Estimated forward + backward time of each segment: padded FLOPs / achieved throughput.
         Segments with no queries cost nothing."""
         q = np.asarray(q_len, dtype=np.float64)
-        kv = np.asarray(kv_len, dtype=np.float64)
         tile = float(self.tile)
-        pq = np.ceil(q * (1.0 / tile))
-        pq *= tile
-        pk = np.ceil(kv * (1.0 / tile))
-        pk *= tile
-        np.maximum(pk, pq, out=pk)
-        # padded causal pairs pq*pk - pq*(pq-1)/2, computed in place
-        pairs = pk - 0.5 * (pq - 1.0)
-        pairs *= pq
+        pq = np.ceil(q * (1.0 / tile)) * tile
+        pk = np.maximum(np.ceil(np.asarray(kv_len, dtype=np.float64) * (1.0 / tile)) * tile, pq)
         scale = FLOPS_PER_PAIR_PER_HEAD_DIM * self.n_heads * self.head_dim / 1e12
-        pairs *= scale
-        pairs /= self.lookup_tflops(q_len, kv_len)
-        pairs[q == 0] = 0.0
-        return pairs
+        # padded causal pairs pq*pk - pq*(pq-1)/2
+        seconds = (pk - 0.5 * (pq - 1.0)) * pq * scale / self.lookup_tflops(q_len, kv_len)
+        seconds[q == 0] = 0.0
+        return seconds
 
     def estimate_plan_seconds(self, plan: CPPlan) -> float:
         """Estimated attention time of the slowest rank under ``plan``."""
@@ -202,7 +192,7 @@ def measure_profile(
     """
     import torch
 
-    from torchtitan_wlb.attention import document_attention, resolve_backend
+    from torchtitan_wlb.attention import resolve_backend
 
     dev = torch.device(device)
     chosen = resolve_backend(backend, dev)
@@ -222,13 +212,8 @@ def measure_profile(
             v = torch.randn_like(k, requires_grad=True)
             cu_q = torch.arange(m + 1, dtype=torch.int32, device=dev) * q_len
             cu_k = torch.arange(m + 1, dtype=torch.int32, device=dev) * kv_len
-            grad = torch.randn_like(q)
-
-            def step(q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k, grad=grad, q_len=q_len, kv_len=kv_len):
-                out = document_attention(q, k, v, cu_q, cu_k, q_len, kv_len, backend=chosen)
-                out.backward(grad)
-
-            seconds = _median_time(step, dev, repeats)
+            args = (q, k, v, cu_q, cu_k, q_len, kv_len)
+            seconds = _median_seconds(args, torch.randn_like(q), chosen, dev, repeats)
             pq = -(-q_len // tile) * tile
             pk = max(-(-kv_len // tile) * tile, pq)
             flops = m * float(attention_flops(pq, pk, n_heads, head_dim))
@@ -240,22 +225,23 @@ def measure_profile(
     return CPProfile(tuple(grid), rows, tile, name, chosen, n_heads, n_kv_heads, head_dim, dtype)
 
 
-def _median_time(step, dev, repeats: int) -> float:
-    """Median seconds of ``step`` after one warm-up. CUDA: wall-clock with synchronisation. CPU:
-    this process's CPU time, so that other jobs on a shared machine do not inflate it (run with
-    one torch thread, as ``tools.cp_profile`` does, for it to equal the kernel's time)."""
+def _median_seconds(args: tuple, grad, backend: str, dev, repeats: int) -> float:
+    """Median seconds of ``document_attention(*args)`` forward + backward over ``repeats`` runs
+    after one warm-up. CUDA: wall-clock with synchronisation. CPU: this process's CPU time, so that
+    other jobs on a shared machine do not inflate it (run with one torch thread, as
+    ``tools.cp_profile`` does, for it to equal the kernel's time)."""
     import torch
+
+    from torchtitan_wlb.attention import document_attention
 
     cuda = dev.type == "cuda"
     clock = time.perf_counter if cuda else time.process_time
-
     sync = (lambda: torch.cuda.synchronize(dev)) if cuda else (lambda: None)
-    step()  # warm-up (kernel selection, allocator)
     times = []
-    for _ in range(repeats):
+    for _ in range(repeats + 1):  # the first run warms up (kernel selection, allocator)
         sync()
         start = clock()
-        step()
+        document_attention(*args, backend=backend).backward(grad)
         sync()
         times.append(clock() - start)
-    return float(np.median(times))
+    return float(np.median(times[1:]))

@@ -82,13 +82,12 @@ class Assignment:
     """Which CP rank holds each token of a (possibly padded) micro-batch.
 
     Attributes:
-        doc_lens: ``[D]`` documents as sharded, padding included (a padding document, or each
-            document's padding appended to it).
+        doc_lens: ``[D]`` documents as sharded, padding included (a padding document, or padding
+            appended to each document).
         real_docs: ``[D]`` False for a padding-only document.
         rank: ``[T]`` CP rank of every token, in packed order.
         cp_degree: CP ranks ``c``.
-        allgather_rows: K/V rows every rank receives from the other ranks (an all-gather of
-            ``c`` equal buffers of the longest local length).
+        allgather_rows: K/V rows every rank receives from the other ranks.
         plan_ms: time to compute the assignment (see :func:`torch_assignment`).
         pad_tokens: tokens added to meet the balancer's divisibility rule.
     """
@@ -105,14 +104,9 @@ class Assignment:
 def assignment_stats(
     a: Assignment, kv_bytes_per_token: float, small: int = SMALL_CHUNK, short_doc_len: int = 0
 ) -> dict:
-    """FLOPs / token imbalance, K/V bytes received per rank and chunks under ``small`` tokens.
-
-    A *chunk* is a maximal run of consecutive tokens of one document held by one rank, counted only
-    for documents cut over more than one rank (a whole document on one rank is not a chunk, whatever
-    its length). ``small_chunk_docs_max_len`` is the longest document that left a chunk under
-    ``small`` tokens (0 if none); ``small_chunks_short_docs`` counts the small chunks of documents
-    of at most ``short_doc_len`` tokens (hybrid sharding's whole-document threshold).
-    """
+    """FLOPs / token imbalance, K/V bytes received per rank and chunks under ``small`` tokens: runs
+    of one document's tokens on one rank, of documents cut over several ranks (the keys:
+    docs/benchmarks_cp.md; ``short_doc_len``: hybrid's whole-document threshold)."""
     lens, c = a.doc_lens, a.cp_degree
     doc = np.repeat(np.arange(lens.size), lens)
     starts = np.cumsum(lens) - lens
@@ -141,13 +135,9 @@ def assignment_stats(
 
 
 def ptrr_block_counts(doc_lens: np.ndarray, block: int) -> np.ndarray:
-    """``[T / block]`` KV blocks each query block touches under a document-causal mask.
-
-    Query block ``i`` sees keys from the start of its first token's document to its own end, a
-    contiguous range of blocks each holding at least one visible key: ``i - block(start) + 1``. This
-    is the ``kv_num_blocks + full_kv_num_blocks`` that ``create_block_mask`` would count, without
-    evaluating the ``T x T`` mask (tests check the two agree).
-    """
+    """``[T / block]`` KV blocks each query block touches under a document-causal mask: from its
+    first token's document start to its own end, ``i - block(start) + 1`` (what
+    ``create_block_mask`` counts, without evaluating the ``T x T`` mask)."""
     cu = np.concatenate([[0], np.cumsum(doc_lens)])
     first = np.arange(0, int(cu[-1]), block)
     doc_start = cu[np.searchsorted(cu, first, side="right") - 1]
