@@ -55,11 +55,8 @@ def cuda_attention(
     max_q: int, max_k: int, scale: float,
 ) -> Tensor:  # fmt: skip
     """``backend`` ``"flash"`` or ``"torch_varlen"`` on :func:`document_attention`'s arguments.
-
-    torch's ``varlen_attn`` adapts to the installed torch: 2.13 expresses causality as
-    ``window_size=(-1, 0)`` and GQA as ``enable_gqa``; 2.9-2.11 had ``is_causal`` and no GQA
-    flag, so KV heads are repeated there.
-    """
+    torch 2.13's ``varlen_attn`` takes ``window_size=(-1, 0)`` and ``enable_gqa``; 2.9-2.11's
+    took ``is_causal`` and had no GQA flag (KV heads are repeated there)."""
     fn = _kernel(backend)
     if fn is None:
         raise ValueError(f"backend={backend!r} needs {_NEEDS[backend]}")

@@ -28,12 +28,11 @@ class DocumentAttentionMetadata:
     """Describes the local packed sequence of one micro-batch.
 
     Attributes:
-        cu_seqlens: ``int32 [num_docs + 1]`` document boundaries of the local tokens (non-CP case;
-            ignored when ``cp`` is set), on the device of the activations for CUDA kernels.
+        cu_seqlens: ``int32 [num_docs + 1]`` document boundaries of the local tokens, on the
+            activations' device (ignored when ``cp`` is set).
         max_seqlen: longest document in tokens (CUDA kernels size their launch grid with it).
         backend: attention backend, ``"auto" | "cpu" | "flash" | "torch_varlen"``.
-        cp: this rank's context-parallel metadata (built by
-            ``torchtitan_wlb.cp.local.build_cp_attention_metadata``); ``None`` without CP.
+        cp: this rank's CP metadata (``cp.local.build_cp_attention_metadata``); ``None`` without CP.
     """
 
     cu_seqlens: torch.Tensor

@@ -80,11 +80,9 @@ def build_cp_plan(
         seq_len: if given, the packed length the lengths must sum to.
         hybrid_max_len: ``[wlb] cp_hybrid_max_len`` (0: chosen per micro-batch).
         bandwidth_gbps: ``"adaptive"``: ``[wlb] cp_bandwidth_gbps``, which prices gathered K/V.
-        candidates: ``"adaptive"``: the fixed strategies it chooses among (the simulator's
-            reproduction of the paper passes its two).
-
-    ``"adaptive"`` records ``requested="adaptive"`` and every candidate's predicted seconds
-    (:func:`predicted_seconds`, summed) in ``estimated_seconds``; a tie keeps the earlier one.
+        candidates: ``"adaptive"``: the fixed strategies it chooses among (a tie keeps the earlier);
+            every one's predicted seconds (:func:`predicted_seconds`, summed) are recorded in the
+            plan's ``estimated_seconds``.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"CP strategy {strategy!r} is not one of {STRATEGIES}")

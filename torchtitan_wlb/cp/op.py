@@ -56,9 +56,11 @@ class CPAttentionMetadata:
 
 
 def _all_gather_kv(
-    k: Tensor, v: Tensor, kv_order: Tensor, max_local_len: int, group_name: str
+    k: Tensor, v: Tensor, kv_order: Tensor, sizes: list[int], group_name: str
 ) -> tuple[Tensor, Tensor]:
-    """K and V of the gathered tokens (rows ``k``, ``v`` of every rank) in packed order."""
+    """K and V of every rank's gathered tokens (its first ``n_gather_tokens``) in packed order."""
+    max_local_len, n_gather = sizes[5], sizes[6]
+    k, v = k[:n_gather], v[:n_gather]
     if max_local_len == 0:
         return k[:0], v[:0]
     group = _resolve_process_group(group_name)
@@ -83,18 +85,15 @@ def _local_attention(
     ``2c`` tokens, no whole documents) is skipped, not handed to a kernel as an empty batch."""
     n_head, max_q_h, max_k_h, max_q_t, max_k_t, _, n_gather, max_whole = sizes
     cu_q_head, cu_k_head, cu_q_tail, cu_k_tail, cu_whole = cus
-    parts = []
-    for q_part, keys, values, cu_q, cu_k, max_q, max_k in (
-        (q[:n_head], k_glob, v_glob, cu_q_head, cu_k_head, max_q_h, max_k_h),
-        (q[n_head:n_gather], k_glob, v_glob, cu_q_tail, cu_k_tail, max_q_t, max_k_t),
-        (q[n_gather:], k_whole, v_whole, cu_whole, cu_whole, max_whole, max_whole),
-    ):
-        if q_part.shape[0] > 0:
-            parts.append(
-                document_attention(
-                    q_part, keys, values, cu_q, cu_k, max_q, max_k, scale=scale, backend=backend
-                )
-            )
+    parts = [
+        document_attention(*part, scale=scale, backend=backend)
+        for part in (
+            (q[:n_head], k_glob, v_glob, cu_q_head, cu_k_head, max_q_h, max_k_h),
+            (q[n_head:n_gather], k_glob, v_glob, cu_q_tail, cu_k_tail, max_q_t, max_k_t),
+            (q[n_gather:], k_whole, v_whole, cu_whole, cu_whole, max_whole, max_whole),
+        )
+        if part[0].shape[0] > 0
+    ]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
@@ -111,7 +110,7 @@ def cp_attention_fwd(
     max_seqlen_k_head, max_seqlen_q_tail, max_seqlen_k_tail, max_gather_len, n_gather_tokens,
     max_seqlen_whole]``."""
     n_gather = sizes[6]
-    k_glob, v_glob = _all_gather_kv(k[:n_gather], v[:n_gather], kv_order, sizes[5], group_name)
+    k_glob, v_glob = _all_gather_kv(k, v, kv_order, sizes, group_name)
     cus = (cu_q_head, cu_k_head, cu_q_tail, cu_k_tail, cu_whole)
     return _local_attention(
         q, k_glob, v_glob, k[n_gather:], v[n_gather:], cus, sizes, scale, backend
@@ -131,9 +130,7 @@ def _backward_local(
     body, where autograd dispatch is off and the recompute could not be differentiated."""
     max_gather, n_gather = sizes[5], sizes[6]
     with torch.no_grad():
-        k_glob, v_glob = _all_gather_kv(
-            k[:n_gather], v[:n_gather], kv_order, max_gather, group_name
-        )
+        k_glob, v_glob = _all_gather_kv(k, v, kv_order, sizes, group_name)
     with torch.enable_grad():
         leaves = [
             t.detach().requires_grad_(True) for t in (q, k_glob, v_glob, k[n_gather:], v[n_gather:])

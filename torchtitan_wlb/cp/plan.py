@@ -288,18 +288,14 @@ def _arange(n: int) -> np.ndarray:
 # ----------------------------------------------------------------------------------- building
 @dataclass(frozen=True)
 class ShardingDraft:
-    """One fixed strategy's segments of a micro-batch before the local layout is built: what a
-    cost estimate needs, so that adaptive selection builds the winner's layout only.
+    """One fixed strategy's segments before the local layout is built: what a cost estimate
+    needs, so that adaptive selection builds the winner's layout only.
 
     Attributes:
-        strategy: ``"per_sequence"``, ``"per_document"`` or ``"hybrid"``.
-        doc_lens: validated int64 document lengths.
-        doc_cu: ``[n_docs + 1]`` document start offsets.
-        cp_degree: CP ranks ``c``.
+        strategy, doc_lens, doc_cu, cp_degree, max_len: as in :class:`CPPlan`.
         table: the strategy's raw segment table (per-document: the ``[n_docs, 2c]`` chunk sizes
             and starts; per-sequence: the segment arrays, slot-major; hybrid: the segment arrays,
             document-major, then ``doc_gathered``).
-        max_len: hybrid's whole-document threshold (0 for the other strategies).
     """
 
     strategy: str

@@ -184,12 +184,9 @@ def measure_profile(
     n_kv_heads: int = 2, head_dim: int = 32, dtype: str = "float32", tile: int | None = None,
     pairs_per_cell: int = 1 << 19, repeats: int = 3, log=None,
 ) -> CPProfile:  # fmt: skip
-    """Time forward + backward of ``document_attention`` for every (q_len <= kv_len) grid cell.
-
-    A cell packs ``m`` identical segments (``q_len`` queries against a ``kv_len`` key prefix), about
-    ``pairs_per_cell`` (query, key) pairs in all: small cells are timed over many segments, the way
-    per-document chunks arrive in a micro-batch. Median of ``repeats`` runs after one warm-up.
-    """
+    """Time forward + backward of ``document_attention`` for every (q_len <= kv_len) grid cell,
+    each packing about ``pairs_per_cell`` (query, key) pairs of identical segments: small cells are
+    timed over many segments, the way per-document chunks arrive in a micro-batch."""
     import torch
 
     from torchtitan_wlb.attention import resolve_backend
@@ -226,10 +223,9 @@ def measure_profile(
 
 
 def _median_seconds(args: tuple, grad, backend: str, dev, repeats: int) -> float:
-    """Median seconds of ``document_attention(*args)`` forward + backward over ``repeats`` runs
-    after one warm-up. CUDA: wall-clock with synchronisation. CPU: this process's CPU time, so that
-    other jobs on a shared machine do not inflate it (run with one torch thread, as
-    ``tools.cp_profile`` does, for it to equal the kernel's time)."""
+    """Median seconds of ``document_attention(*args)`` forward + backward after one warm-up: CUDA
+    wall-clock after a synchronise; on CPU this process's CPU time, so that other jobs on a shared
+    machine do not inflate it (``tools.cp_profile`` runs one torch thread)."""
     import torch
 
     from torchtitan_wlb.attention import document_attention

@@ -59,9 +59,7 @@ class WLBAttention(Attention):
         positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         bs, seqlen, _ = x.shape
-        xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
-        xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
-        xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        xq, xk, xv = (w(x).view(bs, seqlen, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
         xq, xk = apply_rotary_emb(xq, xk, freqs_cis=freqs_cis, positions=positions)
         if attention_masks is None:
             # No document boundaries given: every row is one causal document.
