@@ -43,9 +43,8 @@ def cpu_document_attention(
     len_q = cu_q[1:] - cu_q[:-1]
     len_k = cu_k[1:] - cu_k[:-1]
 
-    # Long segments are cut into query blocks of QUERY_BLOCK rows; block b of a segment is itself a
-    # bottom-right causal segment whose keys end at its last query's diagonal. Dense work then
-    # follows the causal pairs (like flash-attention skipping masked tiles) instead of l_q * l_k.
+    # Query blocks of QUERY_BLOCK rows, each a bottom-right causal segment whose keys end at its
+    # last query's diagonal: dense work follows the causal pairs instead of l_q * l_k.
     n_blocks = torch.where((len_q > 0) & (len_k > 0), (len_q + QUERY_BLOCK - 1) // QUERY_BLOCK, 0)
     total_blocks = int(n_blocks.sum())
     seg = torch.repeat_interleave(torch.arange(len(len_q), device=q.device), n_blocks)
@@ -105,9 +104,7 @@ def _dense_group(
     allowed = allowed | (~row_sees_key[:, :, None] & (k_pos == 0)[None, None, :])
     # index_select (backward: index_add) rather than advanced indexing (backward: a sorting
     # index_put with accumulation, several times slower on CPU).
-    qb = _rows(q, q_rows).transpose(1, 2)  # [n, H, p_q, D]
-    kb = _rows(k, k_rows).transpose(1, 2)
-    vb = _rows(v, k_rows).transpose(1, 2)
+    qb, kb, vb = (_rows(x, r).transpose(1, 2) for x, r in ((q, q_rows), (k, k_rows), (v, k_rows)))
     ob = F.scaled_dot_product_attention(
         qb, kb, vb, attn_mask=allowed[:, None], scale=scale, enable_gqa=gqa
     ).transpose(1, 2)  # [n, p_q, H, Dv]

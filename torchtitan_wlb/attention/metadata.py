@@ -56,10 +56,8 @@ def metadata_from_doc_lens(
 def attention_from_metadata(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: DocumentAttentionMetadata
 ) -> torch.Tensor:
-    """Document-masked causal attention of the local tokens, context parallel if ``meta.cp`` is set.
-
-    ``q: [local_tokens, n_heads, head_dim]``, ``k, v: [local_tokens, n_kv_heads, head_dim]``.
-    """
+    """Document-masked causal attention of the local ``[tokens, heads, head_dim]`` q, k, v,
+    context parallel if ``meta.cp`` is set."""
     if meta.cp is not None:
         return meta.cp.attend(q, k, v, backend=meta.backend)
     return document_attention(

@@ -62,9 +62,8 @@ def document_attention(
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp: bool = False) -> None:
-    """``[tokens, heads, head_dim]`` q, k, v; k and v share tokens and KV heads, q and k the head
-    dim; query heads a multiple of KV heads. ``cp``: a CP rank's local tensors, where q, k, v are
-    the same tokens and k, v go into one all-gather buffer (equal shapes)."""
+    """``[tokens, heads, head_dim]`` q, k, v with GQA-compatible heads; ``cp``: a CP rank's local
+    tensors, where q, k, v are the same tokens and k, v share one all-gather buffer."""
     shapes = f"q={tuple(q.shape)}, k={tuple(k.shape)}, v={tuple(v.shape)}"
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(f"q, k, v must be [tokens, heads, head_dim]; got shapes {shapes}")

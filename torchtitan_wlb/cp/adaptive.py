@@ -50,8 +50,7 @@ def predicted_seconds(
     draft: ShardingDraft, profile: CPProfile, bandwidth_gbps: float
 ) -> tuple[float, float]:
     """``(compute, communication)`` seconds of one layer's attention under ``draft``: the slowest
-    rank's forward + backward time from ``profile``, and 3 x the K/V bytes each rank gathers (for the
-    profile's KV heads, head dim and dtype) over ``bandwidth_gbps``."""
+    rank's forward + backward from ``profile``, and 3 x its gathered K/V over ``bandwidth_gbps``."""
     compute = float(draft.rank_totals(profile.segment_seconds(draft.q_len, draft.kv_len)).max())
     gathered = draft.kv_gather_bytes(
         profile.n_kv_heads, profile.head_dim, _dtype_bytes(profile.dtype)

@@ -49,10 +49,8 @@ def resolve_cp_group(mesh_or_group: Any) -> dist.ProcessGroup:
 def build_cp_attention_metadata(
     plan: CPPlan, rank: int, mesh_or_group: Any, device: torch.device | str | None = None
 ) -> CPAttentionMetadata:
-    """The CP op's metadata for ``rank`` (its index in the CP group) under ``plan``.
-
-    ``mesh_or_group``: a 1-D DeviceMesh, a mesh with a ``"cp"`` dimension, or the ProcessGroup;
-    index tensors go to ``device`` (CPU by default)."""
+    """The CP op's metadata for ``rank`` (its index in the CP group of ``mesh_or_group``, see
+    :func:`resolve_cp_group`) under ``plan``, index tensors on ``device`` (default: CPU)."""
     group = resolve_cp_group(mesh_or_group)
     size = dist.get_world_size(group)
     if size != plan.cp_degree:

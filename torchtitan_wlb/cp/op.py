@@ -80,9 +80,8 @@ def _local_attention(
     q: Tensor, k_glob: Tensor, v_glob: Tensor, k_whole: Tensor, v_whole: Tensor,
     cus: tuple[Tensor, ...], sizes: list[int], scale: float, backend: str,
 ) -> Tensor:  # fmt: skip
-    """The rank's varlen calls: its head and tail halves against the gathered keys, its whole
-    documents against their local keys. An empty part (a half when the sequence has fewer than
-    ``2c`` tokens, no whole documents) is skipped, not handed to a kernel as an empty batch."""
+    """The rank's varlen calls (halves against the gathered keys, whole documents against their
+    own); an empty part is skipped, not handed to a kernel as an empty batch."""
     n_head, max_q_h, max_k_h, max_q_t, max_k_t, _, n_gather, max_whole = sizes
     cu_q_head, cu_k_head, cu_q_tail, cu_k_tail, cu_whole = cus
     parts = [

@@ -84,10 +84,9 @@ class CPPlan:
         slot_tokens: ``[2c]`` tokens per slot.
         local_lens: ``[c]`` tokens per rank (head slot + tail slot).
         seg_local_offset: ``[S]`` offset of each segment inside its rank's local layout.
-        doc_gathered: ``[n_docs]`` bool, whether the document's K/V go through the CP op's
-            all-gather (all of them, except hybrid's whole documents).
-        gather_lens: ``[c]`` local tokens of each rank whose K/V are gathered (a prefix of its
-            local layout).
+        doc_gathered: ``[n_docs]`` bool, whether the document's K/V are all-gathered (not hybrid's
+            whole documents).
+        gather_lens: ``[c]`` local tokens of each rank whose K/V are gathered (a layout prefix).
         max_len: hybrid's whole-document threshold in tokens (0 for the other strategies).
         estimated_seconds: ``{strategy: predicted max-rank latency}`` if adaptive selection ran.
     """
@@ -151,15 +150,12 @@ class CPPlan:
 
     # ---------------------------------------------------------------------------- index arrays
     def rank_indices(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(token_indices, positions)`` of ``rank``, both ``[local_lens[rank]]``: indices into the
-        packed sequence of the tokens it keeps (local layout order) and their per-document
-        positions (RoPE positions, restarting at 0 for every document)."""
+        """``(token_indices, positions)`` of ``rank``: packed-sequence indices of the tokens it keeps,
+        in local layout order, and their per-document (RoPE) positions."""
         segs = np.concatenate(self._rank_segments(rank))
         lens = self.seg_len[segs]
-        local = _arange(int(self.local_lens[rank]))
-        pos_shift = self.seg_start[segs] - self.seg_local_offset[segs]
-        positions = np.repeat(pos_shift, lens)
-        positions += local
+        positions = np.repeat(self.seg_start[segs] - self.seg_local_offset[segs], lens)
+        positions += _arange(int(self.local_lens[rank]))
         tokens = np.repeat(self.doc_cu[self.seg_doc[segs]], lens)
         tokens += positions
         return tokens, positions
@@ -172,23 +168,19 @@ class CPPlan:
         """``[local_lens[rank]]`` per-document positions (RoPE) of the tokens ``rank`` keeps."""
         return self.rank_indices(rank)[1]
 
-    def _all_gathered(self) -> bool:
-        return self.gathered_len == self.seq_len
-
     @cached_property
     def _doc_key_start(self) -> np.ndarray:
         """``[n_docs]`` start of each gathered document in the gathered key order (the packed order
         with whole documents left out); cached, as ``kv_order`` and every rank's spec need it."""
-        if self._all_gathered():
+        if self.gathered_len == self.seq_len:
             return self.doc_cu[:-1]
         gathered = np.where(self.doc_gathered, self.doc_lens, 0)
         return np.cumsum(gathered) - gathered
 
     def kv_order(self) -> np.ndarray:
-        """``[gathered_len]``: row of the all-gather buffer (``c * max_gather_len`` rows, rank-major)
-        holding each gathered token, in gathered key order (the packed order, whole documents left
-        out; ``[T]`` without hybrid). Indexing the buffer with it puts the keys in that order."""
-        if self._all_gathered():
+        """``[gathered_len]`` all-gather buffer row (rank-major) of each gathered token, in gathered
+        key order (the packed order, whole documents left out): indexing the buffer orders keys."""
+        if self.gathered_len == self.seq_len:
             segs = slice(None)
         elif self.gathered_len == 0:
             return np.zeros(0, dtype=np.int64)
@@ -257,17 +249,15 @@ class CPPlan:
         return float(self.local_lens.max() / self.local_lens.mean())
 
     def small_chunks(self, tile: int = ATTENTION_TILE) -> int:
-        """Number of non-empty chunks shorter than ``tile`` cut out of a document: segments that
-        are a proper piece of their document (a document kept whole, or lying inside one slot,
-        is not counted)."""
+        """Non-empty segments shorter than ``tile`` that are a proper piece of their document (a
+        document kept whole, or lying inside one slot, does not count)."""
         lens = self.seg_len
         cut = (lens > 0) & (lens < tile) & (lens < self.doc_lens[self.seg_doc])
         return int(np.count_nonzero(cut))
 
     def kv_gather_bytes(self, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-        """Bytes of K and V each rank receives in the CP op's forward all-gather (padded to
-        ``max_gather_len`` rows per rank: ``(c - 1) * max_gather_len`` rows); the backward's
-        re-gather and dK/dV reduce-scatter move as much again."""
+        """K/V bytes each rank receives in the op's forward all-gather (``(c - 1) * max_gather_len``
+        rows); the backward's re-gather and dK/dV reduce-scatter move as much again."""
         row = 2 * int(kv_heads) * int(head_dim) * int(dtype_bytes)
         return (self.cp_degree - 1) * self.max_gather_len * row
 
@@ -392,8 +382,7 @@ def draft_sharding(
     lens: np.ndarray, cp_degree: int, strategy: str, *, max_len: int = 0
 ) -> ShardingDraft:
     """The segments of a fixed ``strategy`` for lengths checked by :func:`validate_doc_lens`
-    (``.plan()`` is the plan). ``max_len``: hybrid's whole-document threshold, 0 = chosen per
-    micro-batch (at least :func:`default_hybrid_max_len`); ignored by the other strategies."""
+    (``.plan()`` is the plan); ``max_len``: hybrid's threshold, 0 = chosen per micro-batch."""
     if strategy not in FIXED_STRATEGIES:
         raise ValueError(
             f"fixed CP strategy {strategy!r} is not one of {FIXED_STRATEGIES} (adaptive selection "
@@ -455,11 +444,8 @@ def _per_document_chunks(lens: np.ndarray, c: int) -> tuple[np.ndarray, np.ndarr
     end_slot = (first_slot + rem)[:, None]
     first = first_slot[:, None]
     extra = ((slots >= first) & (slots < end_slot)) | (slots + two_c < end_slot)
-    sizes = extra.astype(np.int64)
-    sizes += base[:, None]
-    starts = np.cumsum(sizes, axis=1)
-    starts -= sizes
-    return sizes, starts
+    sizes = extra + base[:, None]
+    return sizes, np.cumsum(sizes, axis=1) - sizes
 
 
 def _per_sequence(lens: np.ndarray, doc_cu: np.ndarray, c: int) -> tuple[np.ndarray, ...]:
@@ -630,9 +616,8 @@ def _candidates(desc: np.ndarray, cum: np.ndarray, c: int, max_len: int) -> tupl
 
 
 def _hybrid(lens: np.ndarray, c: int, max_len: int) -> tuple[tuple[np.ndarray, ...], int]:
-    """Segment table of hybrid sharding (document-major = global order, then ``doc_gathered``)
-    and its threshold (``max_len``; 0: chosen here: the balanced candidate that gathers the fewest
-    K/V rows, else the least unbalanced; ties: the higher threshold)."""
+    """Segment table of hybrid sharding (document-major, then ``doc_gathered``) and its threshold
+    (``max_len``, or if 0 the balanced candidate that gathers the fewest K/V rows)."""
     two_c, n = 2 * c, len(lens)
     order = (-lens).argsort(kind="stable")
     desc = lens[order]

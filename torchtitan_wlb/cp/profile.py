@@ -184,9 +184,8 @@ def measure_profile(
     n_kv_heads: int = 2, head_dim: int = 32, dtype: str = "float32", tile: int | None = None,
     pairs_per_cell: int = 1 << 19, repeats: int = 3, log=None,
 ) -> CPProfile:  # fmt: skip
-    """Time forward + backward of ``document_attention`` for every (q_len <= kv_len) grid cell,
-    each packing about ``pairs_per_cell`` (query, key) pairs of identical segments: small cells are
-    timed over many segments, the way per-document chunks arrive in a micro-batch."""
+    """Time forward + backward of ``document_attention`` for every (q_len <= kv_len) grid cell on
+    about ``pairs_per_cell`` (query, key) pairs of identical segments (as small chunks arrive)."""
     import torch
 
     from torchtitan_wlb.attention import resolve_backend

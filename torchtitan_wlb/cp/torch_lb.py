@@ -135,9 +135,8 @@ def assignment_stats(
 
 
 def ptrr_block_counts(doc_lens: np.ndarray, block: int) -> np.ndarray:
-    """``[T / block]`` KV blocks each query block touches under a document-causal mask: from its
-    first token's document start to its own end, ``i - block(start) + 1`` (what
-    ``create_block_mask`` counts, without evaluating the ``T x T`` mask)."""
+    """``[T / block]`` KV blocks each query block ``i`` touches under a document-causal mask,
+    ``i - block(its document's start) + 1``: ``create_block_mask``'s count, without the mask."""
     cu = np.concatenate([[0], np.cumsum(doc_lens)])
     first = np.arange(0, int(cu[-1]), block)
     doc_start = cu[np.searchsorted(cu, first, side="right") - 1]
@@ -188,9 +187,8 @@ def _balancer(name: str, lens: np.ndarray, c: int, block: int):
 def torch_assignment(
     name: str, doc_lens: np.ndarray, cp_degree: int, block: int = SMALL_CHUNK, repeats: int = 1
 ) -> Assignment:
-    """The token-to-rank assignment torch's balancer ``name`` gives one micro-batch. ``plan_ms``:
-    median over ``repeats`` of its rearrange plus restore indices (what sharding inputs and
-    unsharding outputs call); building its input (PTRR's BlockMask) is not timed."""
+    """The token-to-rank assignment torch's balancer ``name`` gives one micro-batch; ``plan_ms``:
+    median over ``repeats`` of its rearrange plus restore indices (PTRR's BlockMask not timed)."""
     doc_lens = np.asarray(doc_lens, dtype=np.int64)
     lb, lens, real = _balancer(name, doc_lens, cp_degree, block)
     times = []

@@ -43,9 +43,8 @@ class WLBModelArgs(TransformerModelArgs):
 
 
 class WLBAttention(Attention):
-    """TorchTitan's Attention with its inner attention replaced by document attention; built by
-    TorchTitan's ``__init__`` as ``"sdpa"`` (same parameters and names: checkpoints and TP plans
-    are unchanged)."""
+    """TorchTitan's Attention with document attention inside, built as ``"sdpa"`` by TorchTitan's
+    ``__init__`` (same parameters and names: checkpoints and TP plans are unchanged)."""
 
     def __init__(self, model_args: TransformerModelArgs):
         super().__init__(dataclasses.replace(model_args, attn_type="sdpa"))
@@ -169,9 +168,8 @@ def cost_model_for_job(job_config: JobConfig) -> CostModel:
 def pipeline_llama_wlb(
     model: nn.Module, parallel_dims: Any, job_config: JobConfig, *args: Any
 ) -> Any:
-    """TorchTitan's ``pipeline_llm`` (``args``: the rest of its arguments, passed through) with
-    its schedule sized for one slot per packed micro-batch: ``N / DP`` micro-batches of size 1,
-    each of its own length, which the trainer feeds as a list (docs/pipeline.md)."""
+    """TorchTitan's ``pipeline_llm`` (``args`` passed through) with its schedule sized for one
+    slot per packed micro-batch: ``N / DP`` micro-batches of size 1 (docs/pipeline.md)."""
     from torchtitan.distributed.pipeline_parallel import pipeline_llm
 
     dp = parallel_dims.dp_replicate * parallel_dims.dp_shard
