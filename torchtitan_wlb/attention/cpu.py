@@ -1,10 +1,8 @@
 """Vectorised document-masked causal attention for CPU (and any device without a varlen kernel).
 
-Why buckets: a Python loop over documents costs a kernel chain per document, and padding every
-segment to the longest costs ``segments * max_len**2``. Segments are instead grouped by their
-(query, key) lengths rounded up to a geometric grid and each group runs as one masked SDPA; long
-segments are cut into query blocks that see keys up to their own diagonal, so the dense work
-tracks the causal work (docs/context_parallel.md). Autograd flows through plain tensor ops.
+Segments are grouped by their (query, key) lengths rounded up to a geometric grid, one masked SDPA
+per group: a loop over documents would cost a kernel chain each, padding to the longest
+``segments * max_len**2`` (docs/context_parallel.md). Autograd flows through plain tensor ops.
 """
 
 from __future__ import annotations
@@ -12,8 +10,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-
-__all__ = ["cpu_document_attention", "bucket_length"]
 
 MIN_BUCKET = 16
 QUERY_BLOCK = 256  # query rows per dense block: bounds the masked (wasted) part of the work
@@ -35,12 +31,8 @@ def bucket_length(lengths: Tensor) -> Tensor:
 def cpu_document_attention(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, scale: float
 ) -> Tensor:
-    """Segment-wise causal attention, bottom-right aligned, by bucketed dense SDPA.
-
-    Shapes follow :func:`torchtitan_wlb.attention.document_attention` (already validated there).
-    Query rows that see no key (``l_q > l_k``, the first ``l_q - l_k`` rows) return zeros, matching
-    the flash-attention convention.
-    """
+    """:func:`torchtitan_wlb.attention.document_attention` (arguments validated there) by bucketed
+    dense SDPA; query rows that see no key return zeros, as flash-attention's do."""
     total_q, n_heads, _ = q.shape
     total_k, n_kv_heads, _ = k.shape
     out_dim = v.shape[-1]
@@ -51,9 +43,8 @@ def cpu_document_attention(
     len_q = cu_q[1:] - cu_q[:-1]
     len_k = cu_k[1:] - cu_k[:-1]
 
-    # Long segments are cut into query blocks of QUERY_BLOCK rows; block b of a segment is itself a
-    # bottom-right causal segment whose keys end at its last query's diagonal. Dense work then
-    # follows the causal pairs (like flash-attention skipping masked tiles) instead of l_q * l_k.
+    # Query blocks of QUERY_BLOCK rows, each a bottom-right causal segment whose keys end at its
+    # last query's diagonal: dense work follows the causal pairs instead of l_q * l_k.
     n_blocks = torch.where((len_q > 0) & (len_k > 0), (len_q + QUERY_BLOCK - 1) // QUERY_BLOCK, 0)
     total_blocks = int(n_blocks.sum())
     seg = torch.repeat_interleave(torch.arange(len(len_q), device=q.device), n_blocks)
@@ -113,9 +104,7 @@ def _dense_group(
     allowed = allowed | (~row_sees_key[:, :, None] & (k_pos == 0)[None, None, :])
     # index_select (backward: index_add) rather than advanced indexing (backward: a sorting
     # index_put with accumulation, several times slower on CPU).
-    qb = _rows(q, q_rows).transpose(1, 2)  # [n, H, p_q, D]
-    kb = _rows(k, k_rows).transpose(1, 2)
-    vb = _rows(v, k_rows).transpose(1, 2)
+    qb, kb, vb = (_rows(x, r).transpose(1, 2) for x, r in ((q, q_rows), (k, k_rows), (v, k_rows)))
     ob = F.scaled_dot_product_attention(
         qb, kb, vb, attn_mask=allowed[:, None], scale=scale, enable_gqa=gqa
     ).transpose(1, 2)  # [n, p_q, H, Dv]

@@ -1,8 +1,6 @@
-"""CUDA varlen backends: flash-attn's ``flash_attn_varlen_func`` and ``torch.nn.attention.varlen``.
-
-Both implement :func:`document_attention`'s semantics natively (packed ``[tokens, heads, dim]``,
-int32 ``cu_seqlens``, causal aligned bottom-right as in flash-attn >= 2.1, GQA). Imports are
-guarded so this module loads on CPU-only installs; availability is probed once.
+"""CUDA varlen backends: flash-attn's ``flash_attn_varlen_func`` and ``torch.nn.attention.varlen``,
+both :func:`document_attention`'s semantics natively. Imports are guarded (and probed once) so that
+this module loads on CPU-only installs.
 """
 
 from __future__ import annotations
@@ -12,8 +10,6 @@ import inspect
 
 import torch
 from torch import Tensor
-
-__all__ = ["cuda_attention", "flash_available", "torch_varlen_available"]
 
 
 @functools.cache
@@ -39,14 +35,19 @@ def _varlen_params() -> frozenset[str]:
     return frozenset(inspect.signature(_torch_varlen_fn()).parameters)
 
 
-def flash_available() -> bool:
-    """flash-attn is importable and a CUDA device exists."""
-    return torch.cuda.is_available() and _flash_fn() is not None
+_NEEDS = {
+    "flash": "the flash-attn package (pip install flash-attn)",
+    "torch_varlen": "torch >= 2.9 (torch.nn.attention.varlen)",
+}
 
 
-def torch_varlen_available() -> bool:
-    """``torch.nn.attention.varlen`` exists and a CUDA device exists (it has no CPU kernel)."""
-    return torch.cuda.is_available() and _torch_varlen_fn() is not None
+def _kernel(backend: str):
+    return _flash_fn() if backend == "flash" else _torch_varlen_fn()
+
+
+def cuda_available(backend: str) -> bool:
+    """``backend``'s kernel is importable and a CUDA device exists (neither has a CPU kernel)."""
+    return torch.cuda.is_available() and _kernel(backend) is not None
 
 
 def cuda_attention(
@@ -54,21 +55,14 @@ def cuda_attention(
     max_q: int, max_k: int, scale: float,
 ) -> Tensor:  # fmt: skip
     """``backend`` ``"flash"`` or ``"torch_varlen"`` on :func:`document_attention`'s arguments.
-
-    torch's ``varlen_attn`` adapts to the installed torch: 2.13 expresses causality as
-    ``window_size=(-1, 0)`` and GQA as ``enable_gqa``; 2.9-2.11 had ``is_causal`` and no GQA
-    flag, so KV heads are repeated there.
-    """
-    flash = backend == "flash"
-    fn = _flash_fn() if flash else _torch_varlen_fn()
+    torch 2.13's ``varlen_attn`` takes ``window_size=(-1, 0)`` and ``enable_gqa``; 2.9-2.11's
+    took ``is_causal`` and had no GQA flag (KV heads are repeated there)."""
+    fn = _kernel(backend)
     if fn is None:
-        need = "the flash-attn package (pip install flash-attn)"
-        if not flash:
-            need = "torch >= 2.9 (torch.nn.attention.varlen)"
-        raise ValueError(f"backend={backend!r} needs {need}")
+        raise ValueError(f"backend={backend!r} needs {_NEEDS[backend]}")
     cu_q = cu_q.to(device=q.device, dtype=torch.int32)
     cu_k = cu_k.to(device=q.device, dtype=torch.int32)
-    if flash:
+    if backend == "flash":
         return fn(
             q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale, causal=True
         )

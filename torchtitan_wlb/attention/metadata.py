@@ -1,9 +1,6 @@
-"""The attention metadata the model receives through ``attention_masks``.
-
-The model's attention does not know whether context parallelism is on:
-:func:`attention_from_metadata` runs plain document attention, or asks the rank's CP metadata to run
-the CP op (``cp`` is built on this package, so this package only knows the
-:class:`ContextParallelAttention` protocol).
+"""The attention metadata the model receives through ``attention_masks``: the model's attention
+does not know whether context parallelism is on (``cp`` is built on this package, so this package
+only knows the :class:`ContextParallelAttention` protocol).
 """
 
 from __future__ import annotations
@@ -15,13 +12,6 @@ import torch
 
 from torchtitan_wlb.attention.varlen import document_attention
 
-__all__ = [
-    "ContextParallelAttention",
-    "DocumentAttentionMetadata",
-    "attention_from_metadata",
-    "metadata_from_doc_lens",
-]
-
 
 class ContextParallelAttention(Protocol):
     """One rank's context-parallel attention, carried by the metadata (implemented by the CP op's
@@ -31,7 +21,6 @@ class ContextParallelAttention(Protocol):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str
     ) -> torch.Tensor:
         """Document-masked causal attention of this rank's local ``q, k, v`` over the CP group."""
-        ...
 
 
 @dataclass
@@ -39,12 +28,11 @@ class DocumentAttentionMetadata:
     """Describes the local packed sequence of one micro-batch.
 
     Attributes:
-        cu_seqlens: ``int32 [num_docs + 1]`` document boundaries of the local tokens (non-CP case;
-            ignored when ``cp`` is set), on the device of the activations for CUDA kernels.
+        cu_seqlens: ``int32 [num_docs + 1]`` document boundaries of the local tokens, on the
+            activations' device (ignored when ``cp`` is set).
         max_seqlen: longest document in tokens (CUDA kernels size their launch grid with it).
         backend: attention backend, ``"auto" | "cpu" | "flash" | "torch_varlen"``.
-        cp: this rank's context-parallel metadata (built by
-            ``torchtitan_wlb.cp.local.build_cp_attention_metadata``); ``None`` without CP.
+        cp: this rank's CP metadata (``cp.local.build_cp_attention_metadata``); ``None`` without CP.
     """
 
     cu_seqlens: torch.Tensor
@@ -68,10 +56,8 @@ def metadata_from_doc_lens(
 def attention_from_metadata(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: DocumentAttentionMetadata
 ) -> torch.Tensor:
-    """Document-masked causal attention of the local tokens, context parallel if ``meta.cp`` is set.
-
-    ``q: [local_tokens, n_heads, head_dim]``, ``k, v: [local_tokens, n_kv_heads, head_dim]``.
-    """
+    """Document-masked causal attention of the local ``[tokens, heads, head_dim]`` q, k, v,
+    context parallel if ``meta.cp`` is set."""
     if meta.cp is not None:
         return meta.cp.attend(q, k, v, backend=meta.backend)
     return document_attention(

@@ -12,9 +12,7 @@ import torch
 from torch import Tensor
 
 from torchtitan_wlb.attention.cpu import cpu_document_attention
-from torchtitan_wlb.attention.cuda import cuda_attention, flash_available, torch_varlen_available
-
-__all__ = ["BACKENDS", "check_qkv", "document_attention", "resolve_backend"]
+from torchtitan_wlb.attention.cuda import cuda_attention, cuda_available
 
 BACKENDS = ("auto", "cpu", "flash", "torch_varlen")
 
@@ -26,11 +24,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         raise ValueError(f"attention backend {backend!r} is not one of {BACKENDS}")
     is_cuda = device.type == "cuda"
     if backend == "auto":
-        if is_cuda and flash_available():
-            return "flash"
-        if is_cuda and torch_varlen_available():
-            return "torch_varlen"
-        return "cpu"
+        return next((b for b in ("flash", "torch_varlen") if is_cuda and cuda_available(b)), "cpu")
     if backend in ("flash", "torch_varlen") and not is_cuda:
         raise ValueError(f"attention backend {backend!r} needs CUDA tensors, got device {device}")
     return backend
@@ -68,9 +62,8 @@ def document_attention(
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp: bool = False) -> None:
-    """``[tokens, heads, head_dim]`` q, k, v; k and v share tokens and KV heads, q and k the head
-    dim; query heads a multiple of KV heads. ``cp``: a CP rank's local tensors, where q, k, v are
-    the same tokens and k, v go into one all-gather buffer (equal shapes)."""
+    """``[tokens, heads, head_dim]`` q, k, v with GQA-compatible heads; ``cp``: a CP rank's local
+    tensors, where q, k, v are the same tokens and k, v share one all-gather buffer."""
     shapes = f"q={tuple(q.shape)}, k={tuple(k.shape)}, v={tuple(v.shape)}"
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(f"q, k, v must be [tokens, heads, head_dim]; got shapes {shapes}")

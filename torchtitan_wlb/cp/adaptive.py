@@ -1,11 +1,7 @@
-"""Choosing a micro-batch's CP sharding: a fixed strategy, or adaptive selection by predicted time.
-
-``adaptive`` drafts per-sequence, per-document and hybrid sharding and keeps the one with the least
-predicted time of one layer's attention, forward and backward, on the slowest rank: compute from
-the measured throughput table (:mod:`torchtitan_wlb.cp.profile`) plus 3 x the K/V bytes each rank
-gathers over the CP bandwidth (forward all-gather, backward re-gather, dK/dV reduce-scatter). Why
-each can win: docs/context_parallel.md. This module sits above both the plan (index arithmetic)
-and the profile (a measured table), so that neither depends on the other.
+"""Choosing a micro-batch's CP sharding: a fixed strategy, or adaptive selection by predicted time
+(the slowest rank's attention from the measured profile, plus the K/V it gathers over the CP
+bandwidth; why each strategy can win: docs/context_parallel.md). It sits above both the plan and
+the profile, so that neither depends on the other.
 """
 
 from __future__ import annotations
@@ -24,17 +20,8 @@ from torchtitan_wlb.cp.plan import (
 )
 from torchtitan_wlb.cp.profile import CPProfile, resolve_profile
 
-__all__ = [
-    "ADAPTIVE_CANDIDATES",
-    "DEFAULT_CP_BANDWIDTH_GBPS",
-    "STRATEGIES",
-    "adaptive_candidates",
-    "build_cp_plan",
-    "predicted_seconds",
-]
-
 STRATEGIES = (*FIXED_STRATEGIES, "adaptive")
-ADAPTIVE_CANDIDATES = ("per_sequence", "per_document", "hybrid")
+ADAPTIVE_CANDIDATES = FIXED_STRATEGIES
 """The fixed strategies adaptive selection chooses among (ties keep the earlier one)."""
 
 DEFAULT_CP_BANDWIDTH_GBPS = 50.0
@@ -63,8 +50,7 @@ def predicted_seconds(
     draft: ShardingDraft, profile: CPProfile, bandwidth_gbps: float
 ) -> tuple[float, float]:
     """``(compute, communication)`` seconds of one layer's attention under ``draft``: the slowest
-    rank's forward + backward time from ``profile``, and 3 x the K/V bytes each rank gathers (for the
-    profile's KV heads, head dim and dtype) over ``bandwidth_gbps``."""
+    rank's forward + backward from ``profile``, and 3 x its gathered K/V over ``bandwidth_gbps``."""
     compute = float(draft.rank_totals(profile.segment_seconds(draft.q_len, draft.kv_len)).max())
     gathered = draft.kv_gather_bytes(
         profile.n_kv_heads, profile.head_dim, _dtype_bytes(profile.dtype)
@@ -93,11 +79,9 @@ def build_cp_plan(
         seq_len: if given, the packed length the lengths must sum to.
         hybrid_max_len: ``[wlb] cp_hybrid_max_len`` (0: chosen per micro-batch).
         bandwidth_gbps: ``"adaptive"``: ``[wlb] cp_bandwidth_gbps``, which prices gathered K/V.
-        candidates: ``"adaptive"``: the fixed strategies it chooses among (the simulator's
-            reproduction of the paper passes its two).
-
-    ``"adaptive"`` records ``requested="adaptive"`` and every candidate's predicted seconds
-    (:func:`predicted_seconds`, summed) in ``estimated_seconds``; a tie keeps the earlier one.
+        candidates: ``"adaptive"``: the fixed strategies it chooses among (a tie keeps the earlier);
+            every one's predicted seconds (:func:`predicted_seconds`, summed) are recorded in the
+            plan's ``estimated_seconds``.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"CP strategy {strategy!r} is not one of {STRATEGIES}")
@@ -109,13 +93,12 @@ def build_cp_plan(
     if not candidates or any(name not in FIXED_STRATEGIES for name in candidates):
         raise ValueError(f"adaptive candidates {candidates!r} must be among {FIXED_STRATEGIES}")
     table = resolve_profile(profile)
-    estimates = {}
-    best, best_draft = "", None
-    for name in candidates:  # at most three, not a loop over documents
-        draft = draft_sharding(lens, cp_degree, name, max_len=hybrid_max_len)
-        estimates[name] = sum(predicted_seconds(draft, table, bandwidth_gbps))
-        if best_draft is None or estimates[name] < estimates[best]:
-            best, best_draft = name, draft
-    chosen = best_draft.plan(requested=strategy)
+    drafts = {
+        name: draft_sharding(lens, cp_degree, name, max_len=hybrid_max_len) for name in candidates
+    }
+    estimates = {
+        name: sum(predicted_seconds(d, table, bandwidth_gbps)) for name, d in drafts.items()
+    }
+    chosen = drafts[min(estimates, key=estimates.get)].plan(requested=strategy)  # ties: the earlier
     chosen.estimated_seconds.update(estimates)
     return chosen

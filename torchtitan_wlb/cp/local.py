@@ -1,22 +1,18 @@
-"""This rank's share of a CP plan as tensors: its tokens of any tensor, and the CP op's metadata.
-
-The plan is index arithmetic in NumPy; these adapters turn its index arrays into tensors on the
-compute device and check them against the process group (once per micro-batch; usage in
-docs/context_parallel.md).
+"""This rank's share of a CP plan as tensors: its tokens of any tensor, and the CP op's metadata,
+checked against the process group (the plan itself is NumPy, and knows no torch).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan_wlb.cp.op import CPAttentionMetadata
 from torchtitan_wlb.cp.plan import CPPlan
-
-__all__ = ["build_cp_attention_metadata", "resolve_cp_group", "shard_tensor"]
 
 
 def shard_tensor(plan: CPPlan, rank: int, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -53,10 +49,8 @@ def resolve_cp_group(mesh_or_group: Any) -> dist.ProcessGroup:
 def build_cp_attention_metadata(
     plan: CPPlan, rank: int, mesh_or_group: Any, device: torch.device | str | None = None
 ) -> CPAttentionMetadata:
-    """The CP op's metadata for ``rank`` (its index in the CP group) under ``plan``.
-
-    ``mesh_or_group``: a 1-D DeviceMesh, a mesh with a ``"cp"`` dimension, or the ProcessGroup;
-    index tensors go to ``device`` (CPU by default)."""
+    """The CP op's metadata for ``rank`` (its index in the CP group of ``mesh_or_group``, see
+    :func:`resolve_cp_group`) under ``plan``, index tensors on ``device`` (default: CPU)."""
     group = resolve_cp_group(mesh_or_group)
     size = dist.get_world_size(group)
     if size != plan.cp_degree:
@@ -64,25 +58,18 @@ def build_cp_attention_metadata(
     own = dist.get_rank(group)
     if own != rank:
         raise ValueError(f"rank {rank} was asked for, but this process is rank {own} of the group")
-    spec = plan.local_attention_spec(rank)
     device = torch.device("cpu") if device is None else torch.device(device)
 
-    def to_dev(array) -> torch.Tensor:
-        return torch.from_numpy(array).to(device, non_blocking=True)
+    def to_dev(value: Any) -> Any:
+        """The spec's arrays (alone or in ``(head, tail)`` pairs) as tensors; sizes unchanged."""
+        if isinstance(value, tuple):
+            return tuple(to_dev(x) for x in value)
+        if isinstance(value, np.ndarray):
+            return torch.from_numpy(value).to(device, non_blocking=True)
+        return value
 
+    spec = vars(plan.local_attention_spec(rank))
     return CPAttentionMetadata(
-        group_name=group.group_name,
-        cp_rank=rank,
-        cp_degree=plan.cp_degree,
-        local_len=int(plan.local_lens[rank]),
-        max_gather_len=plan.max_gather_len,
-        kv_order=to_dev(plan.kv_order()),
-        n_head_tokens=spec.n_head_tokens,
-        n_gather_tokens=spec.n_gather_tokens,
-        cu_seqlens_q=(to_dev(spec.cu_seqlens_q[0]), to_dev(spec.cu_seqlens_q[1])),
-        cu_seqlens_k=(to_dev(spec.cu_seqlens_k[0]), to_dev(spec.cu_seqlens_k[1])),
-        max_seqlen_q=spec.max_seqlen_q,
-        max_seqlen_k=spec.max_seqlen_k,
-        cu_seqlens_whole=to_dev(spec.cu_seqlens_whole),
-        max_seqlen_whole=spec.max_seqlen_whole,
-    )
+        group.group_name, rank, plan.cp_degree, int(plan.local_lens[rank]), plan.max_gather_len,
+        to_dev(plan.kv_order()), **{name: to_dev(value) for name, value in spec.items()},
+    )  # fmt: skip

@@ -1,9 +1,7 @@
 """All-gather-KV context-parallel document attention (Llama 3 style) as a ``torch.library`` op.
 
-A rank's local tokens are ``[head half][tail half][whole documents]``: the halves' K/V are
-all-gathered (pieces of split documents), whole documents (hybrid) attend to their local K/V.
-Backward re-gathers K/V (memory per layer stays at the local size), recomputes the local attention
-under autograd and reduce-scatters the gathered rows' dK/dV. How and why: docs/context_parallel.md.
+Backward re-gathers K/V, so that memory per layer stays at the local size, recomputes the local
+attention under autograd and reduce-scatters the gathered rows' dK/dV (docs/context_parallel.md).
 """
 
 from __future__ import annotations
@@ -21,8 +19,6 @@ from torch.distributed.tensor.experimental import implicit_replication, register
 
 from torchtitan_wlb.attention.varlen import check_qkv, document_attention, resolve_backend
 
-__all__ = ["CPAttentionMetadata", "cp_attention"]
-
 
 @dataclass
 class CPAttentionMetadata:
@@ -35,15 +31,8 @@ class CPAttentionMetadata:
         local_len: tokens this rank holds (``q.shape[0]``).
         max_gather_len: all-gather buffer rows per rank (0: nothing split, no collective).
         kv_order: int64 all-gather buffer row of every gathered token, in packed order.
-        n_head_tokens: local tokens of the head half; the tail half follows.
-        n_gather_tokens: local tokens of both halves; the rank's whole documents follow.
-        cu_seqlens_q: int32 ``(head, tail)`` query boundaries within each half.
-        cu_seqlens_k: int32 ``(head, tail)`` key boundaries in gathered order (gaps interleaved).
-        max_seqlen_q: ``(head, tail)`` longest query segment.
-        max_seqlen_k: ``(head, tail)`` longest key segment.
-        cu_seqlens_whole: int32 boundaries of the whole documents from local token
-            ``n_gather_tokens`` on (``[0]`` when there are none).
-        max_seqlen_whole: longest whole document (0 when none).
+        n_head_tokens ... max_seqlen_whole: the rank's
+            :class:`~torchtitan_wlb.cp.plan.LocalAttentionSpec`, arrays as tensors.
     """
 
     group_name: str
@@ -67,9 +56,11 @@ class CPAttentionMetadata:
 
 
 def _all_gather_kv(
-    k: Tensor, v: Tensor, kv_order: Tensor, max_local_len: int, group_name: str
+    k: Tensor, v: Tensor, kv_order: Tensor, sizes: list[int], group_name: str
 ) -> tuple[Tensor, Tensor]:
-    """K and V of the gathered tokens (rows ``k``, ``v`` of every rank) in packed order."""
+    """K and V of every rank's gathered tokens (its first ``n_gather_tokens``) in packed order."""
+    max_local_len, n_gather = sizes[5], sizes[6]
+    k, v = k[:n_gather], v[:n_gather]
     if max_local_len == 0:
         return k[:0], v[:0]
     group = _resolve_process_group(group_name)
@@ -89,23 +80,19 @@ def _local_attention(
     q: Tensor, k_glob: Tensor, v_glob: Tensor, k_whole: Tensor, v_whole: Tensor,
     cus: tuple[Tensor, ...], sizes: list[int], scale: float, backend: str,
 ) -> Tensor:  # fmt: skip
-    """The rank's varlen calls: its head and tail halves against the gathered keys, its whole
-    documents against their local keys. An empty part (a half when the sequence has fewer than
-    ``2c`` tokens, no whole documents) is skipped, not handed to a kernel as an empty batch."""
+    """The rank's varlen calls (halves against the gathered keys, whole documents against their
+    own); an empty part is skipped, not handed to a kernel as an empty batch."""
     n_head, max_q_h, max_k_h, max_q_t, max_k_t, _, n_gather, max_whole = sizes
     cu_q_head, cu_k_head, cu_q_tail, cu_k_tail, cu_whole = cus
-    parts = []
-    for q_part, keys, values, cu_q, cu_k, max_q, max_k in (
-        (q[:n_head], k_glob, v_glob, cu_q_head, cu_k_head, max_q_h, max_k_h),
-        (q[n_head:n_gather], k_glob, v_glob, cu_q_tail, cu_k_tail, max_q_t, max_k_t),
-        (q[n_gather:], k_whole, v_whole, cu_whole, cu_whole, max_whole, max_whole),
-    ):
-        if q_part.shape[0] > 0:
-            parts.append(
-                document_attention(
-                    q_part, keys, values, cu_q, cu_k, max_q, max_k, scale=scale, backend=backend
-                )
-            )
+    parts = [
+        document_attention(*part, scale=scale, backend=backend)
+        for part in (
+            (q[:n_head], k_glob, v_glob, cu_q_head, cu_k_head, max_q_h, max_k_h),
+            (q[n_head:n_gather], k_glob, v_glob, cu_q_tail, cu_k_tail, max_q_t, max_k_t),
+            (q[n_gather:], k_whole, v_whole, cu_whole, cu_whole, max_whole, max_whole),
+        )
+        if part[0].shape[0] > 0
+    ]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
@@ -122,7 +109,7 @@ def cp_attention_fwd(
     max_seqlen_k_head, max_seqlen_q_tail, max_seqlen_k_tail, max_gather_len, n_gather_tokens,
     max_seqlen_whole]``."""
     n_gather = sizes[6]
-    k_glob, v_glob = _all_gather_kv(k[:n_gather], v[:n_gather], kv_order, sizes[5], group_name)
+    k_glob, v_glob = _all_gather_kv(k, v, kv_order, sizes, group_name)
     cus = (cu_q_head, cu_k_head, cu_q_tail, cu_k_tail, cu_whole)
     return _local_attention(
         q, k_glob, v_glob, k[n_gather:], v[n_gather:], cus, sizes, scale, backend
@@ -142,9 +129,7 @@ def _backward_local(
     body, where autograd dispatch is off and the recompute could not be differentiated."""
     max_gather, n_gather = sizes[5], sizes[6]
     with torch.no_grad():
-        k_glob, v_glob = _all_gather_kv(
-            k[:n_gather], v[:n_gather], kv_order, max_gather, group_name
-        )
+        k_glob, v_glob = _all_gather_kv(k, v, kv_order, sizes, group_name)
     with torch.enable_grad():
         leaves = [
             t.detach().requires_grad_(True) for t in (q, k_glob, v_glob, k[n_gather:], v[n_gather:])

@@ -1,18 +1,9 @@
 """Context-parallel sharding plans for one packed micro-batch (pure NumPy, no torch).
 
-With CP degree ``c`` a micro-batch is cut into ``2c`` chunk *slots*; rank ``r`` keeps slot ``r`` (its
-head) and slot ``2c - 1 - r`` (its tail), pairing an early, cheap slot with a late, expensive one under
-causal attention. The strategies (``per_sequence``, ``per_document``, ``hybrid``), the padding policy
-(none: local lengths differ by at most two tokens, hybrid aside) and the rank-major local layout are
-described in docs/context_parallel.md. A *segment* is the part of one document inside one slot; its
-queries attend to the document's prefix up to the segment's end (bottom-right causal). Within one slot
-a document appears at most once, so each half runs as one varlen call whose key segments are disjoint
-ranges of the globally ordered keys.
-
-Adaptive selection (:mod:`torchtitan_wlb.cp.adaptive`) estimates strategies from a
-:class:`ShardingDraft` (the segments before the layout); :mod:`torchtitan_wlb.cp.local` turns a plan
-into a rank's tensors. Construction is vectorised: O(n_docs * 2c) for the segment table plus O(T) for
-the index arrays a rank asks for; no Python loop runs over documents.
+With CP degree ``c`` a micro-batch is cut into ``2c`` chunk *slots*; rank ``r`` keeps slot ``r``
+(head) and slot ``2c - 1 - r`` (tail), pairing a cheap slot with an expensive one under causal
+attention. A *segment* is the part of one document inside one slot. Strategies, padding and the
+local layout: docs/context_parallel.md. Construction is vectorised: no Python loop over documents.
 """
 
 from __future__ import annotations
@@ -22,19 +13,6 @@ from functools import cached_property
 from typing import Any
 
 import numpy as np
-
-__all__ = [
-    "ATTENTION_TILE",
-    "FIXED_STRATEGIES",
-    "CPPlan",
-    "LocalAttentionSpec",
-    "ShardingDraft",
-    "auto_hybrid_max_len",
-    "causal_pairs",
-    "default_hybrid_max_len",
-    "draft_sharding",
-    "validate_doc_lens",
-]
 
 FIXED_STRATEGIES = ("per_sequence", "per_document", "hybrid")
 
@@ -58,23 +36,19 @@ def causal_pairs(q_len: np.ndarray, kv_len: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class LocalAttentionSpec:
-    """What one rank's local attention needs: its head half and tail half against the gathered keys
-    (in global order, whole documents left out; zero-query "gap" segments interleaved so that key
-    segments are contiguous), and hybrid's whole documents, local tokens ``[n_gather_tokens:]``,
-    against themselves.
+    """One rank's varlen calls: its head and tail halves against the gathered keys (zero-query
+    "gap" segments interleaved so that key segments are contiguous), and hybrid's whole documents,
+    local tokens ``[n_gather_tokens:]``, against themselves.
 
     Attributes:
         n_head_tokens: local tokens of the head half (the tail half follows them).
-        n_gather_tokens: local tokens whose K/V enter the all-gather (head and tail halves); the
-            whole documents follow them.
-        cu_seqlens_q: ``(head, tail)`` int32 cumulative query lengths into the local tokens of each
-            half (each starts at 0).
-        cu_seqlens_k: ``(head, tail)`` int32 cumulative key lengths into the gathered key order
-            (each ends at the number of gathered tokens, ``T`` without hybrid).
+        n_gather_tokens: local tokens whose K/V are all-gathered (both halves; whole documents follow).
+        cu_seqlens_q: ``(head, tail)`` int32 query boundaries within each half (each from 0).
+        cu_seqlens_k: ``(head, tail)`` int32 key boundaries in the gathered key order.
         max_seqlen_q: ``(head, tail)`` longest query segment.
         max_seqlen_k: ``(head, tail)`` longest key segment (gaps included).
-        cu_seqlens_whole: int32 document boundaries of the whole documents, relative to local
-            token ``n_gather_tokens`` (``[0]`` when the rank has none).
+        cu_seqlens_whole: int32 boundaries of the whole documents from local token
+            ``n_gather_tokens`` on (``[0]`` when the rank has none).
         max_seqlen_whole: longest whole document (0 when none).
     """
 
@@ -92,8 +66,8 @@ class LocalAttentionSpec:
 class CPPlan:
     """How one packed micro-batch is split over ``cp_degree`` ranks.
 
-    The segment table lists, in global token order, every (document, slot) piece. Every array is
-    int64 unless stated otherwise.
+    The segment table lists every (document, slot) piece in global token order. Arrays are int64
+    unless stated otherwise.
 
     Attributes:
         doc_lens: ``[n_docs]`` document lengths of the micro-batch.
@@ -104,21 +78,17 @@ class CPPlan:
         seg_doc: ``[S]`` document of each segment.
         seg_start: ``[S]`` first position of the segment inside its document.
         seg_len: ``[S]`` tokens of the segment (0 for chunks of documents shorter than ``2c``).
-        seg_slot: ``[S]`` chunk slot ``0 .. 2c-1`` of the segment (a hybrid whole document sits in
-            its rank's tail slot).
+        seg_slot: ``[S]`` slot ``0 .. 2c-1`` (a hybrid whole document sits in its rank's tail slot).
         slot_order: ``[S]`` segment ids sorted by (slot, gathered before whole, document).
         slot_offsets: ``[2c + 1]`` range of ``slot_order`` holding each slot.
         slot_tokens: ``[2c]`` tokens per slot.
         local_lens: ``[c]`` tokens per rank (head slot + tail slot).
         seg_local_offset: ``[S]`` offset of each segment inside its rank's local layout.
-        doc_gathered: ``[n_docs]`` bool, whether the document's K/V go through the CP op's
-            all-gather: every document under per-sequence and per-document sharding, the split
-            ones under hybrid (a whole document attends to its own rank's keys only).
-        gather_lens: ``[c]`` local tokens of each rank whose K/V are gathered (a prefix of its local
-            layout; equal to ``local_lens`` unless hybrid keeps documents whole).
+        doc_gathered: ``[n_docs]`` bool, whether the document's K/V are all-gathered (not hybrid's
+            whole documents).
+        gather_lens: ``[c]`` local tokens of each rank whose K/V are gathered (a layout prefix).
         max_len: hybrid's whole-document threshold in tokens (0 for the other strategies).
-        estimated_seconds: ``{strategy: estimated max-rank latency}`` when adaptive selection ran,
-            else empty.
+        estimated_seconds: ``{strategy: predicted max-rank latency}`` if adaptive selection ran.
     """
 
     doc_lens: np.ndarray
@@ -167,13 +137,10 @@ class CPPlan:
         slots = np.arange(2 * self.cp_degree)
         return np.minimum(slots, 2 * self.cp_degree - 1 - slots)
 
-    def _check_rank(self, rank: int) -> None:
-        if not 0 <= rank < self.cp_degree:
-            raise ValueError(f"rank {rank} is outside the CP group [0, {self.cp_degree})")
-
     def _rank_segments(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
         """Segment ids of the head slot and of the tail slot of ``rank``, each in local order."""
-        self._check_rank(rank)
+        if not 0 <= rank < self.cp_degree:
+            raise ValueError(f"rank {rank} is outside the CP group [0, {self.cp_degree})")
         off = self.slot_offsets
         tail = 2 * self.cp_degree - 1 - rank
         return (
@@ -183,15 +150,12 @@ class CPPlan:
 
     # ---------------------------------------------------------------------------- index arrays
     def rank_indices(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(token_indices, positions)`` of ``rank``, both ``[local_lens[rank]]``: indices into the
-        packed sequence of the tokens it keeps (local layout order) and their per-document
-        positions (RoPE positions, restarting at 0 for every document)."""
+        """``(token_indices, positions)`` of ``rank``: packed-sequence indices of the tokens it keeps,
+        in local layout order, and their per-document (RoPE) positions."""
         segs = np.concatenate(self._rank_segments(rank))
         lens = self.seg_len[segs]
-        local = _arange(int(self.local_lens[rank]))
-        pos_shift = self.seg_start[segs] - self.seg_local_offset[segs]
-        positions = np.repeat(pos_shift, lens)
-        positions += local
+        positions = np.repeat(self.seg_start[segs] - self.seg_local_offset[segs], lens)
+        positions += _arange(int(self.local_lens[rank]))
         tokens = np.repeat(self.doc_cu[self.seg_doc[segs]], lens)
         tokens += positions
         return tokens, positions
@@ -204,23 +168,19 @@ class CPPlan:
         """``[local_lens[rank]]`` per-document positions (RoPE) of the tokens ``rank`` keeps."""
         return self.rank_indices(rank)[1]
 
-    def _all_gathered(self) -> bool:
-        return self.gathered_len == self.seq_len
-
     @cached_property
     def _doc_key_start(self) -> np.ndarray:
         """``[n_docs]`` start of each gathered document in the gathered key order (the packed order
         with whole documents left out); cached, as ``kv_order`` and every rank's spec need it."""
-        if self._all_gathered():
+        if self.gathered_len == self.seq_len:
             return self.doc_cu[:-1]
         gathered = np.where(self.doc_gathered, self.doc_lens, 0)
         return np.cumsum(gathered) - gathered
 
     def kv_order(self) -> np.ndarray:
-        """``[gathered_len]``: row of the all-gather buffer (``c * max_gather_len`` rows, rank-major)
-        holding each gathered token, in gathered key order (the packed order, whole documents left
-        out; ``[T]`` without hybrid). Indexing the buffer with it puts the keys in that order."""
-        if self._all_gathered():
+        """``[gathered_len]`` all-gather buffer row (rank-major) of each gathered token, in gathered
+        key order (the packed order, whole documents left out): indexing the buffer orders keys."""
+        if self.gathered_len == self.seq_len:
             segs = slice(None)
         elif self.gathered_len == 0:
             return np.zeros(0, dtype=np.int64)
@@ -261,18 +221,22 @@ class CPPlan:
         (cq_h, ck_h), (cq_t, ck_t) = cum[:, : cut + 1], cum[:, cut:] - cum[:, cut : cut + 1]
         (mq_h, mq_t), (mk_h, mk_t) = np.maximum.reduceat(lens, [0, cut], axis=1).tolist()
         whole_lens = self.seg_len[whole]
-        longest_whole = int(whole_lens.max()) if len(whole_lens) else 0
+        cu_whole = np.zeros(len(whole_lens) + 1, dtype=np.int32)
+        whole_lens.cumsum(out=cu_whole[1:])
         return LocalAttentionSpec(
             int(self.slot_tokens[rank]), int(self.gather_lens[rank]), (cq_h, cq_t), (ck_h, ck_t),
-            (mq_h, mq_t), (mk_h, mk_t), _cumsum0(whole_lens), longest_whole,
+            (mq_h, mq_t), (mk_h, mk_t), cu_whole, int(whole_lens.max(initial=0)),
         )  # fmt: skip
 
     # ------------------------------------------------------------------------------ statistics
+    def rank_totals(self, per_segment: np.ndarray) -> np.ndarray:
+        """``[c]`` sums of a ``[S]`` per-segment quantity over each rank's segments."""
+        owner = self.slot_owner()[self.seg_slot]
+        return np.bincount(owner, weights=per_segment, minlength=self.cp_degree)
+
     def rank_attention_pairs(self) -> np.ndarray:
         """``[c]`` causal (query, key) pairs each rank computes: proportional to attention FLOPs."""
-        pairs = causal_pairs(self.seg_len, self.seg_start + self.seg_len)
-        owner = self.slot_owner()[self.seg_slot]
-        return np.bincount(owner, weights=pairs, minlength=self.cp_degree)
+        return self.rank_totals(causal_pairs(self.seg_len, self.seg_start + self.seg_len))
 
     def flops_imbalance(self) -> float:
         """max / mean of the per-rank attention FLOPs (1.0 is perfect balance)."""
@@ -285,17 +249,15 @@ class CPPlan:
         return float(self.local_lens.max() / self.local_lens.mean())
 
     def small_chunks(self, tile: int = ATTENTION_TILE) -> int:
-        """Number of non-empty chunks shorter than ``tile`` cut out of a document: segments that
-        are a proper piece of their document (a document kept whole, or lying inside one slot,
-        is not counted)."""
+        """Non-empty segments shorter than ``tile`` that are a proper piece of their document (a
+        document kept whole, or lying inside one slot, does not count)."""
         lens = self.seg_len
         cut = (lens > 0) & (lens < tile) & (lens < self.doc_lens[self.seg_doc])
         return int(np.count_nonzero(cut))
 
     def kv_gather_bytes(self, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-        """Bytes of K and V each rank receives in the CP op's forward all-gather (padded to
-        ``max_gather_len`` rows per rank: ``(c - 1) * max_gather_len`` rows); the backward's
-        re-gather and dK/dV reduce-scatter move as much again."""
+        """K/V bytes each rank receives in the op's forward all-gather (``(c - 1) * max_gather_len``
+        rows); the backward's re-gather and dK/dV reduce-scatter move as much again."""
         row = 2 * int(kv_heads) * int(head_dim) * int(dtype_bytes)
         return (self.cp_degree - 1) * self.max_gather_len * row
 
@@ -313,27 +275,17 @@ def _arange(n: int) -> np.ndarray:
     return _ARANGE[:n]
 
 
-def _cumsum0(lengths: np.ndarray) -> np.ndarray:
-    out = np.zeros(len(lengths) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=out[1:])
-    return out
-
-
 # ----------------------------------------------------------------------------------- building
 @dataclass(frozen=True)
 class ShardingDraft:
-    """One fixed strategy's segments of a micro-batch before the local layout is built: what a
-    cost estimate needs, so that adaptive selection builds the winner's layout only.
+    """One fixed strategy's segments before the local layout is built: what a cost estimate
+    needs, so that adaptive selection builds the winner's layout only.
 
     Attributes:
-        strategy: ``"per_sequence"``, ``"per_document"`` or ``"hybrid"``.
-        doc_lens: validated int64 document lengths.
-        doc_cu: ``[n_docs + 1]`` document start offsets.
-        cp_degree: CP ranks ``c``.
+        strategy, doc_lens, doc_cu, cp_degree, max_len: as in :class:`CPPlan`.
         table: the strategy's raw segment table (per-document: the ``[n_docs, 2c]`` chunk sizes
             and starts; per-sequence: the segment arrays, slot-major; hybrid: the segment arrays,
             document-major, then ``doc_gathered``).
-        max_len: hybrid's whole-document threshold (0 for the other strategies).
     """
 
     strategy: str
@@ -430,8 +382,7 @@ def draft_sharding(
     lens: np.ndarray, cp_degree: int, strategy: str, *, max_len: int = 0
 ) -> ShardingDraft:
     """The segments of a fixed ``strategy`` for lengths checked by :func:`validate_doc_lens`
-    (``.plan()`` is the plan). ``max_len``: hybrid's whole-document threshold, 0 = chosen per
-    micro-batch (at least :func:`default_hybrid_max_len`); ignored by the other strategies."""
+    (``.plan()`` is the plan); ``max_len``: hybrid's threshold, 0 = chosen per micro-batch."""
     if strategy not in FIXED_STRATEGIES:
         raise ValueError(
             f"fixed CP strategy {strategy!r} is not one of {FIXED_STRATEGIES} (adaptive selection "
@@ -493,11 +444,8 @@ def _per_document_chunks(lens: np.ndarray, c: int) -> tuple[np.ndarray, np.ndarr
     end_slot = (first_slot + rem)[:, None]
     first = first_slot[:, None]
     extra = ((slots >= first) & (slots < end_slot)) | (slots + two_c < end_slot)
-    sizes = extra.astype(np.int64)
-    sizes += base[:, None]
-    starts = np.cumsum(sizes, axis=1)
-    starts -= sizes
-    return sizes, starts
+    sizes = extra + base[:, None]
+    return sizes, np.cumsum(sizes, axis=1) - sizes
 
 
 def _per_sequence(lens: np.ndarray, doc_cu: np.ndarray, c: int) -> tuple[np.ndarray, ...]:
@@ -523,24 +471,19 @@ def _per_sequence(lens: np.ndarray, doc_cu: np.ndarray, c: int) -> tuple[np.ndar
     return seg_doc, seg_start, g_end - g_start, seg_slot, slot_order, slot_offsets
 
 
-GREEDY_ROUNDS = 5
-"""Rounds of ``c`` whole documents (the longest ``5c``) that :func:`_deal_whole` deals greedily."""
-REFINE_PASSES = 4
-"""Upper bound on the passes of :func:`_refine` (each vectorised over two ranks' documents)."""
-REFINE_TOLERANCE = 1e-3
-"""Refinement stops once the busiest rank is within this fraction of the mean."""
-HYBRID_TOLERANCE = (1.01, 1.05)
-"""(attention work, tokens) max/mean that the automatic threshold's plan must stay within."""
-SEARCH_CELLS = 4096
-"""Thresholds x documents the search deals at most (beyond: evenly spaced thresholds)."""
+# The hybrid search's knobs (docs/context_parallel.md, "Hybrid sharding").
+GREEDY_ROUNDS = 5  # rounds of c whole documents (the longest 5c) dealt greedily
+REFINE_PASSES = 4  # upper bound on the refinement's passes
+REFINE_TOLERANCE = 1e-3  # refinement stops once the busiest rank is this close to the mean
+HYBRID_TOLERANCE = (1.01, 1.05)  # (attention work, tokens) max/mean the chosen plan must keep
+SEARCH_CELLS = 4096  # thresholds x documents dealt at most (beyond: evenly spaced thresholds)
 
 
 def _refine(lens: np.ndarray, rank: np.ndarray, weight: np.ndarray, c: int) -> np.ndarray:
-    """``rank`` (one whole-document assignment) after at most :data:`REFINE_PASSES` passes, each
-    applying the move or swap of documents between the ranks with the most and the least
-    ``weight`` (tokens, or attention work) that lowers the larger of the two the most (for every
-    document of the busier rank, the partner nearest half the gap, by binary search). A pass
-    never empties a rank. Returns ``rank`` itself when nothing moved."""
+    """``rank`` (one whole-document assignment) after at most :data:`REFINE_PASSES` moves or swaps
+    between the ranks with the most and the least ``weight`` (for every document of the busier
+    rank, the partner nearest half the gap, by binary search); never empties a rank. Returns
+    ``rank`` itself when nothing moved."""
     original, rank, moved = rank, rank.copy(), False
     load = np.bincount(rank, weights=weight, minlength=c)
     limit = load.sum() / c * (1.0 + REFINE_TOLERANCE)  # moves keep the total
@@ -578,13 +521,8 @@ def _refine(lens: np.ndarray, rank: np.ndarray, weight: np.ndarray, c: int) -> n
 def _deal_whole(desc: np.ndarray, pairs: np.ndarray, first: np.ndarray, c: int) -> tuple:
     """Whole documents dealt to ranks under ``K`` thresholds at once: ``[K, n]`` rank of every
     document of ``desc`` (lengths, longest first; ``pairs``: their attention work), ``-1`` for the
-    ``first[k]`` split ones, and ``[2, K, c]`` whole tokens and work per rank.
-
-    Balances tokens, on which the gathered K/V depend: :data:`GREEDY_ROUNDS` rounds of ``c``
-    documents go longest to emptiest (the first two: a serpentine), then the rest, in serpentine
-    order so that every run mixes long and short ones, fills each rank's deficit below the mean
-    (cut at cumulative lengths). Attention work is left to the split documents (:func:`_balance`).
-    """
+    ``first[k]`` split ones, and ``[2, K, c]`` whole tokens and work per rank. Balances tokens;
+    attention work is left to the split documents (:func:`_balance`)."""
     n, k, rounds = len(desc), len(first), GREEDY_ROUNDS
     rows, greedy = np.arange(k)[:, None], first[:, None] + np.arange(rounds * c)
     width = n + rounds * c  # flat (1-D) gathers and scatters: multi-axis ones cost ~10x more
@@ -627,10 +565,8 @@ def _balance(wq: np.ndarray, s: np.ndarray, quad: np.ndarray, c: int) -> tuple:
     that give each rank the tokens and attention work its whole ones lack, for ``K`` placements
     (``wq``: ``[2, K, c]`` whole tokens and work; ``s``, ``quad``: ``[K, 1]`` split tokens and
     sum of squared split lengths); and, predicted, ``[K]`` work and token max/mean, the most
-    gathered rows on a rank and whether both balances are within :data:`HYBRID_TOLERANCE`.
-
-    Closed form (docs/context_parallel.md, "Hybrid sharding"); where a target is out of reach the
-    cut moves from the even one towards it as far as no chunk turns negative."""
+    gathered rows on a rank and whether both balances are within :data:`HYBRID_TOLERANCE`. Closed
+    form; an unreachable target is approached as far as no chunk turns negative."""
     (w, q), (w_total, q_total) = wq, wq.sum(axis=2, keepdims=True)
     a = np.maximum((w_total + s) / c - w, 0.0)
     a /= np.maximum(a.sum(axis=1, keepdims=True), 1e-12)
@@ -680,13 +616,8 @@ def _candidates(desc: np.ndarray, cum: np.ndarray, c: int, max_len: int) -> tupl
 
 
 def _hybrid(lens: np.ndarray, c: int, max_len: int) -> tuple[tuple[np.ndarray, ...], int]:
-    """Segment table of hybrid sharding (document-major = global order, then ``doc_gathered``)
-    and its threshold (``max_len``; 0: chosen here).
-
-    All candidate thresholds are evaluated at once (:func:`_deal_whole`, :func:`_balance`) and the
-    balanced one that gathers the fewest K/V rows wins (none: the least unbalanced; ties: the higher
-    threshold): more documents whole, less K/V but a harder balance, a trade set by the lengths.
-    """
+    """Segment table of hybrid sharding (document-major, then ``doc_gathered``) and its threshold
+    (``max_len``, or if 0 the balanced candidate that gathers the fewest K/V rows)."""
     two_c, n = 2 * c, len(lens)
     order = (-lens).argsort(kind="stable")
     desc = lens[order]

@@ -1,11 +1,8 @@
 """Achieved attention throughput by (q_len, kv_len): the table adaptive CP selection looks up.
 
-Why measured: a kernel runs small query chunks far below its peak (a 128-token tile holding 20 real
-queries is mostly padding), so whether per-document sharding's better balance beats its lower
-throughput depends on kernel and hardware. ``tflops[i, j]`` is the *padded* forward + backward
-FLOPs of a segment with ``lengths[i]`` queries and ``lengths[j]`` keys (rounded up to ``tile``)
-over its measured time; lookups take the largest grid point <= the length, clamped to the grid
-(docs/context_parallel.md: the shipped CPU table and how to measure one).
+Measured, because a kernel runs small query chunks far below its peak (a 128-row tile holding 20
+queries is mostly padding), and by how much depends on kernel and hardware (docs/context_parallel.md:
+the table's definition, the shipped CPU table and how to measure one).
 """
 
 from __future__ import annotations
@@ -24,14 +21,6 @@ from torchtitan_wlb.cp.plan import causal_pairs
 
 if TYPE_CHECKING:
     from torchtitan_wlb.cp.plan import CPPlan
-
-__all__ = [
-    "CPProfile",
-    "attention_flops",
-    "default_profile",
-    "measure_profile",
-    "resolve_profile",
-]
 
 # Forward (QK^T and PV: 2 matmuls x 2 FLOPs per multiply-add) plus backward (2.5x forward: five
 # matmuls), per (query, key) pair, per head, per head-dim element.
@@ -85,9 +74,7 @@ class CPProfile:
         need = np.triu(np.ones_like(table, dtype=bool))  # q_len <= kv_len
         missing = need & ~(np.isfinite(table) & (table > 0))
         if missing.any():
-            pairs = [
-                (int(grid[i]), int(grid[j])) for i, j in zip(*np.nonzero(missing), strict=True)
-            ]
+            pairs = [(int(grid[i]), int(grid[j])) for i, j in np.argwhere(missing)]
             raise ValueError(
                 f"profile table has missing or non-positive entries for (q_len, kv_len) = "
                 f"{pairs[:8]}{' ...' if len(pairs) > 8 else ''}; re-measure with "
@@ -123,37 +110,26 @@ class CPProfile:
         lut = self._grid_lut
         top = len(lut) - 1
         qi = lut[np.clip(q_len, 0, top)]
-        ki = lut[np.clip(kv_len, 0, top)]
-        np.maximum(ki, qi, out=ki)
-        qi *= len(self.lengths)
-        qi += ki
-        return self.table.ravel()[qi]
+        ki = np.maximum(lut[np.clip(kv_len, 0, top)], qi)
+        return self.table.ravel()[qi * len(self.lengths) + ki]
 
     def segment_seconds(self, q_len: np.ndarray, kv_len: np.ndarray) -> np.ndarray:
         """Estimated forward + backward time of each segment: padded FLOPs / achieved throughput.
         Segments with no queries cost nothing."""
         q = np.asarray(q_len, dtype=np.float64)
-        kv = np.asarray(kv_len, dtype=np.float64)
         tile = float(self.tile)
-        pq = np.ceil(q * (1.0 / tile))
-        pq *= tile
-        pk = np.ceil(kv * (1.0 / tile))
-        pk *= tile
-        np.maximum(pk, pq, out=pk)
-        # padded causal pairs pq*pk - pq*(pq-1)/2, computed in place
-        pairs = pk - 0.5 * (pq - 1.0)
-        pairs *= pq
+        pq = np.ceil(q * (1.0 / tile)) * tile
+        pk = np.maximum(np.ceil(np.asarray(kv_len, dtype=np.float64) * (1.0 / tile)) * tile, pq)
         scale = FLOPS_PER_PAIR_PER_HEAD_DIM * self.n_heads * self.head_dim / 1e12
-        pairs *= scale
-        pairs /= self.lookup_tflops(q_len, kv_len)
-        pairs[q == 0] = 0.0
-        return pairs
+        # padded causal pairs pq*pk - pq*(pq-1)/2
+        seconds = (pk - 0.5 * (pq - 1.0)) * pq * scale / self.lookup_tflops(q_len, kv_len)
+        seconds[q == 0] = 0.0
+        return seconds
 
     def estimate_plan_seconds(self, plan: CPPlan) -> float:
         """Estimated attention time of the slowest rank under ``plan``."""
         seconds = self.segment_seconds(plan.seg_len, plan.seg_start + plan.seg_len)
-        owner = np.minimum(plan.seg_slot, 2 * plan.cp_degree - 1 - plan.seg_slot)
-        return float(np.bincount(owner, weights=seconds, minlength=plan.cp_degree).max())
+        return float(plan.rank_totals(seconds).max())
 
     # ------------------------------------------------------------------------------------ I/O
     def to_json(self) -> str:
@@ -208,15 +184,11 @@ def measure_profile(
     n_kv_heads: int = 2, head_dim: int = 32, dtype: str = "float32", tile: int | None = None,
     pairs_per_cell: int = 1 << 19, repeats: int = 3, log=None,
 ) -> CPProfile:  # fmt: skip
-    """Time forward + backward of ``document_attention`` for every (q_len <= kv_len) grid cell.
-
-    A cell packs ``m`` identical segments (``q_len`` queries against a ``kv_len`` key prefix), about
-    ``pairs_per_cell`` (query, key) pairs in all: small cells are timed over many segments, the way
-    per-document chunks arrive in a micro-batch. Median of ``repeats`` runs after one warm-up.
-    """
+    """Time forward + backward of ``document_attention`` for every (q_len <= kv_len) grid cell on
+    about ``pairs_per_cell`` (query, key) pairs of identical segments (as small chunks arrive)."""
     import torch
 
-    from torchtitan_wlb.attention import document_attention, resolve_backend
+    from torchtitan_wlb.attention import resolve_backend
 
     dev = torch.device(device)
     chosen = resolve_backend(backend, dev)
@@ -236,13 +208,8 @@ def measure_profile(
             v = torch.randn_like(k, requires_grad=True)
             cu_q = torch.arange(m + 1, dtype=torch.int32, device=dev) * q_len
             cu_k = torch.arange(m + 1, dtype=torch.int32, device=dev) * kv_len
-            grad = torch.randn_like(q)
-
-            def step(q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k, grad=grad, q_len=q_len, kv_len=kv_len):
-                out = document_attention(q, k, v, cu_q, cu_k, q_len, kv_len, backend=chosen)
-                out.backward(grad)
-
-            seconds = _median_time(step, dev, repeats)
+            args = (q, k, v, cu_q, cu_k, q_len, kv_len)
+            seconds = _median_seconds(args, torch.randn_like(q), chosen, dev, repeats)
             pq = -(-q_len // tile) * tile
             pk = max(-(-kv_len // tile) * tile, pq)
             flops = m * float(attention_flops(pq, pk, n_heads, head_dim))
@@ -254,22 +221,22 @@ def measure_profile(
     return CPProfile(tuple(grid), rows, tile, name, chosen, n_heads, n_kv_heads, head_dim, dtype)
 
 
-def _median_time(step, dev, repeats: int) -> float:
-    """Median seconds of ``step`` after one warm-up. CUDA: wall-clock with synchronisation. CPU:
-    this process's CPU time, so that other jobs on a shared machine do not inflate it (run with
-    one torch thread, as ``tools.cp_profile`` does, for it to equal the kernel's time)."""
+def _median_seconds(args: tuple, grad, backend: str, dev, repeats: int) -> float:
+    """Median seconds of ``document_attention(*args)`` forward + backward after one warm-up: CUDA
+    wall-clock after a synchronise; on CPU this process's CPU time, so that other jobs on a shared
+    machine do not inflate it (``tools.cp_profile`` runs one torch thread)."""
     import torch
+
+    from torchtitan_wlb.attention import document_attention
 
     cuda = dev.type == "cuda"
     clock = time.perf_counter if cuda else time.process_time
-
     sync = (lambda: torch.cuda.synchronize(dev)) if cuda else (lambda: None)
-    step()  # warm-up (kernel selection, allocator)
     times = []
-    for _ in range(repeats):
+    for _ in range(repeats + 1):  # the first run warms up (kernel selection, allocator)
         sync()
         start = clock()
-        step()
+        document_attention(*args, backend=backend).backward(grad)
         sync()
         times.append(clock() - start)
-    return float(np.median(times))
+    return float(np.median(times[1:]))

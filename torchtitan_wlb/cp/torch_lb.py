@@ -1,13 +1,8 @@
-"""torch's CP load-balancer interface, both ways: this project's plans as a torch ``_LoadBalancer``,
-and torch's own balancers measured by what each rank holds.
-
-:class:`PlanLoadBalancer` lets a CP path written against torch's API (TorchTitan's) shard with the
-plans. :func:`torch_assignment` runs torch 2.13's ``_HeadTailLoadBalancer``,
-``_PerDocumentHeadTailLoadBalancer`` and ``_PTRRLoadBalancer`` on a micro-batch, each with the
-smallest padding its divisibility rule needs, and derives every rank's tokens from their rearrange
-indices as ``_context_parallel_shard`` does (``c`` equal contiguous pieces), so the figures are what
-torch's code does rather than what it is meant to do. :func:`assignment_stats` measures any
-token-to-rank assignment, the plans' too, the same way (docs/benchmarks_cp.md).
+"""torch's CP load-balancer interface, both ways: this project's plans as a torch ``_LoadBalancer``
+(:class:`PlanLoadBalancer`, for CP code written against torch's API, TorchTitan's included), and
+torch 2.13's own balancers run on a micro-batch and measured by the tokens each rank ends up with,
+as ``_context_parallel_shard`` cuts them (:func:`torch_assignment`): what torch's code does, not
+what it is meant to do. How each is padded and measured: docs/benchmarks_cp.md.
 """
 
 from __future__ import annotations
@@ -21,26 +16,12 @@ import numpy as np
 import torch
 from torch.distributed.tensor.experimental._context_parallel import _LoadBalancer
 
-from torchtitan_wlb.cp.plan import CPPlan, draft_sharding, validate_doc_lens
-
-__all__ = [
-    "TORCH_BALANCERS",
-    "SMALL_CHUNK",
-    "Assignment",
-    "PlanLoadBalancer",
-    "assignment_stats",
-    "plan_assignment",
-    "ptrr_block_counts",
-    "torch_assignment",
-]
+from torchtitan_wlb.cp.plan import ATTENTION_TILE, CPPlan, draft_sharding, validate_doc_lens
 
 
 class PlanLoadBalancer(_LoadBalancer):
-    """This project's CP plans behind torch's ``_LoadBalancer`` interface.
-
-    Rearrange indices: the plans' rank-major layout, each rank's piece padded to the longest local
-    length with positions ``T, T + 1, ...`` (local lengths may differ). Pad buffers to
-    ``seq_length`` first, loss ignored (docs/context_parallel.md).
+    """This project's CP plans behind torch's ``_LoadBalancer`` interface (usage and layout:
+    docs/context_parallel.md).
 
     Args:
         seq_length_per_doc: document lengths per batch row (``[[...]]`` for one micro-batch, as
@@ -52,7 +33,7 @@ class PlanLoadBalancer(_LoadBalancer):
 
     Attributes:
         plans: one :class:`CPPlan` per batch row: the first ``plans[b].local_lens[r]`` rows of rank
-            ``r``'s piece are its tokens; build the CP op's metadata from them.
+            ``r``'s piece are its tokens, the rest padding positions ``T, T + 1, ...``.
         seq_length: padded length the buffers must have (``c`` x the longest local length).
     """
 
@@ -81,15 +62,11 @@ class PlanLoadBalancer(_LoadBalancer):
         """``(B, seq_length)`` int64: the plans' padded rank-major order, or (``restore``) its
         inverse."""
         c, padded = self.world_size, self.seq_length
-        piece = padded // c
         out = np.empty((len(self.plans), padded), dtype=np.int64)
         for b, plan in enumerate(self.plans):  # batch rows
             order = out[b]
-            filled = np.zeros(padded, dtype=bool)
-            for r in range(c):  # CP ranks, not documents
-                n = int(plan.local_lens[r])
-                order[r * piece : r * piece + n] = plan.token_indices(r)
-                filled[r * piece : r * piece + n] = True
+            filled = (np.arange(padded // c) < plan.local_lens[:, None]).ravel()
+            order[filled] = np.concatenate([plan.token_indices(r) for r in range(c)])
             order[~filled] = np.arange(plan.seq_len, padded)
             if restore:
                 order[order.copy()] = np.arange(padded)
@@ -97,9 +74,7 @@ class PlanLoadBalancer(_LoadBalancer):
 
 
 TORCH_BALANCERS = ("torch_head_tail", "torch_per_document", "torch_ptrr")
-SMALL_CHUNK = 128
-"""Tokens of the attention kernel tile (flash-attention's 128-row block, flex-attention's default
-block): a chunk shorter than this wastes part of every tile it occupies."""
+SMALL_CHUNK = ATTENTION_TILE  # also flex-attention's default block
 
 
 @dataclass(frozen=True)
@@ -107,13 +82,12 @@ class Assignment:
     """Which CP rank holds each token of a (possibly padded) micro-batch.
 
     Attributes:
-        doc_lens: ``[D]`` documents as sharded, padding included (a padding document, or each
-            document's padding appended to it).
+        doc_lens: ``[D]`` documents as sharded, padding included (a padding document, or padding
+            appended to each document).
         real_docs: ``[D]`` False for a padding-only document.
         rank: ``[T]`` CP rank of every token, in packed order.
         cp_degree: CP ranks ``c``.
-        allgather_rows: K/V rows every rank receives from the other ranks (an all-gather of
-            ``c`` equal buffers of the longest local length).
+        allgather_rows: K/V rows every rank receives from the other ranks.
         plan_ms: time to compute the assignment (see :func:`torch_assignment`).
         pad_tokens: tokens added to meet the balancer's divisibility rule.
     """
@@ -130,14 +104,9 @@ class Assignment:
 def assignment_stats(
     a: Assignment, kv_bytes_per_token: float, small: int = SMALL_CHUNK, short_doc_len: int = 0
 ) -> dict:
-    """FLOPs / token imbalance, K/V bytes received per rank and chunks under ``small`` tokens.
-
-    A *chunk* is a maximal run of consecutive tokens of one document held by one rank, counted only
-    for documents cut over more than one rank (a whole document on one rank is not a chunk, whatever
-    its length). ``small_chunk_docs_max_len`` is the longest document that left a chunk under
-    ``small`` tokens (0 if none); ``small_chunks_short_docs`` counts the small chunks of documents
-    of at most ``short_doc_len`` tokens (hybrid sharding's whole-document threshold).
-    """
+    """FLOPs / token imbalance, K/V bytes received per rank and chunks under ``small`` tokens: runs
+    of one document's tokens on one rank, of documents cut over several ranks (the keys:
+    docs/benchmarks_cp.md; ``short_doc_len``: hybrid's whole-document threshold)."""
     lens, c = a.doc_lens, a.cp_degree
     doc = np.repeat(np.arange(lens.size), lens)
     starts = np.cumsum(lens) - lens
@@ -166,13 +135,8 @@ def assignment_stats(
 
 
 def ptrr_block_counts(doc_lens: np.ndarray, block: int) -> np.ndarray:
-    """``[T / block]`` KV blocks each query block touches under a document-causal mask.
-
-    Query block ``i`` sees keys from the start of its first token's document to its own end, a
-    contiguous range of blocks each holding at least one visible key: ``i - block(start) + 1``. This
-    is the ``kv_num_blocks + full_kv_num_blocks`` that ``create_block_mask`` would count, without
-    evaluating the ``T x T`` mask (tests check the two agree).
-    """
+    """``[T / block]`` KV blocks each query block ``i`` touches under a document-causal mask,
+    ``i - block(its document's start) + 1``: ``create_block_mask``'s count, without the mask."""
     cu = np.concatenate([[0], np.cumsum(doc_lens)])
     first = np.arange(0, int(cu[-1]), block)
     doc_start = cu[np.searchsorted(cu, first, side="right") - 1]
@@ -223,9 +187,8 @@ def _balancer(name: str, lens: np.ndarray, c: int, block: int):
 def torch_assignment(
     name: str, doc_lens: np.ndarray, cp_degree: int, block: int = SMALL_CHUNK, repeats: int = 1
 ) -> Assignment:
-    """The token-to-rank assignment torch's balancer ``name`` gives one micro-batch. ``plan_ms``:
-    median over ``repeats`` of its rearrange plus restore indices (what sharding inputs and
-    unsharding outputs call); building its input (PTRR's BlockMask) is not timed."""
+    """The token-to-rank assignment torch's balancer ``name`` gives one micro-batch; ``plan_ms``:
+    median over ``repeats`` of its rearrange plus restore indices (PTRR's BlockMask not timed)."""
     doc_lens = np.asarray(doc_lens, dtype=np.int64)
     lb, lens, real = _balancer(name, doc_lens, cp_degree, block)
     times = []

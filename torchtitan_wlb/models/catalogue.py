@@ -7,9 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The shape fields of ModelSpec, in order (CostModel.from_model_dims's keywords, wlb-sim's flags).
 DIM_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim", "vocab_size")
-"""The shape fields of :class:`ModelSpec`, in order (the keyword arguments of
-``CostModel.from_model_dims`` and the simulator's custom-model flags)."""
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,8 @@
 """The ``llama3_wlb`` model: TorchTitan's Llama 3 with document-masked attention.
 
-Only the attention's inner computation changes; everything else, parallelisation plans included,
-is TorchTitan's own (subclassed or called, never copied). The attention receives the documents of
-the local packed sequence (``DocumentAttentionMetadata``) through TorchTitan's ``attention_masks``
-keyword, and the per-document RoPE positions through ``positions``. With context parallelism the
-metadata carries the rank's CP plan, and the same call runs the CP op.
+Only the attention's inner computation changes (its documents, or the rank's CP metadata, arrive
+through TorchTitan's ``attention_masks`` keyword); everything else, parallelisation plans
+included, is TorchTitan's own (subclassed or called, never copied).
 """
 
 from __future__ import annotations
@@ -45,11 +43,8 @@ class WLBModelArgs(TransformerModelArgs):
 
 
 class WLBAttention(Attention):
-    """TorchTitan's Attention with its inner attention replaced by document attention.
-
-    Construction goes through TorchTitan's ``Attention.__init__`` (same parameters, same names, so
-    checkpoints and TP plans are unchanged) with ``attn_type="sdpa"``, the one TorchTitan accepts.
-    """
+    """TorchTitan's Attention with document attention inside, built as ``"sdpa"`` by TorchTitan's
+    ``__init__`` (same parameters and names: checkpoints and TP plans are unchanged)."""
 
     def __init__(self, model_args: TransformerModelArgs):
         super().__init__(dataclasses.replace(model_args, attn_type="sdpa"))
@@ -63,9 +58,7 @@ class WLBAttention(Attention):
         positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         bs, seqlen, _ = x.shape
-        xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
-        xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
-        xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        xq, xk, xv = (w(x).view(bs, seqlen, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
         xq, xk = apply_rotary_emb(xq, xk, freqs_cis=freqs_cis, positions=positions)
         if attention_masks is None:
             # No document boundaries given: every row is one causal document.
@@ -104,11 +97,8 @@ def ffn_hidden_dim(args: TransformerModelArgs) -> int:
 
 
 def model_args(spec: ModelSpec) -> WLBModelArgs:
-    """TorchTitan's Llama 3 arguments for a catalogue model (RoPE theta 500,000, as Llama 3).
-
-    TorchTitan derives the SwiGLU width (:func:`ffn_hidden_dim`); ``multiple_of`` and the
-    multiplier are chosen so that it derives the catalogue's (docs/models.md).
-    """
+    """TorchTitan's Llama 3 arguments for a catalogue model, with ``multiple_of`` and the FFN
+    multiplier chosen so that TorchTitan derives the catalogue's SwiGLU width (docs/models.md)."""
     ffn = spec.ffn_hidden_dim
     shape = {k: v for k, v in spec.dims().items() if k != "ffn_hidden_dim"}
     base = int(2 * (4 * spec.dim) / 3)
@@ -178,14 +168,8 @@ def cost_model_for_job(job_config: JobConfig) -> CostModel:
 def pipeline_llama_wlb(
     model: nn.Module, parallel_dims: Any, job_config: JobConfig, *args: Any
 ) -> Any:
-    """TorchTitan's ``pipeline_llm`` (``args``: the rest of its arguments, passed through) with
-    one schedule micro-batch per packed micro-batch.
-
-    TorchTitan sizes the schedule as ``local_batch_size / pipeline_parallel_microbatch_size``
-    micro-batches and splits one ``[B, S]`` batch along dim 0. Here a step has ``N / DP`` packed
-    sequences, each of its own length, so the schedule is built for ``N / DP`` micro-batches of
-    size 1; the trainer then feeds them as a list (``VarlenPipelineRunner``).
-    """
+    """TorchTitan's ``pipeline_llm`` (``args`` passed through) with its schedule sized for one
+    slot per packed micro-batch: ``N / DP`` micro-batches of size 1 (docs/pipeline.md)."""
     from torchtitan.distributed.pipeline_parallel import pipeline_llm
 
     dp = parallel_dims.dp_replicate * parallel_dims.dp_shard
