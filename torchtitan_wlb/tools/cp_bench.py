@@ -67,51 +67,30 @@ def plan_and_index(
 
 
 def _rank_step(plan: CPPlan, rank: int, heads: int, kv_heads: int, head_dim: int):
-    """A closure running ``rank``'s local attention (both halves against the gathered keys, and
-    hybrid's whole documents against their own keys), forward + backward."""
+    """A closure running ``rank``'s local attention, forward + backward: the CP op's own calls
+    on random tensors in place of the all-gathered keys."""
     import torch
 
-    from torchtitan_wlb.attention import document_attention
+    from torchtitan_wlb.cp.op import _local_attention
 
-    spec = plan.local_attention_spec(rank)
-    n_local = int(plan.local_lens[rank])
-    n_gather, n_whole = spec.n_gather_tokens, n_local - spec.n_gather_tokens
+    s = plan.local_attention_spec(rank)
+    n_local, n_gather = int(plan.local_lens[rank]), s.n_gather_tokens
     gen = torch.Generator().manual_seed(rank)
-
-    def rand(n: int, h: int):
-        return torch.randn(n, h, head_dim, generator=gen, requires_grad=True)
-
-    q = rand(n_local, heads)
-    k, v = rand(plan.gathered_len, kv_heads), rand(plan.gathered_len, kv_heads)
-    k_whole, v_whole = rand(n_whole, kv_heads), rand(n_whole, kv_heads)
-    halves = (q[: spec.n_head_tokens], q[spec.n_head_tokens : n_gather])
-    calls = []
-    for h, qs in enumerate(halves):
-        cu_q, cu_k = spec.cu_seqlens_q[h], spec.cu_seqlens_k[h]
-        calls.append((qs, k, v, cu_q, cu_k, spec.max_seqlen_q[h], spec.max_seqlen_k[h]))
-    if n_whole:
-        cu, m = spec.cu_seqlens_whole, spec.max_seqlen_whole
-        calls.append((q[n_gather:], k_whole, v_whole, cu, cu, m, m))
-
-    def step():
-        outs = []
-        for qs, ks, vs, cq, ck, mq, mk in calls:
-            if qs.shape[0]:
-                cq, ck = torch.from_numpy(cq), torch.from_numpy(ck)
-                outs.append(document_attention(qs, ks, vs, cq, ck, mq, mk, backend="cpu"))
-        torch.cat(outs).sum().backward()
-
-    return step
+    gathered, whole = (plan.gathered_len, kv_heads), (n_local - n_gather, kv_heads)
+    tensors = [
+        torch.randn(n, h, head_dim, generator=gen, requires_grad=True)
+        for n, h in ((n_local, heads), gathered, gathered, whole, whole)
+    ]  # q, then K and V of the gathered keys and of the whole documents
+    (cq_h, cq_t), (ck_h, ck_t) = s.cu_seqlens_q, s.cu_seqlens_k
+    cus = tuple(torch.from_numpy(c) for c in (cq_h, ck_h, cq_t, ck_t, s.cu_seqlens_whole))
+    sizes = [s.n_head_tokens, s.max_seqlen_q[0], s.max_seqlen_k[0], s.max_seqlen_q[1],
+             s.max_seqlen_k[1], plan.max_gather_len, n_gather, s.max_seqlen_whole]  # fmt: skip
+    return lambda: _local_attention(*tensors, cus, sizes, head_dim**-0.5, "cpu").sum().backward()
 
 
 def measure_ranks_ms(plan: CPPlan, heads: int, kv_heads: int, head_dim: int, repeats: int):
-    """Per-rank forward + backward time (ms) of the local attention, on this machine.
-
-    Ranks run one after another in round-robin over ``repeats`` rounds and each keeps its fastest
-    round. Time is this process's CPU time (``time.process_time``; torch runs one thread here), not
-    wall-clock time, so that other processes competing for the cores (shared machines) do not
-    inflate one rank's time: the figure is the work the kernel did.
-    """
+    """Per-rank forward + backward CPU time (ms) of the local attention, fastest of ``repeats``
+    round-robin rounds: CPU time, so that other processes on the cores do not inflate one rank."""
     steps = [_rank_step(plan, r, heads, kv_heads, head_dim) for r in range(plan.cp_degree)]
     for step in steps:
         step()  # warm-up
@@ -122,6 +101,33 @@ def measure_ranks_ms(plan: CPPlan, heads: int, kv_heads: int, head_dim: int, rep
             step()
             best[r] = min(best[r], (time.process_time() - start) * 1e3)
     return best
+
+
+# JSON key -> (per-micro-batch column, its reduction over the micro-batches); torch's balancers
+# have no plan_ms_min or estimated_max_rank_ms column
+SUMMARY = {
+    "flops_imbalance": ("flops_imbalance", np.mean),
+    "flops_imbalance_max": ("flops_imbalance", np.max),
+    "plan_ms": ("plan_ms", np.median),
+    "plan_ms_max": ("plan_ms", np.max),
+    "plan_ms_min": ("plan_ms_min", np.min),
+    "estimated_max_rank_ms": ("estimated_max_rank_ms", np.mean),
+    "token_imbalance": ("token_imbalance", np.mean),
+    "token_imbalance_max": ("token_imbalance", np.max),
+    "kv_gather_bytes": ("kv_gather_bytes", np.mean),
+    "kv_gather_tokens": ("kv_gather_tokens", np.mean),
+    "small_chunks": ("small_chunks", np.mean),
+    "small_chunks_total": ("small_chunks", np.sum),
+    "small_chunks_short_docs": ("small_chunks_short_docs", np.sum),
+    "small_chunk_docs_max_len": ("small_chunk_docs_max_len", np.max),
+    "pad_tokens": ("pad_tokens", np.mean),
+}
+
+
+def summarise(rows: list[dict]) -> dict:
+    """Per-micro-batch figures reduced as :data:`SUMMARY` says (counts stay integers)."""
+    cols = {key: np.asarray([r[key] for r in rows]) for key in rows[0]}
+    return {key: f(cols[col]).item() for key, (col, f) in SUMMARY.items() if col in cols}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -144,7 +150,7 @@ def run(args: argparse.Namespace) -> dict:
         for m in micro_batches
     ]
     for strategy in STRATEGY_NAMES:
-        extra, imb, plan_ms, plan_ms_min, chosen, est = [], [], [], [], [], []
+        rows, chosen = [], []
         measured = []  # (max / mean, max, mean) of the ranks' times, per measured micro-batch
         for i, doc_lens in enumerate(micro_batches):
             times = []
@@ -152,36 +158,33 @@ def run(args: argparse.Namespace) -> dict:
                 start = time.perf_counter()
                 plan = plan_and_index(doc_lens, args.cp, strategy, profile, args.hybrid_max_len)
                 times.append((time.perf_counter() - start) * 1e3)
-            plan_ms.append(float(np.median(times)))
-            plan_ms_min.append(float(np.min(times)))
-            imb.append(plan.flops_imbalance())
-            extra.append(assignment_stats(plan_assignment(plan), kv_bytes, short_doc_len=short[i]))
+            rows.append(
+                assignment_stats(plan_assignment(plan), kv_bytes, short_doc_len=short[i])
+                | {
+                    "flops_imbalance": plan.flops_imbalance(),
+                    "plan_ms": float(np.median(times)),
+                    "plan_ms_min": float(np.min(times)),
+                    "estimated_max_rank_ms": profile.estimate_plan_seconds(plan) * 1e3,
+                }
+            )
             chosen.append(plan.strategy)
-            est.append(profile.estimate_plan_seconds(plan) * 1e3)
             if args.measure and i < args.measure_micro_batches:
                 ms = measure_ranks_ms(
                     plan, args.heads, args.kv_heads, args.head_dim, args.measure_repeats
                 )
                 measured.append((float(ms.max() / ms.mean()), float(ms.max()), float(ms.mean())))
-        entry = {
-            "flops_imbalance": float(np.mean(imb)),
-            "flops_imbalance_max": float(np.max(imb)),
-            "plan_ms": float(np.median(plan_ms)),
-            "plan_ms_max": float(np.max(plan_ms)),
-            "plan_ms_min": float(np.min(plan_ms_min)),
-            "estimated_max_rank_ms": float(np.mean(est)),
-            **_mean_stats(extra),
-        }
+        entry = summarise(rows)
         if strategy == "adaptive":
             entry["per_document_share"] = float(np.mean([c == "per_document" for c in chosen]))
             entry["hybrid_share"] = float(np.mean([c == "hybrid" for c in chosen]))
         if args.measure:
-            ratio, top, mean = ([m[k] for m in measured] for k in range(3))
+            ratio, top, mean = np.reshape(measured, (-1, 3)).T
             entry["measured_micro_batches"] = len(measured)
             entry["measured_max_ms"] = float(np.mean(top))
             entry["measured_mean_ms"] = float(np.mean(mean))
             entry["measured_imbalance"] = float(np.mean(ratio))
-            entry["flops_imbalance_measured_subset"] = float(np.mean(imb[: len(measured)]))
+            imb = [r["flops_imbalance"] for r in rows[: len(measured)]]
+            entry["flops_imbalance_measured_subset"] = float(np.mean(imb))
         results[strategy] = entry
     for name in TORCH_BALANCERS if args.torch_balancers else ():
         stats = [
@@ -192,7 +195,7 @@ def run(args: argparse.Namespace) -> dict:
             )
             for m, max_len in zip(micro_batches, short, strict=True)
         ]
-        results[name] = _mean_stats(stats, with_flops=True)
+        results[name] = summarise(stats)
     results["config"] = {
         "lengths": args.lengths or f"generator:{args.generator}(seed={args.seed})",
         "context_len": args.context_len,
@@ -207,32 +210,6 @@ def run(args: argparse.Namespace) -> dict:
         "hybrid_max_len_mean": float(np.mean(short)),
     }
     return results
-
-
-def _mean_stats(stats: list[dict], with_flops: bool = False) -> dict:
-    """Per-micro-batch :func:`assignment_stats` summarised; ``with_flops`` (torch's balancers):
-    also the FLOPs and plan-time keys, which this project's plans report themselves."""
-    col = {k: np.array([s[k] for s in stats], dtype=np.float64) for k in stats[0]}
-    out = {
-        "token_imbalance": float(col["token_imbalance"].mean()),
-        "token_imbalance_max": float(col["token_imbalance"].max()),
-        "kv_gather_bytes": float(col["kv_gather_bytes"].mean()),
-        "kv_gather_tokens": float(col["kv_gather_tokens"].mean()),
-        "small_chunks": float(col["small_chunks"].mean()),
-        "small_chunks_total": int(col["small_chunks"].sum()),
-        "small_chunks_short_docs": int(col["small_chunks_short_docs"].sum()),
-        "small_chunk_docs_max_len": int(col["small_chunk_docs_max_len"].max()),
-        "pad_tokens": float(col["pad_tokens"].mean()),
-    }
-    if with_flops:
-        out = {
-            "flops_imbalance": float(col["flops_imbalance"].mean()),
-            "flops_imbalance_max": float(col["flops_imbalance"].max()),
-            "plan_ms": float(np.median(col["plan_ms"])),
-            "plan_ms_max": float(col["plan_ms"].max()),
-            **out,
-        }
-    return out
 
 
 def parser() -> ToolParser:
