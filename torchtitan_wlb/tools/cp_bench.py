@@ -36,6 +36,12 @@ from torchtitan_wlb.tools.cli import ToolParser, require_at_least
 from torchtitan_wlb.workloads import GENERATORS, generate, load_lengths, split_long
 
 STRATEGY_NAMES = ("per_sequence", "per_document", "hybrid", "adaptive")
+SHOWN = {  # a result's text line: these JSON keys where it has them, in this format
+    "flops_imbalance": ".4f", "token_imbalance": ".4f", "kv_gather_bytes": ".3g",
+    "small_chunks": ".1f", "plan_ms": ".3f", "per_document_share": ".2f", "hybrid_share": ".2f",
+    "measured_imbalance": ".4f", "flops_imbalance_measured_subset": ".4f",
+    "measured_max_ms": ".1f", "measured_mean_ms": ".1f",
+}  # fmt: skip
 
 
 def pack_micro_batches(lens: np.ndarray, context_len: int, micro_batches: int) -> list[np.ndarray]:
@@ -254,23 +260,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(exc))
     finally:
         torch.set_num_threads(threads)
-    for strategy in (*STRATEGY_NAMES, *(TORCH_BALANCERS if args.torch_balancers else ())):
-        r = results[strategy]
-        line = (
-            f"{strategy:18s} flops_imbalance={r['flops_imbalance']:.4f} "
-            f"tokens={r['token_imbalance']:.4f} kv_gather_MB={r['kv_gather_bytes'] / 1e6:.2f} "
-            f"small_chunks={r['small_chunks']:.1f} plan_ms={r['plan_ms']:.3f}"
-        )
-        if "per_document_share" in r:
-            line += f" per_document_share={r['per_document_share']:.2f}"
-            line += f" hybrid_share={r['hybrid_share']:.2f}"
-        if "measured_imbalance" in r:
-            line += (
-                f" measured_imbalance={r['measured_imbalance']:.4f} "
-                f"(flops {r['flops_imbalance_measured_subset']:.4f}) "
-                f"max={r['measured_max_ms']:.1f}ms mean={r['measured_mean_ms']:.1f}ms"
-            )
-        print(line, file=sys.stderr if args.json else sys.stdout)
+    for name, r in results.items():
+        if name != "config":
+            shown = " ".join(f"{key}={r[key]:{f}}" for key, f in SHOWN.items() if key in r)
+            print(f"{name:18s} {shown}", file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps(results))
     return 0

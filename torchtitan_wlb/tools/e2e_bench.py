@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import json
 import os
 import re
@@ -24,6 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from subprocess import PIPE, STDOUT
 from typing import Any
 
 import numpy as np
@@ -66,24 +68,6 @@ def write_jsonl(lengths: np.ndarray, path: Path, seed: int) -> None:
         for n in lengths.tolist():
             text = alphabet[rng.integers(0, alphabet.size, n - 2)].tobytes().decode()
             f.write(json.dumps({"text": "x" + text[1:] if n > 2 else "x"}) + "\n")
-
-
-def _run_with_progress(cmd: list[str], env: dict[str, str], bar: Any, mode: str) -> tuple[int, str]:
-    """Run one training job, advancing ``bar`` once per step either rank logs; returns (status,
-    output tail)."""
-    tail: collections.deque[str] = collections.deque(maxlen=200)
-    seen: set[int] = set()
-    bar.set_postfix_str(mode)
-    with subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    ) as proc:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            tail.append(line)
-            if (m := STEP_LINE.search(line)) and int(m.group(1)) not in seen:
-                seen.add(int(m.group(1)))
-                bar.update(1)
-    return proc.returncode, "".join(tail)
 
 
 def mode_args(mode: str, args: argparse.Namespace, cp_sharding: str = "") -> list[str]:
@@ -134,17 +118,25 @@ def run_mode(
         *PARALLEL[args.parallel],
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads_per_rank))
+    tail: collections.deque[str] = collections.deque(maxlen=200)
+    seen: set[int] = set()  # steps either rank logged: one tick of the bar each
+    bar.set_postfix_str(label)
     start = time.perf_counter()
-    status, output = _run_with_progress(cmd, env, bar, label)
+    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=PIPE, stderr=STDOUT, text=True) as proc:
+        for line in proc.stdout:
+            tail.append(line)
+            if (m := STEP_LINE.search(line)) and int(m.group(1)) not in seen:
+                seen.add(int(m.group(1)))
+                bar.update(1)
     wall = time.perf_counter() - start
-    if status != 0:
-        raise RuntimeError(f"mode {label} failed:\n{output[-6000:]}")
+    if proc.returncode != 0:
+        raise RuntimeError(f"mode {label} failed:\n{''.join(tail)[-6000:]}")
     logs = sorted((dump / "wlb_metrics").glob("rank_*.jsonl"))
     per_rank = [{rec["step"]: rec for rec in map(json.loads, log.open())} for log in logs]
     steps_done = sorted(set.intersection(*(set(r) for r in per_rank)))
     timed = [s for s in steps_done if s > args.warmup] or steps_done
-    step_times = [max(r[s]["wlb/step_time_s"] for r in per_rank) for s in steps_done]
-    median = statistics.median([max(r[s]["wlb/step_time_s"] for r in per_rank) for s in timed])
+    step_time = {s: max(r[s]["wlb/step_time_s"] for r in per_rank) for s in steps_done}
+    step_times = list(step_time.values())
     tokens = sum(per_rank[0][s].get("wlb/tokens", 0.0) for s in steps_done)
     # Pipeline stages and CP ranks share their micro-batches: only DP ranks train different ones.
     dp_ranks = per_rank if args.parallel == "dp2" else per_rank[:1]
@@ -156,15 +148,13 @@ def run_mode(
         "time_to_train_s": sum(step_times),
         "tokens_per_s": tokens / sum(step_times),
         "steps": len(steps_done),
-        "step_time_s": median,
+        "step_time_s": statistics.median(step_time[s] for s in timed),
         "step_times_s": step_times,
         "peak_mem_mb": max(r[s]["peak_mem_gib"] for r in per_rank for s in steps_done) * 1024,
         "imbalance": float(np.mean([rec["wlb/imbalance"] for rec in first])),
         "predicted_imbalance": top / mean if mean else 1.0,
         "measured_imbalance": measured_imbalance(per_rank, steps_done, args.parallel),
-        "measured_imbalance_device": measured_imbalance(
-            per_rank, steps_done, args.parallel, device=True
-        ),
+        "measured_imbalance_device": measured_imbalance(per_rank, steps_done, args.parallel, True),
         "device_clock": per_rank[0][steps_done[0]].get("device_clock", "wall"),
         "max_tokens_per_microbatch": max(rec["wlb/max_tokens"] for rec in first),
         "docs_trained": len(set(trained)),
@@ -195,10 +185,8 @@ def fit_error(
     micro_batches: list[dict[str, Any]], coef: list[float], cp: int, key: str = "seconds"
 ) -> float:
     """Mean absolute relative error of ``t = a Σd² + b Σd + c`` on recorded micro-batches, ``t``
-    their ``key`` (``seconds``: wall time; ``device_s``: the device clock's).
-
-    Under CP a rank's time is predicted from its share of the work, taken as ``1 / cp`` of the
-    micro-batch (the trainer's fit uses the plan's exact per-rank share)."""
+    their ``key`` (``seconds``: wall time; ``device_s``: the device clock's). Under CP a rank does
+    ``1 / cp`` of the micro-batch (the trainer's fit uses the plan's exact per-rank share)."""
     if not micro_batches:
         return float("nan")
     sq = np.array([float(np.square(np.asarray(m["doc_lens"], float)).sum()) for m in micro_batches])
@@ -238,38 +226,31 @@ def measured_imbalance(
 
 
 def calibration_records(per_rank: list[dict[int, dict]], steps: list[int]) -> dict[str, Any]:
-    """Measured micro-batches and steps in the simulator's calibration format (docs/simulator.md).
-
-    Each rank's micro-batches are timed on that rank; a step's time is the slowest rank's. Under
-    pipeline parallelism (the log has ``pp_actions``) there is one record per micro-batch *and
-    stage*: ``seconds`` is that stage's forward + backward, with ``fwd_s``, ``bwd_s``, ``stage`` and
-    ``mb`` (the micro-batch's index in the step, the order the schedule runs them) added.
-    ``device_s`` (and ``fwd_device_s``, ``bwd_device_s``) are the same on the device clock.
-    """
+    """Measured micro-batches and steps in the simulator's calibration format (docs/simulator.md):
+    a micro-batch is timed on its rank, a step takes its slowest rank's time. Under pipeline
+    parallelism there is one record per micro-batch *and stage* (``mb``: its index in the step).
+    ``device_s`` and the ``*_device_s`` keys are the same times on the device clock."""
     micro_batches = []
-    for rank, rank_log in enumerate(per_rank):
-        for s in steps:
-            rec = rank_log[s]
-            for act in rec.get("pp_actions") or []:
-                lens_list = act.get("doc_lens") or []
-                per_stage = zip(
-                    act["stages"], act["fwd_s"], act["bwd_s"], act["fwd_device_s"],
-                    act["bwd_device_s"], strict=True,
-                )  # fmt: skip
-                for stage, *times in per_stage:
-                    for mb, (lens, f, b, fd, bd) in enumerate(zip(lens_list, *times, strict=False)):
-                        micro_batches.append(
-                            {"doc_lens": lens, "seconds": f + b, "fwd_s": f, "bwd_s": b,
-                             "device_s": fd + bd, "fwd_device_s": fd, "bwd_device_s": bd,
-                             "stage": stage, "mb": mb, "step": s, "rank": rank}
-                        )  # fmt: skip
-            if rec.get("pp_actions"):
-                continue
+    for (rank, rank_log), s in itertools.product(enumerate(per_rank), steps):
+        rec, where = rank_log[s], {"step": s, "rank": rank}
+        if not rec.get("pp_actions"):
             times = zip(rec["micro_batch_times_s"], rec["micro_batch_device_times_s"], strict=True)
             for lens, (sec, dev) in zip(rec.get("micro_batch_doc_lens", []), times, strict=False):
-                micro_batches.append(
-                    {"doc_lens": lens, "seconds": sec, "device_s": dev, "step": s, "rank": rank}
-                )
+                micro_batches.append({"doc_lens": lens, "seconds": sec, "device_s": dev, **where})
+            continue
+        for act in rec["pp_actions"]:
+            per_stage = zip(
+                act["stages"], act["fwd_s"], act["bwd_s"], act["fwd_device_s"],
+                act["bwd_device_s"], strict=True,
+            )  # fmt: skip
+            for stage, *times in per_stage:
+                lens_times = zip(act.get("doc_lens") or [], *times, strict=False)
+                for mb, (lens, f, b, fd, bd) in enumerate(lens_times):
+                    micro_batches.append(
+                        {"doc_lens": lens, "seconds": f + b, "fwd_s": f, "bwd_s": b,
+                         "device_s": fd + bd, "fwd_device_s": fd, "bwd_device_s": bd,
+                         "stage": stage, "mb": mb, **where}
+                    )  # fmt: skip
     step_times = [
         {"step": s, "seconds": max(r[s]["wlb/step_time_s"] for r in per_rank)} for s in steps
     ]
