@@ -1,7 +1,5 @@
-"""What every tool's command line shares: one-line errors (``<prog>: error: <message>``, exit
-status 2, not argparse's usage block), ``--help`` examples taken from the module docstring (a test
-parses each one, so they stay runnable), range checks, and a progress bar that shows only on a
-terminal, so piped ``--json`` output stays clean.
+"""What every tool's command line shares: one-line errors (exit status 2), ``--help`` examples
+from the module docstring (a test parses each), range checks, a progress bar only on a terminal.
 """
 
 from __future__ import annotations
@@ -61,8 +59,6 @@ def require_at_least(
 
 def progress(iterable: Iterable[Any] | None = None, **kwargs: Any) -> tqdm:
     """A one-line progress bar on stderr; silent when stderr is not a terminal."""
-    kwargs.setdefault("file", sys.stderr)
-    kwargs.setdefault("disable", None)  # tqdm: off when the stream is not a TTY
-    kwargs.setdefault("leave", False)
-    kwargs.setdefault("dynamic_ncols", True)
-    return tqdm(iterable, **kwargs)
+    # disable=None: tqdm's "off when the stream is not a TTY"
+    defaults = {"file": sys.stderr, "disable": None, "leave": False, "dynamic_ncols": True}
+    return tqdm(iterable, **{**defaults, **kwargs})
