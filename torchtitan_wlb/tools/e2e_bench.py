@@ -307,14 +307,11 @@ def sharding_speedups(
     """Each CP sharding against the first one, per mode: time to train the set, median step."""
     out: dict[str, float] = {}
     base = shardings[0]
-    for mode in modes:
-        ref = results[f"{mode}+{base}"]
-        suffix = "" if len(modes) == 1 else f"_{mode}"
-        for other in shardings[1:]:
-            res = results[f"{mode}+{other}"]
-            key = f"{other}_vs_{base}{suffix}"
-            out[f"speedup_{key}"] = ref["time_to_train_s"] / res["time_to_train_s"]
-            out[f"median_step_speedup_{key}"] = ref["step_time_s"] / res["step_time_s"]
+    for mode, other in itertools.product(modes, shardings[1:]):
+        ref, res = results[f"{mode}+{base}"], results[f"{mode}+{other}"]
+        key = f"{other}_vs_{base}" + ("" if len(modes) == 1 else f"_{mode}")
+        out[f"speedup_{key}"] = ref["time_to_train_s"] / res["time_to_train_s"]
+        out[f"median_step_speedup_{key}"] = ref["step_time_s"] / res["step_time_s"]
     return out
 
 
@@ -351,37 +348,29 @@ def main(argv: list[str] | None = None) -> int:
         workdir.mkdir(parents=True, exist_ok=True)
         data, floor_data = workdir / "docs.jsonl", workdir / "floor.jsonl"
         write_jsonl(lengths, data, args.seed)
-        bar = progress(desc="e2e_bench", unit="step")
-        if args.floor_steps:
+        jobs = [(m, s, data) for m in modes for s in shardings or [""]]
+        if args.floor_steps:  # first, the noise floor's identical micro-batches
             n_docs = args.floor_steps * args.micro_batches
             write_jsonl(np.full(n_docs, args.context_len, np.int64), floor_data, args.seed)
+            jobs.insert(0, (FLOOR, "", floor_data))
+        bar = progress(desc="e2e_bench", unit="step")
         for run in range(args.runs):
-            tag, rundir = f"run {run + 1}/{args.runs}", workdir / f"run{run}"
-            floor_key: dict[str, float] = {}
-            if args.floor_steps:
-                floor = run_mode(FLOOR, args, floor_data, rundir, bar)
-                wall, device = floor["measured_imbalance"], floor["measured_imbalance_device"]
-                floor_key = {
-                    "measured_imbalance_floor": wall,
-                    "measured_imbalance_floor_device": device,
-                }
-                bar.write(
-                    f"{tag} floor     {floor['steps']} steps of identical micro-batches: "
-                    f"measured imbalance {wall:.3f} (device clock {device:.3f})",
-                    file=sys.stderr,
-                )
-            results = {}
-            for mode, sharding in [(m, s) for m in modes for s in shardings or [""]]:
+            results, rundir = {}, workdir / f"run{run}"
+            for mode, sharding, docs in jobs:
                 label = f"{mode}+{sharding}" if sharding else mode
-                res = results[label] = run_mode(mode, args, data, rundir, bar, sharding)
+                res = results[label] = run_mode(mode, args, docs, rundir, bar, sharding)
                 bar.write(
-                    f"{tag} {label:9s} {res['steps']} steps, {res['time_to_train_s']:.1f}s to "
-                    f"train  median step {res['step_time_s']:.3f}s  imbalance predicted "
-                    f"{res['predicted_imbalance']:.3f} measured {res['measured_imbalance']:.3f} "
-                    f"(device clock {res['measured_imbalance_device']:.3f})  "
-                    f"peak {res['peak_mem_mb']:.0f} MB",
+                    f"run {run + 1}/{args.runs} {label:9s} {res['steps']} steps, "
+                    f"{res['time_to_train_s']:.1f}s to train  median step {res['step_time_s']:.3f}s  "
+                    f"imbalance predicted {res['predicted_imbalance']:.3f} measured "
+                    f"{res['measured_imbalance']:.3f} (device clock "
+                    f"{res['measured_imbalance_device']:.3f})  peak {res['peak_mem_mb']:.0f} MB",
                     file=sys.stderr,
                 )
+            floor_key = {}
+            if floor := results.pop(FLOOR, None):
+                floor_key["measured_imbalance_floor"] = floor["measured_imbalance"]
+                floor_key["measured_imbalance_floor_device"] = floor["measured_imbalance_device"]
             extra = sharding_speedups(results, modes, shardings) if shardings else {}
             runs.append({"modes": results, **speedups(results), **floor_key, **extra})
         bar.close()
@@ -407,8 +396,8 @@ def main(argv: list[str] | None = None) -> int:
         summary[key] = float(np.mean(values))
         if len(values) > 1:
             summary[f"{key}_min"], summary[f"{key}_max"] = float(min(values)), float(max(values))
-    for mode, res in last.items():
-        if args.steps == "epoch" and res["docs_trained"] != lengths.size:
+    for mode, res in last.items() if args.steps == "epoch" else ():
+        if res["docs_trained"] != lengths.size:
             err = f"error: {mode} trained {res['docs_trained']} of {lengths.size} documents"
             print(err, file=sys.stderr)
             return 1
