@@ -20,16 +20,10 @@ import time
 import numpy as np
 
 from torchtitan_wlb.cost_model import CostModel
+from torchtitan_wlb.cp import torch_lb
 from torchtitan_wlb.cp.adaptive import build_cp_plan
 from torchtitan_wlb.cp.plan import CPPlan
 from torchtitan_wlb.cp.profile import resolve_profile
-from torchtitan_wlb.cp.torch_lb import (
-    SMALL_CHUNK,
-    TORCH_BALANCERS,
-    assignment_stats,
-    plan_assignment,
-    torch_assignment,
-)
 from torchtitan_wlb.packing import OriginalPacker, PackingConfig
 from torchtitan_wlb.packing.driver import take_until
 from torchtitan_wlb.tools.cli import ToolParser, require_at_least
@@ -149,12 +143,17 @@ def run(args: argparse.Namespace) -> dict:
     profile = resolve_profile(args.profile)
     results: dict = {}
     kv_bytes = 2 * args.kv_heads * args.head_dim * args.kv_dtype_bytes  # K and V, one layer
+
     # hybrid's whole-document threshold of every micro-batch (automatic per micro-batch unless
     # --hybrid-max-len): small chunks of documents up to it are what hybrid avoids
     short = [
         build_cp_plan(m, args.cp, "hybrid", hybrid_max_len=args.hybrid_max_len).max_len
         for m in micro_batches
     ]
+
+    def stats(assignment: torch_lb.Assignment, i: int) -> dict:
+        return torch_lb.assignment_stats(assignment, kv_bytes, short_doc_len=short[i])
+
     for strategy in STRATEGY_NAMES:
         rows, chosen = [], []
         measured = []  # (max / mean, max, mean) of the ranks' times, per measured micro-batch
@@ -165,7 +164,7 @@ def run(args: argparse.Namespace) -> dict:
                 plan = plan_and_index(doc_lens, args.cp, strategy, profile, args.hybrid_max_len)
                 times.append((time.perf_counter() - start) * 1e3)
             rows.append(
-                assignment_stats(plan_assignment(plan), kv_bytes, short_doc_len=short[i])
+                stats(torch_lb.plan_assignment(plan), i)
                 | {
                     "flops_imbalance": plan.flops_imbalance(),
                     "plan_ms": float(np.median(times)),
@@ -192,16 +191,12 @@ def run(args: argparse.Namespace) -> dict:
             imb = [r["flops_imbalance"] for r in rows[: len(measured)]]
             entry["flops_imbalance_measured_subset"] = float(np.mean(imb))
         results[strategy] = entry
-    for name in TORCH_BALANCERS if args.torch_balancers else ():
-        stats = [
-            assignment_stats(
-                torch_assignment(name, m, args.cp, repeats=args.plan_repeats),
-                kv_bytes,
-                short_doc_len=max_len,
-            )
-            for m, max_len in zip(micro_batches, short, strict=True)
+    for name in torch_lb.TORCH_BALANCERS if args.torch_balancers else ():
+        assignments = [
+            torch_lb.torch_assignment(name, m, args.cp, repeats=args.plan_repeats)
+            for m in micro_batches
         ]
-        results[name] = summarise(stats)
+        results[name] = summarise([stats(a, i) for i, a in enumerate(assignments)])
     results["config"] = {
         "lengths": args.lengths or f"generator:{args.generator}(seed={args.seed})",
         "context_len": args.context_len,
@@ -212,7 +207,7 @@ def run(args: argparse.Namespace) -> dict:
         "tokens_per_micro_batch_mean": float(np.mean([m.sum() for m in micro_batches])),
         "profile": profile.device + "/" + profile.backend,
         "kv_bytes_per_token": kv_bytes,
-        "small_chunk_tokens": SMALL_CHUNK,
+        "small_chunk_tokens": torch_lb.SMALL_CHUNK,
         "hybrid_max_len_mean": float(np.mean(short)),
     }
     return results
