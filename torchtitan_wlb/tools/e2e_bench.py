@@ -6,9 +6,8 @@
     python -m torchtitan_wlb.tools.e2e_bench --parallel cp2 --modes wlb \
         --cp-sharding per_document,hybrid --json   # CP shardings, same packing
 
-Every mode trains one fixed set of documents exactly once (``--steps epoch``), so the headline
-speedups are ratios of the time to train the set, deferred work included; a noise-floor run of
-identical micro-batches comes first. Modes, measures and JSON keys: docs/benchmarks.md.
+Every mode trains one set of documents once (the speedups are ratios of the time to train it), after
+a noise-floor run of identical micro-batches. Modes, measures and JSON keys: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -71,10 +70,8 @@ def write_jsonl(lengths: np.ndarray, path: Path, seed: int) -> None:
 
 
 def mode_args(mode: str, args: argparse.Namespace, cp_sharding: str = "") -> list[str]:
-    """The trainer flags of ``mode``: its preset (with ``cp_sharding``, the preset's packer and that
-    sharding instead, as the preset would override it), ``--cost-model`` for the fixed-model modes
-    and the online fit's settings. The floor run packs with "original": its documents are one
-    context long, so every micro-batch is the same single document."""
+    """The trainer flags of ``mode``: its preset (with ``cp_sharding``: its packer and that sharding),
+    the cost model and the online fit's settings. The floor packs one document per micro-batch."""
     if mode == FLOOR:
         return ["--wlb.packing", "original", "--wlb.cp_sharding", "per_document"]
     preset = MODE_ARGS[mode]
@@ -184,9 +181,8 @@ def run_mode(
 def fit_error(
     micro_batches: list[dict[str, Any]], coef: list[float], cp: int, key: str = "seconds"
 ) -> float:
-    """Mean absolute relative error of ``t = a Σd² + b Σd + c`` on recorded micro-batches, ``t``
-    their ``key`` (``seconds``: wall time; ``device_s``: the device clock's). Under CP a rank does
-    ``1 / cp`` of the micro-batch (the trainer's fit uses the plan's exact per-rank share)."""
+    """Mean absolute relative error of ``t = a Σd² + b Σd + c`` on recorded micro-batches' ``key``
+    time; under CP a rank does ``1 / cp`` of the work (the trainer's fit: the plan's exact share)."""
     if not micro_batches:
         return float("nan")
     sq = np.array([float(np.square(np.asarray(m["doc_lens"], float)).sum()) for m in micro_batches])
@@ -199,14 +195,9 @@ def fit_error(
 def measured_imbalance(
     per_rank: list[dict[int, dict]], steps: list[int], parallel: str, device: bool = False
 ) -> float:
-    """Measured micro-batch imbalance, time-weighted: Σ over steps of the slowest micro-batch's
-    forward+backward over Σ of the mean; on the wall clock, or with ``device`` on the device clock
-    (on CPU the ranks' thread CPU time, which leaves out time the OS gave to other processes).
-
-    With PP each stage's micro-batches are compared (a stage waits for its slowest); with CP the
-    ranks run the same micro-batches, so a micro-batch's time is its slowest rank's; otherwise
-    every rank's micro-batches are pooled.
-    """
+    """Measured micro-batch imbalance, time-weighted (Σ max / Σ mean of forward + backward): per
+    stage under PP, a micro-batch's slowest rank under CP, else every rank's micro-batches pooled;
+    on the wall clock, or with ``device`` on the device clock."""
     fwd, bwd = ("fwd_device_s", "bwd_device_s") if device else ("fwd_s", "bwd_s")
     mbs = "micro_batch_device_times_s" if device else "micro_batch_times_s"
     top = total = 0.0
@@ -226,10 +217,8 @@ def measured_imbalance(
 
 
 def calibration_records(per_rank: list[dict[int, dict]], steps: list[int]) -> dict[str, Any]:
-    """Measured micro-batches and steps in the simulator's calibration format (docs/simulator.md):
-    a micro-batch is timed on its rank, a step takes its slowest rank's time. Under pipeline
-    parallelism there is one record per micro-batch *and stage* (``mb``: its index in the step).
-    ``device_s`` and the ``*_device_s`` keys are the same times on the device clock."""
+    """Measured micro-batches (per micro-batch *and stage* under PP) and steps (the slowest rank's
+    time) in the simulator's calibration format, docs/simulator.md."""
     micro_batches = []
     for (rank, rank_log), s in itertools.product(enumerate(per_rank), steps):
         rec, where = rank_log[s], {"step": s, "rank": rank}
