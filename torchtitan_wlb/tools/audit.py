@@ -87,16 +87,9 @@ def _replay(records: list[dict[str, Any]]) -> _Timeline:
     for launch in order:
         recs = by_launch[launch]
         starts = [r for r in recs if r["event"] == "start"]
-        resumed = {int(r["resumed_from"]) for r in starts}
-        degrees = {int(r["dp_degree"]) for r in starts}
-        if len(resumed) != 1 or len(degrees) != 1:
-            raise _Violation(
-                f"the ranks of launch {launch} disagree on where it resumed ({sorted(resumed)}) or "
-                f"on the DP degree ({sorted(degrees)})"
-            )
-        (c,) = resumed
-        (degree,) = degrees
-        if dp_degree is not None and degree != dp_degree:
+        c = int(_same(starts, "resumed_from", f"where launch {launch} resumed"))
+        degree = int(_same(starts, "dp_degree", f"the DP degree of launch {launch}"))
+        if dp_degree not in (None, degree):
             raise _Violation(
                 f"launch {launch} ran with DP degree {degree}, an earlier one with {dp_degree}"
             )
@@ -160,17 +153,13 @@ def _collect(
                 f"step {step} has no audit record (the logs of the launch that trained it are "
                 "missing, or the run resumed from a checkpoint written elsewhere)"
             )
-        by_dp: dict[int, list[dict]] = defaultdict(list)
-        for r in recs:
-            by_dp[int(r["dp_rank"])].append(r)
-        missing = sorted(set(range(dp_degree)) - set(by_dp))
-        if missing:
-            raise _Violation(f"step {step} has no audit record from DP rank {missing[0]}")
         for dp_rank in range(dp_degree):
-            mbs = _same(by_dp[dp_rank], "micro_batches", f"the documents of step {step}")
-            for mb, doc_ids in enumerate(mbs):
-                ids.append(doc_ids)
-                locs.append((step, dp_rank, mb))
+            peers = [r for r in recs if int(r["dp_rank"]) == dp_rank]  # its CP / TP / PP ranks
+            if not peers:
+                raise _Violation(f"step {step} has no audit record from DP rank {dp_rank}")
+            mbs = _same(peers, "micro_batches", f"the documents of step {step}")
+            ids += mbs
+            locs += [(step, dp_rank, mb) for mb in range(len(mbs))]
     flat = np.fromiter((i for group in ids for i in group), np.int64)
     counts = np.asarray([len(group) for group in ids], np.int64)
     return flat, np.repeat(np.asarray(locs, np.int64).reshape(-1, 3), counts, axis=0)
