@@ -25,7 +25,7 @@ from torchtitan_wlb.cp.adaptive import build_cp_plan
 from torchtitan_wlb.cp.plan import CPPlan
 from torchtitan_wlb.cp.profile import resolve_profile
 from torchtitan_wlb.packing import OriginalPacker, PackingConfig
-from torchtitan_wlb.packing.driver import take_until
+from torchtitan_wlb.packing.driver import LengthStream, next_plan
 from torchtitan_wlb.tools.cli import ToolParser, require_at_least
 from torchtitan_wlb.workloads import GENERATORS, generate, load_lengths, split_long
 
@@ -41,29 +41,15 @@ SHOWN = {  # a result's text line: these JSON keys where it has them, in this fo
 def pack_micro_batches(lens: np.ndarray, context_len: int, micro_batches: int) -> list[np.ndarray]:
     """``micro_batches`` micro-batches of one step of TorchTitan's sequential fill ("original")."""
     lens = split_long(lens, context_len)
-    packer = OriginalPacker(
-        PackingConfig(micro_batches=micro_batches, context_len=context_len),
-        CostModel.from_coefficients(1.0, 1.0),
-    )
-    take, ran_out = take_until(packer.tokens_wanted(), np.cumsum(lens), 0)
-    if ran_out:
+    config = PackingConfig(micro_batches=micro_batches, context_len=context_len)
+    packer = OriginalPacker(config, CostModel.from_coefficients(1.0, 1.0))
+    if int(lens.sum()) < packer.tokens_wanted():
         raise ValueError(
             f"{int(lens.sum())} tokens of documents cannot fill {micro_batches} micro-batches of "
             f"{context_len} tokens"
         )
-    step = packer.step(np.arange(take), lens[:take])
+    step = next_plan(packer, LengthStream(lens, end_of_data=False))
     return [np.asarray(x) for x in step.doc_lens if len(x)]
-
-
-def plan_and_index(
-    doc_lens: np.ndarray, cp: int, strategy: str, profile, hybrid_max_len: int = 0
-) -> CPPlan:
-    """What a rank does per micro-batch: the plan, its own index arrays, the op's index arrays."""
-    plan = build_cp_plan(doc_lens, cp, strategy, profile, hybrid_max_len=hybrid_max_len)
-    plan.rank_indices(0)
-    plan.kv_order()
-    plan.local_attention_spec(0)
-    return plan
 
 
 def _rank_step(plan: CPPlan, rank: int, heads: int, kv_heads: int, head_dim: int):
@@ -143,12 +129,11 @@ def run(args: argparse.Namespace) -> dict:
     profile = resolve_profile(args.profile)
     results: dict = {}
     kv_bytes = 2 * args.kv_heads * args.head_dim * args.kv_dtype_bytes  # K and V, one layer
-
     # hybrid's whole-document threshold of every micro-batch (automatic per micro-batch unless
     # --hybrid-max-len): small chunks of documents up to it are what hybrid avoids
+    max_len = args.hybrid_max_len
     short = [
-        build_cp_plan(m, args.cp, "hybrid", hybrid_max_len=args.hybrid_max_len).max_len
-        for m in micro_batches
+        build_cp_plan(m, args.cp, "hybrid", hybrid_max_len=max_len).max_len for m in micro_batches
     ]
 
     def stats(assignment: torch_lb.Assignment, i: int) -> dict:
@@ -161,7 +146,10 @@ def run(args: argparse.Namespace) -> dict:
             times = []
             for _ in range(args.plan_repeats):
                 start = time.perf_counter()
-                plan = plan_and_index(doc_lens, args.cp, strategy, profile, args.hybrid_max_len)
+                plan = build_cp_plan(doc_lens, args.cp, strategy, profile, hybrid_max_len=max_len)
+                plan.rank_indices(0)  # what a rank does per micro-batch: its index arrays
+                plan.kv_order()  # and the op's
+                plan.local_attention_spec(0)
                 times.append((time.perf_counter() - start) * 1e3)
             rows.append(
                 stats(torch_lb.plan_assignment(plan), i)
