@@ -14,12 +14,7 @@ from tqdm import tqdm
 
 
 class ToolParser(argparse.ArgumentParser):
-    """ArgumentParser whose errors are one line and exit status 2; examples in ``--help`` keep
-    their line breaks."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
-        super().__init__(*args, **kwargs)
+    """ArgumentParser whose errors are one line and exit status 2."""
 
     @classmethod
     def from_doc(cls, module: str, doc: str, **kwargs: Any) -> ToolParser:
@@ -30,6 +25,7 @@ class ToolParser(argparse.ArgumentParser):
             prog=f"python -m {module}",
             description=doc.strip().splitlines()[0],
             epilog="examples:\n" + "\n".join(f"  {line}" for line in lines) if lines else None,
+            formatter_class=argparse.RawDescriptionHelpFormatter,  # examples keep their lines
             **kwargs,
         )
 

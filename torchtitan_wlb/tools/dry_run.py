@@ -109,13 +109,12 @@ def parser() -> ToolParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    overrides: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, overrides = argv[:cut], argv[cut + 1 :]
-    args = parser().parse_args(argv)
+    cut = argv.index("--") if "--" in argv else len(argv)  # TorchTitan's flags follow "--"
+    argv, overrides = argv[:cut], argv[cut + 1 :]
+    p = parser()
+    args = p.parse_args(argv)
     if args.ngpu is not None and args.ngpu < 1:
-        parser().error(f"--ngpu {args.ngpu} must be >= 1")
+        p.error(f"--ngpu {args.ngpu} must be >= 1")
     from torchtitan.tools.logging import init_logger
 
     init_logger()
