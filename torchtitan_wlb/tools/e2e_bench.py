@@ -41,11 +41,8 @@ MODE_ARGS = {mode: ["--wlb.mode", mode] for mode in MODES[:3]}
 MODE_ARGS["wlb_online"] = [*MODE_ARGS["wlb"], "--wlb.cost_model", "online"]
 FLOOR = "floor"  # the noise-floor run: every micro-batch one full-context document
 STEP_LINE = re.compile(r"step:\s*(\d+)/")  # the trainer's step line, "step:  3/14  loss: ..."
-PARALLEL = {
-    "pp2": ["--parallelism.pipeline_parallel_degree", "2"],
-    "cp2": ["--parallelism.context_parallel_degree", "2"],
-    "dp2": [],
-}
+# each 2-rank layout: the [parallelism] degree set to 2
+PARALLEL = {"pp2": "pipeline_parallel", "cp2": "context_parallel", "dp2": "data_parallel_shard"}
 
 
 def make_documents(args: argparse.Namespace) -> np.ndarray:
@@ -112,7 +109,7 @@ def run_mode(
         "--wlb.metrics_jsonl", "--checkpoint.no-enable", "--metrics.log_freq", "1",
         "--metrics.disable_color_printing", "--debug.seed", str(args.seed),
         "--lr_scheduler.warmup_steps", "1",
-        *PARALLEL[args.parallel],
+        f"--parallelism.{PARALLEL[args.parallel]}_degree", "2",
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads_per_rank))
     tail: collections.deque[str] = collections.deque(maxlen=200)

@@ -200,11 +200,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             results = json.load(f)
     results["config"] = {k: v for k, v in vars(args).items() if k != "json"}
     results["torch"] = torch.__version__
-    if args.json:
-        print(json.dumps(results))
-    else:
-        for key, value in results.items():
-            print(f"{key}: {value}")
+    print(json.dumps(results) if args.json else json.dumps(results, indent=2))
     return results
 
 
