@@ -117,14 +117,12 @@ def summarise(rows: list[dict]) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    if args.lengths:
-        lens = load_lengths(args.lengths)
-    else:
-        need = args.micro_batches * args.context_len
-        lens = generate(args.generator, 4096, args.context_len, seed=args.seed)
-        while lens.sum() < need * 1.5:
-            more = generate(args.generator, 4096, args.context_len, seed=args.seed + len(lens))
-            lens = np.concatenate([lens, more])
+    def sample(seed: int) -> np.ndarray:
+        return generate(args.generator, 4096, args.context_len, seed=seed)
+
+    lens = load_lengths(args.lengths) if args.lengths else sample(args.seed)
+    while not args.lengths and lens.sum() < args.micro_batches * args.context_len * 1.5:
+        lens = np.concatenate([lens, sample(args.seed + len(lens))])
     micro_batches = pack_micro_batches(lens, args.context_len, args.micro_batches)
     profile = resolve_profile(args.profile)
     results: dict = {}
