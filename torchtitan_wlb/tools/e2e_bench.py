@@ -35,10 +35,7 @@ from torchtitan_wlb.tools.cli import ToolParser, progress, require_at_least
 from torchtitan_wlb.workloads import GENERATORS, generate, load_lengths, steps_arg
 
 ROOT = Path(__file__).resolve().parents[2]
-MODES = ("plain_4d", "fixed_4d", "wlb", "wlb_online")
-# Each mode's [wlb] settings. "wlb_online" is "wlb" with the cost model refitted while training.
-MODE_ARGS = {mode: ["--wlb.mode", mode] for mode in MODES[:3]}
-MODE_ARGS["wlb_online"] = [*MODE_ARGS["wlb"], "--wlb.cost_model", "online"]
+MODES = ("plain_4d", "fixed_4d", "wlb", "wlb_online")  # [wlb] mode presets, and wlb_online
 FLOOR = "floor"  # the noise-floor run: every micro-batch one full-context document
 STEP_LINE = re.compile(r"step:\s*(\d+)/")  # the trainer's step line, "step:  3/14  loss: ..."
 # each 2-rank layout: the [parallelism] degree set to 2
@@ -68,21 +65,22 @@ def write_jsonl(lengths: np.ndarray, path: Path, seed: int) -> None:
 
 def mode_args(mode: str, args: argparse.Namespace, cp_sharding: str = "") -> list[str]:
     """The trainer flags of ``mode``: its preset (with ``cp_sharding``: its packer and that sharding),
-    the cost model and the online fit's settings. The floor packs one document per micro-batch."""
+    the cost model and the online fit's settings. The floor packs one document per micro-batch;
+    wlb_online is wlb with the cost model refitted while training."""
     if mode == FLOOR:
         return ["--wlb.packing", "original", "--wlb.cp_sharding", "per_document"]
-    preset = MODE_ARGS[mode]
+    preset = "wlb" if mode == "wlb_online" else mode
+    flags = ["--wlb.mode", preset]
     if cp_sharding:
-        packer = MODE_PRESETS[preset[1]][0]
-        sharding = ["--wlb.packing", packer, "--wlb.cp_sharding", cp_sharding]
-        preset = ["--wlb.mode", "", *sharding, *preset[2:]]
-    cost = [] if mode == "wlb_online" else ["--wlb.cost_model", args.cost_model]
+        packer = MODE_PRESETS[preset][0]
+        flags = ["--wlb.mode", "", "--wlb.packing", packer, "--wlb.cp_sharding", cp_sharding]
+    cost = ["--wlb.cost_model", "online" if mode == "wlb_online" else args.cost_model]
     fit = [
         "--wlb.fit_warmup_steps", str(args.fit_warmup), "--wlb.fit_window_steps",
         str(args.fit_window), "--wlb.fit_holdout_steps", str(max(1, args.fit_window // 4)),
         "--wlb.fit_interval_steps", str(args.fit_interval),
     ]  # fmt: skip
-    return preset + cost + fit
+    return flags + cost + fit
 
 
 def run_mode(
