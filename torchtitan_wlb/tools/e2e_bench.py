@@ -257,9 +257,8 @@ def parser() -> ToolParser:
     p.add_argument("--scale-from", type=int, default=131072, help="context the lengths are for")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of modes")
     p.add_argument("--cost-model", choices=["analytic", "online"], default="analytic")
-    p.add_argument("--fit-warmup", type=int, default=2, help="[wlb] fit_warmup_steps")
-    p.add_argument("--fit-window", type=int, default=8, help="[wlb] fit_window_steps")
-    p.add_argument("--fit-interval", type=int, default=4, help="[wlb] fit_interval_steps")
+    for name, default in (("warmup", 2), ("window", 8), ("interval", 4)):
+        p.add_argument(f"--fit-{name}", type=int, default=default, help=f"[wlb] fit_{name}_steps")
     p.add_argument("--floor-steps", type=int, default=20, help="noise-floor steps; 0: none")
     p.add_argument("--cp-sharding", default="", help="comma-separated [wlb] cp_sharding values")
     p.add_argument("--threads-per-rank", type=int, default=1, help="OMP threads per rank")

@@ -141,8 +141,7 @@ def _worker(rank: int, args: argparse.Namespace, init_file: str, out_file: str) 
 
         # Runner vs torch's own step on equal-length micro-batches (fresh pipeline for torch).
         stock_schedule = _build_pipeline(args, mesh)
-        length = (args.min_len + args.max_len) // 2
-        eq_lens = [length] * args.n_mb
+        eq_lens = [(args.min_len + args.max_len) // 2] * args.n_mb
         eq_tokens, eq_labels = make(eq_lens)
         batch_tokens, batch_labels = torch.cat(eq_tokens), torch.cat(eq_labels)
 
