@@ -172,10 +172,8 @@ def _first_problem(trained: np.ndarray, where: np.ndarray, t: _Timeline) -> str 
     repeated = uniq[counts > 1]
     if repeated.size:
         doc = int(repeated[0])
-        a, b = np.flatnonzero(trained == doc)[:2]
-        problems.append(
-            (doc, f"document {doc} was trained twice: {_where(where[a])} and {_where(where[b])}")
-        )
+        a, b = (_where(where[i]) for i in np.flatnonzero(trained == doc)[:2])
+        problems.append((doc, f"document {doc} was trained twice: {a} and {b}"))
     pend = np.asarray(t.pending or [], np.int64)
     both = np.intersect1d(uniq, pend)
     if both.size:
