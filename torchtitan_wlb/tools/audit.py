@@ -2,13 +2,9 @@
 
     python -m torchtitan_wlb.tools.audit outputs/debug_cpu --require-complete
 
-The directory is the run's ``[job] dump_folder`` (every rank wrote ``wlb_audit/rank_<N>.jsonl``,
-:mod:`torchtitan_wlb.audit_log`). Launches are replayed in order: one that resumed from the
-checkpoint of step ``c`` supersedes earlier launches' records after ``c``. If the last launch did
-not end, the steps up to its last complete checkpoint count. Proven: every step has a record from
-every DP rank, whose peers agree; no document trained twice or both trained and waiting; none
-lost. Exit status: 0 proven, 1 not (or, with ``--require-complete``, a pass not over), 2 unreadable
-logs. More in docs/data.md.
+The directory is the run's ``[job] dump_folder``; its ``wlb_audit/`` logs are replayed launch by
+launch. Exit status: 0 proven, 1 not (or, with ``--require-complete``, a pass not over), 2
+unreadable logs. What is proven and how: docs/data.md.
 """
 
 from __future__ import annotations
@@ -51,55 +47,49 @@ def _where(loc: np.ndarray) -> str:
     return f"step {step} (DP rank {dp_rank}, micro-batch {mb})"
 
 
-def _launch_order(records: list[dict[str, Any]]) -> list[str]:
-    times: dict[str, float] = {}
-    for rec in records:
-        if rec["event"] == "start":
-            times.setdefault(rec["launch"], float(rec["launch_time"]))
-    for rec in records:
-        if rec["launch"] not in times:
-            raise AuditLogError(
-                f"launch {rec['launch']!r} (rank {rec['rank']}) has {rec['event']} records but no "
-                "start record"
-            )
-    return sorted(times, key=lambda launch: (times[launch], launch))
-
-
 @dataclass
 class _Timeline:
-    """The records that count after replaying every launch."""
+    """What counts after replaying every launch: the step records by step, up to ``last_step``."""
 
     steps: dict[int, list[dict]]
-    checkpoints: dict[int, list[dict]]
     superseded: list[tuple[int, int]]
     launches: int
     dp_degree: int
-    ends: list[dict]
-    """End records of the last launch (empty if it did not end)."""
+    last_step: int
+    pending: list[int] | None
+    """In the packer after ``last_step``; None: unknown (no end and no checkpoint logged), so lost
+    documents cannot be ruled out."""
+    documents: int | None
+    """Documents the data produced, known once it has ended."""
+    complete: bool
+    note: str
 
 
 def _replay(records: list[dict[str, Any]]) -> _Timeline:
-    """Replay launches in order: the step and checkpoint records that count, by step."""
+    """Replay launches in order of their start: a launch resumed from step ``c`` drops the step
+    and checkpoint records after ``c``."""
     by_launch: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    start_time: dict[str, float] = {}
     for rec in records:
         by_launch[rec["launch"]].append(rec)
+        if rec["event"] == "start":
+            start_time.setdefault(rec["launch"], float(rec["launch_time"]))
+    if orphans := [r for r in records if r["launch"] not in start_time]:
+        rec = orphans[0]
+        raise AuditLogError(
+            f"launch {rec['launch']!r} (rank {rec['rank']}) has {rec['event']} records but no "
+            "start record"
+        )
     kept: dict[str, dict[int, list[dict]]] = {"step": {}, "checkpoint": {}}  # by event, step
     superseded: list[tuple[int, int]] = []
     dp_degree: int | None = None
-    order = _launch_order(records)
+    order = sorted(start_time, key=lambda launch: (start_time[launch], launch))
     for launch in order:
         recs = by_launch[launch]
         starts = [r for r in recs if r["event"] == "start"]
-        resumed = {int(r["resumed_from"]) for r in starts}
-        degrees = {int(r["dp_degree"]) for r in starts}
-        if len(resumed) != 1 or len(degrees) != 1:
-            raise _Violation(
-                f"the ranks of launch {launch} disagree on where it resumed ({sorted(resumed)}) or "
-                f"on the DP degree ({sorted(degrees)})"
-            )
-        (c,) = resumed
-        (degree,) = degrees
-        if dp_degree is not None and degree != dp_degree:
+        c = int(_same(starts, "resumed_from", f"where launch {launch} resumed"))
+        degree = int(_same(starts, "dp_degree", f"the DP degree of launch {launch}"))
+        if dp_degree not in (None, degree):
             raise _Violation(
                 f"launch {launch} ran with DP degree {degree}, an earlier one with {dp_degree}"
             )
@@ -114,8 +104,8 @@ def _replay(records: list[dict[str, Any]]) -> _Timeline:
             if rec["event"] in kept:
                 kept[rec["event"]].setdefault(int(rec["step"]), []).append(rec)
     ends = [r for r in by_launch[order[-1]] if r["event"] == "end"]
-    degree = int(dp_degree or 1)
-    return _Timeline(kept["step"], kept["checkpoint"], superseded, len(order), degree, ends)
+    span = _span(ends, kept["checkpoint"], max(kept["step"], default=0))
+    return _Timeline(kept["step"], superseded, len(order), int(dp_degree or 1), *span)
 
 
 def _same(records: list[dict], key: str, what: str) -> Any:
@@ -124,6 +114,30 @@ def _same(records: list[dict], key: str, what: str) -> Any:
         ranks = sorted(int(r["rank"]) for r in records)
         raise _Violation(f"ranks {ranks} disagree on {what}")
     return records[0][key]
+
+
+def _span(ends: list[dict], ckpts: dict[int, list[dict]], logged: int) -> tuple:
+    """(last step that counts, pending, documents, complete, note) from the last launch's end
+    records, else from its last checkpoint."""
+    if ends:
+        last_step = int(_same(ends, "step", "the last step"))
+        complete = _same(ends, "reason", "why the run ended") == "end of data"
+        note = "" if complete else f"; stopped by training.steps at step {last_step}"
+        pending = _same(ends, "pending", "the documents still waiting")
+        documents = _same(ends, "documents", "how many documents the data held")
+        return last_step, pending, documents, complete, note
+    if not ckpts:
+        note = (
+            "; the last launch did not end and no checkpoint is logged: lost documents cannot "
+            "be ruled out"
+        )
+        return logged, None, None, False, note
+    last = max(ckpts)
+    pending = _same(ckpts[last], "pending", f"the checkpoint of step {last}")
+    note = f"; the last launch did not end (killed?): counted up to its checkpoint of step {last}"
+    if logged > last:
+        note += f", steps {last + 1}-{logged} will be re-trained on resume"
+    return last, pending, None, False, note
 
 
 def _collect(
@@ -139,81 +153,28 @@ def _collect(
                 f"step {step} has no audit record (the logs of the launch that trained it are "
                 "missing, or the run resumed from a checkpoint written elsewhere)"
             )
-        by_dp: dict[int, list[dict]] = defaultdict(list)
-        for r in recs:
-            by_dp[int(r["dp_rank"])].append(r)
-        missing = sorted(set(range(dp_degree)) - set(by_dp))
-        if missing:
-            raise _Violation(f"step {step} has no audit record from DP rank {missing[0]}")
         for dp_rank in range(dp_degree):
-            mbs = _same(by_dp[dp_rank], "micro_batches", f"the documents of step {step}")
-            for mb, doc_ids in enumerate(mbs):
-                ids.append(doc_ids)
-                locs.append((step, dp_rank, mb))
+            peers = [r for r in recs if int(r["dp_rank"]) == dp_rank]  # its CP / TP / PP ranks
+            if not peers:
+                raise _Violation(f"step {step} has no audit record from DP rank {dp_rank}")
+            mbs = _same(peers, "micro_batches", f"the documents of step {step}")
+            ids += mbs
+            locs += [(step, dp_rank, mb) for mb in range(len(mbs))]
     flat = np.fromiter((i for group in ids for i in group), np.int64)
     counts = np.asarray([len(group) for group in ids], np.int64)
     return flat, np.repeat(np.asarray(locs, np.int64).reshape(-1, 3), counts, axis=0)
 
 
-def _neighbours(doc: int, trained: np.ndarray, where: np.ndarray) -> str:
-    """Where the documents next to ``doc`` were trained: the steps around a lost one."""
-    parts = []
-    for other in (doc - 1, doc + 1):
-        hit = np.flatnonzero(trained == other)
-        if other >= 0 and hit.size:
-            parts.append(f"document {other} at step {int(where[hit[0], 0])}")
-    return f" ({'; '.join(parts)})" if parts else ""
-
-
-@dataclass
-class _Span:
-    """The steps that count and what the packer still held after the last of them."""
-
-    last_step: int
-    pending: list[int] | None
-    """None: unknown (no end and no checkpoint logged), so lost documents cannot be ruled out."""
-    documents: int | None
-    """Documents the data produced, known once it has ended."""
-    complete: bool
-    note: str
-
-
-def _span(timeline: _Timeline) -> _Span:
-    ends, ckpts = timeline.ends, timeline.checkpoints
-    if ends:
-        last_step = int(_same(ends, "step", "the last step"))
-        complete = _same(ends, "reason", "why the run ended") == "end of data"
-        note = "" if complete else f"; stopped by training.steps at step {last_step}"
-        pending = _same(ends, "pending", "the documents still waiting")
-        documents = _same(ends, "documents", "how many documents the data held")
-        return _Span(last_step, pending, documents, complete, note)
-    logged = max(timeline.steps, default=0)
-    if not ckpts:
-        note = (
-            "; the last launch did not end and no checkpoint is logged: lost documents cannot "
-            "be ruled out"
-        )
-        return _Span(logged, None, None, False, note)
-    last = max(ckpts)
-    pending = _same(ckpts[last], "pending", f"the checkpoint of step {last}")
-    note = f"; the last launch did not end (killed?): counted up to its checkpoint of step {last}"
-    if logged > last:
-        note += f", steps {last + 1}-{logged} will be re-trained on resume"
-    return _Span(last, pending, None, False, note)
-
-
-def _first_problem(trained: np.ndarray, where: np.ndarray, span: _Span) -> str | None:
+def _first_problem(trained: np.ndarray, where: np.ndarray, t: _Timeline) -> str | None:
     """The lowest document trained twice, trained yet still waiting, or lost; None if none."""
     uniq, first, counts = np.unique(trained, return_index=True, return_counts=True)
     problems: list[tuple[int, str]] = []
     repeated = uniq[counts > 1]
     if repeated.size:
         doc = int(repeated[0])
-        a, b = np.flatnonzero(trained == doc)[:2]
-        problems.append(
-            (doc, f"document {doc} was trained twice: {_where(where[a])} and {_where(where[b])}")
-        )
-    pend = np.asarray(span.pending or [], np.int64)
+        a, b = (_where(where[i]) for i in np.flatnonzero(trained == doc)[:2])
+        problems.append((doc, f"document {doc} was trained twice: {a} and {b}"))
+    pend = np.asarray(t.pending or [], np.int64)
     both = np.intersect1d(uniq, pend)
     if both.size:
         doc = int(both[0])
@@ -221,21 +182,24 @@ def _first_problem(trained: np.ndarray, where: np.ndarray, span: _Span) -> str |
         problems.append(
             (doc, f"document {doc} was trained at {loc} and is still waiting in the packer")
         )
-    if span.complete:
-        top = span.documents if span.documents is not None else int(uniq.max(initial=-1)) + 1
+    if t.complete:
+        top = t.documents if t.documents is not None else int(uniq.max(initial=-1)) + 1
         lost = np.setdiff1d(np.arange(top, dtype=np.int64), uniq)
         if pend.size:
             problems.append((int(pend[0]), f"the data ended with document {pend[0]} still waiting"))
-    elif span.pending is not None:
-        below = np.arange(int(uniq.max(initial=-1)) + 1, dtype=np.int64)
+    else:  # below the highest id trained, neither trained nor waiting (unknown: pending is None)
+        below = np.arange(int(uniq.max(initial=-1)) + 1 if t.pending is not None else 0)
         lost = np.setdiff1d(np.setdiff1d(below, uniq), pend)
-    else:
-        lost = np.zeros(0, np.int64)
     if lost.size:
         doc = int(lost[0])
-        near = _neighbours(doc, trained, where)
+        near = [  # where the documents next to it were trained: the steps around a lost one
+            f"document {other} at step {int(where[np.flatnonzero(trained == other)[0], 0])}"
+            for other in (doc - 1, doc + 1)
+            if other >= 0 and other in uniq
+        ]
+        near_text = f" ({'; '.join(near)})" if near else ""
         problems.append(
-            (doc, f"document {doc} was never trained{near} and is not waiting in the packer")
+            (doc, f"document {doc} was never trained{near_text} and is not waiting in the packer")
         )
     return min(problems)[1] if problems else None
 
@@ -245,31 +209,30 @@ def audit(output_dir: str) -> AuditReport:
     unreadable logs."""
     records = read_audit_logs(output_dir)
     try:
-        timeline = _replay(records)
-        span = _span(timeline)
-        trained, where = _collect(timeline.steps, span.last_step, timeline.dp_degree)
-        problem = _first_problem(trained, where, span)
+        t = _replay(records)
+        trained, where = _collect(t.steps, t.last_step, t.dp_degree)
+        problem = _first_problem(trained, where, t)
         if problem:
-            raise _Violation(f"{problem}; steps 1-{span.last_step} audited")
+            raise _Violation(f"{problem}; steps 1-{t.last_step} audited")
     except _Violation as e:
         return AuditReport(ok=False, complete=False, message=f"NOT exactly once: {e}")
     uniq = np.unique(trained)
     n = int(uniq.size)
-    history = f"{timeline.launches} launch{'es' if timeline.launches > 1 else ''}"
-    if timeline.superseded:
+    history = f"{t.launches} launch{'es' if t.launches > 1 else ''}"
+    if t.superseded:
         history += ", re-trained after resume: " + ", ".join(
-            f"steps {a}-{b}" if a != b else f"step {a}" for a, b in timeline.superseded
+            f"steps {a}-{b}" if a != b else f"step {a}" for a, b in t.superseded
         )
-    waiting = len(span.pending or [])
+    waiting = len(t.pending or [])
     span_text = f"ids 0-{n - 1}" if n and int(uniq[-1]) == n - 1 else f"{n} distinct ids"
     message = (
-        f"exactly once: {n} documents ({span_text}) over steps 1-{span.last_step} on "
-        f"{timeline.dp_degree} DP rank{'s' if timeline.dp_degree > 1 else ''}"
+        f"exactly once: {n} documents ({span_text}) over steps 1-{t.last_step} on "
+        f"{t.dp_degree} DP rank{'s' if t.dp_degree > 1 else ''}"
         f"{f', {waiting} still waiting in the packer' if waiting else ''}; "
-        f"{'the pass is complete (end of data)' if span.complete else 'the pass is not over'}"
-        f"{span.note}; {history}"
+        f"{'the pass is complete (end of data)' if t.complete else 'the pass is not over'}"
+        f"{t.note}; {history}"
     )
-    return AuditReport(True, span.complete, message, span.last_step, n, timeline.superseded)
+    return AuditReport(True, t.complete, message, t.last_step, n, t.superseded)
 
 
 def parser() -> ToolParser:

@@ -1,7 +1,5 @@
-"""What every tool's command line shares: one-line errors (``<prog>: error: <message>``, exit
-status 2, not argparse's usage block), ``--help`` examples taken from the module docstring (a test
-parses each one, so they stay runnable), range checks, and a progress bar that shows only on a
-terminal, so piped ``--json`` output stays clean.
+"""What every tool's command line shares: one-line errors (exit status 2), ``--help`` examples
+from the module docstring (a test parses each), range checks, a progress bar only on a terminal.
 """
 
 from __future__ import annotations
@@ -16,12 +14,7 @@ from tqdm import tqdm
 
 
 class ToolParser(argparse.ArgumentParser):
-    """ArgumentParser whose errors are one line and exit status 2; examples in ``--help`` keep
-    their line breaks."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
-        super().__init__(*args, **kwargs)
+    """ArgumentParser whose errors are one line and exit status 2."""
 
     @classmethod
     def from_doc(cls, module: str, doc: str, **kwargs: Any) -> ToolParser:
@@ -32,6 +25,7 @@ class ToolParser(argparse.ArgumentParser):
             prog=f"python -m {module}",
             description=doc.strip().splitlines()[0],
             epilog="examples:\n" + "\n".join(f"  {line}" for line in lines) if lines else None,
+            formatter_class=argparse.RawDescriptionHelpFormatter,  # examples keep their lines
             **kwargs,
         )
 
@@ -61,8 +55,6 @@ def require_at_least(
 
 def progress(iterable: Iterable[Any] | None = None, **kwargs: Any) -> tqdm:
     """A one-line progress bar on stderr; silent when stderr is not a terminal."""
-    kwargs.setdefault("file", sys.stderr)
-    kwargs.setdefault("disable", None)  # tqdm: off when the stream is not a TTY
-    kwargs.setdefault("leave", False)
-    kwargs.setdefault("dynamic_ncols", True)
-    return tqdm(iterable, **kwargs)
+    # disable=None: tqdm's "off when the stream is not a TTY"
+    defaults = {"file": sys.stderr, "disable": None, "leave": False, "dynamic_ncols": True}
+    return tqdm(iterable, **{**defaults, **kwargs})

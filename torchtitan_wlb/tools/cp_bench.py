@@ -20,98 +20,63 @@ import time
 import numpy as np
 
 from torchtitan_wlb.cost_model import CostModel
+from torchtitan_wlb.cp import torch_lb
 from torchtitan_wlb.cp.adaptive import build_cp_plan
 from torchtitan_wlb.cp.plan import CPPlan
 from torchtitan_wlb.cp.profile import resolve_profile
-from torchtitan_wlb.cp.torch_lb import (
-    SMALL_CHUNK,
-    TORCH_BALANCERS,
-    assignment_stats,
-    plan_assignment,
-    torch_assignment,
-)
 from torchtitan_wlb.packing import OriginalPacker, PackingConfig
-from torchtitan_wlb.packing.driver import take_until
+from torchtitan_wlb.packing.driver import LengthStream, next_plan
 from torchtitan_wlb.tools.cli import ToolParser, require_at_least
 from torchtitan_wlb.workloads import GENERATORS, generate, load_lengths, split_long
 
 STRATEGY_NAMES = ("per_sequence", "per_document", "hybrid", "adaptive")
+SHOWN = {  # a result's text line: these JSON keys where it has them, in this format
+    "flops_imbalance": ".4f", "token_imbalance": ".4f", "kv_gather_bytes": ".3g",
+    "small_chunks": ".1f", "plan_ms": ".3f", "per_document_share": ".2f", "hybrid_share": ".2f",
+    "measured_imbalance": ".4f", "flops_imbalance_measured_subset": ".4f",
+    "measured_max_ms": ".1f", "measured_mean_ms": ".1f",
+}  # fmt: skip
 
 
 def pack_micro_batches(lens: np.ndarray, context_len: int, micro_batches: int) -> list[np.ndarray]:
     """``micro_batches`` micro-batches of one step of TorchTitan's sequential fill ("original")."""
     lens = split_long(lens, context_len)
-    packer = OriginalPacker(
-        PackingConfig(micro_batches=micro_batches, context_len=context_len),
-        CostModel.from_coefficients(1.0, 1.0),
-    )
-    take, ran_out = take_until(packer.tokens_wanted(), np.cumsum(lens), 0)
-    if ran_out:
+    config = PackingConfig(micro_batches=micro_batches, context_len=context_len)
+    packer = OriginalPacker(config, CostModel.from_coefficients(1.0, 1.0))
+    if int(lens.sum()) < packer.tokens_wanted():
         raise ValueError(
             f"{int(lens.sum())} tokens of documents cannot fill {micro_batches} micro-batches of "
             f"{context_len} tokens"
         )
-    step = packer.step(np.arange(take), lens[:take])
+    step = next_plan(packer, LengthStream(lens, end_of_data=False))
     return [np.asarray(x) for x in step.doc_lens if len(x)]
 
 
-def plan_and_index(
-    doc_lens: np.ndarray, cp: int, strategy: str, profile, hybrid_max_len: int = 0
-) -> CPPlan:
-    """What a rank does per micro-batch: the plan, its own index arrays, the op's index arrays."""
-    plan = build_cp_plan(doc_lens, cp, strategy, profile, hybrid_max_len=hybrid_max_len)
-    plan.rank_indices(0)
-    plan.kv_order()
-    plan.local_attention_spec(0)
-    return plan
-
-
 def _rank_step(plan: CPPlan, rank: int, heads: int, kv_heads: int, head_dim: int):
-    """A closure running ``rank``'s local attention (both halves against the gathered keys, and
-    hybrid's whole documents against their own keys), forward + backward."""
+    """A closure running ``rank``'s local attention, forward + backward: the CP op's own calls
+    on random tensors in place of the all-gathered keys."""
     import torch
 
-    from torchtitan_wlb.attention import document_attention
+    from torchtitan_wlb.cp.op import _local_attention
 
-    spec = plan.local_attention_spec(rank)
-    n_local = int(plan.local_lens[rank])
-    n_gather, n_whole = spec.n_gather_tokens, n_local - spec.n_gather_tokens
+    s = plan.local_attention_spec(rank)
+    n_local, n_gather = int(plan.local_lens[rank]), s.n_gather_tokens
     gen = torch.Generator().manual_seed(rank)
-
-    def rand(n: int, h: int):
-        return torch.randn(n, h, head_dim, generator=gen, requires_grad=True)
-
-    q = rand(n_local, heads)
-    k, v = rand(plan.gathered_len, kv_heads), rand(plan.gathered_len, kv_heads)
-    k_whole, v_whole = rand(n_whole, kv_heads), rand(n_whole, kv_heads)
-    halves = (q[: spec.n_head_tokens], q[spec.n_head_tokens : n_gather])
-    calls = []
-    for h, qs in enumerate(halves):
-        cu_q, cu_k = spec.cu_seqlens_q[h], spec.cu_seqlens_k[h]
-        calls.append((qs, k, v, cu_q, cu_k, spec.max_seqlen_q[h], spec.max_seqlen_k[h]))
-    if n_whole:
-        cu, m = spec.cu_seqlens_whole, spec.max_seqlen_whole
-        calls.append((q[n_gather:], k_whole, v_whole, cu, cu, m, m))
-
-    def step():
-        outs = []
-        for qs, ks, vs, cq, ck, mq, mk in calls:
-            if qs.shape[0]:
-                cq, ck = torch.from_numpy(cq), torch.from_numpy(ck)
-                outs.append(document_attention(qs, ks, vs, cq, ck, mq, mk, backend="cpu"))
-        torch.cat(outs).sum().backward()
-
-    return step
+    gathered, whole = (plan.gathered_len, kv_heads), (n_local - n_gather, kv_heads)
+    tensors = [
+        torch.randn(n, h, head_dim, generator=gen, requires_grad=True)
+        for n, h in ((n_local, heads), gathered, gathered, whole, whole)
+    ]  # q, then K and V of the gathered keys and of the whole documents
+    (cq_h, cq_t), (ck_h, ck_t) = s.cu_seqlens_q, s.cu_seqlens_k
+    cus = tuple(torch.from_numpy(c) for c in (cq_h, ck_h, cq_t, ck_t, s.cu_seqlens_whole))
+    sizes = [s.n_head_tokens, s.max_seqlen_q[0], s.max_seqlen_k[0], s.max_seqlen_q[1],
+             s.max_seqlen_k[1], plan.max_gather_len, n_gather, s.max_seqlen_whole]  # fmt: skip
+    return lambda: _local_attention(*tensors, cus, sizes, head_dim**-0.5, "cpu").sum().backward()
 
 
 def measure_ranks_ms(plan: CPPlan, heads: int, kv_heads: int, head_dim: int, repeats: int):
-    """Per-rank forward + backward time (ms) of the local attention, on this machine.
-
-    Ranks run one after another in round-robin over ``repeats`` rounds and each keeps its fastest
-    round. Time is this process's CPU time (``time.process_time``; torch runs one thread here), not
-    wall-clock time, so that other processes competing for the cores (shared machines) do not
-    inflate one rank's time: the figure is the work the kernel did.
-    """
+    """Per-rank forward + backward CPU time (ms) of the local attention, fastest of ``repeats``
+    round-robin rounds: CPU time, so that other processes on the cores do not inflate one rank."""
     steps = [_rank_step(plan, r, heads, kv_heads, head_dim) for r in range(plan.cp_degree)]
     for step in steps:
         step()  # warm-up
@@ -124,75 +89,100 @@ def measure_ranks_ms(plan: CPPlan, heads: int, kv_heads: int, head_dim: int, rep
     return best
 
 
+# JSON key -> (per-micro-batch column, its reduction over the micro-batches); torch's balancers
+# have no plan_ms_min or estimated_max_rank_ms column
+SUMMARY = {
+    "flops_imbalance": ("flops_imbalance", np.mean),
+    "flops_imbalance_max": ("flops_imbalance", np.max),
+    "plan_ms": ("plan_ms", np.median),
+    "plan_ms_max": ("plan_ms", np.max),
+    "plan_ms_min": ("plan_ms_min", np.min),
+    "estimated_max_rank_ms": ("estimated_max_rank_ms", np.mean),
+    "token_imbalance": ("token_imbalance", np.mean),
+    "token_imbalance_max": ("token_imbalance", np.max),
+    "kv_gather_bytes": ("kv_gather_bytes", np.mean),
+    "kv_gather_tokens": ("kv_gather_tokens", np.mean),
+    "small_chunks": ("small_chunks", np.mean),
+    "small_chunks_total": ("small_chunks", np.sum),
+    "small_chunks_short_docs": ("small_chunks_short_docs", np.sum),
+    "small_chunk_docs_max_len": ("small_chunk_docs_max_len", np.max),
+    "pad_tokens": ("pad_tokens", np.mean),
+}
+
+
+def summarise(rows: list[dict]) -> dict:
+    """Per-micro-batch figures reduced as :data:`SUMMARY` says (counts stay integers)."""
+    cols = {key: np.asarray([r[key] for r in rows]) for key in rows[0]}
+    return {key: f(cols[col]).item() for key, (col, f) in SUMMARY.items() if col in cols}
+
+
 def run(args: argparse.Namespace) -> dict:
-    if args.lengths:
-        lens = load_lengths(args.lengths)
-    else:
-        need = args.micro_batches * args.context_len
-        lens = generate(args.generator, 4096, args.context_len, seed=args.seed)
-        while lens.sum() < need * 1.5:
-            more = generate(args.generator, 4096, args.context_len, seed=args.seed + len(lens))
-            lens = np.concatenate([lens, more])
+    def sample(seed: int) -> np.ndarray:
+        return generate(args.generator, 4096, args.context_len, seed=seed)
+
+    lens = load_lengths(args.lengths) if args.lengths else sample(args.seed)
+    while not args.lengths and lens.sum() < args.micro_batches * args.context_len * 1.5:
+        lens = np.concatenate([lens, sample(args.seed + len(lens))])
     micro_batches = pack_micro_batches(lens, args.context_len, args.micro_batches)
     profile = resolve_profile(args.profile)
     results: dict = {}
     kv_bytes = 2 * args.kv_heads * args.head_dim * args.kv_dtype_bytes  # K and V, one layer
     # hybrid's whole-document threshold of every micro-batch (automatic per micro-batch unless
     # --hybrid-max-len): small chunks of documents up to it are what hybrid avoids
+    max_len = args.hybrid_max_len
     short = [
-        build_cp_plan(m, args.cp, "hybrid", hybrid_max_len=args.hybrid_max_len).max_len
-        for m in micro_batches
+        build_cp_plan(m, args.cp, "hybrid", hybrid_max_len=max_len).max_len for m in micro_batches
     ]
+
+    def stats(assignment: torch_lb.Assignment, i: int) -> dict:
+        return torch_lb.assignment_stats(assignment, kv_bytes, short_doc_len=short[i])
+
     for strategy in STRATEGY_NAMES:
-        extra, imb, plan_ms, plan_ms_min, chosen, est = [], [], [], [], [], []
+        rows, chosen = [], []
         measured = []  # (max / mean, max, mean) of the ranks' times, per measured micro-batch
         for i, doc_lens in enumerate(micro_batches):
             times = []
             for _ in range(args.plan_repeats):
                 start = time.perf_counter()
-                plan = plan_and_index(doc_lens, args.cp, strategy, profile, args.hybrid_max_len)
+                plan = build_cp_plan(doc_lens, args.cp, strategy, profile, hybrid_max_len=max_len)
+                plan.rank_indices(0)  # what a rank does per micro-batch: its index arrays
+                plan.kv_order()  # and the op's
+                plan.local_attention_spec(0)
                 times.append((time.perf_counter() - start) * 1e3)
-            plan_ms.append(float(np.median(times)))
-            plan_ms_min.append(float(np.min(times)))
-            imb.append(plan.flops_imbalance())
-            extra.append(assignment_stats(plan_assignment(plan), kv_bytes, short_doc_len=short[i]))
+            rows.append(
+                stats(torch_lb.plan_assignment(plan), i)
+                | {
+                    "flops_imbalance": plan.flops_imbalance(),
+                    "plan_ms": float(np.median(times)),
+                    "plan_ms_min": float(np.min(times)),
+                    "estimated_max_rank_ms": profile.estimate_plan_seconds(plan) * 1e3,
+                }
+            )
             chosen.append(plan.strategy)
-            est.append(profile.estimate_plan_seconds(plan) * 1e3)
             if args.measure and i < args.measure_micro_batches:
                 ms = measure_ranks_ms(
                     plan, args.heads, args.kv_heads, args.head_dim, args.measure_repeats
                 )
                 measured.append((float(ms.max() / ms.mean()), float(ms.max()), float(ms.mean())))
-        entry = {
-            "flops_imbalance": float(np.mean(imb)),
-            "flops_imbalance_max": float(np.max(imb)),
-            "plan_ms": float(np.median(plan_ms)),
-            "plan_ms_max": float(np.max(plan_ms)),
-            "plan_ms_min": float(np.min(plan_ms_min)),
-            "estimated_max_rank_ms": float(np.mean(est)),
-            **_mean_stats(extra),
-        }
+        entry = summarise(rows)
         if strategy == "adaptive":
             entry["per_document_share"] = float(np.mean([c == "per_document" for c in chosen]))
             entry["hybrid_share"] = float(np.mean([c == "hybrid" for c in chosen]))
         if args.measure:
-            ratio, top, mean = ([m[k] for m in measured] for k in range(3))
+            ratio, top, mean = np.reshape(measured, (-1, 3)).T
             entry["measured_micro_batches"] = len(measured)
             entry["measured_max_ms"] = float(np.mean(top))
             entry["measured_mean_ms"] = float(np.mean(mean))
             entry["measured_imbalance"] = float(np.mean(ratio))
-            entry["flops_imbalance_measured_subset"] = float(np.mean(imb[: len(measured)]))
+            imb = [r["flops_imbalance"] for r in rows[: len(measured)]]
+            entry["flops_imbalance_measured_subset"] = float(np.mean(imb))
         results[strategy] = entry
-    for name in TORCH_BALANCERS if args.torch_balancers else ():
-        stats = [
-            assignment_stats(
-                torch_assignment(name, m, args.cp, repeats=args.plan_repeats),
-                kv_bytes,
-                short_doc_len=max_len,
-            )
-            for m, max_len in zip(micro_batches, short, strict=True)
+    for name in torch_lb.TORCH_BALANCERS if args.torch_balancers else ():
+        assignments = [
+            torch_lb.torch_assignment(name, m, args.cp, repeats=args.plan_repeats)
+            for m in micro_batches
         ]
-        results[name] = _mean_stats(stats, with_flops=True)
+        results[name] = summarise([stats(a, i) for i, a in enumerate(assignments)])
     results["config"] = {
         "lengths": args.lengths or f"generator:{args.generator}(seed={args.seed})",
         "context_len": args.context_len,
@@ -203,36 +193,10 @@ def run(args: argparse.Namespace) -> dict:
         "tokens_per_micro_batch_mean": float(np.mean([m.sum() for m in micro_batches])),
         "profile": profile.device + "/" + profile.backend,
         "kv_bytes_per_token": kv_bytes,
-        "small_chunk_tokens": SMALL_CHUNK,
+        "small_chunk_tokens": torch_lb.SMALL_CHUNK,
         "hybrid_max_len_mean": float(np.mean(short)),
     }
     return results
-
-
-def _mean_stats(stats: list[dict], with_flops: bool = False) -> dict:
-    """Per-micro-batch :func:`assignment_stats` summarised; ``with_flops`` (torch's balancers):
-    also the FLOPs and plan-time keys, which this project's plans report themselves."""
-    col = {k: np.array([s[k] for s in stats], dtype=np.float64) for k in stats[0]}
-    out = {
-        "token_imbalance": float(col["token_imbalance"].mean()),
-        "token_imbalance_max": float(col["token_imbalance"].max()),
-        "kv_gather_bytes": float(col["kv_gather_bytes"].mean()),
-        "kv_gather_tokens": float(col["kv_gather_tokens"].mean()),
-        "small_chunks": float(col["small_chunks"].mean()),
-        "small_chunks_total": int(col["small_chunks"].sum()),
-        "small_chunks_short_docs": int(col["small_chunks_short_docs"].sum()),
-        "small_chunk_docs_max_len": int(col["small_chunk_docs_max_len"].max()),
-        "pad_tokens": float(col["pad_tokens"].mean()),
-    }
-    if with_flops:
-        out = {
-            "flops_imbalance": float(col["flops_imbalance"].mean()),
-            "flops_imbalance_max": float(col["flops_imbalance"].max()),
-            "plan_ms": float(np.median(col["plan_ms"])),
-            "plan_ms_max": float(col["plan_ms"].max()),
-            **out,
-        }
-    return out
 
 
 def parser() -> ToolParser:
@@ -277,23 +241,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(exc))
     finally:
         torch.set_num_threads(threads)
-    for strategy in (*STRATEGY_NAMES, *(TORCH_BALANCERS if args.torch_balancers else ())):
-        r = results[strategy]
-        line = (
-            f"{strategy:18s} flops_imbalance={r['flops_imbalance']:.4f} "
-            f"tokens={r['token_imbalance']:.4f} kv_gather_MB={r['kv_gather_bytes'] / 1e6:.2f} "
-            f"small_chunks={r['small_chunks']:.1f} plan_ms={r['plan_ms']:.3f}"
-        )
-        if "per_document_share" in r:
-            line += f" per_document_share={r['per_document_share']:.2f}"
-            line += f" hybrid_share={r['hybrid_share']:.2f}"
-        if "measured_imbalance" in r:
-            line += (
-                f" measured_imbalance={r['measured_imbalance']:.4f} "
-                f"(flops {r['flops_imbalance_measured_subset']:.4f}) "
-                f"max={r['measured_max_ms']:.1f}ms mean={r['measured_mean_ms']:.1f}ms"
-            )
-        print(line, file=sys.stderr if args.json else sys.stdout)
+    for name, r in results.items():
+        if name != "config":
+            shown = " ".join(f"{key}={r[key]:{f}}" for key, f in SHOWN.items() if key in r)
+            print(f"{name:18s} {shown}", file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps(results))
     return 0

@@ -4,9 +4,8 @@
     python -m torchtitan_wlb.tools.cp_profile --device cpu --out cpu_profile.json
     python -m torchtitan_wlb.tools.cp_profile --device cpu --lengths 16,32,64 --out small.json
 
-The shipped CPU table (``cp/profiles/cpu_default.json``) was made with the second command. Use
-your model's attention shape (``--heads/--kv-heads/--head-dim``, ``--dtype bfloat16`` on GPU) and
-point ``[wlb] cp_profile`` at the output file.
+Use your model's attention shape and point ``[wlb] cp_profile`` at the output file; the shipped
+CPU table and its command: docs/context_parallel.md.
 """
 
 from __future__ import annotations

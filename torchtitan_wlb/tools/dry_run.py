@@ -5,17 +5,16 @@
     python -m torchtitan_wlb.tools.dry_run train_configs/debug_cpu.toml --ngpu 4 \\
         -- --parallelism.tensor_parallel_degree 2
 
-The WLBTrainer is constructed as rank 0 of TorchTitan's fake process group would build it (device
-mesh, model, pipeline split and schedule, TP/FSDP plans, optimizer, data pipeline), so what fails on
-a cluster because of the layout fails here in seconds. The model stays on the meta device (a 70B
-layout needs well under 2 GB); the built-in tokenizer and data replace the cluster's. One line per
-config, OK (with peak memory) or FAIL (with the reason); exit status 1 when one fails.
+Rank 0's WLBTrainer is built as on a cluster (mesh, pipeline split, TP/FSDP plans, optimizer, data)
+with the model left on the meta device; one OK or FAIL line per config, exit status 1 when one
+fails. More in docs/slurm.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import resource
 import sys
@@ -32,70 +31,41 @@ from torchtitan_wlb import log_filter  # noqa: E402
 from torchtitan_wlb.tools.cli import ToolParser, progress  # noqa: E402
 
 
-def layout_world_size(job_config: Any) -> int:
-    """Processes the config's parallel degrees need (dp_shard = -1 counts as 1)."""
-    p = job_config.parallelism
-    dp = p.data_parallel_replicate_degree * max(p.data_parallel_shard_degree, 1)
-    return dp * p.context_parallel_degree * p.tensor_parallel_degree * p.pipeline_parallel_degree
-
-
-def peak_rss_gib() -> float:
-    """This process's peak resident set so far (Linux reports ``ru_maxrss`` in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-
-
-def _keep_on_meta(parallelize_fn: Any) -> Any:
-    """``parallelize_fn`` whose model parts ignore the trainer's ``to_empty`` and ``init_weights``:
-    parallelising happens on the meta model as usual, but materialising a 70B layout's weights
-    (gigabytes on rank 0 alone) is not needed to check it."""
-
-    def parallelize(model: Any, *args: Any, **kwargs: Any) -> Any:
-        model = parallelize_fn(model, *args, **kwargs)
-        model.to_empty = lambda *, device, recurse=True: model
-        model.init_weights = lambda *a, **k: None
-        return model
-
-    return parallelize
-
-
 def _layout_trainer_class() -> type:
+    """WLBTrainer whose model stays on the meta device: parallelising runs as usual, but the
+    weights of a 70B layout (gigabytes on rank 0 alone) are never materialised."""
     from torchtitan_wlb.trainer import WLBTrainer
 
-    class LayoutTrainer(WLBTrainer):
-        """WLBTrainer whose model stays on the meta device: TorchTitan's Trainer assigns
-        ``self.train_spec`` inside ``__init__``, and this property wraps the spec's
-        ``parallelize_fn`` as it is assigned (the pipeline split parallelises each stage with
-        it)."""
+    def keep_on_meta(parallelize_fn: Any) -> Any:
+        def parallelize(model: Any, *args: Any, **kwargs: Any) -> Any:
+            model = parallelize_fn(model, *args, **kwargs)
+            model.to_empty = lambda *, device, recurse=True: model
+            model.init_weights = lambda *a, **k: None
+            return model
 
+        return parallelize
+
+    class LayoutTrainer(WLBTrainer):
+        # TorchTitan's Trainer assigns self.train_spec in __init__: wrap its parallelize_fn then
+        # (the pipeline split parallelises each stage with it).
         @property
         def train_spec(self) -> Any:
             return self._layout_train_spec
 
         @train_spec.setter
         def train_spec(self, spec: Any) -> None:
-            self._layout_train_spec = dataclasses.replace(
-                spec, parallelize_fn=_keep_on_meta(spec.parallelize_fn)
-            )
+            wrapped = keep_on_meta(spec.parallelize_fn)
+            self._layout_train_spec = dataclasses.replace(spec, parallelize_fn=wrapped)
 
     return LayoutTrainer
-
-
-def _describe(job_config: Any, world: int) -> str:
-    from torchtitan_wlb.validate import layout_degrees
-
-    got = layout_degrees(job_config, world)  # the build passed the same check
-    degrees = {k: got[k] for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp")}
-    shown = " x ".join(f"{k} {v}" for k, v in degrees.items() if v > 1) or "no parallelism"
-    return (
-        f"{world} rank{'' if world == 1 else 's'} ({shown}), {job_config.model.name} "
-        f"{job_config.model.flavor}, context {job_config.training.seq_len:,}"
-    )
 
 
 def dry_run(config_file: str, ngpu: int | None, overrides: list[str]) -> tuple[str, float]:
     """Build the trainer of ``config_file`` on the meta device; returns (description, seconds)."""
     import torch
     from torchtitan.config import ConfigManager
+
+    from torchtitan_wlb.validate import layout_degrees
 
     trainer_class = _layout_trainer_class()
     with tempfile.TemporaryDirectory() as dump:
@@ -107,18 +77,26 @@ def dry_run(config_file: str, ngpu: int | None, overrides: list[str]) -> tuple[s
             *overrides,
         ]  # fmt: skip
         probe = ConfigManager().parse_args(args)
-        world = ngpu or layout_world_size(probe)
+        p = probe.parallelism
+        degrees = (p.data_parallel_replicate_degree, max(p.data_parallel_shard_degree, 1),
+                   p.context_parallel_degree, p.tensor_parallel_degree,
+                   p.pipeline_parallel_degree)  # fmt: skip
+        world = ngpu or math.prod(degrees)  # dp_shard = -1 counts as 1
         os.environ.update(NGPU=str(world), LOCAL_RANK="0", RANK="0", WORLD_SIZE=str(world))
         start = time.perf_counter()
         trainer = trainer_class(ConfigManager().parse_args(args))
-        try:
-            elapsed = time.perf_counter() - start
-        finally:
-            trainer.close()
-            del trainer
-            if torch.distributed.is_initialized():
-                torch.distributed.destroy_process_group()
-    return _describe(probe, world), elapsed
+        elapsed = time.perf_counter() - start
+        trainer.close()
+        del trainer
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    got = layout_degrees(probe, world)  # the build passed the same check
+    keys = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
+    shown = " x ".join(f"{k} {got[k]}" for k in keys if got[k] > 1) or "no parallelism"
+    return (
+        f"{world} rank{'' if world == 1 else 's'} ({shown}), {probe.model.name} "
+        f"{probe.model.flavor}, context {probe.training.seq_len:,}"
+    ), elapsed
 
 
 def parser() -> ToolParser:
@@ -131,13 +109,12 @@ def parser() -> ToolParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    overrides: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, overrides = argv[:cut], argv[cut + 1 :]
-    args = parser().parse_args(argv)
+    cut = argv.index("--") if "--" in argv else len(argv)  # TorchTitan's flags follow "--"
+    argv, overrides = argv[:cut], argv[cut + 1 :]
+    p = parser()
+    args = p.parse_args(argv)
     if args.ngpu is not None and args.ngpu < 1:
-        parser().error(f"--ngpu {args.ngpu} must be >= 1")
+        p.error(f"--ngpu {args.ngpu} must be >= 1")
     from torchtitan.tools.logging import init_logger
 
     init_logger()
@@ -153,8 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         if os.path.isfile(config):
             try:
                 description, seconds = dry_run(config, args.ngpu, overrides)
+                peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
                 line = f"OK   {config}: {description}, built in {seconds:.1f}s, peak memory "
-                line += f"{peak_rss_gib():.2f} GiB"
+                line += f"{peak:.2f} GiB"
             except Exception as e:  # report every config, then exit non-zero
                 line = f"FAIL {config}: {type(e).__name__}: {e}"
         failed += line.startswith("FAIL")

@@ -6,15 +6,15 @@
     python -m torchtitan_wlb.tools.e2e_bench --parallel cp2 --modes wlb \
         --cp-sharding per_document,hybrid --json   # CP shardings, same packing
 
-Every mode trains one fixed set of documents exactly once (``--steps epoch``), so the headline
-speedups are ratios of the time to train the set, deferred work included; a noise-floor run of
-identical micro-batches comes first. Modes, measures and JSON keys: docs/benchmarks.md.
+Every mode trains one set of documents once (the speedups are ratios of the time to train it), after
+a noise-floor run of identical micro-batches. Modes, measures and JSON keys: docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import json
 import os
 import re
@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from subprocess import PIPE, STDOUT
 from typing import Any
 
 import numpy as np
@@ -34,17 +35,11 @@ from torchtitan_wlb.tools.cli import ToolParser, progress, require_at_least
 from torchtitan_wlb.workloads import GENERATORS, generate, load_lengths, steps_arg
 
 ROOT = Path(__file__).resolve().parents[2]
-MODES = ("plain_4d", "fixed_4d", "wlb", "wlb_online")
-# Each mode's [wlb] settings. "wlb_online" is "wlb" with the cost model refitted while training.
-MODE_ARGS = {mode: ["--wlb.mode", mode] for mode in MODES[:3]}
-MODE_ARGS["wlb_online"] = [*MODE_ARGS["wlb"], "--wlb.cost_model", "online"]
+MODES = ("plain_4d", "fixed_4d", "wlb", "wlb_online")  # [wlb] mode presets, and wlb_online
 FLOOR = "floor"  # the noise-floor run: every micro-batch one full-context document
 STEP_LINE = re.compile(r"step:\s*(\d+)/")  # the trainer's step line, "step:  3/14  loss: ..."
-PARALLEL = {
-    "pp2": ["--parallelism.pipeline_parallel_degree", "2"],
-    "cp2": ["--parallelism.context_parallel_degree", "2"],
-    "dp2": [],
-}
+# each 2-rank layout: the [parallelism] degree set to 2
+PARALLEL = {"pp2": "pipeline_parallel", "cp2": "context_parallel", "dp2": "data_parallel_shard"}
 
 
 def make_documents(args: argparse.Namespace) -> np.ndarray:
@@ -68,43 +63,24 @@ def write_jsonl(lengths: np.ndarray, path: Path, seed: int) -> None:
             f.write(json.dumps({"text": "x" + text[1:] if n > 2 else "x"}) + "\n")
 
 
-def _run_with_progress(cmd: list[str], env: dict[str, str], bar: Any, mode: str) -> tuple[int, str]:
-    """Run one training job, advancing ``bar`` once per step either rank logs; returns (status,
-    output tail)."""
-    tail: collections.deque[str] = collections.deque(maxlen=200)
-    seen: set[int] = set()
-    bar.set_postfix_str(mode)
-    with subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    ) as proc:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            tail.append(line)
-            if (m := STEP_LINE.search(line)) and int(m.group(1)) not in seen:
-                seen.add(int(m.group(1)))
-                bar.update(1)
-    return proc.returncode, "".join(tail)
-
-
 def mode_args(mode: str, args: argparse.Namespace, cp_sharding: str = "") -> list[str]:
-    """The trainer flags of ``mode``: its preset (with ``cp_sharding``, the preset's packer and that
-    sharding instead, as the preset would override it), ``--cost-model`` for the fixed-model modes
-    and the online fit's settings. The floor run packs with "original": its documents are one
-    context long, so every micro-batch is the same single document."""
+    """The trainer flags of ``mode``: its preset (with ``cp_sharding``: its packer and that sharding),
+    the cost model and the online fit's settings. The floor packs one document per micro-batch;
+    wlb_online is wlb with the cost model refitted while training."""
     if mode == FLOOR:
         return ["--wlb.packing", "original", "--wlb.cp_sharding", "per_document"]
-    preset = MODE_ARGS[mode]
+    preset = "wlb" if mode == "wlb_online" else mode
+    flags = ["--wlb.mode", preset]
     if cp_sharding:
-        packer = MODE_PRESETS[preset[1]][0]
-        sharding = ["--wlb.packing", packer, "--wlb.cp_sharding", cp_sharding]
-        preset = ["--wlb.mode", "", *sharding, *preset[2:]]
-    cost = [] if mode == "wlb_online" else ["--wlb.cost_model", args.cost_model]
+        packer = MODE_PRESETS[preset][0]
+        flags = ["--wlb.mode", "", "--wlb.packing", packer, "--wlb.cp_sharding", cp_sharding]
+    cost = ["--wlb.cost_model", "online" if mode == "wlb_online" else args.cost_model]
     fit = [
         "--wlb.fit_warmup_steps", str(args.fit_warmup), "--wlb.fit_window_steps",
         str(args.fit_window), "--wlb.fit_holdout_steps", str(max(1, args.fit_window // 4)),
         "--wlb.fit_interval_steps", str(args.fit_interval),
     ]  # fmt: skip
-    return preset + cost + fit
+    return flags + cost + fit
 
 
 def run_mode(
@@ -131,20 +107,28 @@ def run_mode(
         "--wlb.metrics_jsonl", "--checkpoint.no-enable", "--metrics.log_freq", "1",
         "--metrics.disable_color_printing", "--debug.seed", str(args.seed),
         "--lr_scheduler.warmup_steps", "1",
-        *PARALLEL[args.parallel],
+        f"--parallelism.{PARALLEL[args.parallel]}_degree", "2",
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads_per_rank))
+    tail: collections.deque[str] = collections.deque(maxlen=200)
+    seen: set[int] = set()  # steps either rank logged: one tick of the bar each
+    bar.set_postfix_str(label)
     start = time.perf_counter()
-    status, output = _run_with_progress(cmd, env, bar, label)
+    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=PIPE, stderr=STDOUT, text=True) as proc:
+        for line in proc.stdout:
+            tail.append(line)
+            if (m := STEP_LINE.search(line)) and int(m.group(1)) not in seen:
+                seen.add(int(m.group(1)))
+                bar.update(1)
     wall = time.perf_counter() - start
-    if status != 0:
-        raise RuntimeError(f"mode {label} failed:\n{output[-6000:]}")
+    if proc.returncode != 0:
+        raise RuntimeError(f"mode {label} failed:\n{''.join(tail)[-6000:]}")
     logs = sorted((dump / "wlb_metrics").glob("rank_*.jsonl"))
     per_rank = [{rec["step"]: rec for rec in map(json.loads, log.open())} for log in logs]
     steps_done = sorted(set.intersection(*(set(r) for r in per_rank)))
     timed = [s for s in steps_done if s > args.warmup] or steps_done
-    step_times = [max(r[s]["wlb/step_time_s"] for r in per_rank) for s in steps_done]
-    median = statistics.median([max(r[s]["wlb/step_time_s"] for r in per_rank) for s in timed])
+    step_time = {s: max(r[s]["wlb/step_time_s"] for r in per_rank) for s in steps_done}
+    step_times = list(step_time.values())
     tokens = sum(per_rank[0][s].get("wlb/tokens", 0.0) for s in steps_done)
     # Pipeline stages and CP ranks share their micro-batches: only DP ranks train different ones.
     dp_ranks = per_rank if args.parallel == "dp2" else per_rank[:1]
@@ -156,15 +140,13 @@ def run_mode(
         "time_to_train_s": sum(step_times),
         "tokens_per_s": tokens / sum(step_times),
         "steps": len(steps_done),
-        "step_time_s": median,
+        "step_time_s": statistics.median(step_time[s] for s in timed),
         "step_times_s": step_times,
         "peak_mem_mb": max(r[s]["peak_mem_gib"] for r in per_rank for s in steps_done) * 1024,
         "imbalance": float(np.mean([rec["wlb/imbalance"] for rec in first])),
         "predicted_imbalance": top / mean if mean else 1.0,
         "measured_imbalance": measured_imbalance(per_rank, steps_done, args.parallel),
-        "measured_imbalance_device": measured_imbalance(
-            per_rank, steps_done, args.parallel, device=True
-        ),
+        "measured_imbalance_device": measured_imbalance(per_rank, steps_done, args.parallel, True),
         "device_clock": per_rank[0][steps_done[0]].get("device_clock", "wall"),
         "max_tokens_per_microbatch": max(rec["wlb/max_tokens"] for rec in first),
         "docs_trained": len(set(trained)),
@@ -194,11 +176,8 @@ def run_mode(
 def fit_error(
     micro_batches: list[dict[str, Any]], coef: list[float], cp: int, key: str = "seconds"
 ) -> float:
-    """Mean absolute relative error of ``t = a Σd² + b Σd + c`` on recorded micro-batches, ``t``
-    their ``key`` (``seconds``: wall time; ``device_s``: the device clock's).
-
-    Under CP a rank's time is predicted from its share of the work, taken as ``1 / cp`` of the
-    micro-batch (the trainer's fit uses the plan's exact per-rank share)."""
+    """Mean absolute relative error of ``t = a Σd² + b Σd + c`` on recorded micro-batches' ``key``
+    time; under CP a rank does ``1 / cp`` of the work (the trainer's fit: the plan's exact share)."""
     if not micro_batches:
         return float("nan")
     sq = np.array([float(np.square(np.asarray(m["doc_lens"], float)).sum()) for m in micro_batches])
@@ -211,14 +190,9 @@ def fit_error(
 def measured_imbalance(
     per_rank: list[dict[int, dict]], steps: list[int], parallel: str, device: bool = False
 ) -> float:
-    """Measured micro-batch imbalance, time-weighted: Σ over steps of the slowest micro-batch's
-    forward+backward over Σ of the mean; on the wall clock, or with ``device`` on the device clock
-    (on CPU the ranks' thread CPU time, which leaves out time the OS gave to other processes).
-
-    With PP each stage's micro-batches are compared (a stage waits for its slowest); with CP the
-    ranks run the same micro-batches, so a micro-batch's time is its slowest rank's; otherwise
-    every rank's micro-batches are pooled.
-    """
+    """Measured micro-batch imbalance, time-weighted (Σ max / Σ mean of forward + backward): per
+    stage under PP, a micro-batch's slowest rank under CP, else every rank's micro-batches pooled;
+    on the wall clock, or with ``device`` on the device clock."""
     fwd, bwd = ("fwd_device_s", "bwd_device_s") if device else ("fwd_s", "bwd_s")
     mbs = "micro_batch_device_times_s" if device else "micro_batch_times_s"
     top = total = 0.0
@@ -238,38 +212,29 @@ def measured_imbalance(
 
 
 def calibration_records(per_rank: list[dict[int, dict]], steps: list[int]) -> dict[str, Any]:
-    """Measured micro-batches and steps in the simulator's calibration format (docs/simulator.md).
-
-    Each rank's micro-batches are timed on that rank; a step's time is the slowest rank's. Under
-    pipeline parallelism (the log has ``pp_actions``) there is one record per micro-batch *and
-    stage*: ``seconds`` is that stage's forward + backward, with ``fwd_s``, ``bwd_s``, ``stage`` and
-    ``mb`` (the micro-batch's index in the step, the order the schedule runs them) added.
-    ``device_s`` (and ``fwd_device_s``, ``bwd_device_s``) are the same on the device clock.
-    """
+    """Measured micro-batches (per micro-batch *and stage* under PP) and steps (the slowest rank's
+    time) in the simulator's calibration format, docs/simulator.md."""
     micro_batches = []
-    for rank, rank_log in enumerate(per_rank):
-        for s in steps:
-            rec = rank_log[s]
-            for act in rec.get("pp_actions") or []:
-                lens_list = act.get("doc_lens") or []
-                per_stage = zip(
-                    act["stages"], act["fwd_s"], act["bwd_s"], act["fwd_device_s"],
-                    act["bwd_device_s"], strict=True,
-                )  # fmt: skip
-                for stage, *times in per_stage:
-                    for mb, (lens, f, b, fd, bd) in enumerate(zip(lens_list, *times, strict=False)):
-                        micro_batches.append(
-                            {"doc_lens": lens, "seconds": f + b, "fwd_s": f, "bwd_s": b,
-                             "device_s": fd + bd, "fwd_device_s": fd, "bwd_device_s": bd,
-                             "stage": stage, "mb": mb, "step": s, "rank": rank}
-                        )  # fmt: skip
-            if rec.get("pp_actions"):
-                continue
+    for (rank, rank_log), s in itertools.product(enumerate(per_rank), steps):
+        rec, where = rank_log[s], {"step": s, "rank": rank}
+        if not rec.get("pp_actions"):
             times = zip(rec["micro_batch_times_s"], rec["micro_batch_device_times_s"], strict=True)
             for lens, (sec, dev) in zip(rec.get("micro_batch_doc_lens", []), times, strict=False):
-                micro_batches.append(
-                    {"doc_lens": lens, "seconds": sec, "device_s": dev, "step": s, "rank": rank}
-                )
+                micro_batches.append({"doc_lens": lens, "seconds": sec, "device_s": dev, **where})
+            continue
+        for act in rec["pp_actions"]:
+            per_stage = zip(
+                act["stages"], act["fwd_s"], act["bwd_s"], act["fwd_device_s"],
+                act["bwd_device_s"], strict=True,
+            )  # fmt: skip
+            for stage, *times in per_stage:
+                lens_times = zip(act.get("doc_lens") or [], *times, strict=False)
+                for mb, (lens, f, b, fd, bd) in enumerate(lens_times):
+                    micro_batches.append(
+                        {"doc_lens": lens, "seconds": f + b, "fwd_s": f, "bwd_s": b,
+                         "device_s": fd + bd, "fwd_device_s": fd, "bwd_device_s": bd,
+                         "stage": stage, "mb": mb, **where}
+                    )  # fmt: skip
     step_times = [
         {"step": s, "seconds": max(r[s]["wlb/step_time_s"] for r in per_rank)} for s in steps
     ]
@@ -292,9 +257,8 @@ def parser() -> ToolParser:
     p.add_argument("--scale-from", type=int, default=131072, help="context the lengths are for")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of modes")
     p.add_argument("--cost-model", choices=["analytic", "online"], default="analytic")
-    p.add_argument("--fit-warmup", type=int, default=2, help="[wlb] fit_warmup_steps")
-    p.add_argument("--fit-window", type=int, default=8, help="[wlb] fit_window_steps")
-    p.add_argument("--fit-interval", type=int, default=4, help="[wlb] fit_interval_steps")
+    for name, default in (("warmup", 2), ("window", 8), ("interval", 4)):
+        p.add_argument(f"--fit-{name}", type=int, default=default, help=f"[wlb] fit_{name}_steps")
     p.add_argument("--floor-steps", type=int, default=20, help="noise-floor steps; 0: none")
     p.add_argument("--cp-sharding", default="", help="comma-separated [wlb] cp_sharding values")
     p.add_argument("--threads-per-rank", type=int, default=1, help="OMP threads per rank")
@@ -326,14 +290,11 @@ def sharding_speedups(
     """Each CP sharding against the first one, per mode: time to train the set, median step."""
     out: dict[str, float] = {}
     base = shardings[0]
-    for mode in modes:
-        ref = results[f"{mode}+{base}"]
-        suffix = "" if len(modes) == 1 else f"_{mode}"
-        for other in shardings[1:]:
-            res = results[f"{mode}+{other}"]
-            key = f"{other}_vs_{base}{suffix}"
-            out[f"speedup_{key}"] = ref["time_to_train_s"] / res["time_to_train_s"]
-            out[f"median_step_speedup_{key}"] = ref["step_time_s"] / res["step_time_s"]
+    for mode, other in itertools.product(modes, shardings[1:]):
+        ref, res = results[f"{mode}+{base}"], results[f"{mode}+{other}"]
+        key = f"{other}_vs_{base}" + ("" if len(modes) == 1 else f"_{mode}")
+        out[f"speedup_{key}"] = ref["time_to_train_s"] / res["time_to_train_s"]
+        out[f"median_step_speedup_{key}"] = ref["step_time_s"] / res["step_time_s"]
     return out
 
 
@@ -370,37 +331,29 @@ def main(argv: list[str] | None = None) -> int:
         workdir.mkdir(parents=True, exist_ok=True)
         data, floor_data = workdir / "docs.jsonl", workdir / "floor.jsonl"
         write_jsonl(lengths, data, args.seed)
-        bar = progress(desc="e2e_bench", unit="step")
-        if args.floor_steps:
+        jobs = [(m, s, data) for m in modes for s in shardings or [""]]
+        if args.floor_steps:  # first, the noise floor's identical micro-batches
             n_docs = args.floor_steps * args.micro_batches
             write_jsonl(np.full(n_docs, args.context_len, np.int64), floor_data, args.seed)
+            jobs.insert(0, (FLOOR, "", floor_data))
+        bar = progress(desc="e2e_bench", unit="step")
         for run in range(args.runs):
-            tag, rundir = f"run {run + 1}/{args.runs}", workdir / f"run{run}"
-            floor_key: dict[str, float] = {}
-            if args.floor_steps:
-                floor = run_mode(FLOOR, args, floor_data, rundir, bar)
-                wall, device = floor["measured_imbalance"], floor["measured_imbalance_device"]
-                floor_key = {
-                    "measured_imbalance_floor": wall,
-                    "measured_imbalance_floor_device": device,
-                }
-                bar.write(
-                    f"{tag} floor     {floor['steps']} steps of identical micro-batches: "
-                    f"measured imbalance {wall:.3f} (device clock {device:.3f})",
-                    file=sys.stderr,
-                )
-            results = {}
-            for mode, sharding in [(m, s) for m in modes for s in shardings or [""]]:
+            results, rundir = {}, workdir / f"run{run}"
+            for mode, sharding, docs in jobs:
                 label = f"{mode}+{sharding}" if sharding else mode
-                res = results[label] = run_mode(mode, args, data, rundir, bar, sharding)
+                res = results[label] = run_mode(mode, args, docs, rundir, bar, sharding)
                 bar.write(
-                    f"{tag} {label:9s} {res['steps']} steps, {res['time_to_train_s']:.1f}s to "
-                    f"train  median step {res['step_time_s']:.3f}s  imbalance predicted "
-                    f"{res['predicted_imbalance']:.3f} measured {res['measured_imbalance']:.3f} "
-                    f"(device clock {res['measured_imbalance_device']:.3f})  "
-                    f"peak {res['peak_mem_mb']:.0f} MB",
+                    f"run {run + 1}/{args.runs} {label:9s} {res['steps']} steps, "
+                    f"{res['time_to_train_s']:.1f}s to train  median step {res['step_time_s']:.3f}s  "
+                    f"imbalance predicted {res['predicted_imbalance']:.3f} measured "
+                    f"{res['measured_imbalance']:.3f} (device clock "
+                    f"{res['measured_imbalance_device']:.3f})  peak {res['peak_mem_mb']:.0f} MB",
                     file=sys.stderr,
                 )
+            floor_key = {}
+            if floor := results.pop(FLOOR, None):
+                floor_key["measured_imbalance_floor"] = floor["measured_imbalance"]
+                floor_key["measured_imbalance_floor_device"] = floor["measured_imbalance_device"]
             extra = sharding_speedups(results, modes, shardings) if shardings else {}
             runs.append({"modes": results, **speedups(results), **floor_key, **extra})
         bar.close()
@@ -426,8 +379,8 @@ def main(argv: list[str] | None = None) -> int:
         summary[key] = float(np.mean(values))
         if len(values) > 1:
             summary[f"{key}_min"], summary[f"{key}_max"] = float(min(values)), float(max(values))
-    for mode, res in last.items():
-        if args.steps == "epoch" and res["docs_trained"] != lengths.size:
+    for mode, res in last.items() if args.steps == "epoch" else ():
+        if res["docs_trained"] != lengths.size:
             err = f"error: {mode} trained {res['docs_trained']} of {lengths.size} documents"
             print(err, file=sys.stderr)
             return 1

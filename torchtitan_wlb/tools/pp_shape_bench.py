@@ -2,11 +2,9 @@
 
     python -m torchtitan_wlb.tools.pp_shape_bench --json
 
-The varlen runner (``torchtitan_wlb.pipeline.varlen``) sizes every micro-batch's receive buffers
-from lengths every pipeline rank already knows, so it sends nothing extra; a stage that exchanged
-shapes could not post its receive before the message came. Measured on gloo (PP = 2, 1F1B, a tiny
-torchtitan llama3): a full varlen step, the runner against torch's own step on equal lengths, the
-runner's buffer re-sizing, and three ways to exchange shapes. Keys: docs/pipeline.md.
+On gloo (PP = 2, 1F1B, a tiny torchtitan llama3): a full varlen step, the runner against torch's
+own step on equal lengths, its buffer re-sizing, and three ways to exchange shapes instead. Why
+and every key: docs/pipeline.md.
 """
 
 from __future__ import annotations
@@ -40,13 +38,9 @@ def _build_pipeline(args: argparse.Namespace, mesh: Any) -> Any:
     from torchtitan.models.llama3.model.model import Transformer
 
     model_args = TransformerModelArgs(
-        dim=args.dim,
-        n_layers=args.layers,
-        n_heads=max(1, args.dim // 64),
-        vocab_size=args.vocab,
-        multiple_of=64,
-        max_seq_len=args.max_len,
-    )
+        dim=args.dim, n_layers=args.layers, n_heads=max(1, args.dim // 64), vocab_size=args.vocab,
+        multiple_of=64, max_seq_len=args.max_len,
+    )  # fmt: skip
     torch.manual_seed(0)
     model = Transformer(model_args)
     with torch.no_grad():
@@ -89,9 +83,10 @@ def _worker(rank: int, args: argparse.Namespace, init_file: str, out_file: str) 
             return torch.randint(args.min_len, args.max_len + 1, (args.n_mb,), generator=g).tolist()
 
         def make(lengths: list[int]):
-            tokens = [torch.randint(0, args.vocab, (1, n), generator=g) for n in lengths]
-            labels = [torch.randint(0, args.vocab, (1, n), generator=g) for n in lengths]
-            return tokens, labels
+            """Random tokens, then labels, of micro-batches of ``lengths`` tokens."""
+            return [
+                [torch.randint(0, args.vocab, (1, n), generator=g) for n in lengths] for _ in (0, 1)
+            ]
 
         def varlen_step(lengths: list[int], tokens, labels) -> None:
             runner.step(
@@ -116,40 +111,37 @@ def _worker(rank: int, args: argparse.Namespace, init_file: str, out_file: str) 
             lambda: runner._resize_recv_buffers(alt[next(counter) % 2]), args.reps * 20
         )
 
-        # Shape exchange alternatives, rank 0 (stage 0) -> rank 1 (stage 1).
+        # Shape exchange alternatives, rank 0 (stage 0) -> rank 1 (stage 1): all lengths in one
+        # tensor, one tensor per micro-batch, one pickled shape per micro-batch (as torch's shape
+        # inference sends them).
         lens_t = torch.tensor(alt[0], dtype=torch.int64)
+        send = rank == 0
 
-        def p2p(tensor: torch.Tensor) -> None:
-            """Rank 0 sends ``tensor``, rank 1 receives into it."""
-            if rank == 0:
-                dist.send(tensor, dst=1)
-            else:
-                dist.recv(tensor, src=0)
-
-        def exchange_batched() -> None:
-            p2p(lens_t if rank == 0 else torch.empty_like(lens_t))
-
-        def exchange_per_mb_tensor() -> None:
-            for i in range(args.n_mb):
-                p2p(lens_t[i : i + 1].clone() if rank == 0 else torch.empty(1, dtype=torch.int64))
-
-        def exchange_per_mb_object() -> None:
-            for i in range(args.n_mb):
-                objs = [(1, int(lens_t[i]), args.dim)] if rank == 0 else [None]
-                if rank == 0:
-                    dist.send_object_list(objs, dst=1)
+        def exchange(tensors: list[torch.Tensor]) -> None:
+            for t in tensors:
+                if send:
+                    dist.send(t, dst=1)
                 else:
-                    dist.recv_object_list(objs, src=0)
+                    dist.recv(torch.empty_like(t), src=0)
 
-        reps = args.reps * 20
-        results["exchange_batched_us"] = 1e6 * _timed(exchange_batched, reps)
-        results["exchange_per_mb_tensor_us"] = 1e6 * _timed(exchange_per_mb_tensor, reps)
-        results["exchange_per_mb_object_us"] = 1e6 * _timed(exchange_per_mb_object, reps)
+        def exchange_objects() -> None:
+            for n in alt[0]:
+                if send:
+                    dist.send_object_list([(1, n, args.dim)], dst=1)
+                else:
+                    dist.recv_object_list([None], src=0)
+
+        per_mb = [torch.tensor([n]) for n in alt[0]]
+        for key, fn in (
+            ("exchange_batched_us", lambda: exchange([lens_t])),
+            ("exchange_per_mb_tensor_us", lambda: exchange(per_mb)),
+            ("exchange_per_mb_object_us", exchange_objects),
+        ):
+            results[key] = 1e6 * _timed(fn, args.reps * 20)
 
         # Runner vs torch's own step on equal-length micro-batches (fresh pipeline for torch).
         stock_schedule = _build_pipeline(args, mesh)
-        length = (args.min_len + args.max_len) // 2
-        eq_lens = [length] * args.n_mb
+        eq_lens = [(args.min_len + args.max_len) // 2] * args.n_mb
         eq_tokens, eq_labels = make(eq_lens)
         batch_tokens, batch_labels = torch.cat(eq_tokens), torch.cat(eq_labels)
 
@@ -207,11 +199,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             results = json.load(f)
     results["config"] = {k: v for k, v in vars(args).items() if k != "json"}
     results["torch"] = torch.__version__
-    if args.json:
-        print(json.dumps(results))
-    else:
-        for key, value in results.items():
-            print(f"{key}: {value}")
+    print(json.dumps(results) if args.json else json.dumps(results, indent=2))
     return results
 
 
