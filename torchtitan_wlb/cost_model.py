@@ -1,9 +1,5 @@
-"""Workload (cost) model of a packed document: W(d) = W_a(d) + W_l(d) (docs/packing.md).
-
-WLB-LLM balances micro-batches by predicted *work*, not token count: causal attention grows with
-``d**2``, everything else with ``d``. The packers, the CP planner and the simulator all use this
-one class, so a plan balanced by the packer is balanced by the same measure everywhere.
-"""
+"""Workload model of a packed document, W(d) = W_a(d) + W_l(d) (docs/packing.md): the one measure
+the packers, the CP planner and the simulator balance by."""
 
 from __future__ import annotations
 

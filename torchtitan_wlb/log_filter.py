@@ -1,7 +1,5 @@
-"""Silences TorchTitan log lines that are true but do not apply here, which a newcomer cannot tell
-from real problems: the missing HF assets of the built-in byte tokenizer (``hf_assets_path = ""``)
-and, on CPU, NCCL variables, ``lspci`` and the A100 peak-FLOPS fallback (docs/cpu.md).
-"""
+"""Silences TorchTitan log lines that are true but do not apply here (the byte tokenizer's missing
+HF assets; on CPU, NCCL variables, ``lspci`` and the A100 peak FLOPS: docs/cpu.md)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""TorchTitan's metrics processor plus the per-step figures WLB is judged by.
-
-TorchTitan's console line is replaced by one that also says ``step N/M`` and ``eta``, with ``mfu:
-n/a`` where the device's peak FLOPS is unknown (a CPU; TorchTitan would divide by an A100's). A
-``wlb`` line and the ``wlb/`` scalars add the packer's statistics and the measured micro-batch and
-step times; ``[wlb] metrics_jsonl`` writes them per rank (docs/getting_started.md). Figures given to
-:meth:`WLBMetricsProcessor.record` wait for the next logged step, so unlogged steps cost a dict
-update.
-"""
+"""TorchTitan's metrics processor with a ``step N/M ... eta`` line, ``mfu: n/a`` where the peak is
+unknown, and a ``wlb`` line of packing and timing figures (docs/getting_started.md)."""
 
 from __future__ import annotations
 
@@ -24,6 +17,10 @@ from torchtitan.tools.logging import logger
 from torchtitan_wlb import cpu_support
 
 MFU_KEY = "mfu(%)"
+_LISTS = (
+    "micro_batch_times_s", "micro_batch_device_times_s", "doc_ids", "micro_batch_doc_lens",
+    "pp_actions",  # written only under PP
+)  # fmt: skip
 
 
 class _MetricsTap(BaseLogger):
@@ -80,15 +77,13 @@ def steps_since_last_log(step: int, last_logged: int | None, log_freq: int) -> i
 class WLBMetricsProcessor(MetricsProcessor):
     """MetricsProcessor that also logs WLB packing and per-micro-batch timing figures."""
 
-    def __init__(self, job_config: JobConfig, parallel_dims: Any, tag: str | None = None):
-        super().__init__(job_config, parallel_dims, tag)
+    def __init__(self, job_config: JobConfig, parallel_dims: Any, model_args: Any = None):
+        """Built as ``TrainSpec.build_metrics_processor_fn`` (the model's arguments unused)."""
+        super().__init__(job_config, parallel_dims)
         self.wlb_metrics: dict[str, float] = {}
-        self.micro_batch_times: list[float] = []
-        self.micro_batch_device_times: list[float] = []
+        # The lists of the JSONL record, gathered over the steps since the last logged one.
+        self.lists: dict[str, list[Any]] = {k: [] for k in _LISTS}
         self.device_clock = "wall"  # the trainer's DeviceClock kind (torchtitan_wlb.device_clock)
-        self.doc_ids: list[int] = []
-        self.micro_batch_doc_lens: list[list[int]] = []
-        self.pp_actions: list[dict[str, Any]] = []
         self.last_logged_step: int | None = None
         self.jsonl_path: str | None = None
         self.logger = self._tap = _MetricsTap(self.logger, drop_mfu=cpu_support.is_active())
@@ -120,7 +115,7 @@ class WLBMetricsProcessor(MetricsProcessor):
     def record_doc_ids(self, doc_ids: torch.Tensor) -> None:
         """Documents this rank trained on (kept only when the JSONL log is on: an audit trail)."""
         if self.jsonl_path is not None:
-            self.doc_ids.extend(doc_ids.tolist())
+            self.lists["doc_ids"].extend(doc_ids.tolist())
 
     def record_micro_batch_time(
         self,
@@ -130,17 +125,18 @@ class WLBMetricsProcessor(MetricsProcessor):
     ) -> None:
         """A micro-batch's measured forward+backward wall time, its time on the device clock
         (None: the wall time) and, for calibration, its documents."""
-        self.micro_batch_times.append(seconds)
-        self.micro_batch_device_times.append(seconds if device_seconds is None else device_seconds)
+        self.lists["micro_batch_times_s"].append(seconds)
+        device = seconds if device_seconds is None else device_seconds
+        self.lists["micro_batch_device_times_s"].append(device)
         if doc_lens is not None and self.jsonl_path is not None:
-            self.micro_batch_doc_lens.append(doc_lens)
+            self.lists["micro_batch_doc_lens"].append(doc_lens)
 
     def record_pipeline_actions(
         self, actions: dict[str, Any], doc_lens: list[list[int]] | None = None
     ) -> None:
         """One pipeline step's per-action forward / backward times on this rank (PP only)."""
         if self.jsonl_path is not None:
-            self.pp_actions.append({**actions, "doc_lens": doc_lens})
+            self.lists["pp_actions"].append({**actions, "doc_lens": doc_lens})
 
     def log(
         self,
@@ -157,8 +153,8 @@ class WLBMetricsProcessor(MetricsProcessor):
         extra = dict(extra_metrics or {})
         extra.update(self.wlb_metrics)
         extra["wlb/step_time_s"] = step_time
-        if self.micro_batch_times:
-            times = self.micro_batch_times
+        times = self.lists["micro_batch_times_s"]
+        if times:
             extra["wlb/micro_batch_time_max_s"] = max(times)
             extra["wlb/micro_batch_time_mean_s"] = sum(times) / len(times)
         if self.jsonl_path is not None:
@@ -169,12 +165,9 @@ class WLBMetricsProcessor(MetricsProcessor):
                 "max_loss": float(global_max_loss),
                 "grad_norm": float(grad_norm),
                 "peak_mem_gib": mem.max_reserved_gib,
-                "micro_batch_times_s": list(self.micro_batch_times),
-                "micro_batch_device_times_s": list(self.micro_batch_device_times),
                 "device_clock": self.device_clock,
-                "doc_ids": sorted(self.doc_ids),
-                "micro_batch_doc_lens": list(self.micro_batch_doc_lens),
-                **({"pp_actions": list(self.pp_actions)} if self.pp_actions else {}),
+                **{k: v for k, v in self.lists.items() if v or k != "pp_actions"},
+                "doc_ids": sorted(self.lists["doc_ids"]),
                 **{k: v for k, v in extra.items() if isinstance(v, (int, float))},
             }
             with open(self.jsonl_path, "a") as f:
@@ -207,11 +200,7 @@ class WLBMetricsProcessor(MetricsProcessor):
             parts.append(f"pack: {extra['wlb/pack_ms']:.2f}ms")
         logger.info("wlb  " + "  ".join(parts))
         self.wlb_metrics.clear()
-        self.micro_batch_times.clear()
-        self.micro_batch_device_times.clear()
-        self.doc_ids.clear()
-        self.micro_batch_doc_lens.clear()
-        self.pp_actions.clear()
+        self.lists = {k: [] for k in _LISTS}
 
     def _log_step_line(self, step: int, metrics: dict[str, Any]) -> None:
         """TorchTitan's step line with ``step N/M``, ``mfu: n/a`` where unknown, and ``eta``."""
@@ -230,10 +219,3 @@ class WLBMetricsProcessor(MetricsProcessor):
             f"{c.magenta}mfu: {mfu}  "
             f"{c.yellow}eta: {eta}{c.reset}"
         )
-
-
-def build_wlb_metrics_processor(
-    job_config: JobConfig, parallel_dims: Any, model_args: Any = None, tag: str | None = None
-) -> WLBMetricsProcessor:
-    """TrainSpec.build_metrics_processor_fn of ``llama3_wlb``."""
-    return WLBMetricsProcessor(job_config, parallel_dims, tag)

@@ -1,11 +1,5 @@
-"""Which checkpoint a run resumes from, and its checks before anything of it is loaded.
-
-A truncated or damaged file would otherwise fail deep inside ``torch.distributed.checkpoint``
-(a long traceback naming no file, possibly after part of the state was overwritten), and a
-checkpoint written under other data settings would load silently and train other documents.
-:func:`check_resume` raises one line naming the file or the changed setting instead; the trainer
-runs it on every rank and ``python -m torchtitan_wlb.validate`` before any rank starts.
-"""
+"""Which checkpoint a run resumes from, checked before anything of it is loaded: a damaged file or
+one written under other data settings is one line naming it (docs/architecture.md)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Entry point: ``python -m torchtitan_wlb.train --job.config_file train_configs/debug_cpu.toml``.
-
-One process per rank (``run_train.sh`` through torchrun): CPU support before torchtitan is
-imported, the parent watch, then TorchTitan's ``main`` with :class:`WLBTrainer`. Bad input ends
-with one line naming the problem and exit status 2, not a traceback.
-"""
+"""Entry point, one process per rank: ``python -m torchtitan_wlb.train --job.config_file FILE``.
+Bad input ends with one line and exit status 2, not a traceback."""
 
 from __future__ import annotations
 

@@ -1,13 +1,5 @@
-"""``WLBTrainer``: TorchTitan's Trainer with document metadata, WLB CP/PP and start-up checks.
-
-TorchTitan's loop, checkpointing, optimizers and parallelisms are used unchanged. Added: config
-checks before any process group exists; per micro-batch, attention metadata and per-document RoPE
-positions from ``doc_lens`` (TorchTitan would mask by EOS and never reset positions), sharded under
-CP with the micro-batch's own plan (TorchTitan 0.2.2 shards neither positions nor metadata); under
-PP the step's micro-batches run through the schedule together, each with its own length; timing
-of every micro-batch for the metrics and the online cost model (docs/cost_model.md); the
-exactly-once audit log (docs/data.md); and start and end lines saying what the run does and did.
-"""
+"""``WLBTrainer``: TorchTitan's Trainer with document metadata, per-micro-batch CP plans, varlen
+PP, timing for the online cost model, the audit log and start/end lines (docs/architecture.md)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""Start-up checks of a job config, before any process group or model exists: one line naming the
-fields and the accepted values instead of TorchTitan's late assertions.
-
-``python -m torchtitan_wlb.validate ARGS`` is the pre-flight check ``run_train.sh`` runs once with
-the ranks' arguments: the config and layout against ``NGPU``, the data (:func:`check_data`) and the
-checkpoint a rerun would resume from (:mod:`torchtitan_wlb.resume`); a problem is one line on
-stderr and exit status 2.
-"""
+"""Start-up checks of a job config, as one line naming the fields and the accepted values;
+``python -m torchtitan_wlb.validate ARGS`` is run_train.sh's pre-flight check (exit status 2)."""
 
 from __future__ import annotations
 
@@ -17,6 +11,7 @@ import os
 import re
 import sys
 from typing import Any
+from unittest import mock
 
 from torchtitan_wlb.config import ConfigError
 from torchtitan_wlb.data.sources import DataError, TextSource
@@ -247,10 +242,10 @@ def parse_job_config(args: list[str]) -> Any:
     from torchtitan.config import ConfigManager
 
     err = io.StringIO()
-    columns = os.environ.get("COLUMNS")
-    os.environ["COLUMNS"] = "1000"  # tyro wraps its box at the terminal width: one line per item
+    # tyro wraps its box at the terminal width: a wide one puts every item on one line.
+    wide = mock.patch.dict(os.environ, {"COLUMNS": "1000"})
     try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        with wide, contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             return ConfigManager().parse_args(args)
     except SystemExit as e:
         if e.code in (0, None):  # --help
@@ -258,11 +253,6 @@ def parse_job_config(args: list[str]) -> Any:
         raise ConfigError(_parser_message(err.getvalue())) from None
     except ValueError as e:
         raise ConfigError(_unknown_fields(str(e))) from None
-    finally:
-        if columns is None:
-            os.environ.pop("COLUMNS", None)
-        else:
-            os.environ["COLUMNS"] = columns
 
 
 def _parser_message(text: str) -> str:

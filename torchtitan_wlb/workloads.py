@@ -1,7 +1,5 @@
-"""Document-length workloads: built-in generators, length files, and the loader's long-document
-policies. Every tool and the simulator take their documents from here, so one generator name or one
-file means the same documents everywhere (the generators: docs/benchmarks.md). Pure NumPy.
-"""
+"""Document-length workloads: generators, length files and the loader's long-document policies,
+shared by every tool and the simulator (docs/benchmarks.md). Pure NumPy."""
 
 from __future__ import annotations
 
