@@ -217,10 +217,10 @@ class WLB:
     <dump_folder>/wlb_metrics/rank_<rank>.jsonl."""
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            setattr(self, f.name, _check_type(f.name, getattr(self, f.name), f.type))
-        for f in fields(self):  # mode, packing, cp_sharding, ... in declaration order
-            value, accepted = getattr(self, f.name), choice_values(f.type)
+        for f in fields(self):  # in declaration order: the type, then a choice field's values
+            value = _check_type(f.name, getattr(self, f.name), f.type)
+            setattr(self, f.name, value)
+            accepted = choice_values(f.type)
             if accepted and value not in accepted:
                 shown = ", ".join(repr(a) for a in accepted)
                 raise ConfigError(f"[wlb] {f.name} = {value!r} is not accepted; use one of {shown}")
@@ -237,10 +237,8 @@ class WLB:
                 f"[wlb] adaptive_max_delay_steps = {self.adaptive_max_delay_steps} must be >= "
                 f"max_delay_steps = {self.max_delay_steps}"
             )
-        thresholds = list(self.queue_thresholds)
-        if any(t <= 0 for t in thresholds) or any(
-            b <= a for a, b in zip(thresholds, thresholds[1:], strict=False)
-        ):
+        thresholds = self.queue_thresholds
+        if any(b <= a for a, b in zip([0, *thresholds], thresholds, strict=False)):
             raise ConfigError(
                 f"[wlb] queue_thresholds = {thresholds!r} must be positive and strictly increasing"
             )

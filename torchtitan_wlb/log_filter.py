@@ -24,14 +24,10 @@ class InapplicableWarnings(logging.Filter):
     """Drops the lines above and rewrites the CPU peak-FLOPS line (MFU shows ``n/a``)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if message.startswith(_ALWAYS):
+        message, cpu = record.getMessage(), cpu_support.is_active()
+        if message.startswith(_ALWAYS) or (cpu and message.startswith(_CPU_ONLY)):
             return False
-        if not cpu_support.is_active():
-            return True
-        if message.startswith(_CPU_ONLY):
-            return False
-        if message.startswith(_CPU_PEAK):
+        if cpu and message.startswith(_CPU_PEAK):
             record.msg, record.args = "Peak FLOPS: unknown for CPU, MFU not reported", None
         return True
 

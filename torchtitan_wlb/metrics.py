@@ -21,6 +21,15 @@ _LISTS = (
     "micro_batch_times_s", "micro_batch_device_times_s", "doc_ids", "micro_batch_doc_lens",
     "pp_actions",  # written only under PP
 )  # fmt: skip
+# The parts of the wlb console line: (the figure that must be there, the part).
+_WLB_LINE = (
+    ("wlb/step_time_s", "step_time: {wlb/step_time_s:.3f}s"),
+    ("wlb/imbalance", "imbalance: {wlb/imbalance:.3f}"),
+    ("wlb/max_tokens", "tokens/mb: {wlb/min_tokens:.0f}-{wlb/max_tokens:.0f}"),
+    ("wlb/micro_batch_time_max_s", "mb fwd+bwd max/mean: {wlb/micro_batch_time_max_s:.3f}/"
+     "{wlb/micro_batch_time_mean_s:.3f}s"),
+    ("wlb/pack_ms", "pack: {wlb/pack_ms:.2f}ms"),
+)  # fmt: skip
 
 
 class _MetricsTap(BaseLogger):
@@ -63,12 +72,8 @@ def eta_seconds(step: int, total: int, step_times: list[float]) -> float:
 
 
 def steps_since_last_log(step: int, last_logged: int | None, log_freq: int) -> int:
-    """How many steps the interval ending at ``step`` covers (the step time divides by it).
-
-    ``last_logged``: the last step logged, or the step this process started after (after a resume
-    from step 4 with ``log_freq = 5`` the first log covers one step, not five); None: TorchTitan's
-    schedule (step 1, then every ``log_freq`` steps).
-    """
+    """How many steps the interval ending at ``step`` covers, since ``last_logged`` (or the step a
+    resumed process started after); None: TorchTitan's schedule (step 1, then every log_freq)."""
     if last_logged is None:
         last_logged = 0 if step == 1 else step - log_freq
     return max(1, step - last_logged)
@@ -118,21 +123,17 @@ class WLBMetricsProcessor(MetricsProcessor):
             self.lists["doc_ids"].extend(doc_ids.tolist())
 
     def record_micro_batch_time(
-        self,
-        seconds: float,
-        doc_lens: list[int] | None = None,
-        device_seconds: float | None = None,
+        self, seconds: float, doc_lens: list[int] | None, device_seconds: float
     ) -> None:
-        """A micro-batch's measured forward+backward wall time, its time on the device clock
-        (None: the wall time) and, for calibration, its documents."""
+        """A micro-batch's forward+backward wall and device-clock times and, for calibration, its
+        documents."""
         self.lists["micro_batch_times_s"].append(seconds)
-        device = seconds if device_seconds is None else device_seconds
-        self.lists["micro_batch_device_times_s"].append(device)
+        self.lists["micro_batch_device_times_s"].append(device_seconds)
         if doc_lens is not None and self.jsonl_path is not None:
             self.lists["micro_batch_doc_lens"].append(doc_lens)
 
     def record_pipeline_actions(
-        self, actions: dict[str, Any], doc_lens: list[list[int]] | None = None
+        self, actions: dict[str, Any], doc_lens: list[list[int]] | None
     ) -> None:
         """One pipeline step's per-action forward / backward times on this rank (PP only)."""
         if self.jsonl_path is not None:
@@ -184,20 +185,8 @@ class WLBMetricsProcessor(MetricsProcessor):
             logger.removeFilter(warnings_only)
         self.run_step_times.append(step_time)
         self._log_step_line(step, self._tap.last)
-        parts = [f"step_time: {step_time:.3f}s"]
-        if "wlb/imbalance" in extra:
-            parts.append(f"imbalance: {extra['wlb/imbalance']:.3f}")
-        if "wlb/max_tokens" in extra:
-            parts.append(
-                f"tokens/mb: {extra.get('wlb/min_tokens', 0):.0f}-{extra['wlb/max_tokens']:.0f}"
-            )
-        if "wlb/micro_batch_time_max_s" in extra:
-            parts.append(
-                f"mb fwd+bwd max/mean: {extra['wlb/micro_batch_time_max_s']:.3f}/"
-                f"{extra['wlb/micro_batch_time_mean_s']:.3f}s"
-            )
-        if "wlb/pack_ms" in extra:
-            parts.append(f"pack: {extra['wlb/pack_ms']:.2f}ms")
+        figures = {"wlb/min_tokens": 0, **extra}
+        parts = [part.format_map(figures) for key, part in _WLB_LINE if key in figures]
         logger.info("wlb  " + "  ".join(parts))
         self.wlb_metrics.clear()
         self.lists = {k: [] for k in _LISTS}

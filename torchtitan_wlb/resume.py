@@ -57,13 +57,10 @@ def resume_step(job_config: Any) -> int:
     """The step this job will resume from (-1: it starts from scratch): none when it writes a
     seed checkpoint or runs on fake collectives (which cannot load one)."""
     found = resume_folder(job_config)
-    if (
-        found is None
-        or job_config.checkpoint.create_seed_checkpoint
-        or job_config.comm.mode in FAKE_COMM_MODES
-    ):
-        return -1
-    return found[1] if os.path.isdir(found[0]) else -1
+    seed_or_fake = (
+        job_config.checkpoint.create_seed_checkpoint or job_config.comm.mode in FAKE_COMM_MODES
+    )
+    return found[1] if found and os.path.isdir(found[0]) and not seed_or_fake else -1
 
 
 def verify(folder: str) -> Any:

@@ -4,6 +4,7 @@ Bad input ends with one line and exit status 2, not a traceback."""
 from __future__ import annotations
 
 import sys
+from unittest import mock
 
 from torchtitan_wlb import cpu_support, log_filter, parent_watch
 
@@ -42,15 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     if done := nothing_to_do(job_config):  # the checkpoint already holds training.steps
         logger.info(done)
         return 0
-    saved_argv = sys.argv
-    sys.argv = [saved_argv[0], *args]
     try:
-        torchtitan_main(WLBTrainer)
+        with mock.patch.object(sys, "argv", [sys.argv[0], *args]):  # what TorchTitan's main parses
+            torchtitan_main(WLBTrainer)
     except USER_ERRORS as e:
         logger.error(f"error: {e}")
         return 2
-    finally:
-        sys.argv = saved_argv
     return 0
 
 

@@ -7,13 +7,14 @@ import contextlib
 import dataclasses
 import difflib
 import io
+import itertools
 import os
 import re
 import sys
 from typing import Any
 from unittest import mock
 
-from torchtitan_wlb.config import ConfigError
+from torchtitan_wlb.config import WLB, ConfigError
 from torchtitan_wlb.data.sources import DataError, TextSource
 from torchtitan_wlb.pipeline.schedule_check import check_pp_microbatches
 from torchtitan_wlb.resume import FAKE_COMM_MODES, CheckpointError, check_resume
@@ -180,11 +181,8 @@ def _check_training(job_config: Any, degrees: dict[str, int]) -> None:
 
 
 def check_data(job_config: Any, max_docs: int = DATA_CHECK_DOCS) -> int:
-    """Read the first ``max_docs`` documents as training will; return how many were read.
-
-    What would otherwise stop the data thread mid-training (a bad path, file, line, record or
-    document) fails here. Hugging Face datasets are streamed, and only checked by the ranks.
-    """
+    """Read the first ``max_docs`` documents as training will, so that a bad path, file, record or
+    document fails now, not in the data thread mid-training; return how many were read (0: HF)."""
     from torchtitan_wlb.data.dataloader import build_document_node, text_source_from_config
     from torchtitan_wlb.data.tokenizer import build_wlb_tokenizer
 
@@ -194,21 +192,7 @@ def check_data(job_config: Any, max_docs: int = DATA_CHECK_DOCS) -> int:
     node = build_document_node(job_config, build_wlb_tokenizer(job_config))
     node.epochs = 1  # one pass is enough to see every document once
     node.reset()
-    read = 0
-    for read in range(1, max_docs + 1):  # noqa: B007 -- the count is the result
-        try:
-            next(node)
-        except StopIteration:
-            return read - 1
-    return read
-
-
-def _world_size() -> int:
-    """Processes run_train.sh will launch (NGPU), else this process's WORLD_SIZE."""
-    value = os.environ.get("NGPU") or os.environ.get("WORLD_SIZE") or "1"
-    if not value.isdigit() or int(value) < 1:
-        raise ConfigError(f"NGPU = {value!r} must be a positive integer")
-    return int(value)
+    return sum(1 for _ in itertools.islice(node, max_docs))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -221,7 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     try:
         job_config = parse_job_config(args)
-        degrees = check_job_config(job_config, world_size=_world_size())
+        # The processes run_train.sh will launch (NGPU), else this process's WORLD_SIZE.
+        ngpu = os.environ.get("NGPU") or os.environ.get("WORLD_SIZE") or "1"
+        if not ngpu.isdigit() or int(ngpu) < 1:
+            raise ConfigError(f"NGPU = {ngpu!r} must be a positive integer")
+        degrees = check_job_config(job_config, world_size=int(ngpu))
         fingerprint = None
         if job_config.wlb.loader == "documents":
             check_data(job_config)
@@ -288,8 +276,6 @@ def _unknown_fields(text: str) -> str:
     keys = [k.strip().strip("'\"") for k in m.group(2).split(",")]
     hint = ""
     if section == "wlb":
-        from torchtitan_wlb.config import WLB
-
         names = [f.name for f in dataclasses.fields(WLB)]
         close = difflib.get_close_matches(keys[0], names, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
