@@ -21,9 +21,8 @@ class AuditLogError(ValueError):
 
 
 class AuditLog:
-    """One rank's writer (``rank``: global; ``dp_rank``, ``dp_degree``: its data-parallel place).
-    Every record is one ``write`` of a whole line, so a kill leaves at most a truncated last line.
-    """
+    """One rank's writer. Every record is one ``write`` of a whole line, so a kill leaves at most a
+    truncated last line."""
 
     def __init__(self, dump_folder: str, rank: int, dp_rank: int, dp_degree: int) -> None:
         folder = os.path.join(dump_folder, AUDIT_FOLDER)

@@ -38,9 +38,8 @@ def choice_values(annotation: Any) -> tuple[str, ...]:
     return get_args(annotation) if get_origin(annotation) is Literal else ()
 
 
-# The choice fields' types. Packers and CP strategies come from their registries. The attention
-# backends are spelled out because their registry (torchtitan_wlb.attention) imports torch, which
-# the config (read by the simulator and the tools too) must not; a test keeps the two equal.
+# The choice fields' types, from the registries but for the attention backends, whose registry
+# imports torch, which the config (read by the tools too) must not; a test keeps the two equal.
 Mode = _choice("", *MODE_PRESETS)
 Packing = _choice(*PACKERS)
 CPSharding = _choice(*STRATEGIES)

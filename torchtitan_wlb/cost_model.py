@@ -11,8 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-# Backward of a matmul costs two matmuls of the forward's size (grad wrt input and wrt weight);
-# the same factor is used for attention (dQ, dK/dV), so training work = 3 x forward.
+# Backward is two forward-sized matmuls per matmul (input and weight; dQ, dK/dV): 3 x forward.
 _FWD_BWD_FACTOR = 3.0
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import sys
 from collections import namedtuple
 from typing import Any
 
@@ -67,8 +68,6 @@ def activate() -> bool:
     global _ACTIVE
     if _ACTIVE:
         return True
-    import sys
-
     import torch._utils as tu
 
     if tu._get_available_device_type() is not None:

@@ -11,9 +11,8 @@ CUDA, THREAD_CPU, WALL = "cuda", "thread_cpu", "wall"
 
 
 def clock_kind(device_type: str) -> str:
-    """The device clock for a rank computing on ``device_type``: ``"cuda"`` (synchronized wall
-    time, or CUDA events where the caller records them), ``"thread_cpu"`` (this thread's CPU time,
-    on CPU with one intra-op thread) or ``"wall"`` (any other device or thread count)."""
+    """The device clock for a rank computing on ``device_type``: ``"cuda"``, ``"thread_cpu"`` (on
+    CPU with one intra-op thread) or ``"wall"`` (docs/cost_model.md)."""
     if device_type == "cuda":
         return CUDA
     if device_type == "cpu" and torch.get_num_threads() == 1:

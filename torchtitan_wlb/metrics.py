@@ -151,9 +151,7 @@ class WLBMetricsProcessor(MetricsProcessor):
         interval = steps_since_last_log(step, self.last_logged_step, log_freq)
         step_time = (time.perf_counter() - self.time_last_log) / interval
         self.last_logged_step = step
-        extra = dict(extra_metrics or {})
-        extra.update(self.wlb_metrics)
-        extra["wlb/step_time_s"] = step_time
+        extra = {**(extra_metrics or {}), **self.wlb_metrics, "wlb/step_time_s": step_time}
         times = self.lists["micro_batch_times_s"]
         if times:
             extra["wlb/micro_batch_time_max_s"] = max(times)

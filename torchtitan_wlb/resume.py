@@ -127,9 +127,8 @@ def saved_fingerprint(folder: str, metadata: Any) -> dict[str, Any] | None:
 
 
 def check_resume(job_config: Any, fingerprint: dict[str, Any] | None) -> int | None:
-    """Check the checkpoint this run would resume from; return its step (None: no resume).
-    ``fingerprint`` (None: not compared) is this run's data fingerprint; a seed checkpoint (step
-    0) holds only the model."""
+    """Check the checkpoint this run would resume from, and against this run's data ``fingerprint``
+    unless None or a seed checkpoint (step 0); return its step (None: no resume)."""
     found = resume_folder(job_config)
     if found is None:
         return None

@@ -17,8 +17,7 @@ from torchtitan_wlb.data.sources import DataError  # noqa: E402
 from torchtitan_wlb.resume import CheckpointError  # noqa: E402
 from torchtitan_wlb.validate import ConfigError, TOMLDecodeError  # noqa: E402
 
-# Errors that mean "the user's input is wrong" once training has started; while the config is
-# parsed, any ValueError is (TorchTitan reports unknown fields with one).
+# Bad user input once training has started (while parsing, any ValueError is: unknown fields).
 USER_ERRORS = (ConfigError, DataError, CheckpointError, FileNotFoundError)
 
 
@@ -33,8 +32,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = sys.argv[1:] if argv is None else argv
     try:
-        # Parse and check once up front: a bad field or layout fails here, before TorchTitan
-        # creates process groups or builds the model.
+        # Parse and check once, before TorchTitan creates process groups or builds the model.
         job_config = parse_job_config(args)
         check_job_config(job_config)
     except (*USER_ERRORS, ValueError, TOMLDecodeError) as e:

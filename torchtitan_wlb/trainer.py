@@ -97,8 +97,7 @@ class WLBTrainer(Trainer):
     def train(self) -> None:
         """TorchTitan's training loop, opened and closed by what the run does and did."""
         jc = self.job_config
-        # Before TorchTitan loads anything: a truncated or damaged checkpoint, or one written
-        # under other data settings, is refused with one line naming the file or the setting.
+        # Before TorchTitan loads anything: a damaged or mismatched checkpoint is one line.
         resume.check_resume(jc, getattr(self.dataloader, "fingerprint", None))
         start_step = resume.resume_step(jc)
         for line in self._run_summary(start_step):
@@ -139,20 +138,16 @@ class WLBTrainer(Trainer):
             f"run: {_count(pd.world_size, self.device.type + ' rank')} over {backend}: {shown}; "
             f"{jc.model.name} {jc.model.flavor}; {_count(jc.training.steps, 'step')}",
         ]
-        if wlb.loader == "documents":
-            lines.append(
-                f"data: dataset {jc.training.dataset!r}"
-                + (" (built-in corpus)" if jc.training.dataset == BUILTIN_NAME else "")
-                + (f" at {jc.training.dataset_path}" if jc.training.dataset_path else "")
-                + f"; packing {wlb.packing!r}, {n} micro-batches per step of up to "
-                f"{wlb.micro_batch_max_len or jc.training.seq_len:,} tokens (context "
-                f"{jc.training.seq_len:,})"
-                + (f"; CP sharding {wlb.cp_sharding!r}" if pd.cp_enabled else "")
-            )
+        data, seq_len = f"data: dataset {jc.training.dataset!r}", jc.training.seq_len
+        if wlb.loader != "documents":
+            data += " through TorchTitan's loader (no packing)"
         else:
-            lines.append(
-                f"data: dataset {jc.training.dataset!r} through TorchTitan's loader (no packing)"
-            )
+            data += " (built-in corpus)" if jc.training.dataset == BUILTIN_NAME else ""
+            data += f" at {jc.training.dataset_path}" if jc.training.dataset_path else ""
+            data += f"; packing {wlb.packing!r}, {n} micro-batches per step of up to "
+            data += f"{wlb.micro_batch_max_len or seq_len:,} tokens (context {seq_len:,})"
+            data += f"; CP sharding {wlb.cp_sharding!r}" if pd.cp_enabled else ""
+        lines.append(data)
         ck, folder = jc.checkpoint, resume.checkpoint_folder(jc)
         every = "every step" if ck.interval == 1 else f"every {ck.interval} steps"
         keep = f", keeping the latest {ck.keep_latest_k}" if ck.keep_latest_k > 0 else ""
@@ -424,8 +419,7 @@ class WLBTrainer(Trainer):
             self._audit.begin_step()
         self._last_completed_step = self.step - 1
         if self._fitter is not None:
-            # Steps before this launch are decided (restored, or trained without a fitter state):
-            # the packing node must not wait for them.
+            # Steps before this launch are decided: the packing node must not wait for them.
             self._fitter.schedule.decide(self.step - 1, None)
         super().train_step(data_iterator)
         self._last_completed_step = self.step

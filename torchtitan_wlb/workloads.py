@@ -83,9 +83,8 @@ def _check_integers(values: list | np.ndarray, source: str) -> np.ndarray:
 
 
 def load_lengths(path: str | Path) -> np.ndarray:
-    """Document lengths (int64, all >= 1) from a JSON list (``.json`` or text starting with
-    ``[``), ``.npy`` or whitespace-separated text; every problem is one ValueError naming the file
-    and the offending entry (a benchmark fed silently-rounded lengths would mislead)."""
+    """Document lengths (int64, all >= 1) from a JSON list, ``.npy`` or whitespace-separated text;
+    any problem is one ValueError naming the file and the entry (silent rounding would mislead)."""
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"lengths file {str(path)!r}: no such file")
