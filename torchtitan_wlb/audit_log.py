@@ -1,9 +1,5 @@
-"""The exactly-once audit log: which documents every rank trained, step by step, across launches.
-
-Every rank appends one JSON record per line to ``<dump_folder>/wlb_audit/rank_<rank>.jsonl`` (the
-records: docs/data.md); ``python -m torchtitan_wlb.tools.audit`` reads them back. Pure Python, no
-torch: the audit tool reads the logs of any run without loading a model.
-"""
+"""The exactly-once audit log: which documents every rank trained, step by step, across launches
+(records: docs/data.md). No torch: ``tools.audit`` reads any run's logs without a model."""
 
 from __future__ import annotations
 
@@ -25,9 +21,8 @@ class AuditLogError(ValueError):
 
 
 class AuditLog:
-    """One rank's writer (``rank``: global; ``dp_rank``, ``dp_degree``: its data-parallel place).
-    Every record is one ``write`` of a whole line, so a kill leaves at most a truncated last line.
-    """
+    """One rank's writer. Every record is one ``write`` of a whole line, so a kill leaves at most a
+    truncated last line."""
 
     def __init__(self, dump_folder: str, rank: int, dp_rank: int, dp_degree: int) -> None:
         folder = os.path.join(dump_folder, AUDIT_FOLDER)

@@ -1,9 +1,5 @@
-"""The ``[wlb]`` TOML section, merged into TorchTitan's JobConfig through ``[job]
-custom_config_module = "torchtitan_wlb.config"``. Every field is checked in ``__post_init__``, so a
-bad value fails at start-up with a message naming the field and the accepted values. The field
-docstrings are the user reference: ``tools/config_doc`` renders them as docs/configuration.md.
-(No ``from __future__ import annotations``: TorchTitan's tyro parser resolves them at run time.)
-"""
+"""The ``[wlb]`` TOML section (``[job] custom_config_module``), checked in ``__post_init__``; its
+field docs are docs/configuration.md. No ``from __future__ import annotations``: tyro reads them."""
 
 from dataclasses import dataclass, field, fields
 from typing import Annotated, Any, Literal, get_args, get_origin
@@ -42,9 +38,8 @@ def choice_values(annotation: Any) -> tuple[str, ...]:
     return get_args(annotation) if get_origin(annotation) is Literal else ()
 
 
-# The choice fields' types. Packers and CP strategies come from their registries. The attention
-# backends are spelled out because their registry (torchtitan_wlb.attention) imports torch, which
-# the config (read by the simulator and the tools too) must not; a test keeps the two equal.
+# The choice fields' types, from the registries but for the attention backends, whose registry
+# imports torch, which the config (read by the tools too) must not; a test keeps the two equal.
 Mode = _choice("", *MODE_PRESETS)
 Packing = _choice(*PACKERS)
 CPSharding = _choice(*STRATEGIES)
@@ -83,15 +78,17 @@ def _check_type(name: str, value: Any, annotation: Any) -> Any:
     return value
 
 
-# The numeric fields' ranges: those that accept 0, and those that must be > 0.
-_NON_NEGATIVE = (
-    "epochs", "max_doc_len", "cp_hybrid_max_len", "micro_batch_max_len", "release_slack",
-    "attn_coef", "linear_coef", "fit_warmup_steps",
-)  # fmt: skip
-_POSITIVE = (
-    "max_delay_steps", "delay_target", "packing_window", "solver_node_limit",
-    "solver_time_limit_s", "cp_bandwidth_gbps", "fit_interval_steps", "fit_apply_lag_steps",
-)  # fmt: skip
+# The numeric fields' lower bounds: inclusive (">=") or exclusive (">"), with a note on why.
+_LOWEST: dict[str, tuple[str, float, str]] = {
+    **dict.fromkeys(("epochs", "max_doc_len", "cp_hybrid_max_len", "micro_batch_max_len",
+                     "release_slack", "attn_coef", "linear_coef", "fit_warmup_steps"),
+                    (">=", 0, "")),
+    **dict.fromkeys(("max_delay_steps", "delay_target", "packing_window", "solver_node_limit",
+                     "solver_time_limit_s", "cp_bandwidth_gbps", "fit_interval_steps",
+                     "fit_apply_lag_steps"), (">", 0, "")),
+    "balance_target": (">=", 1.0, ""),
+    "fit_window_steps": (">=", 2, " (at least one step fitted and one held out)"),
+}  # fmt: skip
 
 
 @dataclass
@@ -112,8 +109,7 @@ class WLB:
 
     cp_hybrid_max_len: int = 0
     """"hybrid": the longest document kept whole on one CP rank, in tokens; 0 chooses it per
-    micro-batch: the length from 2 x context_parallel_degree x 128 (below it per-document chunks
-    are shorter than a 128-token tile) up that keeps the ranks balanced and gathers the least K/V."""
+    micro-batch, balanced with the least K/V gathered (docs/context_parallel.md)."""
 
     attention_backend: AttentionBackend = "auto"
     """Document-masked attention kernel: "auto", "cpu", "flash" (flash-attn varlen, CUDA),
@@ -168,9 +164,8 @@ class WLB:
     `solver_node_limit` stops the run (a plan cut by time depends on the machine's load)."""
 
     cost_model: CostModelKind = "analytic"
-    """Workload model W(d): "analytic" (FLOPs of the model), "coefficients" (`attn_coef`,
-    `linear_coef`), "profile" (JSON table at `cost_profile`), "online" (refitted to measured
-    micro-batch times while training, the fit_* fields; docs/cost_model.md)."""
+    """Workload model W(d): "analytic" (model FLOPs), "coefficients" (`attn_coef`, `linear_coef`),
+    "profile" (JSON at `cost_profile`), "online" (refitted while training: docs/cost_model.md)."""
 
     fit_warmup_steps: int = 2
     """"online": the first steps' times are not used (allocator and kernel warm-up)."""
@@ -221,31 +216,28 @@ class WLB:
     <dump_folder>/wlb_metrics/rank_<rank>.jsonl."""
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            setattr(self, f.name, _check_type(f.name, getattr(self, f.name), f.type))
-        for f in fields(self):  # mode, packing, cp_sharding, ... in declaration order
-            value, accepted = getattr(self, f.name), choice_values(f.type)
+        for f in fields(self):  # in declaration order: the type, then a choice field's values
+            value = _check_type(f.name, getattr(self, f.name), f.type)
+            setattr(self, f.name, value)
+            accepted = choice_values(f.type)
             if accepted and value not in accepted:
                 shown = ", ".join(repr(a) for a in accepted)
                 raise ConfigError(f"[wlb] {f.name} = {value!r} is not accepted; use one of {shown}")
         if self.mode:
             self.packing, self.cp_sharding = MODE_PRESETS[self.mode]
-        for name in _NON_NEGATIVE + _POSITIVE:
-            value, allow_zero = getattr(self, name), name in _NON_NEGATIVE
-            if value < 0 or (value == 0 and not allow_zero):
-                bound = ">= 0" if allow_zero else "> 0"
-                raise ConfigError(f"[wlb] {name} = {value!r} is out of range; it must be {bound}")
+        for name, (op, low, note) in _LOWEST.items():
+            value = getattr(self, name)
+            if value < low or (value == low and op == ">"):
+                raise ConfigError(
+                    f"[wlb] {name} = {value!r} is out of range; it must be {op} {low}{note}"
+                )
         if self.adaptive_max_delay_steps < self.max_delay_steps:
             raise ConfigError(
                 f"[wlb] adaptive_max_delay_steps = {self.adaptive_max_delay_steps} must be >= "
                 f"max_delay_steps = {self.max_delay_steps}"
             )
-        if self.balance_target < 1.0:
-            raise ConfigError(f"[wlb] balance_target = {self.balance_target} must be >= 1.0")
-        thresholds = list(self.queue_thresholds)
-        if any(t <= 0 for t in thresholds) or any(
-            b <= a for a, b in zip(thresholds, thresholds[1:], strict=False)
-        ):
+        thresholds = self.queue_thresholds
+        if any(b <= a for a, b in zip([0, *thresholds], thresholds, strict=False)):
             raise ConfigError(
                 f"[wlb] queue_thresholds = {thresholds!r} must be positive and strictly increasing"
             )
@@ -255,11 +247,6 @@ class WLB:
             raise ConfigError(
                 f'[wlb] cost_model = "coefficients" needs attn_coef > 0 and linear_coef > 0 '
                 f"(got attn_coef = {self.attn_coef!r}, linear_coef = {self.linear_coef!r})"
-            )
-        if self.fit_window_steps < 2:
-            raise ConfigError(
-                f"[wlb] fit_window_steps = {self.fit_window_steps} is out of range; it must be >= 2 "
-                "(at least one step fitted and one held out)"
             )
         if not 1 <= self.fit_holdout_steps < self.fit_window_steps:
             raise ConfigError(

@@ -1,9 +1,5 @@
-"""Workload (cost) model of a packed document: W(d) = W_a(d) + W_l(d) (docs/packing.md).
-
-WLB-LLM balances micro-batches by predicted *work*, not token count: causal attention grows with
-``d**2``, everything else with ``d``. The packers, the CP planner and the simulator all use this
-one class, so a plan balanced by the packer is balanced by the same measure everywhere.
-"""
+"""Workload model of a packed document, W(d) = W_a(d) + W_l(d) (docs/packing.md): the one measure
+the packers, the CP planner and the simulator balance by."""
 
 from __future__ import annotations
 
@@ -15,8 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-# Backward of a matmul costs two matmuls of the forward's size (grad wrt input and wrt weight);
-# the same factor is used for attention (dQ, dK/dV), so training work = 3 x forward.
+# Backward is two forward-sized matmuls per matmul (input and weight; dQ, dK/dV): 3 x forward.
 _FWD_BWD_FACTOR = 3.0
 
 
@@ -63,9 +58,7 @@ class CostModel:
     @property
     def break_even_length(self) -> float:
         """Length ``d`` at which ``W_a(d) == W_l(d)`` (``inf`` without attention cost)."""
-        if self.attn_coef == 0:
-            return math.inf
-        return self.linear_coef / self.attn_coef
+        return self.linear_coef / self.attn_coef if self.attn_coef else math.inf
 
     @classmethod
     def from_coefficients(
@@ -87,14 +80,10 @@ class CostModel:
         tp: int = 1,
         cp: int = 1,
     ) -> CostModel:
-        """Analytic training FLOPs (forward + backward) per GPU of a Llama-style decoder; the
-        per-term formula is in docs/packing.md. Causal attention over ``d`` tokens costs
-        ``2 * dim * (d**2 + d)`` per layer: ``d**2`` is ``attn_coef``, the diagonal ``d`` goes to
-        ``linear_coef``. Norms, RoPE and element-wise ops are ignored (well under 1 %).
-        """
-        names = ("dim", "n_layers", "n_heads", "ffn_hidden_dim", "vocab_size", "tp", "cp")
-        values = (dim, n_layers, n_heads, ffn_hidden_dim, vocab_size, tp, cp)
-        for name, value in zip(names, values, strict=True):
+        """Analytic training FLOPs (forward + backward) per GPU of a Llama-style decoder (the
+        formula: docs/packing.md); norms, RoPE and element-wise ops are ignored (well under 1 %)."""
+        sizes = dict(dim=dim, n_layers=n_layers, n_heads=n_heads, ffn_hidden_dim=ffn_hidden_dim)
+        for name, value in {**sizes, "vocab_size": vocab_size, "tp": tp, "cp": cp}.items():
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"from_model_dims: {name} must be an integer >= 1, got {value!r}")
         n_kv = n_heads if n_kv_heads is None else n_kv_heads
@@ -125,11 +114,8 @@ class CostModel:
 
     @classmethod
     def from_profile(cls, path: str | Path) -> CostModel:
-        """Fit ``seconds = a * d**2 + b * d`` (a, b >= 0) to a measured JSON table.
-
-        Accepted layouts: ``[[length, seconds], ...]``, ``[{"length": L, "seconds": s}, ...]`` or
-        ``{"points": <either list>}``. At least two distinct positive lengths are needed.
-        """
+        """Fit ``seconds = a * d**2 + b * d`` (a, b >= 0) to a measured JSON table (its layouts:
+        docs/packing.md) of at least two distinct positive lengths."""
         path = Path(path)
         try:
             raw = json.loads(path.read_text())
@@ -169,11 +155,8 @@ class CostModel:
 
 
 def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Non-negative least squares for a few columns: the best over all active sets (exact).
-
-    ``from_profile`` and the simulator's calibration fit with it (``cost_fit`` solves its online
-    fit from running sums instead).
-    """
+    """Non-negative least squares for a few columns: the best over all active sets (exact); used by
+    ``from_profile`` and the simulator's calibration."""
     n_col = x.shape[1]
     best, best_err = np.zeros(n_col), float(np.sum(y * y))
     for k in range(1, n_col + 1):

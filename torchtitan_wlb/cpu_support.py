@@ -1,16 +1,12 @@
-"""CPU as a supported TorchTitan device: the one place that makes a CPU-only machine work (what
-it patches and why: docs/cpu.md).
-
-:func:`activate` must run before torchtitan is imported, which binds the device type into module
-globals at import time; the entry point and the test suite call it first. With an accelerator
-present it does nothing.
-"""
+"""CPU as a supported TorchTitan device (what it patches and why: docs/cpu.md). :func:`activate`
+must run before torchtitan is imported, which binds the device type at import time."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import platform
+import sys
 from collections import namedtuple
 from typing import Any
 
@@ -72,8 +68,6 @@ def activate() -> bool:
     global _ACTIVE
     if _ACTIVE:
         return True
-    import sys
-
     import torch._utils as tu
 
     if tu._get_available_device_type() is not None:

@@ -1,16 +1,5 @@
-"""The clock that times a rank's compute for the metrics and the online cost model.
-
-Wall time on a CPU shared with other processes (the other ranks, the loader threads, other jobs)
-includes the time the OS gave to them: noise no cost model can predict. On a GPU the trainer times
-the device (CUDA events, or the wall clock after a synchronize). The CPU analogue is the CPU time
-of the thread that runs the compute (``time.thread_time``): with one intra-op thread
-(``torch.get_num_threads() == 1``) forward and backward run on the calling thread (autograd runs a
-CPU graph on the thread that calls ``backward``), and a blocking wait in a gloo collective sleeps
-on a condition variable, costing none. With more intra-op threads the work spreads over torch's
-thread pool, whose time the calling thread's clock misses, so the device clock is the wall clock
-then. Everything that feeds the online fit reads :class:`DeviceClock`; the wall time is kept
-beside it (docs/cost_model.md).
-"""
+"""The clock that times a rank's compute for the metrics and the online cost model: the device's
+own time, not the wall's, which on a shared CPU counts other processes (docs/cost_model.md)."""
 
 from __future__ import annotations
 
@@ -22,9 +11,8 @@ CUDA, THREAD_CPU, WALL = "cuda", "thread_cpu", "wall"
 
 
 def clock_kind(device_type: str) -> str:
-    """The device clock for a rank computing on ``device_type``: ``"cuda"`` (synchronized wall
-    time, or CUDA events where the caller records them), ``"thread_cpu"`` (this thread's CPU time,
-    on CPU with one intra-op thread) or ``"wall"`` (any other device or thread count)."""
+    """The device clock for a rank computing on ``device_type``: ``"cuda"``, ``"thread_cpu"`` (on
+    CPU with one intra-op thread) or ``"wall"`` (docs/cost_model.md)."""
     if device_type == "cuda":
         return CUDA
     if device_type == "cpu" and torch.get_num_threads() == 1:

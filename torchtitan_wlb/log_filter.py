@@ -1,7 +1,5 @@
-"""Silences TorchTitan log lines that are true but do not apply here, which a newcomer cannot tell
-from real problems: the missing HF assets of the built-in byte tokenizer (``hf_assets_path = ""``)
-and, on CPU, NCCL variables, ``lspci`` and the A100 peak-FLOPS fallback (docs/cpu.md).
-"""
+"""Silences TorchTitan log lines that are true but do not apply here (the byte tokenizer's missing
+HF assets; on CPU, NCCL variables, ``lspci`` and the A100 peak FLOPS: docs/cpu.md)."""
 
 from __future__ import annotations
 
@@ -26,14 +24,10 @@ class InapplicableWarnings(logging.Filter):
     """Drops the lines above and rewrites the CPU peak-FLOPS line (MFU shows ``n/a``)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if message.startswith(_ALWAYS):
+        message, cpu = record.getMessage(), cpu_support.is_active()
+        if message.startswith(_ALWAYS) or (cpu and message.startswith(_CPU_ONLY)):
             return False
-        if not cpu_support.is_active():
-            return True
-        if message.startswith(_CPU_ONLY):
-            return False
-        if message.startswith(_CPU_PEAK):
+        if cpu and message.startswith(_CPU_PEAK):
             record.msg, record.args = "Peak FLOPS: unknown for CPU, MFU not reported", None
         return True
 

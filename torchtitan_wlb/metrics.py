@@ -1,12 +1,5 @@
-"""TorchTitan's metrics processor plus the per-step figures WLB is judged by.
-
-TorchTitan's console line is replaced by one that also says ``step N/M`` and ``eta``, with ``mfu:
-n/a`` where the device's peak FLOPS is unknown (a CPU; TorchTitan would divide by an A100's). A
-``wlb`` line and the ``wlb/`` scalars add the packer's statistics and the measured micro-batch and
-step times; ``[wlb] metrics_jsonl`` writes them per rank (docs/getting_started.md). Figures given to
-:meth:`WLBMetricsProcessor.record` wait for the next logged step, so unlogged steps cost a dict
-update.
-"""
+"""TorchTitan's metrics processor with a ``step N/M ... eta`` line, ``mfu: n/a`` where the peak is
+unknown, and a ``wlb`` line of packing and timing figures (docs/getting_started.md)."""
 
 from __future__ import annotations
 
@@ -24,6 +17,19 @@ from torchtitan.tools.logging import logger
 from torchtitan_wlb import cpu_support
 
 MFU_KEY = "mfu(%)"
+_LISTS = (
+    "micro_batch_times_s", "micro_batch_device_times_s", "doc_ids", "micro_batch_doc_lens",
+    "pp_actions",  # written only under PP
+)  # fmt: skip
+# The parts of the wlb console line: (the figure that must be there, the part).
+_WLB_LINE = (
+    ("wlb/step_time_s", "step_time: {wlb/step_time_s:.3f}s"),
+    ("wlb/imbalance", "imbalance: {wlb/imbalance:.3f}"),
+    ("wlb/max_tokens", "tokens/mb: {wlb/min_tokens:.0f}-{wlb/max_tokens:.0f}"),
+    ("wlb/micro_batch_time_max_s", "mb fwd+bwd max/mean: {wlb/micro_batch_time_max_s:.3f}/"
+     "{wlb/micro_batch_time_mean_s:.3f}s"),
+    ("wlb/pack_ms", "pack: {wlb/pack_ms:.2f}ms"),
+)  # fmt: skip
 
 
 class _MetricsTap(BaseLogger):
@@ -66,12 +72,8 @@ def eta_seconds(step: int, total: int, step_times: list[float]) -> float:
 
 
 def steps_since_last_log(step: int, last_logged: int | None, log_freq: int) -> int:
-    """How many steps the interval ending at ``step`` covers (the step time divides by it).
-
-    ``last_logged``: the last step logged, or the step this process started after (after a resume
-    from step 4 with ``log_freq = 5`` the first log covers one step, not five); None: TorchTitan's
-    schedule (step 1, then every ``log_freq`` steps).
-    """
+    """How many steps the interval ending at ``step`` covers, since ``last_logged`` (or the step a
+    resumed process started after); None: TorchTitan's schedule (step 1, then every log_freq)."""
     if last_logged is None:
         last_logged = 0 if step == 1 else step - log_freq
     return max(1, step - last_logged)
@@ -80,15 +82,13 @@ def steps_since_last_log(step: int, last_logged: int | None, log_freq: int) -> i
 class WLBMetricsProcessor(MetricsProcessor):
     """MetricsProcessor that also logs WLB packing and per-micro-batch timing figures."""
 
-    def __init__(self, job_config: JobConfig, parallel_dims: Any, tag: str | None = None):
-        super().__init__(job_config, parallel_dims, tag)
+    def __init__(self, job_config: JobConfig, parallel_dims: Any, model_args: Any = None):
+        """Built as ``TrainSpec.build_metrics_processor_fn`` (the model's arguments unused)."""
+        super().__init__(job_config, parallel_dims)
         self.wlb_metrics: dict[str, float] = {}
-        self.micro_batch_times: list[float] = []
-        self.micro_batch_device_times: list[float] = []
+        # The lists of the JSONL record, gathered over the steps since the last logged one.
+        self.lists: dict[str, list[Any]] = {k: [] for k in _LISTS}
         self.device_clock = "wall"  # the trainer's DeviceClock kind (torchtitan_wlb.device_clock)
-        self.doc_ids: list[int] = []
-        self.micro_batch_doc_lens: list[list[int]] = []
-        self.pp_actions: list[dict[str, Any]] = []
         self.last_logged_step: int | None = None
         self.jsonl_path: str | None = None
         self.logger = self._tap = _MetricsTap(self.logger, drop_mfu=cpu_support.is_active())
@@ -120,27 +120,24 @@ class WLBMetricsProcessor(MetricsProcessor):
     def record_doc_ids(self, doc_ids: torch.Tensor) -> None:
         """Documents this rank trained on (kept only when the JSONL log is on: an audit trail)."""
         if self.jsonl_path is not None:
-            self.doc_ids.extend(doc_ids.tolist())
+            self.lists["doc_ids"].extend(doc_ids.tolist())
 
     def record_micro_batch_time(
-        self,
-        seconds: float,
-        doc_lens: list[int] | None = None,
-        device_seconds: float | None = None,
+        self, seconds: float, doc_lens: list[int] | None, device_seconds: float
     ) -> None:
-        """A micro-batch's measured forward+backward wall time, its time on the device clock
-        (None: the wall time) and, for calibration, its documents."""
-        self.micro_batch_times.append(seconds)
-        self.micro_batch_device_times.append(seconds if device_seconds is None else device_seconds)
+        """A micro-batch's forward+backward wall and device-clock times and, for calibration, its
+        documents."""
+        self.lists["micro_batch_times_s"].append(seconds)
+        self.lists["micro_batch_device_times_s"].append(device_seconds)
         if doc_lens is not None and self.jsonl_path is not None:
-            self.micro_batch_doc_lens.append(doc_lens)
+            self.lists["micro_batch_doc_lens"].append(doc_lens)
 
     def record_pipeline_actions(
-        self, actions: dict[str, Any], doc_lens: list[list[int]] | None = None
+        self, actions: dict[str, Any], doc_lens: list[list[int]] | None
     ) -> None:
         """One pipeline step's per-action forward / backward times on this rank (PP only)."""
         if self.jsonl_path is not None:
-            self.pp_actions.append({**actions, "doc_lens": doc_lens})
+            self.lists["pp_actions"].append({**actions, "doc_lens": doc_lens})
 
     def log(
         self,
@@ -154,11 +151,9 @@ class WLBMetricsProcessor(MetricsProcessor):
         interval = steps_since_last_log(step, self.last_logged_step, log_freq)
         step_time = (time.perf_counter() - self.time_last_log) / interval
         self.last_logged_step = step
-        extra = dict(extra_metrics or {})
-        extra.update(self.wlb_metrics)
-        extra["wlb/step_time_s"] = step_time
-        if self.micro_batch_times:
-            times = self.micro_batch_times
+        extra = {**(extra_metrics or {}), **self.wlb_metrics, "wlb/step_time_s": step_time}
+        times = self.lists["micro_batch_times_s"]
+        if times:
             extra["wlb/micro_batch_time_max_s"] = max(times)
             extra["wlb/micro_batch_time_mean_s"] = sum(times) / len(times)
         if self.jsonl_path is not None:
@@ -169,12 +164,9 @@ class WLBMetricsProcessor(MetricsProcessor):
                 "max_loss": float(global_max_loss),
                 "grad_norm": float(grad_norm),
                 "peak_mem_gib": mem.max_reserved_gib,
-                "micro_batch_times_s": list(self.micro_batch_times),
-                "micro_batch_device_times_s": list(self.micro_batch_device_times),
                 "device_clock": self.device_clock,
-                "doc_ids": sorted(self.doc_ids),
-                "micro_batch_doc_lens": list(self.micro_batch_doc_lens),
-                **({"pp_actions": list(self.pp_actions)} if self.pp_actions else {}),
+                **{k: v for k, v in self.lists.items() if v or k != "pp_actions"},
+                "doc_ids": sorted(self.lists["doc_ids"]),
                 **{k: v for k, v in extra.items() if isinstance(v, (int, float))},
             }
             with open(self.jsonl_path, "a") as f:
@@ -191,27 +183,11 @@ class WLBMetricsProcessor(MetricsProcessor):
             logger.removeFilter(warnings_only)
         self.run_step_times.append(step_time)
         self._log_step_line(step, self._tap.last)
-        parts = [f"step_time: {step_time:.3f}s"]
-        if "wlb/imbalance" in extra:
-            parts.append(f"imbalance: {extra['wlb/imbalance']:.3f}")
-        if "wlb/max_tokens" in extra:
-            parts.append(
-                f"tokens/mb: {extra.get('wlb/min_tokens', 0):.0f}-{extra['wlb/max_tokens']:.0f}"
-            )
-        if "wlb/micro_batch_time_max_s" in extra:
-            parts.append(
-                f"mb fwd+bwd max/mean: {extra['wlb/micro_batch_time_max_s']:.3f}/"
-                f"{extra['wlb/micro_batch_time_mean_s']:.3f}s"
-            )
-        if "wlb/pack_ms" in extra:
-            parts.append(f"pack: {extra['wlb/pack_ms']:.2f}ms")
+        figures = {"wlb/min_tokens": 0, **extra}
+        parts = [part.format_map(figures) for key, part in _WLB_LINE if key in figures]
         logger.info("wlb  " + "  ".join(parts))
         self.wlb_metrics.clear()
-        self.micro_batch_times.clear()
-        self.micro_batch_device_times.clear()
-        self.doc_ids.clear()
-        self.micro_batch_doc_lens.clear()
-        self.pp_actions.clear()
+        self.lists = {k: [] for k in _LISTS}
 
     def _log_step_line(self, step: int, metrics: dict[str, Any]) -> None:
         """TorchTitan's step line with ``step N/M``, ``mfu: n/a`` where unknown, and ``eta``."""
@@ -230,10 +206,3 @@ class WLBMetricsProcessor(MetricsProcessor):
             f"{c.magenta}mfu: {mfu}  "
             f"{c.yellow}eta: {eta}{c.reset}"
         )
-
-
-def build_wlb_metrics_processor(
-    job_config: JobConfig, parallel_dims: Any, model_args: Any = None, tag: str | None = None
-) -> WLBMetricsProcessor:
-    """TrainSpec.build_metrics_processor_fn of ``llama3_wlb``."""
-    return WLBMetricsProcessor(job_config, parallel_dims, tag)

@@ -1,10 +1,5 @@
-"""A rank whose launcher has died stops at once: no orphan keeps training or writing checkpoints.
-
-torchrun starts every rank in a session of its own, so killing the launch's process group kills
-only torchrun. Each rank therefore polls ``os.getppid()`` in a daemon thread and, once re-parented,
-SIGKILLs itself (an incomplete checkpoint has no ``.metadata`` and is never resumed from). Polling,
-not ``PR_SET_PDEATHSIG``, which follows the forking *thread*. Imports nothing of the package.
-"""
+"""A rank whose launcher has died stops at once: no orphan keeps training or writing checkpoints
+(how and why by polling: docs/architecture.md). Imports nothing of the package."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""Which checkpoint a run resumes from, and its checks before anything of it is loaded.
-
-A truncated or damaged file would otherwise fail deep inside ``torch.distributed.checkpoint``
-(a long traceback naming no file, possibly after part of the state was overwritten), and a
-checkpoint written under other data settings would load silently and train other documents.
-:func:`check_resume` raises one line naming the file or the changed setting instead; the trainer
-runs it on every rank and ``python -m torchtitan_wlb.validate`` before any rank starts.
-"""
+"""Which checkpoint a run resumes from, checked before anything of it is loaded: a damaged file or
+one written under other data settings is one line naming it (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -63,13 +57,10 @@ def resume_step(job_config: Any) -> int:
     """The step this job will resume from (-1: it starts from scratch): none when it writes a
     seed checkpoint or runs on fake collectives (which cannot load one)."""
     found = resume_folder(job_config)
-    if (
-        found is None
-        or job_config.checkpoint.create_seed_checkpoint
-        or job_config.comm.mode in FAKE_COMM_MODES
-    ):
-        return -1
-    return found[1] if os.path.isdir(found[0]) else -1
+    seed_or_fake = (
+        job_config.checkpoint.create_seed_checkpoint or job_config.comm.mode in FAKE_COMM_MODES
+    )
+    return found[1] if found and os.path.isdir(found[0]) and not seed_or_fake else -1
 
 
 def verify(folder: str) -> Any:
@@ -136,9 +127,8 @@ def saved_fingerprint(folder: str, metadata: Any) -> dict[str, Any] | None:
 
 
 def check_resume(job_config: Any, fingerprint: dict[str, Any] | None) -> int | None:
-    """Check the checkpoint this run would resume from; return its step (None: no resume).
-    ``fingerprint`` (None: not compared) is this run's data fingerprint; a seed checkpoint (step
-    0) holds only the model."""
+    """Check the checkpoint this run would resume from, and against this run's data ``fingerprint``
+    unless None or a seed checkpoint (step 0); return its step (None: no resume)."""
     found = resume_folder(job_config)
     if found is None:
         return None

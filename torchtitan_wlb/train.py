@@ -1,13 +1,10 @@
-"""Entry point: ``python -m torchtitan_wlb.train --job.config_file train_configs/debug_cpu.toml``.
-
-One process per rank (``run_train.sh`` through torchrun): CPU support before torchtitan is
-imported, the parent watch, then TorchTitan's ``main`` with :class:`WLBTrainer`. Bad input ends
-with one line naming the problem and exit status 2, not a traceback.
-"""
+"""Entry point, one process per rank: ``python -m torchtitan_wlb.train --job.config_file FILE``.
+Bad input ends with one line and exit status 2, not a traceback."""
 
 from __future__ import annotations
 
 import sys
+from unittest import mock
 
 from torchtitan_wlb import cpu_support, log_filter, parent_watch
 
@@ -20,8 +17,7 @@ from torchtitan_wlb.data.sources import DataError  # noqa: E402
 from torchtitan_wlb.resume import CheckpointError  # noqa: E402
 from torchtitan_wlb.validate import ConfigError, TOMLDecodeError  # noqa: E402
 
-# Errors that mean "the user's input is wrong" once training has started; while the config is
-# parsed, any ValueError is (TorchTitan reports unknown fields with one).
+# Bad user input once training has started (while parsing, any ValueError is: unknown fields).
 USER_ERRORS = (ConfigError, DataError, CheckpointError, FileNotFoundError)
 
 
@@ -36,8 +32,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = sys.argv[1:] if argv is None else argv
     try:
-        # Parse and check once up front: a bad field or layout fails here, before TorchTitan
-        # creates process groups or builds the model.
+        # Parse and check once, before TorchTitan creates process groups or builds the model.
         job_config = parse_job_config(args)
         check_job_config(job_config)
     except (*USER_ERRORS, ValueError, TOMLDecodeError) as e:
@@ -46,15 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     if done := nothing_to_do(job_config):  # the checkpoint already holds training.steps
         logger.info(done)
         return 0
-    saved_argv = sys.argv
-    sys.argv = [saved_argv[0], *args]
     try:
-        torchtitan_main(WLBTrainer)
+        with mock.patch.object(sys, "argv", [sys.argv[0], *args]):  # what TorchTitan's main parses
+            torchtitan_main(WLBTrainer)
     except USER_ERRORS as e:
         logger.error(f"error: {e}")
         return 2
-    finally:
-        sys.argv = saved_argv
     return 0
 
 

@@ -1,9 +1,5 @@
-"""Registers the ``llama3_wlb`` train spec with TorchTitan.
-
-Named in TOML as ``[experimental] custom_import = "torchtitan_wlb.train_spec"``, which TorchTitan
-imports before it looks ``[model] name`` up. All but the model, the data and the metrics is
-TorchTitan's Llama 3 machinery.
-"""
+"""Registers the ``llama3_wlb`` train spec (``[experimental] custom_import``): TorchTitan's Llama 3
+machinery with WLB's model, data and metrics."""
 
 from __future__ import annotations
 
@@ -17,7 +13,7 @@ from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_
 
 from torchtitan_wlb.data.dataloader import build_wlb_dataloader
 from torchtitan_wlb.data.tokenizer import build_wlb_tokenizer
-from torchtitan_wlb.metrics import build_wlb_metrics_processor
+from torchtitan_wlb.metrics import WLBMetricsProcessor
 from torchtitan_wlb.models.llama3_wlb import (
     WLBTransformer,
     cost_model_for_job,
@@ -50,7 +46,7 @@ except ValueError:
             build_dataloader_fn=_build_dataloader,
             build_tokenizer_fn=build_wlb_tokenizer,
             build_loss_fn=build_cross_entropy_loss,
-            build_metrics_processor_fn=build_wlb_metrics_processor,
+            build_metrics_processor_fn=WLBMetricsProcessor,
             state_dict_adapter=Llama3StateDictAdapter,
         ),
     )

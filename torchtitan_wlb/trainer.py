@@ -1,13 +1,5 @@
-"""``WLBTrainer``: TorchTitan's Trainer with document metadata, WLB CP/PP and start-up checks.
-
-TorchTitan's loop, checkpointing, optimizers and parallelisms are used unchanged. Added: config
-checks before any process group exists; per micro-batch, attention metadata and per-document RoPE
-positions from ``doc_lens`` (TorchTitan would mask by EOS and never reset positions), sharded under
-CP with the micro-batch's own plan (TorchTitan 0.2.2 shards neither positions nor metadata); under
-PP the step's micro-batches run through the schedule together, each with its own length; timing
-of every micro-batch for the metrics and the online cost model (docs/cost_model.md); the
-exactly-once audit log (docs/data.md); and start and end lines saying what the run does and did.
-"""
+"""``WLBTrainer``: TorchTitan's Trainer with document metadata, per-micro-batch CP plans, varlen
+PP, timing for the online cost model, the audit log and start/end lines (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -41,21 +33,17 @@ def nothing_to_do(job_config: Any) -> str | None:
         return None
     return (
         f"nothing to do: the checkpoint in {resume.checkpoint_folder(job_config)} is at step "
-        f"{step} >= training.steps = {total}; train further with --training.steps {step + total}, or start "
-        "afresh in another --job.dump_folder"
+        f"{step} >= training.steps = {total}; train further with --training.steps "
+        f"{step + total}, or start afresh in another --job.dump_folder"
     )
-
-
-def _layout(parallel_dims: Any, device: torch.device, comm_mode: str) -> str:
-    degrees = {k: getattr(parallel_dims, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp")}
-    shown = " x ".join(f"{k} {v}" for k, v in degrees.items() if v > 1) or "no parallelism"
-    backend = "gloo" if device.type == "cpu" else "nccl"
-    backend = comm_mode if comm_mode in resume.FAKE_COMM_MODES else backend
-    return f"{_count(parallel_dims.world_size, device.type + ' rank')} over {backend}: {shown}"
 
 
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _multi_process() -> bool:
+    return torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
 
 
 class WLBTrainer(Trainer):
@@ -70,22 +58,20 @@ class WLBTrainer(Trainer):
                 "(fake collectives cannot write one)"
             )
         super().__init__(job_config)
+        wlb = job_config.wlb
         self._pp_pending: list[tuple[Tensor, Tensor, dict[str, Any]]] = []
         self._pp_runner = None
         if self.parallel_dims.pp_enabled:
             from torchtitan_wlb.pipeline.varlen import VarlenPipelineRunner
 
-            self._pp_runner = VarlenPipelineRunner(
-                self.pp_schedule,
-                time_actions=bool(job_config.wlb.metrics_jsonl)
-                or job_config.wlb.cost_model == "online",
-            )
+            timed = wlb.metrics_jsonl or wlb.cost_model == "online"
+            self._pp_runner = VarlenPipelineRunner(self.pp_schedule, time_actions=timed)
         self._cp_profile = None
-        if self.parallel_dims.cp_enabled and job_config.wlb.cp_sharding == "adaptive":
+        if self.parallel_dims.cp_enabled and wlb.cp_sharding == "adaptive":
             from torchtitan_wlb.cp.profile import resolve_profile
 
-            self._cp_profile = resolve_profile(job_config.wlb.cp_profile or None)
-            if self.device.type == "cuda" and not job_config.wlb.cp_profile:
+            self._cp_profile = resolve_profile(wlb.cp_profile or None)
+            if self.device.type == "cuda" and not wlb.cp_profile:
                 logger.warning(
                     "adaptive CP sharding is choosing with the packaged CPU throughput profile; "
                     "measure one for this GPU (python -m torchtitan_wlb.tools.cp_profile --device "
@@ -94,12 +80,10 @@ class WLBTrainer(Trainer):
         self._cp_stats: list[tuple[str, float]] = []
         self._last_doc_lens: list[int] | None = None
         self._pp_doc_lens: list[list[int]] = []
-        documents = job_config.wlb.loader == "documents"
+        documents = wlb.loader == "documents"
         self._cost_model = cost_model_for_job(job_config) if documents else None
         schedule = getattr(self.dataloader, "cost_schedule", None)
         self._fitter = OnlineFitter(schedule) if schedule is not None else None
-        # The fit's clock: the device's, not the wall's (a CPU's wall time includes the time the
-        # OS gave to other processes); the metrics keep both.
         self._clock = DeviceClock(self.device)
         self.metrics_processor.device_clock = self._clock.kind
         # (sum d^2, sum d, device seconds) of this step's micro-batches on this rank, for the fit.
@@ -113,15 +97,20 @@ class WLBTrainer(Trainer):
     def train(self) -> None:
         """TorchTitan's training loop, opened and closed by what the run does and did."""
         jc = self.job_config
-        # Before TorchTitan loads anything: a truncated or damaged checkpoint, or one written
-        # under other data settings, is refused with one line naming the file or the setting.
+        # Before TorchTitan loads anything: a damaged or mismatched checkpoint is one line.
         resume.check_resume(jc, getattr(self.dataloader, "fingerprint", None))
         start_step = resume.resume_step(jc)
         for line in self._run_summary(start_step):
             logger.info(line)
         begin = time.perf_counter()
         super().train()
-        self._audit_end()
+        if self._audit is not None and self._audit.started:
+            # The closing record. TorchTitan advances the step before running it: a step that
+            # found no data left was canceled, and the data has ended.
+            done, (pending, documents) = self._last_completed_step, self.dataloader.accounting()
+            ended = done < self.step
+            reason = "end of data" if ended else "steps"
+            self._audit.end(done, reason, pending, documents=documents if ended else None)
         ck = self.checkpointer
         if ck.enable and not ck.load_only and self.step == jc.training.steps:
             # TorchTitan purges after interval saves only; the last step's save is one more.
@@ -136,44 +125,29 @@ class WLBTrainer(Trainer):
             f"{self.step}/{jc.training.steps}; {where}"
         )
 
-    def _audit_end(self) -> None:
-        """The audit log's closing record: why the run stopped, and what the loader still held."""
-        if self._audit is not None and self._audit.started:
-            # TorchTitan advances the step before running it: a step that found no data left
-            # was canceled, and the data has ended.
-            ended = self._last_completed_step < self.step
-            pending, documents = self.dataloader.accounting()
-            self._audit.end(
-                self._last_completed_step,
-                "end of data" if ended else "steps",
-                pending=pending,
-                documents=documents if ended else None,
-            )
-
     def _run_summary(self, start_step: int) -> list[str]:
         """The start-up lines: layout, model, data, checkpoints, where training starts."""
-        jc, wlb = self.job_config, self.job_config.wlb
-        pd = self.parallel_dims
+        jc, wlb, pd = self.job_config, self.job_config.wlb, self.parallel_dims
         n = jc.training.global_batch_size
         n = n if n > 0 else pd.dp_replicate * pd.dp_shard  # TorchTitan: one per DP rank
+        degrees = {k: getattr(pd, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp")}
+        shown = " x ".join(f"{k} {v}" for k, v in degrees.items() if v > 1) or "no parallelism"
+        backend = "gloo" if self.device.type == "cpu" else "nccl"
+        backend = jc.comm.mode if jc.comm.mode in resume.FAKE_COMM_MODES else backend
         lines = [
-            f"run: {_layout(pd, self.device, jc.comm.mode)}; {jc.model.name} "
-            f"{jc.model.flavor}; {_count(jc.training.steps, 'step')}",
+            f"run: {_count(pd.world_size, self.device.type + ' rank')} over {backend}: {shown}; "
+            f"{jc.model.name} {jc.model.flavor}; {_count(jc.training.steps, 'step')}",
         ]
-        if wlb.loader == "documents":
-            lines.append(
-                f"data: dataset {jc.training.dataset!r}"
-                + (" (built-in corpus)" if jc.training.dataset == BUILTIN_NAME else "")
-                + (f" at {jc.training.dataset_path}" if jc.training.dataset_path else "")
-                + f"; packing {wlb.packing!r}, {n} micro-batches per step of up to "
-                f"{wlb.micro_batch_max_len or jc.training.seq_len:,} tokens (context "
-                f"{jc.training.seq_len:,})"
-                + (f"; CP sharding {wlb.cp_sharding!r}" if pd.cp_enabled else "")
-            )
+        data, seq_len = f"data: dataset {jc.training.dataset!r}", jc.training.seq_len
+        if wlb.loader != "documents":
+            data += " through TorchTitan's loader (no packing)"
         else:
-            lines.append(
-                f"data: dataset {jc.training.dataset!r} through TorchTitan's loader (no packing)"
-            )
+            data += " (built-in corpus)" if jc.training.dataset == BUILTIN_NAME else ""
+            data += f" at {jc.training.dataset_path}" if jc.training.dataset_path else ""
+            data += f"; packing {wlb.packing!r}, {n} micro-batches per step of up to "
+            data += f"{wlb.micro_batch_max_len or seq_len:,} tokens (context {seq_len:,})"
+            data += f"; CP sharding {wlb.cp_sharding!r}" if pd.cp_enabled else ""
+        lines.append(data)
         ck, folder = jc.checkpoint, resume.checkpoint_folder(jc)
         every = "every step" if ck.interval == 1 else f"every {ck.interval} steps"
         keep = f", keeping the latest {ck.keep_latest_k}" if ck.keep_latest_k > 0 else ""
@@ -225,16 +199,12 @@ class WLBTrainer(Trainer):
     def _pad_for_sharding(
         self, inputs: Tensor, labels: Tensor, positions: Tensor, doc_lens: Tensor
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Pad so that every TP rank's sequence-parallel shard has the same length (a multiple of
-        ``tp * 2 * cp`` tokens) and, under CP alone, every rank of the ``2 * cp`` chunks holds
-        tokens (a final step's one-token filler). The padding is one extra document with ignored
-        labels: it attends only to itself and adds nothing to the loss or the gradients."""
+        """Pad so that TP's sequence-parallel shards are equal (``tp * 2 * cp`` tokens) and, under
+        CP alone, each of the ``2 * cp`` chunks holds tokens; the pad is one more document with
+        ignored labels, adding nothing to the loss or the gradients."""
         pd = self.parallel_dims
         multiple = pd.tp * (2 * pd.cp if pd.cp_enabled else 1)
-        if pd.tp_enabled:
-            pad = -inputs.shape[1] % multiple
-        else:
-            pad = max(0, multiple - inputs.shape[1])
+        pad = -inputs.shape[1] % multiple if pd.tp_enabled else max(0, multiple - inputs.shape[1])
         if pad == 0:
             return inputs, labels, positions, doc_lens
         fill = torch.zeros((1, pad), dtype=inputs.dtype, device=inputs.device)
@@ -306,9 +276,8 @@ class WLBTrainer(Trainer):
         return loss
 
     def _maybe_refit(self) -> None:
-        """After the step's last micro-batch (before TorchTitan logs the step): gather the step's
-        fit statistics from every rank, let the fitter refit if this is a refit step, and put
-        the outcome in this step's metrics."""
+        """After the step's last micro-batch (before TorchTitan logs it): the step's fit statistics
+        from every rank to the fitter, and a refit's outcome to this step's metrics."""
         if self._micro_batches_done < self.gradient_accumulation_steps:
             return
         self._micro_batches_done = 0
@@ -318,11 +287,7 @@ class WLBTrainer(Trainer):
         rows = [r for r in rows if r[2] > 0]
         local = FitStats.from_samples(*zip(*rows, strict=True)) if rows else FitStats.zeros()
         vector = local.to_vector()
-        if (
-            self.job_config.comm.mode not in resume.FAKE_COMM_MODES
-            and torch.distributed.is_initialized()
-            and torch.distributed.get_world_size() > 1
-        ):
+        if self.job_config.comm.mode not in resume.FAKE_COMM_MODES and _multi_process():
             # all_gather, then one sum over the same gathered rows on every rank: the same
             # float64 result everywhere (an all-reduce need not be bitwise equal across ranks).
             mine = torch.from_numpy(vector).to(self.device)
@@ -367,9 +332,8 @@ class WLBTrainer(Trainer):
     def _pipeline_step(
         self, input_dict: dict[str, Any], labels: Tensor, global_valid_tokens: Tensor
     ) -> Tensor | None:
-        """Collect the step's micro-batches (TorchTitan hands them over one by one); when all are
-        in, run them through the schedule together, which interleaves them. Receive shapes come
-        from the micro-batches' lengths, known to every stage from the same packing plan."""
+        """Collect the step's micro-batches (TorchTitan hands them over one by one), then run them
+        through the schedule together; every stage knows their lengths from the same plan."""
         runner = self._pp_runner
         inputs, labels, _, extra_kwargs = self.post_dataloading_process(input_dict, labels)
         self._pp_pending.append((inputs, labels, extra_kwargs))
@@ -378,8 +342,14 @@ class WLBTrainer(Trainer):
         if len(self._pp_pending) < runner.n_microbatches:
             return None
         pending, self._pp_pending = self._pp_pending, []
-        step_doc_lens = list(self._pp_doc_lens)
-        self._record_bubble_estimate()
+        step_doc_lens, self._pp_doc_lens = self._pp_doc_lens, []
+        if self._cost_model is not None and step_doc_lens:
+            # The predicted bubble: a 1F1B-style schedule over p stages takes about sum(c) +
+            # (p - 1) * max(c) for micro-batch workloads c; the bubble is the idle share of that.
+            costs = np.array([self._cost_model.microbatch_cost(d) for d in step_doc_lens])
+            stalls = (self.parallel_dims.pp - 1) * costs.max()
+            bubble = float(stalls / (costs.sum() + stalls))
+            self.metrics_processor.record({"pp_bubble_estimate": bubble})
         losses: list[Tensor] | None = [] if self.pp_has_last_stage else None
         with self.train_context():
             runner.step(
@@ -403,33 +373,14 @@ class WLBTrainer(Trainer):
             return torch.sum(torch.stack([loss.detach() for loss in losses])).to(self.device)
         return torch.tensor(-1.0, device=self.device)  # TorchTitan: no loss off the last stage
 
-    def _record_bubble_estimate(self) -> None:
-        """Predicted pipeline bubble of this step from the micro-batches' workloads ``c``: a
-        1F1B-style schedule over ``p`` stages takes about ``sum(c) + (p - 1) * max(c)`` (the
-        slowest micro-batch is paid again while the pipeline fills and drains); the bubble is the
-        idle share of that, growing with the micro-batches' imbalance."""
-        lens, self._pp_doc_lens = self._pp_doc_lens, []
-        if self._cost_model is None or not lens:
-            return
-        costs = np.array([float(self._cost_model.doc_cost(np.asarray(d)).sum()) for d in lens])
-        stalls = (self.parallel_dims.pp - 1) * costs.max()
-        self.metrics_processor.record(
-            {"pp_bubble_estimate": float(stalls / (costs.sum() + stalls))}
-        )
-
     def _flush_cp_stats(self) -> None:
-        if not self._cp_stats:
-            return
-        strategies, imbalance = zip(*self._cp_stats, strict=True)
-        chosen = np.asarray(strategies)
-        self.metrics_processor.record(
-            {
-                "cp_per_document_share": float(np.mean(chosen == "per_document")),
-                "cp_hybrid_share": float(np.mean(chosen == "hybrid")),
-                "cp_flops_imbalance": float(np.mean(imbalance)),
+        if self._cp_stats:
+            chosen, imbalance = (np.asarray(v) for v in zip(*self._cp_stats, strict=True))
+            share = {
+                f"cp_{s}_share": float(np.mean(chosen == s)) for s in ("per_document", "hybrid")
             }
-        )
-        self._cp_stats.clear()
+            self.metrics_processor.record({**share, "cp_flops_imbalance": float(imbalance.mean())})
+            self._cp_stats.clear()
 
     def _build_audit_log(self) -> AuditLog | None:
         """Every rank's audit log, for the document loader on real process groups; and a hook
@@ -438,42 +389,37 @@ class WLBTrainer(Trainer):
         if self.job_config.comm.mode != "default" or not hasattr(loader, "accounting"):
             return None
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        folder = self.job_config.job.dump_folder
-        audit = AuditLog(folder, rank, loader.dp_rank, loader.dp_world_size)
-        save = self.checkpointer.save
+        audit = AuditLog(
+            self.job_config.job.dump_folder, rank, loader.dp_rank, loader.dp_world_size
+        )
+        save, ck = self.checkpointer.save, self.checkpointer
 
         def save_and_record(curr_step: int, last_step: bool = False) -> None:
             save(curr_step, last_step=last_step)
-            if not self.checkpointer.enable:  # TorchTitan sets up no folder then
-                return
-            folder = os.path.join(self.checkpointer.folder, f"step-{curr_step}")
-            if audit.started and os.path.isfile(os.path.join(folder, ".metadata")):
+            # TorchTitan sets up no folder when checkpoints are off.
+            written = ck.enable and os.path.isfile(f"{ck.folder}/step-{curr_step}/.metadata")
+            if audit.started and written:
                 audit.checkpoint(curr_step, pending=loader.accounting()[0])
 
-        self.checkpointer.save = save_and_record
+        ck.save = save_and_record
         return audit
-
-    def _start_audit(self) -> None:
-        """The launch's start record: one id for all ranks (rank 0's, broadcast) and the step it
-        resumed from; written before the first step, so a launch killed during it still
-        supersedes the steps it would re-train."""
-        launch = [f"{time.time_ns()}-{os.getpid()}"]
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            torch.distributed.broadcast_object_list(launch, src=0)
-        launch_time = int(launch[0].split("-")[0]) / 1e9
-        self._audit.start(launch[0], launch_time, resumed_from=self.step - 1)
 
     def train_step(self, data_iterator: Any) -> None:
         if self.metrics_processor.last_logged_step is None:
             self.metrics_processor.start_at(self.step)  # after a resume: the checkpoint's step + 1
         if self._audit is not None:
             if not self._audit.started:
-                self._start_audit()
+                # One launch id for all ranks (rank 0's), written before the first step: a launch
+                # killed during it still supersedes the steps it would re-train.
+                launch = [f"{time.time_ns()}-{os.getpid()}"]
+                if _multi_process():
+                    torch.distributed.broadcast_object_list(launch, src=0)
+                launch_time = int(launch[0].split("-")[0]) / 1e9
+                self._audit.start(launch[0], launch_time, resumed_from=self.step - 1)
             self._audit.begin_step()
         self._last_completed_step = self.step - 1
         if self._fitter is not None:
-            # Steps before this launch are decided (restored, or trained without a fitter state):
-            # the packing node must not wait for them.
+            # Steps before this launch are decided: the packing node must not wait for them.
             self._fitter.schedule.decide(self.step - 1, None)
         super().train_step(data_iterator)
         self._last_completed_step = self.step

@@ -1,11 +1,5 @@
-"""Start-up checks of a job config, before any process group or model exists: one line naming the
-fields and the accepted values instead of TorchTitan's late assertions.
-
-``python -m torchtitan_wlb.validate ARGS`` is the pre-flight check ``run_train.sh`` runs once with
-the ranks' arguments: the config and layout against ``NGPU``, the data (:func:`check_data`) and the
-checkpoint a rerun would resume from (:mod:`torchtitan_wlb.resume`); a problem is one line on
-stderr and exit status 2.
-"""
+"""Start-up checks of a job config, as one line naming the fields and the accepted values;
+``python -m torchtitan_wlb.validate ARGS`` is run_train.sh's pre-flight check (exit status 2)."""
 
 from __future__ import annotations
 
@@ -13,12 +7,14 @@ import contextlib
 import dataclasses
 import difflib
 import io
+import itertools
 import os
 import re
 import sys
 from typing import Any
+from unittest import mock
 
-from torchtitan_wlb.config import ConfigError
+from torchtitan_wlb.config import WLB, ConfigError
 from torchtitan_wlb.data.sources import DataError, TextSource
 from torchtitan_wlb.pipeline.schedule_check import check_pp_microbatches
 from torchtitan_wlb.resume import FAKE_COMM_MODES, CheckpointError, check_resume
@@ -185,11 +181,8 @@ def _check_training(job_config: Any, degrees: dict[str, int]) -> None:
 
 
 def check_data(job_config: Any, max_docs: int = DATA_CHECK_DOCS) -> int:
-    """Read the first ``max_docs`` documents as training will; return how many were read.
-
-    What would otherwise stop the data thread mid-training (a bad path, file, line, record or
-    document) fails here. Hugging Face datasets are streamed, and only checked by the ranks.
-    """
+    """Read the first ``max_docs`` documents as training will, so that a bad path, file, record or
+    document fails now, not in the data thread mid-training; return how many were read (0: HF)."""
     from torchtitan_wlb.data.dataloader import build_document_node, text_source_from_config
     from torchtitan_wlb.data.tokenizer import build_wlb_tokenizer
 
@@ -199,21 +192,7 @@ def check_data(job_config: Any, max_docs: int = DATA_CHECK_DOCS) -> int:
     node = build_document_node(job_config, build_wlb_tokenizer(job_config))
     node.epochs = 1  # one pass is enough to see every document once
     node.reset()
-    read = 0
-    for read in range(1, max_docs + 1):  # noqa: B007 -- the count is the result
-        try:
-            next(node)
-        except StopIteration:
-            return read - 1
-    return read
-
-
-def _world_size() -> int:
-    """Processes run_train.sh will launch (NGPU), else this process's WORLD_SIZE."""
-    value = os.environ.get("NGPU") or os.environ.get("WORLD_SIZE") or "1"
-    if not value.isdigit() or int(value) < 1:
-        raise ConfigError(f"NGPU = {value!r} must be a positive integer")
-    return int(value)
+    return sum(1 for _ in itertools.islice(node, max_docs))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -226,7 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     try:
         job_config = parse_job_config(args)
-        degrees = check_job_config(job_config, world_size=_world_size())
+        # The processes run_train.sh will launch (NGPU), else this process's WORLD_SIZE.
+        ngpu = os.environ.get("NGPU") or os.environ.get("WORLD_SIZE") or "1"
+        if not ngpu.isdigit() or int(ngpu) < 1:
+            raise ConfigError(f"NGPU = {ngpu!r} must be a positive integer")
+        degrees = check_job_config(job_config, world_size=int(ngpu))
         fingerprint = None
         if job_config.wlb.loader == "documents":
             check_data(job_config)
@@ -247,10 +230,10 @@ def parse_job_config(args: list[str]) -> Any:
     from torchtitan.config import ConfigManager
 
     err = io.StringIO()
-    columns = os.environ.get("COLUMNS")
-    os.environ["COLUMNS"] = "1000"  # tyro wraps its box at the terminal width: one line per item
+    # tyro wraps its box at the terminal width: a wide one puts every item on one line.
+    wide = mock.patch.dict(os.environ, {"COLUMNS": "1000"})
     try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        with wide, contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             return ConfigManager().parse_args(args)
     except SystemExit as e:
         if e.code in (0, None):  # --help
@@ -258,11 +241,6 @@ def parse_job_config(args: list[str]) -> Any:
         raise ConfigError(_parser_message(err.getvalue())) from None
     except ValueError as e:
         raise ConfigError(_unknown_fields(str(e))) from None
-    finally:
-        if columns is None:
-            os.environ.pop("COLUMNS", None)
-        else:
-            os.environ["COLUMNS"] = columns
 
 
 def _parser_message(text: str) -> str:
@@ -298,8 +276,6 @@ def _unknown_fields(text: str) -> str:
     keys = [k.strip().strip("'\"") for k in m.group(2).split(",")]
     hint = ""
     if section == "wlb":
-        from torchtitan_wlb.config import WLB
-
         names = [f.name for f in dataclasses.fields(WLB)]
         close = difflib.get_close_matches(keys[0], names, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""

@@ -1,7 +1,5 @@
-"""Document-length workloads: built-in generators, length files, and the loader's long-document
-policies. Every tool and the simulator take their documents from here, so one generator name or one
-file means the same documents everywhere (the generators: docs/benchmarks.md). Pure NumPy.
-"""
+"""Document-length workloads: generators, length files and the loader's long-document policies,
+shared by every tool and the simulator (docs/benchmarks.md). Pure NumPy."""
 
 from __future__ import annotations
 
@@ -30,26 +28,18 @@ def _longtail_scaled(rng: np.random.Generator, num_docs: int, context_len: int) 
     return np.where(rng.random(num_docs) < 0.03, tail, body)
 
 
-def _pareto(rng: np.random.Generator, num_docs: int, context_len: int) -> np.ndarray:
-    return 512 * (1 + rng.pareto(1.1, size=num_docs))
-
-
 def _bimodal(rng: np.random.Generator, num_docs: int, context_len: int) -> np.ndarray:
     short = rng.normal(2048, 512, size=num_docs)
     long = rng.uniform(0.6 * context_len, context_len, size=num_docs)
     return np.where(rng.random(num_docs) < 0.03, long, short)
 
 
-def _short(rng: np.random.Generator, num_docs: int, context_len: int) -> np.ndarray:
-    return rng.integers(1, max(2, context_len // 500) + 1, size=num_docs)
-
-
 GENERATORS: dict[str, Callable[[np.random.Generator, int, int], np.ndarray]] = {
     "longtail": _longtail,
     "longtail_scaled": _longtail_scaled,
-    "pareto": _pareto,
+    "pareto": lambda rng, n, context_len: 512 * (1 + rng.pareto(1.1, size=n)),
     "bimodal": _bimodal,
-    "short": _short,
+    "short": lambda rng, n, context_len: rng.integers(1, max(2, context_len // 500) + 1, size=n),
 }
 """Synthetic length distributions by name (described in docs/benchmarks.md)."""
 
@@ -93,9 +83,8 @@ def _check_integers(values: list | np.ndarray, source: str) -> np.ndarray:
 
 
 def load_lengths(path: str | Path) -> np.ndarray:
-    """Document lengths (int64, all >= 1) from a JSON list (``.json`` or text starting with
-    ``[``), ``.npy`` or whitespace-separated text; every problem is one ValueError naming the file
-    and the offending entry (a benchmark fed silently-rounded lengths would mislead)."""
+    """Document lengths (int64, all >= 1) from a JSON list, ``.npy`` or whitespace-separated text;
+    any problem is one ValueError naming the file and the entry (silent rounding would mislead)."""
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"lengths file {str(path)!r}: no such file")
@@ -147,12 +136,8 @@ def split_long(lengths: np.ndarray, max_doc_len: int) -> np.ndarray:
 
 
 def cut_stream(lengths: np.ndarray, seq_len: int) -> np.ndarray:
-    """TorchTitan's loader: concatenate the documents and cut the token stream every ``seq_len``
-    (a document straddling a cut continues, as a separate document, in the next sequence).
-
-    Returns the pieces in stream order; every ``seq_len`` consecutive tokens of them form exactly
-    one sequence. The cut points are the documents' ends and the multiples of ``seq_len``.
-    """
+    """TorchTitan's loader: the documents concatenated and cut every ``seq_len`` tokens, as pieces
+    in stream order (a document straddling a cut continues as another in the next sequence)."""
     lengths = np.asarray(lengths, dtype=np.int64)
     if seq_len < 1:
         raise ValueError(f"seq_len = {seq_len} must be >= 1")
@@ -171,10 +156,8 @@ def cycle_to(
     lengths = np.asarray(lengths, dtype=np.int64)
     total = int(lengths.sum())
     reps = max(1, -(-n_tokens // total))
-    parts = [lengths]
-    for _ in range(reps - 1):
-        parts.append(rng.permutation(lengths) if rng is not None else lengths)
-    out = np.concatenate(parts)
+    again = [rng.permutation(lengths) if rng is not None else lengths for _ in range(reps - 1)]
+    out = np.concatenate([lengths, *again])
     cut = int(np.searchsorted(np.cumsum(out), n_tokens)) + 1
     return out[: min(cut, out.size)]
 
