@@ -19,8 +19,7 @@ import numpy as np
 from torchtitan_wlb.packing import LengthStream, build_packer, drive, packing_config
 from torchtitan_wlb.sim import cli
 from torchtitan_wlb.sim.config import MODES, REQUIRED_MODES
-from torchtitan_wlb.sim.engine import simulate_mode
-from torchtitan_wlb.sim.integration import cost_model_for
+from torchtitan_wlb.sim.engine import cost_model_for, simulate_mode
 from torchtitan_wlb.workloads import load_lengths, split_long
 
 PACKERS_COMPARED = ("original", "fixed_greedy", "wlb_paper", "wlb")

@@ -15,14 +15,17 @@ import sys
 import numpy as np
 
 from torchtitan_wlb.models.catalogue import get_model
-from torchtitan_wlb.sim.fit import Calibration, PipelineCalibration, fit, fit_pipeline
-from torchtitan_wlb.sim.hardware import Layout
-from torchtitan_wlb.sim.records import (
+from torchtitan_wlb.sim.fit import (
+    Calibration,
     MicroBatchRecord,
+    PipelineCalibration,
+    fit,
+    fit_pipeline,
     load_records,
     pipeline_steps,
     whole_model_records,
 )
+from torchtitan_wlb.sim.hardware import Layout
 from torchtitan_wlb.sim.timeline import build_schedule, simulate_pipeline
 
 
@@ -143,7 +146,7 @@ def pipeline_step_prediction(records: list[MicroBatchRecord], measured: dict[int
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m torchtitan_wlb.sim.calibrate", description="Fit "
                                 "measured micro-batch times and check the step-time prediction.")  # fmt: skip
-    p.add_argument("--records", required=True, help="calibration JSON (see sim.records)")
+    p.add_argument("--records", required=True, help="calibration JSON (see sim.fit)")
     p.add_argument("--model", default=None, help="model preset, to derive achieved TFLOP/s")
     for dim in ("tp", "cp", "pp"):
         p.add_argument(f"--{dim}", type=int, default=None)

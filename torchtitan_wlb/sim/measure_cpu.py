@@ -21,8 +21,8 @@ def micro_batches(seq_len: int, n: int, seed: int) -> list[np.ndarray]:
     """n micro-batches of at most ``seq_len`` tokens: packer outputs and equal-length packs."""
     from torchtitan_wlb.models.catalogue import get_model
     from torchtitan_wlb.sim.config import MODES, SimConfig
+    from torchtitan_wlb.sim.engine import pack_steps
     from torchtitan_wlb.sim.hardware import Layout
-    from torchtitan_wlb.sim.integration import pack_steps
     from torchtitan_wlb.workloads import generate
 
     cfg = SimConfig(model=get_model("debugmodel"), layout=Layout(), context_len=seq_len, schedule="1f1b",

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import numpy as np
 
 from torchtitan_wlb.models.catalogue import get_model
-from torchtitan_wlb.sim import integration as sim
+from torchtitan_wlb.sim import engine as sim
 from torchtitan_wlb.sim.config import MODES, SimConfig, epoch_steps
 from torchtitan_wlb.sim.engine import ModeResult, simulate_mode, speedup
 from torchtitan_wlb.sim.hardware import HardwareProfile, Layout
