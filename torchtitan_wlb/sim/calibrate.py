@@ -1,9 +1,7 @@
 """``python -m torchtitan_wlb.sim.calibrate``: fit measured micro-batch times, predict step times.
 
-Every step error is a prediction (docs/simulator.md#calibration): the per-step overhead is fitted
-on the first half of the steps and the error reported on the second half; standalone micro-batches,
-when present beside measured steps, are the only ones fitted. Pipeline records are fitted per stage
-and their steps played through the simulator's own timeline.
+Every step error is a prediction: fitted on the first half of the steps (or on standalone
+micro-batches), reported on the second half (docs/simulator.md#calibration).
 """
 
 from __future__ import annotations
@@ -151,13 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     for dim in ("tp", "cp", "pp"):
         p.add_argument(f"--{dim}", type=int, default=None)
     p.add_argument("--no-overhead", action="store_true", help="fit without the constant c")
-    p.add_argument(
-        "--predict-records",
-        action="append",
-        default=[],
-        metavar="FILE",
-        help="another run's records, whose steps this fit predicts (step_prediction.cross)",
-    )
+    p.add_argument("--predict-records", action="append", default=[], metavar="FILE",
+                   help="another run's records, whose steps this fit predicts (step_prediction.cross)")  # fmt: skip
     p.add_argument("--hardware-out", default=None, help="write the fitted HardwareProfile JSON")
     p.add_argument("--json", action="store_true", help="print one JSON object last")
     return p
