@@ -1,9 +1,5 @@
-"""``wlb-analyze``: what WLB would buy on YOUR data, before spending a cluster on it.
-
-From a lengths file or a local dataset (tokenized here): the length histogram, each packer's
-predicted imbalance, the simulated speedup and recommended ``[wlb]`` settings, found by trying the
-candidates on the data (docs/simulator.md).
-"""
+"""``wlb-analyze``: what WLB would buy on YOUR data before spending a cluster on it, found by
+trying the packers and candidate settings on the data (docs/simulator.md)."""
 
 from __future__ import annotations
 

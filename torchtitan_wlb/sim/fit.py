@@ -35,6 +35,9 @@ class MicroBatchRecord:
     bwd_s: float | None = None
 
 
+_INT_FIELDS = {"step": -1, "rank": 0, "stage": -1, "mb": -1}  # optional, with their defaults
+
+
 def _positive(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
@@ -43,33 +46,28 @@ def parse_records(raw: list, source: str) -> list[MicroBatchRecord]:
     """Validate a list of JSON records (dicts, or ``[doc_lens, seconds]`` pairs)."""
     records = []
     for i, item in enumerate(raw):
-        if isinstance(item, dict):
-            if "doc_lens" not in item or "seconds" not in item:
-                raise ValueError(f"{source}: micro-batch record {i} needs 'doc_lens' and 'seconds'")
-            lens, secs = item["doc_lens"], item["seconds"]
-            ints = {"step": -1, "rank": 0, "stage": -1, "mb": -1}
-            extra = {k: int(item.get(k, d)) for k, d in ints.items()}
-            extra |= {
-                k: None if item.get(k) is None else float(item[k]) for k in ("fwd_s", "bwd_s")
-            }
-            if extra["stage"] >= 0 and not (
-                extra["mb"] >= 0 and _positive(extra["fwd_s"]) and _positive(extra["bwd_s"])
-            ):
-                raise ValueError(
-                    f"{source}: pipeline record {i} (stage {extra['stage']}) needs 'mb' >= 0 and "
-                    f"'fwd_s', 'bwd_s' > 0"
-                )
-        elif isinstance(item, (list, tuple)) and len(item) == 2:
-            (lens, secs), extra = item, {}
-        else:
-            raise ValueError(f"{source}: micro-batch record {i} must be {{doc_lens, seconds}}")
+        where = f"{source}: micro-batch record {i}"
+        if isinstance(item, (list, tuple)) and len(item) == 2:
+            item = {"doc_lens": item[0], "seconds": item[1]}
+        if not isinstance(item, dict):
+            raise ValueError(f"{where} must be {{doc_lens, seconds}}")
+        if "doc_lens" not in item or "seconds" not in item:
+            raise ValueError(f"{where} needs 'doc_lens' and 'seconds'")
+        lens, secs = item["doc_lens"], item["seconds"]
+        extra = {k: int(item.get(k, d)) for k, d in _INT_FIELDS.items()}
+        extra |= {k: None if item.get(k) is None else float(item[k]) for k in ("fwd_s", "bwd_s")}
+        if extra["stage"] >= 0 and not (
+            extra["mb"] >= 0 and _positive(extra["fwd_s"]) and _positive(extra["bwd_s"])
+        ):
+            raise ValueError(
+                f"{source}: pipeline record {i} (stage {extra['stage']}) needs 'mb' >= 0 and "
+                f"'fwd_s', 'bwd_s' > 0"
+            )
         ok = isinstance(lens, list) and all(isinstance(d, int) and _positive(d) for d in lens)
         if not (ok and lens):
-            raise ValueError(
-                f"{source}: micro-batch record {i} doc_lens = {lens!r} must be positive integers"
-            )
+            raise ValueError(f"{where} doc_lens = {lens!r} must be positive integers")
         if not _positive(secs):
-            raise ValueError(f"{source}: micro-batch record {i} seconds = {secs!r} must be > 0")
+            raise ValueError(f"{where} seconds = {secs!r} must be > 0")
         records.append(MicroBatchRecord(np.asarray(lens, dtype=np.int64), float(secs), **extra))
     return records
 

@@ -1,8 +1,5 @@
-"""Where a simulation runs: the GPUs' achieved throughputs and bandwidths, and the 4D layout.
-
-Only *achieved* numbers belong in a profile (what real kernels and collectives reach), because the
-simulator predicts wall-clock time; ``sim.calibrate`` re-fits them from measured times.
-"""
+"""Where a simulation runs: the GPUs' *achieved* throughputs and bandwidths (the simulator predicts
+wall-clock time; ``sim.calibrate`` re-fits them from measured times) and the 4D layout."""
 
 from __future__ import annotations
 

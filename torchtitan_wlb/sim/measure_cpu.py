@@ -1,10 +1,5 @@
-"""Measure per-micro-batch and per-step training times of the ``llama3_wlb`` model on this CPU.
-
-    python -m torchtitan_wlb.sim.measure_cpu --out outputs/cpu_calib.json
-
-``sim.calibrate`` fits the standalone micro-batches (packer outputs, plus packs of equal documents
-so the attention and linear terms can be told apart) and predicts the measured steps from them.
-"""
+"""Measure micro-batch and step times of the ``llama3_wlb`` model on this CPU, as a calibration file
+for ``sim.calibrate`` (docs/simulator.md#standalone-cpu-measurements)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Pipeline timelines of 1F1B and interleaved 1F1B with per-micro-batch operation times.
-
-An operation starts when its stage is free and its input has arrived, so one slow micro-batch
-delays the pipeline down and back (the paper's latency propagation chain). The schedule's order
-depends only on (PP, v, m) and is cached; timing is one pass over the operations, vectorised over
-a batch of pipelines (steps x DP replicas).
-"""
+"""1F1B and interleaved 1F1B timelines: an op starts when its stage is free and its input has
+arrived, so one slow micro-batch delays the whole pipeline (the paper's latency propagation)."""
 
 from __future__ import annotations
 
