@@ -123,19 +123,14 @@ def simulated_cp_profile(hw):
     fn, tile, head_dim = timing.tile_padded_time_fn(hw), timing.TILE, 128
     valid = q <= kv
     kv_v = np.where(valid, kv, q)  # cells with q > kv are never looked up (NaN in the table)
-    fwd_flops = 4.0 * head_dim * causal_pairs(q, kv_v)
-    seconds = fn(q, kv_v, fwd_flops) * (1.0 + hw.bwd_attn_factor)
-    tflops = np.where(valid, attention_flops(*_padded(q, kv_v, tile), 1, head_dim) / seconds / 1e12,
-                      np.nan)  # fmt: skip
+    seconds = fn(q, kv_v, 4.0 * head_dim * causal_pairs(q, kv_v)) * (1.0 + hw.bwd_attn_factor)
+    pq = -(-q // tile) * tile  # the table's FLOPs are the tile-padded ones
+    padded_flops = attention_flops(pq, np.maximum(-(-kv_v // tile) * tile, pq), 1, head_dim)
+    tflops = np.where(valid, padded_flops / seconds / 1e12, np.nan)
     return CPProfile(lengths=tuple(int(x) for x in grid), tile=tile, device=f"simulated-{hw.name}",
                      tflops=tuple(tuple(float(x) for x in row) for row in tflops),
                      backend="simulated", n_heads=1, n_kv_heads=1, head_dim=head_dim,
                      dtype="bfloat16")  # fmt: skip
-
-
-def _padded(q: np.ndarray, kv: np.ndarray, tile: int) -> tuple[np.ndarray, np.ndarray]:
-    pq = -(-q // tile) * tile
-    return pq, np.maximum(-(-kv // tile) * tile, pq)
 
 
 @lru_cache(maxsize=8)
@@ -150,18 +145,14 @@ def attention_time_fn(cfg) -> timing.AttentionTimeFn:
     time over (1 + bwd_attn_factor), so that the profile's total is reproduced."""
     if not cfg.cp_profile:
         return timing.tile_padded_time_fn(cfg.hardware)
-    from torchtitan_wlb.cp.profile import attention_flops
-
-    table = _measured_profile(cfg.cp_profile)
-    hw = cfg.hardware
+    table, hw = _measured_profile(cfg.cp_profile), cfg.hardware
 
     def fn(q_len: np.ndarray, kv_len: np.ndarray, flops: np.ndarray) -> np.ndarray:
         q, kv = np.asarray(q_len, dtype=np.int64), np.asarray(kv_len, dtype=np.int64)
-        # flops (the model's, per GPU) over the unpadded count gives heads x head_dim scaling.
-        per_pair = np.divide(flops, 4.0 * causal_pairs(q, kv), out=np.zeros(q.shape), where=q > 0)
-        padded = attention_flops(*_padded(q, kv, table.tile), 1, 1)
-        total = padded * per_pair / (table.lookup_tflops(q, kv) * 1e12)
-        return np.where(q > 0, total / (1.0 + hw.bwd_attn_factor), 0.0)
+        # The model's FLOPs (per GPU) over the table's: its heads x head_dim over the profile's.
+        per_table = 4.0 * causal_pairs(q, kv) * table.n_heads * table.head_dim
+        scale = np.divide(flops, per_table, out=np.zeros(q.shape), where=q > 0)
+        return table.segment_seconds(q, kv) * scale / (1.0 + hw.bwd_attn_factor)
 
     return fn
 
