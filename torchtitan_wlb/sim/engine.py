@@ -12,7 +12,9 @@ from functools import lru_cache
 import numpy as np
 
 from torchtitan_wlb.cost_model import CostModel
+from torchtitan_wlb.cp.adaptive import build_cp_plan
 from torchtitan_wlb.cp.plan import causal_pairs
+from torchtitan_wlb.cp.profile import CPProfile, attention_flops, resolve_profile
 from torchtitan_wlb.packing import LengthStream, build_packer, drive, packing_config
 from torchtitan_wlb.packing.placement import dp_order
 from torchtitan_wlb.sim import timing
@@ -77,8 +79,6 @@ def cp_shards(micro_batches: list[np.ndarray], cfg, strategy: str,
               candidates: tuple[str, ...] = ("per_sequence", "per_document")) -> CPShards:  # fmt: skip
     """Every micro-batch's segments from the CP planner; "adaptive" chooses among ``candidates``
     with the planner profile and the simulated CP group's link bandwidth."""
-    from torchtitan_wlb.cp.adaptive import build_cp_plan
-
     c, n = cfg.layout.cp, len(micro_batches)
     segs: list[list[np.ndarray]] = [[np.zeros(0, dtype=np.int64)] for _ in range(4)]
     local, gathered = np.zeros((n, c), dtype=np.int64), np.zeros(n, dtype=np.int64)
@@ -116,8 +116,6 @@ def shard_costs(shards: CPShards, cfg: SimConfig) -> timing.LayerCosts:
 def simulated_cp_profile(hw):
     """The simulated kernel (``timing.tile_padded_time_fn``) as a CP throughput table, so that
     adaptive selection judges with the simulated GPU's efficiency, not the packaged CPU table's."""
-    from torchtitan_wlb.cp.profile import CPProfile, attention_flops
-
     grid = np.unique(np.round(2.0 ** np.arange(3, 18.01, 0.25)).astype(np.int64))
     q, kv = np.meshgrid(grid, grid, indexing="ij")
     fn, tile, head_dim = timing.tile_padded_time_fn(hw), timing.TILE, 128
@@ -135,8 +133,6 @@ def simulated_cp_profile(hw):
 
 @lru_cache(maxsize=8)
 def _measured_profile(path: str):
-    from torchtitan_wlb.cp.profile import resolve_profile
-
     return resolve_profile(path)
 
 
