@@ -13,18 +13,11 @@ import sys
 import numpy as np
 
 from torchtitan_wlb.models.catalogue import get_model
-from torchtitan_wlb.sim.fit import (
-    Calibration,
-    MicroBatchRecord,
-    PipelineCalibration,
-    fit,
-    fit_pipeline,
-    load_records,
-    pipeline_steps,
-    whole_model_records,
-)
+from torchtitan_wlb.sim import fit as sim_fit
 from torchtitan_wlb.sim.hardware import Layout
 from torchtitan_wlb.sim.timeline import build_schedule, simulate_pipeline
+
+Records = list[sim_fit.MicroBatchRecord]
 
 
 def play_pipeline(fwd: np.ndarray, bwd: np.ndarray, pp: int) -> float:
@@ -70,13 +63,13 @@ def _report(predict, records, measured, what: str, others: list[tuple], predict_
     return out
 
 
-def step_prediction(calib: Calibration, records: list[MicroBatchRecord], measured: dict[int, float],
+def step_prediction(calib: sim_fit.Calibration, records: Records, measured: dict[int, float],
                     pp: int = 1, others: list[tuple] = ()) -> dict:  # fmt: skip
     """The steps' times predicted from their micro-batches against the measured ones. A rank's step
     is its micro-batches' fitted times summed (PP = 1), or with PP > 1 each split evenly over the
     stages (forward 1/3, backward 2/3) and played through 1F1B; a step takes its slowest rank's."""
 
-    def predict(recs: list[MicroBatchRecord], meas: dict[int, float]):
+    def predict(recs: Records, meas: dict[int, float]):
         by_rank_step: dict[tuple[int, int], list[np.ndarray]] = {}
         for r in recs:
             if r.step >= 0 and r.step in meas:
@@ -93,7 +86,7 @@ def step_prediction(calib: Calibration, records: list[MicroBatchRecord], measure
     return _report(predict, records, measured, what, others)
 
 
-def pipeline_step_prediction(records: list[MicroBatchRecord], measured: dict[int, float], pp: int,
+def pipeline_step_prediction(records: Records, measured: dict[int, float], pp: int,
                              *, predict: list[tuple] | None = None, overhead: bool = True) -> dict:  # fmt: skip
     """Fit per-stage action costs on the first half of the steps, predict the second half.
 
@@ -101,24 +94,25 @@ def pipeline_step_prediction(records: list[MicroBatchRecord], measured: dict[int
     is the timeline and the per-step constant rather than the cost fit). ``predict``: other runs
     whose steps the fit on all of this run's steps predicts (``cross``).
     """
-    steps = pipeline_steps(records)
+    steps = sim_fit.pipeline_steps(records)
     common = sorted(set(steps) & set(measured))
     what = "complete pipeline steps with a measured time"
     _need_two(common, what)
     half = len(common) // 2
     first, second = set(common[:half]), set(common[half:])
 
-    def player(pcal: PipelineCalibration):
-        def play(recs: list[MicroBatchRecord], meas: dict[int, float]):
-            stp = pipeline_steps(recs)
+    def player(pcal: sim_fit.PipelineCalibration):
+        def play(recs: Records, meas: dict[int, float]):
+            stp = sim_fit.pipeline_steps(recs)
             which = sorted(set(stp) & set(meas))
             pred = [play_pipeline(*pcal.predict(stp[s]["lens"]), pp) for s in which]
             return which, np.array(pred), np.array([meas[s] for s in which])
 
         return play
 
-    pcal = fit_pipeline([r for r in records if r.step in first], overhead=overhead)
-    full = predict and player(fit_pipeline([r for r in records if r.step in set(common)], overhead=overhead))  # fmt: skip
+    pcal = sim_fit.fit_pipeline([r for r in records if r.step in first], overhead=overhead)
+    full = predict and player(sim_fit.fit_pipeline([r for r in records if r.step in set(common)],
+                                                   overhead=overhead))  # fmt: skip
     report = _report(player(pcal), records, measured, what, predict or [], full)
     n_v = len(pcal.fwd)
     replay = np.array([play_pipeline(steps[s]["fwd"], steps[s]["bwd"], pp) for s in common])
@@ -154,18 +148,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> dict:
-    records, steps, meta = load_records(args.records)
-    others = [load_records(path)[:2] for path in args.predict_records]
+    records, steps, meta = sim_fit.load_records(args.records)
+    others = [sim_fit.load_records(path)[:2] for path in args.predict_records]
     pipeline_records = records if any(r.stage >= 0 for r in records) else None
     if pipeline_records is not None:
         # Per-stage actions: the top-level fit is of the whole micro-batch (all stages).
-        records = whole_model_records(pipeline_records)
+        records = sim_fit.whole_model_records(pipeline_records)
     # With measured steps and enough standalone micro-batches, fit on the standalone ones only:
     # the steps' micro-batches (and the steps) are then a held-out test of the prediction.
     standalone = [r for r in records if r.step < 0]
     held_out = [r for r in records if r.step >= 0]
     fit_on = standalone if steps and len(standalone) >= 3 and held_out else records
-    calib = fit(fit_on, overhead=not args.no_overhead)
+    calib = sim_fit.fit(fit_on, overhead=not args.no_overhead)
     lay = meta.get("layout", {}) if isinstance(meta.get("layout"), dict) else {}
     layout = Layout(tp=args.tp or int(lay.get("tp", 1)), cp=args.cp or int(lay.get("cp", 1)),
                     pp=args.pp or int(lay.get("pp", 1)), dp=int(lay.get("dp", 1)))  # fmt: skip
