@@ -262,12 +262,10 @@ def simulate_mode(mode: ModeSpec, lengths, cfg: SimConfig, pack=pack_steps) -> M
     tokens = np.array([sum(int(mb.sum()) for mb in s) for s in steps], dtype=np.float64)
     first = int(slowest[0])
     gantt = (schedule, res.start[first].copy(), res.end[first].copy())
-    doc_share, hybrid_share = (
-        float(x.mean()) for x in (shards.chose_per_document, shards.chose_hybrid)
-    )
     return ModeResult(mode, step_time, tokens, imbalance, bubble, rank_compute,
                       per_layer.reshape(n_steps, n, cfg.layout.cp) * cfg.model.n_layers, gantt,
-                      doc_share, stats, hybrid_share)  # fmt: skip
+                      float(shards.chose_per_document.mean()), stats,
+                      float(shards.chose_hybrid.mean()))  # fmt: skip
 
 
 def speedup(baseline: ModeResult, other: ModeResult) -> float:
