@@ -41,8 +41,7 @@ def length_histogram(lengths: np.ndarray, context_len: int) -> list[dict]:
 
 def predicted_imbalance(lengths, cfg, packer: str, **overrides) -> dict:
     """One packer's predicted imbalance and delay over the sample (no flush: it is a sample)."""
-    knobs = {"max_wait": cfg.max_delay_steps, **overrides}
-    config = packing_config(packer, cfg.n_global, cfg.context_len, **knobs)
+    config = packing_config(packer, cfg.n_global, cfg.context_len, max_wait=cfg.max_delay_steps, **overrides)  # fmt: skip
     p = build_packer(packer, config, cost_model_for(cfg))
     stream = LengthStream(split_long(lengths, cfg.context_len), end_of_data=False)
     imb, delay, tok = [], [], []
