@@ -118,7 +118,7 @@ def test_cut_stream_is_torchtitans_loader():
 
 
 def test_torchtitan_loader_packs_full_sequences_from_the_cut_stream():
-    from torchtitan_wlb.sim.integration import pack_steps
+    from torchtitan_wlb.sim.engine import pack_steps
 
     cfg = SimConfig(model=get_model("550M"), layout=Layout(tp=1, cp=2, pp=2, dp=1),
                     context_len=8192, steps=4, warmup_steps=0)  # fmt: skip
@@ -291,7 +291,7 @@ def test_layout_resolution():
 
 def test_measured_cp_profile_times_attention_like_the_planner():
     from torchtitan_wlb.cp.profile import resolve_profile
-    from torchtitan_wlb.sim.integration import attention_time_fn
+    from torchtitan_wlb.sim.engine import attention_time_fn
 
     table = resolve_profile(None)  # the CP planner's packaged table
     model = get_model("7B")

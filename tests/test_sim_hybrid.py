@@ -8,9 +8,8 @@ import pytest
 from torchtitan_wlb.cp import build_cp_plan
 from torchtitan_wlb.models.catalogue import get_model
 from torchtitan_wlb.sim.config import MODES, SimConfig
-from torchtitan_wlb.sim.engine import simulate_mode
+from torchtitan_wlb.sim.engine import cp_shards, shard_costs, simulate_mode
 from torchtitan_wlb.sim.hardware import Layout
-from torchtitan_wlb.sim.integration import cp_shards, shard_costs
 
 CFG = SimConfig(model=get_model("550M"), layout=Layout(tp=1, cp=2, pp=2, dp=1),
                 context_len=8192, steps=3, warmup_steps=0)  # fmt: skip

@@ -1,9 +1,5 @@
-"""``wlb-analyze``: what WLB would buy on YOUR data, before spending a cluster on it.
-
-From a lengths file or a local dataset (tokenized here): the length histogram, each packer's
-predicted imbalance, the simulated speedup and recommended ``[wlb]`` settings, found by trying the
-candidates on the data (docs/simulator.md).
-"""
+"""``wlb-analyze``: what WLB would buy on YOUR data before spending a cluster on it, found by
+trying the packers and candidate settings on the data (docs/simulator.md)."""
 
 from __future__ import annotations
 
@@ -19,8 +15,7 @@ import numpy as np
 from torchtitan_wlb.packing import LengthStream, build_packer, drive, packing_config
 from torchtitan_wlb.sim import cli
 from torchtitan_wlb.sim.config import MODES, REQUIRED_MODES
-from torchtitan_wlb.sim.engine import simulate_mode
-from torchtitan_wlb.sim.integration import cost_model_for
+from torchtitan_wlb.sim.engine import cost_model_for, simulate_mode
 from torchtitan_wlb.workloads import load_lengths, split_long
 
 PACKERS_COMPARED = ("original", "fixed_greedy", "wlb_paper", "wlb")
@@ -46,8 +41,7 @@ def length_histogram(lengths: np.ndarray, context_len: int) -> list[dict]:
 
 def predicted_imbalance(lengths, cfg, packer: str, **overrides) -> dict:
     """One packer's predicted imbalance and delay over the sample (no flush: it is a sample)."""
-    knobs = {"max_wait": cfg.max_delay_steps, **overrides}
-    config = packing_config(packer, cfg.n_global, cfg.context_len, **knobs)
+    config = packing_config(packer, cfg.n_global, cfg.context_len, max_wait=cfg.max_delay_steps, **overrides)  # fmt: skip
     p = build_packer(packer, config, cost_model_for(cfg))
     stream = LengthStream(split_long(lengths, cfg.context_len), end_of_data=False)
     imb, delay, tok = [], [], []

@@ -1,9 +1,7 @@
 """``python -m torchtitan_wlb.sim.calibrate``: fit measured micro-batch times, predict step times.
 
-Every step error is a prediction (docs/simulator.md#calibration): the per-step overhead is fitted
-on the first half of the steps and the error reported on the second half; standalone micro-batches,
-when present beside measured steps, are the only ones fitted. Pipeline records are fitted per stage
-and their steps played through the simulator's own timeline.
+Every step error is a prediction: fitted on the first half of the steps (or on standalone
+micro-batches), reported on the second half (docs/simulator.md#calibration).
 """
 
 from __future__ import annotations
@@ -15,15 +13,11 @@ import sys
 import numpy as np
 
 from torchtitan_wlb.models.catalogue import get_model
-from torchtitan_wlb.sim.fit import Calibration, PipelineCalibration, fit, fit_pipeline
+from torchtitan_wlb.sim import fit as sim_fit
 from torchtitan_wlb.sim.hardware import Layout
-from torchtitan_wlb.sim.records import (
-    MicroBatchRecord,
-    load_records,
-    pipeline_steps,
-    whole_model_records,
-)
 from torchtitan_wlb.sim.timeline import build_schedule, simulate_pipeline
+
+Records = list[sim_fit.MicroBatchRecord]
 
 
 def play_pipeline(fwd: np.ndarray, bwd: np.ndarray, pp: int) -> float:
@@ -50,53 +44,49 @@ def _holdout(pred: np.ndarray, meas: np.ndarray) -> dict:
     return {"step_overhead_s": overhead, **_errors(pred[half:] + overhead, meas[half:])}
 
 
-def _predicted_steps(calib: Calibration, records: list[MicroBatchRecord], measured: dict, pp: int):
-    """Steps with records and a measured time, their predicted and measured times. A rank's step is
-    its micro-batches' fitted times summed (PP = 1), or with PP > 1 each split evenly over the
+def _report(predict, records, measured, what: str, others: list[tuple], predict_all=None) -> dict:
+    """Errors of ``predict(records, measured)`` -> (steps, predicted, measured seconds): held out
+    as ``_holdout``, and (``cross``) other runs' steps predicted with ``predict_all`` (default
+    ``predict``) plus the step overhead of all this run's steps."""
+    steps, pred, meas = predict(records, measured)
+    _need_two(steps, what)
+    out = {"steps_compared": len(steps) - len(steps) // 2, **_holdout(pred, meas),
+           "mean_abs_rel_error_no_overhead": _errors(pred, meas)["mean_abs_rel_error"]}  # fmt: skip
+    if others:
+        _, pred, meas = (predict_all or predict)(records, measured)
+        overhead, out["cross"] = float(np.median(meas - pred)), []
+        for other in others:
+            steps, pred, meas = (predict_all or predict)(*other)
+            if not steps:
+                raise ValueError("a --predict-records file has no complete steps with micro-batch records")  # fmt: skip
+            out["cross"].append({"steps_compared": len(steps), **_errors(pred + overhead, meas)})
+    return out
+
+
+def step_prediction(calib: sim_fit.Calibration, records: Records, measured: dict[int, float],
+                    pp: int = 1, others: list[tuple] = ()) -> dict:  # fmt: skip
+    """The steps' times predicted from their micro-batches against the measured ones. A rank's step
+    is its micro-batches' fitted times summed (PP = 1), or with PP > 1 each split evenly over the
     stages (forward 1/3, backward 2/3) and played through 1F1B; a step takes its slowest rank's."""
-    by_rank_step: dict[tuple[int, int], list[np.ndarray]] = {}
-    for r in records:
-        if r.step >= 0:
-            by_rank_step.setdefault((r.rank, r.step), []).append(r.doc_lens)
-    pred = {s: 0.0 for s in sorted({s for _, s in by_rank_step} & set(measured))}
-    for (_, step), mbs in by_rank_step.items():
-        if step in pred:
+
+    def predict(recs: Records, meas: dict[int, float]):
+        by_rank_step: dict[tuple[int, int], list[np.ndarray]] = {}
+        for r in recs:
+            if r.step >= 0 and r.step in meas:
+                by_rank_step.setdefault((r.rank, r.step), []).append(r.doc_lens)
+        pred = dict.fromkeys(sorted({s for _, s in by_rank_step}), 0.0)
+        for (_, step), mbs in by_rank_step.items():
             t = calib.predict(mbs)
             per_stage = np.broadcast_to(t[None, :] / pp, (pp, len(mbs)))
             t = float(t.sum()) if pp == 1 else play_pipeline(per_stage / 3, per_stage * 2 / 3, pp)
             pred[step] = max(pred[step], t)
-    return list(pred), np.array(list(pred.values())), np.array([measured[s] for s in pred])
+        return list(pred), np.array(list(pred.values())), np.array([meas[s] for s in pred])
+
+    what = "steps with both micro-batch records and a measured time"
+    return _report(predict, records, measured, what, others)
 
 
-def _cross(predict, own: tuple, others: list[tuple]) -> list[dict]:
-    """Other runs' steps predicted with this run's fit and step overhead (on all its steps);
-    ``predict(records, measured)`` -> (steps, predicted, measured seconds)."""
-    _, pred, meas = predict(*own)
-    overhead = float(np.median(meas - pred))
-    out = []
-    for other in others:
-        steps, pred, meas = predict(*other)
-        if not steps:
-            raise ValueError(
-                "a --predict-records file has no complete steps with micro-batch records"
-            )
-        out.append({"steps_compared": len(steps), **_errors(pred + overhead, meas)})
-    return out
-
-
-def step_prediction(calib: Calibration, records: list[MicroBatchRecord], measured: dict[int, float],
-                    pp: int = 1, others: list[tuple] = ()) -> dict:  # fmt: skip
-    """The steps' times predicted from their micro-batches against the measured ones."""
-    common, p, m = _predicted_steps(calib, records, measured, pp)
-    _need_two(common, "steps with both micro-batch records and a measured time")
-    out = {"steps_compared": len(common) - len(common) // 2, **_holdout(p, m),
-           "mean_abs_rel_error_no_overhead": _errors(p, m)["mean_abs_rel_error"]}  # fmt: skip
-    if others:
-        out["cross"] = _cross(lambda r, s: _predicted_steps(calib, r, s, pp), (records, measured), others)  # fmt: skip
-    return out
-
-
-def pipeline_step_prediction(records: list[MicroBatchRecord], measured: dict[int, float], pp: int,
+def pipeline_step_prediction(records: Records, measured: dict[int, float], pp: int,
                              *, predict: list[tuple] | None = None, overhead: bool = True) -> dict:  # fmt: skip
     """Fit per-stage action costs on the first half of the steps, predict the second half.
 
@@ -104,75 +94,72 @@ def pipeline_step_prediction(records: list[MicroBatchRecord], measured: dict[int
     is the timeline and the per-step constant rather than the cost fit). ``predict``: other runs
     whose steps the fit on all of this run's steps predicts (``cross``).
     """
-    steps = pipeline_steps(records)
+    steps = sim_fit.pipeline_steps(records)
     common = sorted(set(steps) & set(measured))
-    _need_two(common, "complete pipeline steps with a measured time")
+    what = "complete pipeline steps with a measured time"
+    _need_two(common, what)
     half = len(common) // 2
     first, second = set(common[:half]), set(common[half:])
 
-    def play(pcal: PipelineCalibration, recs: list[MicroBatchRecord], meas: dict[int, float]):
-        stp = pipeline_steps(recs)
-        which = sorted(set(stp) & set(meas))
-        pred = [play_pipeline(*pcal.predict(stp[s]["lens"]), pp) for s in which]
-        return which, np.array(pred), np.array([meas[s] for s in which])
+    def player(pcal: sim_fit.PipelineCalibration):
+        def play(recs: Records, meas: dict[int, float]):
+            stp = sim_fit.pipeline_steps(recs)
+            which = sorted(set(stp) & set(meas))
+            pred = [play_pipeline(*pcal.predict(stp[s]["lens"]), pp) for s in which]
+            return which, np.array(pred), np.array([meas[s] for s in which])
 
-    pcal = fit_pipeline([r for r in records if r.step in first], overhead=overhead)
+        return play
+
+    pcal = sim_fit.fit_pipeline([r for r in records if r.step in first], overhead=overhead)
+    full = predict and player(sim_fit.fit_pipeline([r for r in records if r.step in set(common)],
+                                                   overhead=overhead))  # fmt: skip
+    report = _report(player(pcal), records, measured, what, predict or [], full)
     n_v = len(pcal.fwd)
-    _, p_all, m_all = play(pcal, records, measured)
     replay = np.array([play_pipeline(steps[s]["fwd"], steps[s]["bwd"], pp) for s in common])
     test = {k: [r for r in records if r.step in second and r.stage == k] for k in sorted(pcal.fwd)}
     act_pred = np.concatenate([part[k].predict([r.doc_lens for r in rs])
                                for part in (pcal.fwd, pcal.bwd) for k, rs in test.items()])  # fmt: skip
     act_meas = np.array([getattr(r, a) for a in ("fwd_s", "bwd_s") for rs in test.values() for r in rs])  # fmt: skip
-    out = {
+    cross = {"cross": report.pop("cross")} if "cross" in report else {}
+    return {
         "fit": "per-stage forward/backward costs and the step overhead on the first half of "
         "the steps; errors on the second half",
         "schedule": "1f1b" if n_v <= pp else f"interleaved_1f1b (v={n_v // pp})",
-        "steps_fitted": half, "steps_compared": len(second), **_holdout(p_all, m_all),
-        "mean_abs_rel_error_no_overhead": _errors(p_all, m_all)["mean_abs_rel_error"],
+        "steps_fitted": half, **report,
         "heldout_action_mean_abs_rel_error": float(np.mean(np.abs(act_pred - act_meas) / act_meas)),
-        "replay_measured_actions": _holdout(replay, m_all),
-        "stages": pcal.summary(),
+        "replay_measured_actions": _holdout(replay, np.array([measured[s] for s in common])),
+        "stages": pcal.summary(), **cross,
     }  # fmt: skip
-    if predict:
-        full = fit_pipeline([r for r in records if r.step in set(common)], overhead=overhead)
-        out["cross"] = _cross(lambda r, s: play(full, r, s), (records, measured), predict)
-    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m torchtitan_wlb.sim.calibrate", description="Fit "
                                 "measured micro-batch times and check the step-time prediction.")  # fmt: skip
-    p.add_argument("--records", required=True, help="calibration JSON (see sim.records)")
+    p.add_argument("--records", required=True, help="calibration JSON (see sim.fit)")
     p.add_argument("--model", default=None, help="model preset, to derive achieved TFLOP/s")
     for dim in ("tp", "cp", "pp"):
         p.add_argument(f"--{dim}", type=int, default=None)
     p.add_argument("--no-overhead", action="store_true", help="fit without the constant c")
-    p.add_argument(
-        "--predict-records",
-        action="append",
-        default=[],
-        metavar="FILE",
-        help="another run's records, whose steps this fit predicts (step_prediction.cross)",
-    )
+    p.add_argument("--predict-records", action="append", default=[], metavar="FILE",
+                   help="another run's records, whose steps this fit predicts (step_prediction.cross)")  # fmt: skip
     p.add_argument("--hardware-out", default=None, help="write the fitted HardwareProfile JSON")
     p.add_argument("--json", action="store_true", help="print one JSON object last")
     return p
 
 
 def run(args: argparse.Namespace) -> dict:
-    records, steps, meta = load_records(args.records)
-    others = [load_records(path)[:2] for path in args.predict_records]
+    records, steps, meta = sim_fit.load_records(args.records)
+    others = [sim_fit.load_records(path)[:2] for path in args.predict_records]
     pipeline_records = records if any(r.stage >= 0 for r in records) else None
     if pipeline_records is not None:
         # Per-stage actions: the top-level fit is of the whole micro-batch (all stages).
-        records = whole_model_records(pipeline_records)
+        records = sim_fit.whole_model_records(pipeline_records)
     # With measured steps and enough standalone micro-batches, fit on the standalone ones only:
     # the steps' micro-batches (and the steps) are then a held-out test of the prediction.
     standalone = [r for r in records if r.step < 0]
     held_out = [r for r in records if r.step >= 0]
     fit_on = standalone if steps and len(standalone) >= 3 and held_out else records
-    calib = fit(fit_on, overhead=not args.no_overhead)
+    calib = sim_fit.fit(fit_on, overhead=not args.no_overhead)
     lay = meta.get("layout", {}) if isinstance(meta.get("layout"), dict) else {}
     layout = Layout(tp=args.tp or int(lay.get("tp", 1)), cp=args.cp or int(lay.get("cp", 1)),
                     pp=args.pp or int(lay.get("pp", 1)), dp=int(lay.get("dp", 1)))  # fmt: skip

@@ -54,24 +54,20 @@ class SimConfig:
 
     def __post_init__(self) -> None:
         unit = 2 * self.layout.cp
-        if self.context_len < 1 or self.context_len % unit:
-            raise ValueError(
-                f"context length {self.context_len} is not divisible by 2 x CP = {unit}"
-            )
-        if self.schedule not in SCHEDULES:
-            raise ValueError(
-                f"unknown schedule {self.schedule!r}; accepted: {', '.join(SCHEDULES)}"
-            )
-        if self.v < 1:
-            raise ValueError(f"virtual stages per rank v={self.v} must be >= 1")
-        if self.steps < 1 or self.warmup_steps < 0:
-            raise ValueError(f"steps={self.steps} must be >= 1 and warmup_steps >= 0")
-        if self.cost_model not in ("profiled", "analytic"):
-            raise ValueError(
-                f"unknown cost model {self.cost_model!r}; accepted: profiled, analytic"
-            )
-        if self.smax_factor < 1.0:
-            raise ValueError(f"smax_factor={self.smax_factor} must be >= 1 (S_max >= context)")
+        for ok, msg in (
+            (self.context_len >= 1 and self.context_len % unit == 0,
+             f"context length {self.context_len} is not divisible by 2 x CP = {unit}"),
+            (self.schedule in SCHEDULES,
+             f"unknown schedule {self.schedule!r}; accepted: {', '.join(SCHEDULES)}"),
+            (self.v >= 1, f"virtual stages per rank v={self.v} must be >= 1"),
+            (self.steps >= 1 and self.warmup_steps >= 0,
+             f"steps={self.steps} must be >= 1 and warmup_steps >= 0"),
+            (self.cost_model in ("profiled", "analytic"),
+             f"unknown cost model {self.cost_model!r}; accepted: profiled, analytic"),
+            (self.smax_factor >= 1.0, f"smax_factor={self.smax_factor} must be >= 1 (S_max >= context)"),
+        ):  # fmt: skip
+            if not ok:
+                raise ValueError(msg)
         layers_per_vstage(self.model.n_layers, self.layout.pp * self.chunks)
         build_schedule(self.layout.pp, self.m, self.chunks)
 

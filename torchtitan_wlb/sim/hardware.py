@@ -1,8 +1,5 @@
-"""Where a simulation runs: the GPUs' achieved throughputs and bandwidths, and the 4D layout.
-
-Only *achieved* numbers belong in a profile (what real kernels and collectives reach), because the
-simulator predicts wall-clock time; ``sim.calibrate`` re-fits them from measured times.
-"""
+"""Where a simulation runs: the GPUs' *achieved* throughputs and bandwidths (the simulator predicts
+wall-clock time; ``sim.calibrate`` re-fits them from measured times) and the 4D layout."""
 
 from __future__ import annotations
 
@@ -67,33 +64,28 @@ class HardwareProfile:
     def to_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
 
-    @classmethod
-    def from_json(cls, path: str | Path) -> HardwareProfile:
-        """Read a profile written by ``to_json`` (unknown keys are an error, missing ones default)."""
-        data = json.loads(Path(path).read_text())
-        known = {f.name for f in fields(cls)}
-        if unknown := sorted(set(data) - known):
-            raise ValueError(
-                f"hardware profile {path}: unknown keys {unknown}; accepted: {sorted(known)}"
-            )
-        return cls(**data)
-
 
 # H200: the H100's compute and NVLink, faster HBM.
 HARDWARE_PROFILES = {"h100": HardwareProfile(), "h200": HardwareProfile("h200", hbm_gbps=4300.0)}
 
 
 def get_hardware(name_or_path: str) -> HardwareProfile:
-    """A built-in profile by name, or a JSON profile file."""
+    """A built-in profile by name, or a JSON file written by ``to_json`` (unknown keys are an
+    error, missing ones default)."""
     if (key := name_or_path.strip().lower()) in HARDWARE_PROFILES:
         return HARDWARE_PROFILES[key]
     path = Path(name_or_path)
-    if path.suffix == ".json" and path.exists():
-        return HardwareProfile.from_json(path)
-    raise ValueError(
-        f"unknown hardware profile {name_or_path!r}; accepted: {', '.join(HARDWARE_PROFILES)} "
-        "or a JSON file written by HardwareProfile.to_json"
-    )
+    if path.suffix != ".json" or not path.exists():
+        raise ValueError(
+            f"unknown hardware profile {name_or_path!r}; accepted: {', '.join(HARDWARE_PROFILES)} "
+            "or a JSON file written by HardwareProfile.to_json"
+        )
+    data, known = json.loads(path.read_text()), {f.name for f in fields(HardwareProfile)}
+    if unknown := sorted(set(data) - known):
+        raise ValueError(
+            f"hardware profile {path}: unknown keys {unknown}; accepted: {sorted(known)}"
+        )
+    return HardwareProfile(**data)
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,5 @@
-"""Measure per-micro-batch and per-step training times of the ``llama3_wlb`` model on this CPU.
-
-    python -m torchtitan_wlb.sim.measure_cpu --out outputs/cpu_calib.json
-
-``sim.calibrate`` fits the standalone micro-batches (packer outputs, plus packs of equal documents
-so the attention and linear terms can be told apart) and predicts the measured steps from them.
-"""
+"""Measure micro-batch and step times of the ``llama3_wlb`` model on this CPU, as a calibration file
+for ``sim.calibrate`` (docs/simulator.md#standalone-cpu-measurements)."""
 
 from __future__ import annotations
 
@@ -21,8 +16,8 @@ def micro_batches(seq_len: int, n: int, seed: int) -> list[np.ndarray]:
     """n micro-batches of at most ``seq_len`` tokens: packer outputs and equal-length packs."""
     from torchtitan_wlb.models.catalogue import get_model
     from torchtitan_wlb.sim.config import MODES, SimConfig
+    from torchtitan_wlb.sim.engine import pack_steps
     from torchtitan_wlb.sim.hardware import Layout
-    from torchtitan_wlb.sim.integration import pack_steps
     from torchtitan_wlb.workloads import generate
 
     cfg = SimConfig(model=get_model("debugmodel"), layout=Layout(), context_len=seq_len, schedule="1f1b",

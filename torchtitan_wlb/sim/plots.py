@@ -10,7 +10,8 @@ import numpy as np
 from torchtitan_wlb.sim.engine import ModeResult
 
 
-def _plt():
+def _subplots(*args, **kw):
+    """matplotlib (imported here, headless) and a new figure: (pyplot, figure, axes)."""
     try:
         import matplotlib
 
@@ -20,20 +21,21 @@ def _plt():
         raise ValueError(
             "--plot needs matplotlib: pip install 'torchtitan-wlb[sim]' (or pip install matplotlib)"
         ) from exc
-    return plt
+    return (plt, *plt.subplots(*args, **kw))
 
 
-def _save(fig, path: str | Path, **kw) -> Path:
-    out = Path(path)
-    fig.savefig(out, dpi=110, **kw)
-    _plt().close(fig)
-    return out
+def _save(plt, fig, path: str | Path, **kw) -> Path:
+    """Write ``fig`` (laid out tight unless ``kw`` says how) and free it."""
+    if not kw:
+        fig.tight_layout()
+    fig.savefig(Path(path), dpi=110, **kw)
+    plt.close(fig)
+    return Path(path)
 
 
 def latency_heatmap(results: Sequence[ModeResult], path: str | Path, max_rows: int = 48) -> Path:
     """Each micro-batch's compute on each CP rank over its step's mean (paper Figure 4): rows that
     differ are PP-level imbalance, columns CP-level; one colour scale so that modes compare."""
-    plt = _plt()
     n_steps, n_mb, cp = results[0].mb_rank_compute_s.shape
     steps = max(1, min(n_steps, max_rows // max(1, n_mb)))
     # Normalised within each step: balance inside the global batch is the goal, not across steps.
@@ -43,7 +45,7 @@ def latency_heatmap(results: Sequence[ModeResult], path: str | Path, max_rows: i
     vmin = min(0.9, *(float(m.min()) for m in mats))
     n_rows = mats[0].shape[0]
     size = (2.2 * len(results) + 1.5, 1.6 + 0.16 * n_rows)
-    fig, axes = plt.subplots(1, len(results), figsize=size, squeeze=False)
+    plt, fig, axes = _subplots(1, len(results), figsize=size, squeeze=False)
     im = None
     dp = results[0].rank_compute_s.shape[1]
     labels = [f"s{s} dp{d} mb{j}" for s in range(steps) for d in range(dp) for j in range(n_mb // dp)]  # fmt: skip
@@ -60,14 +62,13 @@ def latency_heatmap(results: Sequence[ModeResult], path: str | Path, max_rows: i
         else:
             ax.set_yticks([])
     fig.colorbar(im, ax=axes[0].tolist(), label="latency / step mean", shrink=0.9)
-    return _save(fig, path, bbox_inches="tight")
+    return _save(plt, fig, path, bbox_inches="tight")
 
 
 def gantt(results: Sequence[ModeResult], path: str | Path) -> Path:
     """One step's pipeline timeline (slowest DP replica) per mode on a shared time axis; the hue
     is the micro-batch, so a long one can be followed through the stages."""
-    plt = _plt()
-    fig, axes = plt.subplots(len(results), 1, figsize=(12, 1.3 + 0.45 * results[0].gantt[0].pp
+    plt, fig, axes = _subplots(len(results), 1, figsize=(12, 1.3 + 0.45 * results[0].gantt[0].pp
                                                        * len(results)), squeeze=False, sharex=True)  # fmt: skip
     cmap = plt.get_cmap("tab20")
     for ax, r in zip(axes[:, 0], results, strict=True):
@@ -85,19 +86,17 @@ def gantt(results: Sequence[ModeResult], path: str | Path) -> Path:
         title = f"{r.mode.name}: step {end.max():.2f} s, bubbles {r.bubble_fraction[0]:.0%}"
         ax.set_title(title, fontsize=10, loc="left")
     axes[-1, 0].set_xlabel("time (s); light = forward, dark = backward, colour = micro-batch")
-    fig.tight_layout()
-    return _save(fig, path)
+    return _save(plt, fig, path)
 
 
 def speedup_bars(speedups: Mapping[str, Mapping[str, float]], path: str | Path,
                  title: str = "Speedup over Plain-4D", paper: Mapping | None = None) -> Path:  # fmt: skip
     """Grouped bars: per configuration (outer key) each mode's speedup; ``paper`` (same keys)
     adds the paper's values as black ticks."""
-    plt = _plt()
     configs = list(speedups)
     modes = list(dict.fromkeys(m for c in configs for m in speedups[c]))
     width = 0.8 / max(1, len(modes))
-    fig, ax = plt.subplots(
+    plt, fig, ax = _subplots(
         figsize=(max(5.0, 1.1 * len(configs) * max(1, len(modes)) * 0.6 + 2), 3.6)
     )
     x = np.arange(len(configs))
@@ -120,14 +119,12 @@ def speedup_bars(speedups: Mapping[str, Mapping[str, float]], path: str | Path,
     ax.set_ylim(0.8, max(1.5, np.nanmax([v for c in speedups.values() for v in c.values()]) + 0.12))
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7, ncol=min(4, len(modes) + 1))
-    fig.tight_layout()
-    return _save(fig, path)
+    return _save(plt, fig, path)
 
 
 def length_histogram(hist: Sequence[Mapping], context_len: int, path: str | Path) -> Path:
     """Documents per length bucket and each bucket's token share: ``wlb-analyze --plot``."""
-    plt = _plt()
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.4))
+    plt, fig, (a1, a2) = _subplots(1, 2, figsize=(10, 3.4))
     x = np.arange(len(hist))
     a1.bar(x, [r["docs"] for r in hist], color="tab:blue")
     a1.set_yscale("log")
@@ -140,5 +137,4 @@ def length_histogram(hist: Sequence[Mapping], context_len: int, path: str | Path
         ax.set_xticks(x)
         ax.set_xticklabels([f"{r['min_len']}" for r in hist], rotation=60, fontsize=7)
         ax.set_xlabel("document length (tokens, bucket start)")
-    fig.tight_layout()
-    return _save(fig, path)
+    return _save(plt, fig, path)

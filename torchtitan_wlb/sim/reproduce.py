@@ -22,7 +22,7 @@ from typing import NamedTuple
 import numpy as np
 
 from torchtitan_wlb.models.catalogue import get_model
-from torchtitan_wlb.sim import integration as sim
+from torchtitan_wlb.sim import engine as sim
 from torchtitan_wlb.sim.config import MODES, SimConfig, epoch_steps
 from torchtitan_wlb.sim.engine import ModeResult, simulate_mode, speedup
 from torchtitan_wlb.sim.hardware import HardwareProfile, Layout
@@ -84,11 +84,11 @@ def met(ok: bool, no: str = "**not met**") -> str:
     return "met" if ok else no
 
 
-def md_table(header: Sequence[str], rows: Iterable[Sequence | str]) -> str:
-    """A markdown table; a row given as a string is taken as it is."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += [r if isinstance(r, str) else "| " + " | ".join(map(str, r)) + " |" for r in rows]
-    return "\n".join(lines)
+def md_rows(rows: Iterable[Sequence | str]) -> str:
+    """A markdown table's rows (its header is the template's); a string row is taken as it is."""
+    return "\n".join(
+        r if isinstance(r, str) else "| " + " | ".join(map(str, r)) + " |" for r in rows
+    )
 
 
 # ---------------------------------------------------------------------------------- sections
@@ -126,12 +126,9 @@ def table2(workload: str, quick: bool, cfg: SimConfig) -> dict:
               if r["paper_imbalance"] and abs(r["imbalance"] - r["paper_imbalance"]) > 0.1]  # fmt: skip
     slower = [f"{name(r)} ({r['plan_ms']:.1f} ms vs {r['paper_overhead']})" for r in rows
               if r["plan_ms"] > paper_ms(r["paper_overhead"])]  # fmt: skip
-    table = md_table(["method", "config", "imbalance (paper)", "imbalance (ours)", "overhead (paper)",
-                      "overhead (ours)", "delay, steps (ours)"],
-                     [[r["packer"], r["config"], paper_x(r["paper_imbalance"]).rstrip("x"),
-                       f"{r['imbalance']:.3f}", r["paper_overhead"], f"{r['plan_ms']:.1f} ms",
-                       f"{r['avg_delay_iters']:.2f}"] for r in rows])  # fmt: skip
-    return {"t2_table": f"Command: `python -m torchtitan_wlb.tools.pack_bench {' '.join(argv)}`\n\n{table}",
+    table = [[r["packer"], r["config"], paper_x(r["paper_imbalance"]).rstrip("x"), f"{r['imbalance']:.3f}",
+              r["paper_overhead"], f"{r['plan_ms']:.1f} ms", f"{r['avg_delay_iters']:.2f}"] for r in rows]  # fmt: skip
+    return {"t2_table": md_rows(table), "t2_argv": " ".join(argv),
             "t2_config": f"{cfg.model.name}, {cfg.context_len // K}K, N = {cfg.n_global}",
             "t2_shape": shape, "t2_differ": "; ".join(differ) or "none",
             "t2_slower": "; ".join(slower) or "none",
@@ -160,10 +157,7 @@ def fig12(lengths, steps: int | None) -> dict:
     v = {"avg": float(sp_a.mean()), "a64": float(sp_a[ctx == 64 * K].mean()),
          "a128": float(sp_a[ctx == 128 * K].mean()), "vs_fixed": float(np.mean(spf)),
          "fixed": float(np.mean(fixed)), "avg_tt": float(np.mean(tt))}  # fmt: skip
-    table = md_table(["model", "context", "(TP, CP, PP, DP)", "Plain-4D imbalance", "Fixed-4D",
-                      "WLB-LLM", "WLB vs Fixed", "bubbles Plain / WLB",
-                      "WLB vs Plain-4D with TorchTitan's loader"], rows)  # fmt: skip
-    agg = md_table(["aggregate", "paper", "ours"], [
+    agg = md_rows([
         [f"WLB-LLM vs Plain-4D, average of the {len(sp)} configs", paper_x(p["avg"]), f"**{x3(v['avg'])}**"],
         ["... at 64K", paper_x(p["avg_64k"]), x3(v["a64"])],
         ["... at 128K", paper_x(p["avg_128k"]), x3(v["a128"])],
@@ -175,7 +169,7 @@ def fig12(lengths, steps: int | None) -> dict:
     ])  # fmt: skip
     wide = max(PAPER_TABLE1, key=lambda pc: pc.layout.tp)
     return v | {
-        "f12_table": f"{table}\n\n{agg}", "bars": bars, "n_configs": len(sp),
+        "f12_table": md_rows(rows), "f12_agg": agg, "bars": bars, "n_configs": len(sp),
         "size_ok": met(bool(np.all(np.diff(list(by_model.values())) < 0)), "**not monotone**"),
         "by_model": " / ".join(f"{m} {x3(s)}" for m, s in by_model.items()),
         "top_model": max(by_model, key=by_model.get),
@@ -242,7 +236,7 @@ def fig13(lengths, steps: int | None) -> tuple[dict, dict[str, ModeResult]]:
     ex = np.array([ex_long] + [ex_short] * ((ctx - ex_long) // ex_short))
     attn = sim.shard_costs(sim.cp_shards([ex], cfg, "per_sequence"), cfg).attn_fwd[0]
     return v | {f"tt_{k}": s for k, s in tt.items()} | {
-        "f13_table": md_table(["configuration", "paper", "ours", "imbalance", "per-document share"], rows),
+        "f13_table": md_rows(rows),
         "tt_span_drop": 100.0 * (1.0 - _span(cut_stream(lengths, ctx)) / _span(split_long(lengths, ctx))),
         "whole_imb": res["plain_4d"].pack_stats["imbalance"], "cut_imb": base.pack_stats["imbalance"],
         "ex_long": ex_long // K, "ex_short": ex_short, "ex_imb": float(attn.max() / attn.min()),
@@ -273,8 +267,7 @@ def sensitivity(lengths, steps: int | None) -> dict:
         rows.append([label, *map(x3, sp.values()), f"{out[-1]['ratio_doc']:.2f}",
                      f"{out[-1]['ratio_ad']:.2f}"])  # fmt: skip
     return {
-        "sens": md_table(["hardware constants", "per-document CP", "adaptive CP", "var-len packing",
-                          "WLB-LLM", "ln(per-doc) / ln(var-len)", "ln(adaptive) / ln(var-len)"], rows),
+        "sens": md_rows(rows),
         "r_doc": out[0]["ratio_doc"], "r_ad": out[0]["ratio_ad"],
         "r_lo": min(x["ratio_doc"] for x in out), "r_hi": max(x["ratio_doc"] for x in out),
         "cp_lo": min(x["per_doc_cp"] for x in out), "vl_lo": min(x["varlen_packing"] for x in out),
@@ -301,8 +294,7 @@ def spread(lengths, windows: int, steps: int, whole: dict) -> dict:
     inside = {k: sum(abs(x - paper) <= TOL for x in w[k]) for _, paper, k in rows}
     cfg = _cfg(*MAIN, steps)
     return {
-        "spread_table": md_table(
-            ["figure", "paper", "above", "windows: min - max", f"windows inside ±{TOL}"],
+        "spread_table": md_rows(
             [[label, paper_x(paper), x3(whole[k]), f"{x3(min(w[k]))} - {x3(max(w[k]))}",
               f"{inside[k]} of {windows}"] for label, paper, k in rows]),
         "avg_windows": f"; {windows} disjoint {steps}-step windows give {x3(min(w['avg']))}-"
@@ -323,7 +315,7 @@ def fig14(lengths, steps: int | None) -> dict:
         rows.append([f"{ctx // K}K", paper_x(PAPER_FIG14.get(ctx)), f"**{x3(sp[ctx])}**",
                      f"{res['plain_4d'].imbalance.mean():.2f}"])  # fmt: skip
     first = min(PAPER_FIG14)
-    return {"f14_table": md_table(["context", "paper", "ours", "Plain-4D imbalance"], rows),
+    return {"f14_table": md_rows(rows),
             "f14": sp, "f14_grows": met(bool(np.all(np.diff(list(sp.values())) > 0))),
             "p14_text": " and ".join(f"{paper_x(s)} at {c // K}K" for c, s in PAPER_FIG14.items()),
             "p14_first_k": first // K,
@@ -349,9 +341,7 @@ def fig15(lengths, steps: int | None) -> dict:
                          *(f"{1e3 * x / len(flat):.2f} ms" for x in t.values()),
                          *(f"{100 * a:+.1f} %" for a in out[(packer_mode, cp)])])  # fmt: skip
     seq, doc = out[("wlb", PAPER_FIG15["cp"])]
-    return {"f15_table": md_table(["packing", "CP", "per-sequence", "per-document", "adaptive",
-                                   "oracle (best of the two)", "adaptive vs per-seq",
-                                   "adaptive vs per-doc"], rows),
+    return {"f15_table": md_rows(rows),
             "seq": 100 * seq, "doc": 100 * doc, "oracle_gap": max(gaps)}  # fmt: skip
 
 
@@ -373,8 +363,7 @@ def scale(lengths, steps: int) -> dict:
     dp_sp = [sweep[replace(lay, dp=d)][0] for d in dps]
     cp_sp = [sweep[replace(lay, cp=c)][0] for c in cps]
     return {
-        "scale_table": md_table(["model", "(TP, CP, PP, DP)", "GPUs", "WLB vs Plain-4D",
-                                 "WLB vs Fixed-4D", "Plain-4D imbalance", "simulated in"], rows),
+        "scale_table": md_rows(rows),
         "secs": secs, "sp": sweep[lay][0], "scale_steps": steps, "scale_model": model,
         "scale_timed": SCALE_TIMED_STEPS, "scale_target": SCALE_TARGET_S,
         "scale_gpus": lay.world_size, "scale_gpus_k": lay.world_size // K,
@@ -462,7 +451,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     t_start = time.perf_counter()
     steps = 8 if args.quick else (None if args.steps == "epoch" else args.steps)
     try:
@@ -494,11 +484,10 @@ def main(argv: list[str] | None = None) -> int:
                     for n, p in PAPER_FIG13.items() if (abs(v[n] - p) <= TOL) == ok] for ok in (1, 0)}
     v["verdict"] = ("met: " + "; ".join(verdict[1]) + "." if verdict[1] else "none met.") + (
         " **Missed: " + "; ".join(verdict[0]) + ".**" if verdict[0] else "")
-    v["cmd"] = (f".venv/bin/python -m torchtitan_wlb.sim.reproduce --workload {args.workload} --out {args.out} "
-                f"--figures {args.figures}" + (" --quick" if args.quick else "")
-                + (f" --steps {args.steps}" if args.steps != "epoch" else "")
-                + (f" --windows {args.windows}" if args.windows != 5 else "")
-                + (f" --window-steps {args.window_steps}" if args.window_steps != 100 else ""))
+    v["cmd"] = " ".join([f".venv/bin/python -m torchtitan_wlb.sim.reproduce --workload {args.workload} --out "
+                         f"{args.out} --figures {args.figures}", *["--quick"] * args.quick] + [
+        f"--{k.replace('_', '-')} {getattr(args, k)}" for k in ("steps", "windows", "window_steps")
+        if getattr(args, k) != parser.get_default(k)])
     n13 = res13["plain_4d"].step_time_s.size
     v["steps_text"] = (
         f"{n13} timed steps per configuration after {WARMUP} warm-up steps" if steps is not None

@@ -1,10 +1,5 @@
-"""Pipeline timelines of 1F1B and interleaved 1F1B with per-micro-batch operation times.
-
-An operation starts when its stage is free and its input has arrived, so one slow micro-batch
-delays the pipeline down and back (the paper's latency propagation chain). The schedule's order
-depends only on (PP, v, m) and is cached; timing is one pass over the operations, vectorised over
-a batch of pipelines (steps x DP replicas).
-"""
+"""1F1B and interleaved 1F1B timelines: an op starts when its stage is free and its input has
+arrived, so one slow micro-batch delays the whole pipeline (the paper's latency propagation)."""
 
 from __future__ import annotations
 
@@ -80,26 +75,21 @@ def build_schedule(pp: int, m: int, v: int = 1) -> Schedule:
 
     # Take every stage's next op as soon as its input is done, until all are placed.
     orders = [_rank_order(pp, v, m, r) for r in range(pp)]
-    pos, done, topo = [0] * pp, {}, []
+    pos, done, topo, prev, last = [0] * pp, {}, [], [], [-1] * pp
     while len(topo) < sum(len(o) for o in orders):
         placed = len(topo)
         for r, order in enumerate(orders):
             while pos[r] < len(order) and ready(order[pos[r]]):
                 op = order[pos[r]]
-                done[(op.vstage, op.mb, op.is_fwd)] = len(topo)
+                prev.append(last[r])
+                done[(op.vstage, op.mb, op.is_fwd)] = last[r] = len(topo)
                 topo.append(op)
                 pos[r] += 1
         if len(topo) == placed:  # pragma: no cover - the schedules above are deadlock-free
             raise RuntimeError(f"pipeline schedule deadlocks (pp={pp}, m={m}, v={v})")
     dep = [-1 if (k := input_key(op)) is None else done[k] for op in topo]
-    prev, last = [], [-1] * pp
-    for i, op in enumerate(topo):
-        prev.append(last[op.rank])
-        last[op.rank] = i
-    rank, vstage, mb = (np.array([op[j] for op in topo], dtype=np.int64) for j in range(3))
-    is_fwd = np.array([op.is_fwd for op in topo], dtype=bool)
-    deps = (np.array(x, dtype=np.int64) for x in (dep, prev))
-    return Schedule(pp, v, m, rank, vstage, mb, is_fwd, *deps)
+    rank, vstage, mb, is_fwd, dep, prev = np.vstack([np.array(topo, dtype=np.int64).T, [dep, prev]])
+    return Schedule(pp, v, m, rank, vstage, mb, is_fwd.astype(bool), dep, prev)
 
 
 @dataclass

@@ -1,10 +1,5 @@
-"""Per-layer compute and communication time of packed micro-batches on a 4D layout.
-
-Counted, not fitted: FLOPs and bytes from the model's dimensions and the document lengths, times
-from the hardware profile (docs/simulator.md). CP ranks meet at every layer's all-gather, so a layer
-costs the *slowest* CP rank's compute plus the exposed communication: that is how per-rank
-attention imbalance turns into step time.
-"""
+"""Per-layer compute and communication time of packed micro-batches, counted from the model's
+dimensions and the hardware profile; a layer costs the *slowest* CP rank (docs/simulator.md)."""
 
 from __future__ import annotations
 
