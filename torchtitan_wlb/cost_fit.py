@@ -174,9 +174,7 @@ class OnlineFitConfig:
         for name, low in {**lowest, "apply_lag_steps": 1}.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(
-                    f"OnlineFitConfig.{name} must be an integer >= {low}, got {value!r}"
-                )
+                raise ValueError(f"OnlineFitConfig.{name} = {value!r} must be an integer >= {low}")
         if not 1 <= self.holdout_steps < self.window_steps:
             raise ValueError(
                 f"OnlineFitConfig: holdout_steps must be in [1, window_steps), got "
@@ -190,9 +188,7 @@ class OnlineFitConfig:
     def last_refit_step_before(self, step: int) -> int:
         """The last refit step ``<= step`` (0 when none)."""
         first = self.warmup_steps + self.window_steps
-        if step < first:
-            return 0
-        return step - (step - first) % self.interval_steps
+        return 0 if step < first else step - (step - first) % self.interval_steps
 
 
 class CostModelSchedule:
@@ -260,14 +256,13 @@ class OnlineFitter:
         k = max(0, len(window) - self.config.holdout_steps)
         fit_part, holdout = sum(window[:k], FitStats.zeros()), sum(window[k:], FitStats.zeros())
         result = refit(fit_part, holdout, self.incumbent)
-        model = None
-        if result.adopted and result.candidate is not None:
-            self.incumbent = result.candidate
-            model = result.candidate.cost_model()
-        effective = self.schedule.decide(step, model)
+        effective = self.schedule.decide(
+            step, result.candidate.cost_model() if result.adopted else None
+        )
         record = {"step": step, **asdict(result)}
         record["effective_step"] = effective if result.adopted else None
         if result.adopted:
+            self.incumbent = result.candidate
             self.history.append(record)
         return record
 

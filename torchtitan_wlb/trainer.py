@@ -81,8 +81,7 @@ class WLBTrainer(Trainer):
         self._cp_stats: list[tuple[str, float]] = []
         self._last_doc_lens: list[int] | None = None
         self._pp_doc_lens: list[list[int]] = []
-        documents = wlb.loader == "documents"
-        self._cost_model = cost_model_for_job(job_config) if documents else None
+        self._cost_model = cost_model_for_job(job_config) if wlb.loader == "documents" else None
         schedule = getattr(self.dataloader, "cost_schedule", None)
         self._fitter = OnlineFitter(schedule) if schedule is not None else None
         self._clock = DeviceClock(self.device)
@@ -344,8 +343,7 @@ class WLBTrainer(Trainer):
         pending, self._pp_pending = self._pp_pending, []
         step_doc_lens, self._pp_doc_lens = self._pp_doc_lens, []
         if self._cost_model is not None and step_doc_lens:
-            # The predicted bubble: a 1F1B-style schedule over p stages takes about sum(c) +
-            # (p - 1) * max(c) for micro-batch workloads c; the bubble is the idle share of that.
+            # The predicted bubble, (p - 1) max(c) / (sum(c) + (p - 1) max(c)): docs/tuning.md.
             costs = np.array([self._cost_model.microbatch_cost(d) for d in step_doc_lens])
             stalls = (self.parallel_dims.pp - 1) * costs.max()
             bubble = float(stalls / (costs.sum() + stalls))
