@@ -1,10 +1,6 @@
 """The online cost model: ``t = a * sum(d**2) + b * sum(d) + c`` fitted to measured micro-batch
-times while training (docs/cost_model.md).
-
-Why sufficient statistics: the weighted least-squares fit needs only ``X^T W X``, ``X^T W t``,
-``t^T W t`` and the row count (14 numbers). They add up across micro-batches, steps and ranks, so
-every rank sums every rank's terms in rank order and solves the same 3 x 3 system bit for bit.
-"""
+times while training, from sufficient statistics that add up over micro-batches, steps and ranks,
+so that every rank solves the same system bit for bit (docs/cost_model.md)."""
 
 from __future__ import annotations
 
@@ -16,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from torchtitan_wlb.cost_model import CostModel
+from torchtitan_wlb.cost_model import CostModel, nnls
 
 N_TERMS = 3  # sum(d^2), sum(d), 1
 STATS_SIZE = N_TERMS * N_TERMS + N_TERMS + 2
@@ -53,12 +49,7 @@ class FitStats:
             raise ValueError(f"measured times must be finite and > 0, got {t.tolist()!r}")
         x = np.stack([sq_, lin, np.ones_like(t)], axis=1)
         w = 1.0 / (t * t)
-        return cls(
-            gram=(x * w[:, None]).T @ x,
-            moment=x.T @ (w * t),
-            sq=float(np.sum(w * t * t)),
-            count=float(t.size),
-        )
+        return cls((x * w[:, None]).T @ x, x.T @ (w * t), float(np.sum(w * t * t)), float(t.size))
 
     def to_vector(self) -> np.ndarray:
         """The 14 numbers as one float64 vector (what ranks exchange and checkpoints hold)."""
@@ -74,21 +65,14 @@ class FitStats:
         return cls(gram, moment, float(v[-2]), float(v[-1]))
 
     def __add__(self, other: FitStats) -> FitStats:
-        return FitStats(
-            self.gram + other.gram,
-            self.moment + other.moment,
-            self.sq + other.sq,
-            self.count + other.count,
-        )
-
-    def sse(self, coef: np.ndarray) -> float:
-        """Σ ((prediction - t) / t)² over the rows, from the statistics alone."""
-        coef = np.asarray(coef, np.float64)
-        return max(0.0, float(self.sq - 2.0 * coef @ self.moment + coef @ self.gram @ coef))
+        return FitStats.from_vector(self.to_vector() + other.to_vector())
 
     def rms_error(self, coef: np.ndarray) -> float:
-        """Root-mean-square relative prediction error of ``coef`` on these rows."""
-        return math.sqrt(self.sse(coef) / self.count) if self.count else math.nan
+        """Root-mean-square relative prediction error of ``coef`` on these rows, from the
+        statistics alone: Σ ((prediction - t) / t)² = sq - 2 coef . moment + coef . gram . coef."""
+        coef = np.asarray(coef, np.float64)
+        sse = max(0.0, float(self.sq - 2.0 * coef @ self.moment + coef @ self.gram @ coef))
+        return math.sqrt(sse / self.count) if self.count else math.nan
 
 
 @dataclass(frozen=True)
@@ -104,11 +88,7 @@ class Coefficients:
         return np.array([self.a, self.b, self.c], np.float64)
 
     def predict(self, sum_sq: Any, sum_lin: Any) -> np.ndarray:
-        return (
-            self.a * np.asarray(sum_sq, np.float64)
-            + self.b * np.asarray(sum_lin, np.float64)
-            + self.c
-        )
+        return self.a * np.asarray(sum_sq, float) + self.b * np.asarray(sum_lin, float) + self.c
 
     def cost_model(self) -> CostModel:
         """The per-document model the packers balance. ``c`` is left out: every micro-batch pays
@@ -121,11 +101,8 @@ class Coefficients:
 
 
 def fit_nnls(stats: FitStats) -> tuple[np.ndarray | None, str]:
-    """Non-negative least squares of the three coefficients: ``(coef, "")`` or ``(None, reason)``.
-
-    The terms are scaled to a unit-diagonal normal matrix first (``Σd²`` is ~10^7 times ``1``); a
-    window that cannot separate them is refused; the best feasible active-set solution wins.
-    """
+    """Non-negative least squares of the three coefficients: ``(coef, "")`` or ``(None, reason)``;
+    the terms are scaled to a unit-diagonal normal matrix first (``Σd²`` is ~10^7 times ``1``)."""
     if stats.count < N_TERMS + 1:
         return None, f"too few micro-batches to fit 3 coefficients ({stats.count:.0f})"
     diag = np.diag(stats.gram)
@@ -141,18 +118,9 @@ def fit_nnls(stats: FitStats) -> tuple[np.ndarray | None, str]:
             f"collinear (normalised eigenvalue {eig[0] / eig[-1]:.2e} < {_MIN_EIGEN:g}); e.g. all "
             "of one length, leaving only timing noise to fit"
         )
-    best, best_sse = None, math.inf
-    for mask in range(1, 2**N_TERMS):
-        idx = [i for i in range(N_TERMS) if mask >> i & 1]
-        sol = np.zeros(N_TERMS)
-        sol[idx] = np.linalg.solve(g[np.ix_(idx, idx)], h[idx])
-        if np.any(sol < 0):
-            continue
-        coef = sol * scale
-        err = stats.sse(coef)
-        if err < best_sse:
-            best, best_sse = coef, err
-    if best is None or best[0] + best[1] <= 0:
+    lower = np.linalg.cholesky(g)
+    best = nnls(lower.T, np.linalg.solve(lower, h)) * scale
+    if best[0] + best[1] <= 0:
         return None, "no non-negative fit with a > 0 or b > 0 (only the fixed cost c)"
     return best, ""
 
@@ -169,11 +137,8 @@ class RefitResult:
 
 
 def refit(fit_part: FitStats, holdout: FitStats, incumbent: Coefficients) -> RefitResult:
-    """Fit on ``fit_part``; adopt only if it predicts ``holdout`` better than ``incumbent``.
-
-    The incumbent is judged at its best scale on ``fit_part`` (the packer uses relative costs), so
-    the analytic model in FLOPs and a fitted model in seconds compete on equal terms.
-    """
+    """Fit on ``fit_part``; adopt only if it predicts ``holdout`` better than ``incumbent``, judged
+    at its best scale on ``fit_part`` (so that a model in FLOPs competes on its shape)."""
     coef, why = fit_nnls(fit_part)
     shape = incumbent.as_array()
     denom = float(shape @ fit_part.gram @ shape)  # the scale s >= 0 minimising its error
@@ -183,10 +148,9 @@ def refit(fit_part: FitStats, holdout: FitStats, incumbent: Coefficients) -> Ref
         return RefitResult(False, why, None, math.nan, inc_err)
     cand = Coefficients(float(coef[0]), float(coef[1]), float(coef[2]))
     cand_err = holdout.rms_error(coef)
-    if cand_err < inc_err:
-        return RefitResult(True, "adopted", cand, cand_err, inc_err)
     why = f"refit predicts the held-out steps no better ({cand_err:.4f} vs {inc_err:.4f} RMS "
-    return RefitResult(False, why + "relative error)", cand, cand_err, inc_err)
+    why = "adopted" if cand_err < inc_err else why + "relative error)"
+    return RefitResult(cand_err < inc_err, why, cand, cand_err, inc_err)
 
 
 @dataclass(frozen=True)
@@ -206,15 +170,11 @@ class OnlineFitConfig:
     node's read-ahead, so the node seldom waits for a decision)."""
 
     def __post_init__(self) -> None:
-        for name in ("warmup_steps", "window_steps", "holdout_steps", "interval_steps"):
+        lowest = {"warmup_steps": 0, "window_steps": 0, "holdout_steps": 0, "interval_steps": 1}
+        for name, low in {**lowest, "apply_lag_steps": 1}.items():
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"OnlineFitConfig.{name} must be an integer >= 0, got {value!r}")
-        if self.interval_steps < 1 or self.apply_lag_steps < 1:
-            raise ValueError(
-                "OnlineFitConfig: interval_steps and apply_lag_steps must be >= 1, got "
-                f"{self.interval_steps} and {self.apply_lag_steps}"
-            )
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"OnlineFitConfig.{name} = {value!r} must be an integer >= {low}")
         if not 1 <= self.holdout_steps < self.window_steps:
             raise ValueError(
                 f"OnlineFitConfig: holdout_steps must be in [1, window_steps), got "
@@ -223,23 +183,17 @@ class OnlineFitConfig:
 
     def is_refit_step(self, step: int) -> bool:
         """Whether a refit is decided after ``step`` (deterministic: the same on every rank)."""
-        first = self.warmup_steps + self.window_steps
-        return step >= first and (step - first) % self.interval_steps == 0
+        return step > 0 and self.last_refit_step_before(step) == step
 
     def last_refit_step_before(self, step: int) -> int:
         """The last refit step ``<= step`` (0 when none)."""
         first = self.warmup_steps + self.window_steps
-        if step < first:
-            return 0
-        return step - (step - first) % self.interval_steps
+        return 0 if step < first else step - (step - first) % self.interval_steps
 
 
 class CostModelSchedule:
-    """Which cost model packs which step; written by the trainer, read by the packing node.
-
-    :meth:`model_for_step` waits until every refit that could take effect by then is decided, so
-    the answer never depends on how far ahead the node's prefetch thread runs.
-    """
+    """Which cost model packs which step; written by the trainer, read by the packing node, which
+    waits for the decisions, so its answer never depends on how far ahead it prefetches."""
 
     def __init__(self, initial: CostModel, config: OnlineFitConfig) -> None:
         self.initial, self.config = initial, config
@@ -253,11 +207,7 @@ class CostModelSchedule:
         needed = self.config.last_refit_step_before(step - self.config.apply_lag_steps)
         with self._cond:
             self._cond.wait_for(lambda: self._decided_through >= needed or self._closed)
-            model = self.initial
-            for effective, adopted in self._adoptions:
-                if effective <= step:
-                    model = adopted
-            return model
+            return next((m for e, m in reversed(self._adoptions) if e <= step), self.initial)
 
     def decide(self, step: int, model: CostModel | None) -> int:
         """Record that the decisions of every step through ``step`` are made; ``model``, if
@@ -302,29 +252,17 @@ class OnlineFitter:
         if not self.config.is_refit_step(step):
             self.schedule.decide(step, None)
             return None
-        k = len(self._window) - self.config.holdout_steps
-        fit_part, holdout = FitStats.zeros(), FitStats.zeros()
-        for i, (_, v) in enumerate(self._window):
-            if i < k:
-                fit_part = fit_part + FitStats.from_vector(v)
-            else:
-                holdout = holdout + FitStats.from_vector(v)
+        window = [FitStats.from_vector(v) for _, v in self._window]
+        k = max(0, len(window) - self.config.holdout_steps)
+        fit_part, holdout = sum(window[:k], FitStats.zeros()), sum(window[k:], FitStats.zeros())
         result = refit(fit_part, holdout, self.incumbent)
-        model = None
-        if result.adopted and result.candidate is not None:
-            self.incumbent = result.candidate
-            model = result.candidate.cost_model()
-        effective = self.schedule.decide(step, model)
-        record = {
-            "step": step,
-            "adopted": result.adopted,
-            "reason": result.reason,
-            "effective_step": effective if result.adopted else None,
-            "candidate": None if result.candidate is None else asdict(result.candidate),
-            "candidate_error": result.candidate_error,
-            "incumbent_error": result.incumbent_error,
-        }
+        effective = self.schedule.decide(
+            step, result.candidate.cost_model() if result.adopted else None
+        )
+        record = {"step": step, **asdict(result)}
+        record["effective_step"] = effective if result.adopted else None
         if result.adopted:
+            self.incumbent = result.candidate
             self.history.append(record)
         return record
 

@@ -156,7 +156,7 @@ class CostModel:
 
 def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Non-negative least squares for a few columns: the best over all active sets (exact); used by
-    ``from_profile`` and the simulator's calibration."""
+    ``from_profile``, the online fit (cost_fit.py) and the simulator's calibration."""
     n_col = x.shape[1]
     best, best_err = np.zeros(n_col), float(np.sum(y * y))
     for k in range(1, n_col + 1):

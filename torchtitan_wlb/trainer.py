@@ -19,6 +19,7 @@ from torchtitan_wlb import resume
 from torchtitan_wlb.attention.metadata import DocumentAttentionMetadata, metadata_from_doc_lens
 from torchtitan_wlb.audit_log import AuditLog
 from torchtitan_wlb.cost_fit import FitStats, OnlineFitter
+from torchtitan_wlb.data.dataloader import micro_batches_per_step
 from torchtitan_wlb.data.sources import BUILTIN_NAME
 from torchtitan_wlb.device_clock import DeviceClock
 from torchtitan_wlb.models.llama3_wlb import cost_model_for_job
@@ -80,8 +81,7 @@ class WLBTrainer(Trainer):
         self._cp_stats: list[tuple[str, float]] = []
         self._last_doc_lens: list[int] | None = None
         self._pp_doc_lens: list[list[int]] = []
-        documents = wlb.loader == "documents"
-        self._cost_model = cost_model_for_job(job_config) if documents else None
+        self._cost_model = cost_model_for_job(job_config) if wlb.loader == "documents" else None
         schedule = getattr(self.dataloader, "cost_schedule", None)
         self._fitter = OnlineFitter(schedule) if schedule is not None else None
         self._clock = DeviceClock(self.device)
@@ -128,8 +128,7 @@ class WLBTrainer(Trainer):
     def _run_summary(self, start_step: int) -> list[str]:
         """The start-up lines: layout, model, data, checkpoints, where training starts."""
         jc, wlb, pd = self.job_config, self.job_config.wlb, self.parallel_dims
-        n = jc.training.global_batch_size
-        n = n if n > 0 else pd.dp_replicate * pd.dp_shard  # TorchTitan: one per DP rank
+        n = micro_batches_per_step(jc, pd.dp_replicate * pd.dp_shard)
         degrees = {k: getattr(pd, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp")}
         shown = " x ".join(f"{k} {v}" for k, v in degrees.items() if v > 1) or "no parallelism"
         backend = "gloo" if self.device.type == "cpu" else "nccl"
@@ -305,11 +304,11 @@ class WLBTrainer(Trainer):
             f"{record['candidate_error']:.4f} vs {record['incumbent_error']:.4f} for the model in "
             f"use); {verdict}" + ("" if record["adopted"] else f": {record['reason']}")
         )
-        metrics = {f"cost_refit_{k}": record[k] for k in ("adopted", "incumbent_error")}
+        # effective_step is None, and so not recorded, unless the refit is adopted.
+        keys = ("adopted", "incumbent_error", "effective_step")
+        metrics = {f"cost_refit_{k}": record[k] for k in keys}
         metrics["cost_refit_error"] = record["candidate_error"]
         metrics.update({f"cost_refit_{k}": c[k] for k in "abc" if c})
-        if record["adopted"]:
-            metrics["cost_refit_effective_step"] = record["effective_step"]
         self.metrics_processor.record(metrics)
 
     def state_dict(self) -> dict[str, Any]:
@@ -344,8 +343,7 @@ class WLBTrainer(Trainer):
         pending, self._pp_pending = self._pp_pending, []
         step_doc_lens, self._pp_doc_lens = self._pp_doc_lens, []
         if self._cost_model is not None and step_doc_lens:
-            # The predicted bubble: a 1F1B-style schedule over p stages takes about sum(c) +
-            # (p - 1) * max(c) for micro-batch workloads c; the bubble is the idle share of that.
+            # The predicted bubble, (p - 1) max(c) / (sum(c) + (p - 1) max(c)): docs/tuning.md.
             costs = np.array([self._cost_model.microbatch_cost(d) for d in step_doc_lens])
             stalls = (self.parallel_dims.pp - 1) * costs.max()
             bubble = float(stalls / (costs.sum() + stalls))
