@@ -1,15 +1,11 @@
-"""Packers: turn a document stream into N micro-batches per optimizer step.
-
-Pure Python/NumPy, deterministic: every data-parallel rank computes the same global plan from the
-same stream. :data:`~torchtitan_wlb.packing.registry.PACKERS` is the one registry of packer names.
-See docs/packing.md.
-"""
+"""Packers: a document stream into N micro-batches per optimizer step, pure NumPy and
+deterministic (every data-parallel rank computes the same plan). See docs/packing.md."""
 
 from __future__ import annotations
 
 from torchtitan_wlb.packing.base import Packer, PackingConfig
 from torchtitan_wlb.packing.driver import LengthStream, drain, drive, next_plan
-from torchtitan_wlb.packing.original import OriginalPacker
+from torchtitan_wlb.packing.fixed import OriginalPacker
 from torchtitan_wlb.packing.registry import PACKERS, build_packer, packing_config
 from torchtitan_wlb.packing.tuning import tune_queues
 from torchtitan_wlb.packing.wlb import default_thresholds

@@ -1,9 +1,5 @@
-"""``solver``: exact min-max assignment by integer programming (HiGHS), the quality reference.
-
-``fixed_greedy`` with an exact placement: the greedy decides which documents fit the window (the
-rest is carried), the integer program places them. The program, its symmetry cut and why training
-bounds it by nodes rather than time: docs/packing.md.
-"""
+"""Exact min-max assignment by integer programming (HiGHS): the ``solver`` packer's placement and
+the quality reference. The program, its symmetry cut and its limits: docs/packing.md."""
 
 from __future__ import annotations
 
@@ -12,24 +8,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from torchtitan_wlb.cost_model import CostModel
-from torchtitan_wlb.packing.base import DocPool
-from torchtitan_wlb.packing.fixed_greedy import FixedGreedyPacker
 
 
 @dataclass
 class SolveResult:
     """Outcome of one min-max solve."""
 
-    assign: np.ndarray
-    """Micro-batch of every document (int64, same order as the input)."""
-    max_load: float
-    """Workload of the heaviest micro-batch in the returned assignment."""
-    lower_bound: float
-    """Proven lower bound on the optimal max workload (equals ``max_load`` when optimal)."""
-    optimal: bool
-    """Whether HiGHS proved the assignment optimal within its limits."""
-    time_limited: bool = False
-    """Whether the time limit stopped HiGHS (the result then depends on the machine's load)."""
+    assign: np.ndarray  # micro-batch of every document (int64, in input order)
+    max_load: float  # workload of the heaviest micro-batch of ``assign``
+    lower_bound: float  # proven bound on the optimal max workload (= max_load when optimal)
+    optimal: bool  # whether HiGHS proved ``assign`` optimal within its limits
+    time_limited: bool = False  # whether the time limit stopped HiGHS (then load-dependent)
 
 
 def solve_minmax(
@@ -94,21 +83,20 @@ def solve_minmax(
     warm = None
     if warm_start is not None:
         warm = np.asarray(warm_start, np.int64)
-        # Relabel the warm start's bins by first use in cost order (then the unused ones), so
-        # that it satisfies the symmetry cut.
+        # Relabel the warm start's bins by first use in cost order (then the unused ones): the
+        # i-th document then uses a bin <= i, so it satisfies the symmetry cut.
         first = dict.fromkeys(warm[order].tolist())
         first.update(dict.fromkeys(range(nb)))
         relabel = np.empty(nb, np.int64)
         relabel[list(first)] = np.arange(nb)
         w = relabel[warm[order]]
-        if np.all(w <= np.arange(n)):
-            sol = highspy.HighsSolution()
-            x = np.zeros(ncol)
-            x[np.arange(n) * nb + w] = 1.0
-            x[-1] = float(np.bincount(w, weights=c[order], minlength=nb).max())
-            sol.col_value = x.tolist()
-            sol.value_valid = True
-            h.setSolution(sol)
+        sol = highspy.HighsSolution()
+        x = np.zeros(ncol)
+        x[np.arange(n) * nb + w] = 1.0
+        x[-1] = float(np.bincount(w, weights=c[order], minlength=nb).max())
+        sol.col_value = x.tolist()
+        sol.value_valid = True
+        h.setSolution(sol)
     h.run()
     info = h.getInfo()
     status = h.getModelStatus()
@@ -136,36 +124,3 @@ def solve_minmax(
         optimal=bool(optimal),
         time_limited=status == highspy.HighsModelStatus.kTimeLimit,
     )
-
-
-class SolverPacker(FixedGreedyPacker):
-    """``fixed_greedy``'s windows placed by the exact integer program. With a node limit (training
-    sets one) a plan cut by the time limit is an error: other ranks might not share it."""
-
-    name = "solver"
-
-    def _assign(self, pool: DocPool) -> np.ndarray:
-        greedy = super()._assign(pool)
-        placed = np.flatnonzero(greedy >= 0)
-        out = np.full(len(pool), -1, np.int64)
-        if placed.size:
-            cfg = self.config
-            res = solve_minmax(
-                pool.lens[placed],
-                self.g * self.n,
-                self.cap,
-                self.cost_model,
-                cfg.solver_time_limit,
-                warm_start=greedy[placed],
-                node_limit=cfg.solver_node_limit,
-            )
-            if res.time_limited and cfg.solver_node_limit is not None:
-                raise RuntimeError(
-                    f"solver: packing window {self._step // self.g} ({placed.size} documents) hit "
-                    f"the time limit solver_time_limit_s = {cfg.solver_time_limit} before "
-                    f"the node limit solver_node_limit = {cfg.solver_node_limit}; a plan cut by "
-                    "time depends on this machine's load and other ranks could train other "
-                    "documents. Lower [wlb] solver_node_limit or raise [wlb] solver_time_limit_s"
-                )
-            out[placed] = res.assign
-        return out

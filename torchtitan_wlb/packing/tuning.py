@@ -1,8 +1,5 @@
-"""Choice of the outlier-queue thresholds and the max wait K from a sample of lengths.
-
-As the paper does, by simulation: every candidate (thresholds, K) packs the sample with the real
-packer, trading balance against token-weighted delay. Deterministic: same sample, same answer.
-"""
+"""Choice of the outlier-queue thresholds and the max wait K from a sample of lengths, as the paper
+does: by packing the sample with every candidate (deterministic; rule in docs/packing.md)."""
 
 from __future__ import annotations
 
@@ -26,10 +23,8 @@ class TuneResult:
 
     queue_thresholds: tuple[int, ...]
     max_wait: int
-    imbalance: float
-    """Mean max/mean workload over the sample's steps."""
-    mean_delay: float
-    """Token-weighted mean delay in steps on the sample."""
+    imbalance: float  # mean max/mean workload over the sample's steps
+    mean_delay: float  # token-weighted mean delay in steps on the sample
 
 
 def simulate(
@@ -62,22 +57,14 @@ def tune_queues(
     steps: int | None = None,
     tolerance: float = 0.005,
 ) -> TuneResult:
-    """Pick queue thresholds and K for ``packer`` on ``sample_lengths`` (already split).
-
-    Candidates: :func:`default_thresholds` with each of ``levels`` (and the configured ones) times
-    K in ``waits``. Among those within ``delay_budget``, the ones within ``tolerance`` of the best
-    mean imbalance tie and the least delay wins; if none is within budget, the least delay wins.
-    ``steps`` defaults to the sample's global batches less a margin (2 * max(waits), at most half)
-    so that documents still queued at the end of the sample do not distort the delay.
-    """
+    """Queue thresholds and K for ``packer`` on ``sample_lengths`` (already split): the candidate
+    rule and the ``steps`` default are in docs/packing.md ("Automatic choice")."""
     lengths = np.asarray(sample_lengths, np.int64)
     if lengths.size == 0 or np.any(lengths < 1):
         raise ValueError("tune_queues needs a non-empty sample of lengths >= 1")
     if not delay_budget >= 0:
         raise ValueError(f"delay_budget must be >= 0 steps, got {delay_budget}")
-    # The delay a K causes depends on how often long documents arrive per context of tokens,
-    # not on N; a short sample is therefore simulated at a smaller N that still gives it
-    # _MIN_TUNE_STEPS global batches, rather than scoring a handful of steps at the full N.
+    # A short sample is simulated at a smaller N (the delay a K causes does not depend on N).
     n_tune = config.micro_batches
     if lengths.sum() < _MIN_TUNE_STEPS * n_tune * config.context_len:
         n_tune = max(1, int(lengths.sum() // (_MIN_TUNE_STEPS * config.context_len)))
@@ -97,8 +84,7 @@ def tune_queues(
     within = [r for r in results if r.mean_delay <= delay_budget]
     if not within:
         return min(results, key=lambda r: (r.mean_delay, r.imbalance))
-    # Imbalance differences below the tolerance are sampling noise: among the near-best, the
-    # least delay wins (a smaller K), which also leaves a margin for a differently skewed corpus.
+    # Imbalance differences below the tolerance are sampling noise: the least delay wins.
     best = min(r.imbalance for r in within)
     near = [r for r in within if r.imbalance <= best + tolerance]
     return min(near, key=lambda r: (r.mean_delay, r.imbalance))
