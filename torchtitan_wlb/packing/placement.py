@@ -7,6 +7,9 @@ to whole batches; :func:`dp_order` deals a step's micro-batches to DP ranks.
 
 from __future__ import annotations
 
+import bisect
+import itertools
+
 import numpy as np
 
 # Share of its deficit a micro-batch receives per round: large enough for few rounds, small
@@ -15,12 +18,15 @@ _RUN_FRACTION = 0.7
 
 
 def water_level(loads: np.ndarray, extra: float) -> float:
-    """Level reached if ``extra`` work is poured into the least-loaded bins (no caps)."""
-    s = np.sort(loads)
-    cs = s.cumsum()
-    need = s * np.arange(1, s.size + 1) - cs  # work to raise the k lowest bins to s[k-1]
-    k = int(need.searchsorted(extra, side="right"))
-    return float((cs[k - 1] + extra) / k)
+    """Level reached if ``extra`` work is poured into the least-loaded bins (no caps).
+
+    Python floats over the few bins: the same operations in the same order as NumPy's sort,
+    cumulative sum and binary search, at a fraction of their call overhead."""
+    s = sorted(loads.tolist())
+    cs = list(itertools.accumulate(s))
+    need = [v * k - c for k, v, c in zip(range(1, len(s) + 1), s, cs, strict=True)]
+    k = bisect.bisect_right(need, extra)  # work to raise the k lowest bins to s[k-1]
+    return (cs[k - 1] + extra) / k
 
 
 def lpt_place(
@@ -81,16 +87,14 @@ def fill_rounds(
             start = cc - c
             n_in = int(start.searchsorted(bounds[-1], side="left"))  # a prefix: start grows
             slot = bounds.searchsorted(start[:n_in], side="right")  # run of each document
-            first = np.minimum(slot.searchsorted(slot, side="left"), n_in - 1)
+            first = slot.searchsorted(slot, side="left")
             ct = t[:n_in].cumsum()
             run_cost = cc[:n_in] - start[first]
             run_tok = ct - (ct[first] - t[first])
             bins = elig[slot]
+            # Each run keeps its prefix under both bounds: a prefix already, as costs are >= 0
+            # (a run's cost and tokens only grow along it).
             good = (loads[bins] + run_cost <= level) & (run_tok <= room[bins])
-            # Keep each run's prefix only: stop at the first document that breaks a bound.
-            bad = ~good
-            bad_before = bad.cumsum() - bad
-            good &= bad_before == bad_before[first]
             ok[:n_in] = good
         if not ok.any():
             # Documents larger than the deficits: one LPT round (the k largest documents to the
