@@ -321,9 +321,9 @@ class WLBPackingNode(BaseNode[dict]):
         held = self._tokens.__contains__
         while self._snapshot_ids:
             read = self._snapshot_ids[0]
-            first = next(itertools.compress(itertools.count(), map(held, read)), None)
-            if first is not None:  # drop the released prefix: the next scan starts at a held id
-                del read[:first]
+            if not self._tokens.keys().isdisjoint(read):
+                # Drop the released prefix: the next scan starts at a held id.
+                del read[: next(itertools.compress(itertools.count(), map(held, read)))]
                 return
             del self._snapshots[0], self._snapshot_ids[0]
 

@@ -7,9 +7,6 @@ to whole batches; :func:`dp_order` deals a step's micro-batches to DP ranks.
 
 from __future__ import annotations
 
-import bisect
-import itertools
-
 import numpy as np
 
 # Share of its deficit a micro-batch receives per round: large enough for few rounds, small
@@ -18,15 +15,12 @@ _RUN_FRACTION = 0.7
 
 
 def water_level(loads: np.ndarray, extra: float) -> float:
-    """Level reached if ``extra`` work is poured into the least-loaded bins (no caps).
-
-    Python floats over the few bins: the same operations in the same order as NumPy's sort,
-    cumulative sum and binary search, at a fraction of their call overhead."""
-    s = sorted(loads.tolist())
-    cs = list(itertools.accumulate(s))
-    need = [v * k - c for k, v, c in zip(range(1, len(s) + 1), s, cs, strict=True)]
-    k = bisect.bisect_right(need, extra)  # work to raise the k lowest bins to s[k-1]
-    return (cs[k - 1] + extra) / k
+    """Level reached if ``extra`` work is poured into the least-loaded bins (no caps)."""
+    s = np.sort(loads)
+    cs = s.cumsum()
+    need = s * np.arange(1, s.size + 1) - cs  # work to raise the k lowest bins to s[k-1]
+    k = int(need.searchsorted(extra, side="right"))
+    return float((cs[k - 1] + extra) / k)
 
 
 def lpt_place(
@@ -110,7 +104,7 @@ def fill_rounds(
                 out[rem[sel]] = asc[sel]
                 loads[asc[sel]] += c[sel]
                 tokens[asc[sel]] += t[sel]
-                rem = np.delete(rem, sel)
+                rem = np.concatenate([rem[:k][~fit], rem[k:]])
                 continue
             # Constrained bins (token cap or ``limit``): every document that still fits somewhere
             # proposes a bin (the k-th least-loaded for the k-th document, else its least-loaded
@@ -134,11 +128,14 @@ def fill_rounds(
             prop = asc[np.arange(rem.size) % nb]
             fits_prop = (t <= room[prop]) & (loads[prop] + c <= limit)
             choice = np.where(fits_prop, prop, best)
-            _, first = np.unique(choice, return_index=True)
+            order = np.argsort(choice, kind="stable")  # each bin's first proposer:
+            first = order[np.diff(choice[order], prepend=-1) != 0]
             out[rem[first]] = choice[first]
             loads[choice[first]] += c[first]
             tokens[choice[first]] += t[first]
-            rem = np.delete(rem, first)
+            taken = np.zeros(rem.size, bool)
+            taken[first] = True
+            rem = rem[~taken]
             continue
         placed = rem[ok]
         dest = bins[good]
