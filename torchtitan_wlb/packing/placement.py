@@ -58,7 +58,10 @@ def fill_rounds(
     smallest documents. A document that fits nowhere (token cap, or ``limit``) stays unplaced.
     """
     out = np.full(costs.size, -1, np.int64)
-    rem = np.argsort(-costs, kind="stable")  # stays sorted: rounds only remove documents
+    rem = np.arange(costs.size)
+    if np.isfinite(limit):  # the rounds' first filter (below), before sorting: often most go
+        rem = np.flatnonzero((costs <= limit - loads.min()) & (lens <= (cap - tokens).max()))
+    rem = rem[np.argsort(-costs[rem], kind="stable")]  # stays sorted: rounds only remove some
     while rem.size:
         c, t = costs[rem], lens[rem]
         room = cap - tokens
