@@ -353,7 +353,7 @@ class WLBPacker(_QueuedPacker):
             # most its cost beyond the regular work its tokens displace (rho per token). Most
             # release attempts fail; this spares their placement loop.
             rho = new_cost / new_tokens if new_tokens else 0.0
-            fill = np.minimum(level - loads, (cap - tokens) * rho).sum()
+            fill = np.minimum(np.maximum(level - loads, 0.0), (cap - tokens) * rho).sum()
             gain = np.maximum(costs[fits] - lens[fits] * rho, 0.0).sum()
             top = loads.sum() + min(new_cost + costs[fits].sum(), fill + gain)
             if n * level > tau * (1 + 1e-9) * top:
