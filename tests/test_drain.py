@@ -12,7 +12,7 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan_wlb.cost_model import CostModel
 from torchtitan_wlb.data.collate import collate_micro_batch
 from torchtitan_wlb.packing import PackingConfig, build_packer
-from torchtitan_wlb.packing.end_of_data import plan_drain
+from torchtitan_wlb.packing.end_of_data import _levelled, plan_drain
 
 COST = CostModel.from_coefficients(attn_coef=1.0 / 32, linear_coef=1.0)
 SETTINGS = settings(
@@ -38,6 +38,22 @@ def test_drain_places_every_document_once_under_the_cap(lens, n):
     assert plan.predicted_time == pytest.approx(per_step_max.sum())
     # The first step is the heaviest: it is emitted first, the rest is planned again.
     assert per_step_max[0] == pytest.approx(per_step_max.max())
+
+
+def test_levelled_plan_gives_up_only_when_it_cannot_win():
+    """Its early stop (time so far plus a floor for the rest) never drops a plan within the
+    bound, even one exactly at it, and never changes a plan it keeps."""
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        lens = rng.integers(1, 80, size=int(rng.integers(1, 120)))
+        costs = COST.doc_cost(lens)
+        full = _levelled(costs, lens, 4, 80)
+        for factor in (0.5, 0.99, 1.0, 1.01):
+            got = _levelled(costs, lens, 4, 80, full.predicted_time * factor)
+            assert (got is None) == (factor < 1.0)
+            if got is not None:
+                assert np.array_equal(got.step, full.step)
+                assert np.array_equal(got.micro_batch, full.micro_batch)
 
 
 def test_drain_groups_long_documents_and_fills_beside_them():

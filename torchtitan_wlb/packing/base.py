@@ -242,10 +242,10 @@ class Packer(ABC):
         docs, mb = self._plan(ids, lens, flush)
         pack_ms = (time.thread_time() - t0) * 1e3
         order = np.argsort(mb, kind="stable")
-        bounds = np.searchsorted(mb[order], np.arange(self.n + 1))
+        bounds = np.searchsorted(mb[order], np.arange(self.n + 1)).tolist()
         ids_sorted, lens_sorted = docs.ids[order], docs.lens[order]
-        out_ids = [ids_sorted[bounds[j] : bounds[j + 1]] for j in range(self.n)]
-        out_lens = [lens_sorted[bounds[j] : bounds[j + 1]] for j in range(self.n)]
+        out_ids = [ids_sorted[i:j] for i, j in zip(bounds, bounds[1:], strict=False)]
+        out_lens = [lens_sorted[i:j] for i, j in zip(bounds, bounds[1:], strict=False)]
         stats = self._stats(docs, mb, pack_ms)
         plan = PackedStep(step=self._step, doc_ids=out_ids, doc_lens=out_lens, stats=stats)
         self._step += 1

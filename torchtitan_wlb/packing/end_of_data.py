@@ -47,7 +47,7 @@ def _levelled(
 ) -> DrainPlan | None:
     """Step by step: the ``n`` costliest documents left set the step's level, the others fill
     every micro-batch up to it (largest first, under the token cap). ``None`` as soon as the
-    predicted time exceeds ``bound`` (the plan to beat): it only grows with more steps.
+    predicted time would exceed ``bound`` (the plan to beat): it only grows with more steps.
 
     A step holding a long document costs that document's time whatever else it holds, so work
     placed beside it is work no later step pays for; the even split leaves it at the average.
@@ -69,7 +69,9 @@ def _levelled(
         left = rest[~placed]
         predicted += float(loads.max())
         k += 1
-        if predicted > bound:
+        # The steps left cost at least their mean and their costliest document (margin: rounding).
+        rest = costs[left]
+        if predicted + max(rest.sum() / n, rest.max(initial=0.0)) * (1 - 1e-9) > bound:
             return None
     return DrainPlan(k, step, mb, predicted)
 

@@ -58,7 +58,10 @@ def fill_rounds(
     smallest documents. A document that fits nowhere (token cap, or ``limit``) stays unplaced.
     """
     out = np.full(costs.size, -1, np.int64)
-    rem = np.argsort(-costs, kind="stable")  # stays sorted: rounds only remove documents
+    rem = np.arange(costs.size)
+    if np.isfinite(limit):  # the rounds' first filter (below), before sorting: often most go
+        rem = np.flatnonzero((costs <= limit - loads.min()) & (lens <= (cap - tokens).max()))
+    rem = rem[np.argsort(-costs[rem], kind="stable")]  # stays sorted: rounds only remove some
     while rem.size:
         c, t = costs[rem], lens[rem]
         room = cap - tokens
@@ -81,16 +84,14 @@ def fill_rounds(
             start = cc - c
             n_in = int(start.searchsorted(bounds[-1], side="left"))  # a prefix: start grows
             slot = bounds.searchsorted(start[:n_in], side="right")  # run of each document
-            first = np.minimum(slot.searchsorted(slot, side="left"), n_in - 1)
+            first = slot.searchsorted(slot, side="left")
             ct = t[:n_in].cumsum()
             run_cost = cc[:n_in] - start[first]
             run_tok = ct - (ct[first] - t[first])
             bins = elig[slot]
+            # Each run keeps its prefix under both bounds: a prefix already, as costs are >= 0
+            # (a run's cost and tokens only grow along it).
             good = (loads[bins] + run_cost <= level) & (run_tok <= room[bins])
-            # Keep each run's prefix only: stop at the first document that breaks a bound.
-            bad = ~good
-            bad_before = bad.cumsum() - bad
-            good &= bad_before == bad_before[first]
             ok[:n_in] = good
         if not ok.any():
             # Documents larger than the deficits: one LPT round (the k largest documents to the
@@ -106,7 +107,7 @@ def fill_rounds(
                 out[rem[sel]] = asc[sel]
                 loads[asc[sel]] += c[sel]
                 tokens[asc[sel]] += t[sel]
-                rem = np.delete(rem, sel)
+                rem = np.concatenate([rem[:k][~fit], rem[k:]])
                 continue
             # Constrained bins (token cap or ``limit``): every document that still fits somewhere
             # proposes a bin (the k-th least-loaded for the k-th document, else its least-loaded
@@ -130,11 +131,14 @@ def fill_rounds(
             prop = asc[np.arange(rem.size) % nb]
             fits_prop = (t <= room[prop]) & (loads[prop] + c <= limit)
             choice = np.where(fits_prop, prop, best)
-            _, first = np.unique(choice, return_index=True)
+            order = np.argsort(choice, kind="stable")  # each bin's first proposer:
+            first = order[np.diff(choice[order], prepend=-1) != 0]
             out[rem[first]] = choice[first]
             loads[choice[first]] += c[first]
             tokens[choice[first]] += t[first]
-            rem = np.delete(rem, first)
+            taken = np.zeros(rem.size, bool)
+            taken[first] = True
+            rem = rem[~taken]
             continue
         placed = rem[ok]
         dest = bins[good]

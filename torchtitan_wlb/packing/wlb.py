@@ -349,6 +349,15 @@ class WLBPacker(_QueuedPacker):
             budget = loads.sum() + new_cost + costs[fits].sum()
             if budget * tau < n * level:
                 return None  # not enough work to lift every micro-batch to the level
+            # The final test below, bounded before placing: an outlier adds to a micro-batch at
+            # most its cost beyond the regular work its tokens displace (rho per token). Most
+            # release attempts fail; this spares their placement loop.
+            rho = new_cost / new_tokens if new_tokens else 0.0
+            fill = np.minimum(np.maximum(level - loads, 0.0), (cap - tokens) * rho).sum()
+            gain = np.maximum(costs[fits] - lens[fits] * rho, 0.0).sum()
+            top = loads.sum() + min(new_cost + costs[fits].sum(), fill + gain)
+            if n * level > tau * (1 + 1e-9) * top:
+                return None
         token_budget = int(_TOKEN_FILL * n * cap) - int(tokens.sum())
         if not must_balance:
             token_budget -= new_tokens
@@ -380,7 +389,6 @@ class WLBPacker(_QueuedPacker):
         if must_balance:
             if not (out >= 0).any():
                 return None
-            rho = new_cost / new_tokens if new_tokens else 0.0
             fill = np.minimum(np.maximum(level - loads, 0.0), (cap - tokens) * rho).sum()
             mean = (loads.sum() + min(new_cost, fill)) / n
             if mean <= 0 or max(level, loads.max()) / mean > tau:
