@@ -19,7 +19,7 @@ from torchtitan_wlb.packing import (
     drive,
     next_plan,
 )
-from torchtitan_wlb.packing.driver import take_until
+from torchtitan_wlb.packing.driver import pull_until, take_until
 from torchtitan_wlb.packing.placement import fill_rounds, water_level
 from torchtitan_wlb.packing.solver import solve_minmax
 from torchtitan_wlb.packing.wlb import default_thresholds
@@ -387,6 +387,26 @@ def test_take_until_budget_rule():
     assert take_until(10, cum, 2) == (4, True)  # the stream ends before the budget
     assert take_until(1, cum, 4) == (4, True)
     assert take_until(1, np.zeros(0, np.int64), 0) == (0, True)
+
+
+def test_pull_until_matches_take_until():
+    lens = [5, 3, 7, 2]
+    for budget in range(-1, 20):
+        for start in range(len(lens) + 1):
+            it = iter(lens[start:])
+            calls = []
+
+            def pull(it=it, calls=calls):
+                n = next(it, None)
+                calls.append(n)
+                return n
+
+            ran_out = pull_until(budget, pull)
+            pulled = len([c for c in calls if c is not None])
+            end, expect = take_until(budget, np.cumsum(lens), start)
+            assert (start + pulled, ran_out) == (end, expect)
+            if budget <= 0:
+                assert calls == []  # budget 0 pulls nothing
 
 
 def test_driver_pulls_nothing_when_the_budget_is_zero():

@@ -23,7 +23,7 @@ from torchdata.nodes import BaseNode
 
 from torchtitan_wlb.cost_fit import CostModelSchedule
 from torchtitan_wlb.packing import Packer
-from torchtitan_wlb.packing.driver import next_plan, take_until
+from torchtitan_wlb.packing.driver import next_plan, pull_until, take_until
 from torchtitan_wlb.packing.placement import dp_order
 
 TOKEN_DTYPE = np.int32
@@ -31,7 +31,6 @@ TOKEN_DTYPE = np.int32
 
 _EMPTY = np.zeros(0, np.int64)
 _ZERO = np.zeros(1, np.int64)
-_END = object()  # the end of an item-by-item source
 
 
 def as_tokens(doc_id: int, tokens: Any) -> np.ndarray:
@@ -224,12 +223,19 @@ class WLBPackingNode(BaseNode[dict]):
             doc_ids = np.asarray(doc_ids, np.int64).reshape(-1)
             arrays = list(arrays)
         else:
-            ids_read, arrays, got = [], [], 0
-            while got < tokens and (item := next(self.source, _END)) is not _END:
-                doc_id, array = self._unpack(item)
+            ids_read: list[int] = []
+            arrays = []
+
+            def pull() -> int | None:
+                try:
+                    doc_id, array = self._unpack(next(self.source))
+                except StopIteration:
+                    return None
                 ids_read.append(doc_id)
                 arrays.append(array)
-                got += array.size
+                return array.size
+
+            pull_until(tokens, pull)
             doc_ids = np.asarray(ids_read, np.int64)
         lens = self._check(doc_ids, arrays)
         if int(lens.sum()) < tokens:

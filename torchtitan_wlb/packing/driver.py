@@ -7,7 +7,7 @@ the pull takes it too), so the final steps are planned over at least a full step
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import numpy as np
@@ -25,6 +25,18 @@ def take_until(budget: int, cum: np.ndarray, start: int) -> tuple[int, bool]:
     if end > cum.size:
         return int(cum.size), True
     return end, False
+
+
+def pull_until(budget: int, pull: Callable[[], int | None]) -> bool:
+    """The budget rule over an iterator: call ``pull`` (one document's length, None at the end)
+    until the pulled tokens reach ``budget``. Returns whether the stream ran out first."""
+    got = 0
+    while got < budget:
+        n = pull()
+        if n is None:
+            return True
+        got += n
+    return False
 
 
 class DocumentStream(Protocol):
