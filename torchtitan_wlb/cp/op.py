@@ -22,25 +22,16 @@ from torchtitan_wlb.attention.varlen import check_qkv, document_attention, resol
 
 @dataclass
 class CPAttentionMetadata:
-    """One rank's share of a CP plan, in the form the op consumes (tensors on the compute device).
+    """One rank's share of a CP plan, in the form the op consumes (tensors on the compute device):
+    its :class:`~torchtitan_wlb.cp.plan.LocalAttentionSpec` (``n_head_tokens`` on) with the arrays
+    as tensors, and what the collectives need."""
 
-    Attributes:
-        group_name: name of the CP process group (``ProcessGroup.group_name``).
-        cp_rank: this rank's index in the CP group.
-        cp_degree: CP group size.
-        local_len: tokens this rank holds (``q.shape[0]``).
-        max_gather_len: all-gather buffer rows per rank (0: nothing split, no collective).
-        kv_order: int64 all-gather buffer row of every gathered token, in packed order.
-        n_head_tokens ... max_seqlen_whole: the rank's
-            :class:`~torchtitan_wlb.cp.plan.LocalAttentionSpec`, arrays as tensors.
-    """
-
-    group_name: str
-    cp_rank: int
-    cp_degree: int
-    local_len: int
-    max_gather_len: int
-    kv_order: Tensor
+    group_name: str  # the CP process group's ProcessGroup.group_name
+    cp_rank: int  # this rank's index in the CP group
+    cp_degree: int  # CP group size
+    local_len: int  # tokens this rank holds (q.shape[0])
+    max_gather_len: int  # all-gather buffer rows per rank (0: nothing split, no collective)
+    kv_order: Tensor  # int64 all-gather buffer row of every gathered token, in packed order
     n_head_tokens: int
     n_gather_tokens: int
     cu_seqlens_q: tuple[Tensor, Tensor]
