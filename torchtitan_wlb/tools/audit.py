@@ -2,9 +2,8 @@
 
     python -m torchtitan_wlb.tools.audit outputs/debug_cpu --require-complete
 
-The directory is the run's ``[job] dump_folder``; its ``wlb_audit/`` logs are replayed launch by
-launch. Exit status: 0 proven, 1 not (or, with ``--require-complete``, a pass not over), 2
-unreadable logs. What is proven and how: docs/data.md.
+The directory is the run's ``[job] dump_folder``; what is proven, how, and the exit status:
+docs/data.md.
 """
 
 from __future__ import annotations
