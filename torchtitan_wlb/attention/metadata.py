@@ -25,19 +25,14 @@ class ContextParallelAttention(Protocol):
 
 @dataclass
 class DocumentAttentionMetadata:
-    """Describes the local packed sequence of one micro-batch.
+    """Describes the local packed sequence of one micro-batch."""
 
-    Attributes:
-        cu_seqlens: ``int32 [num_docs + 1]`` document boundaries of the local tokens, on the
-            activations' device (ignored when ``cp`` is set).
-        max_seqlen: longest document in tokens (CUDA kernels size their launch grid with it).
-        backend: attention backend, ``"auto" | "cpu" | "flash" | "torch_varlen"``.
-        cp: this rank's CP metadata (``cp.local.build_cp_attention_metadata``); ``None`` without CP.
-    """
-
+    # int32 [num_docs + 1] document boundaries of the local tokens, on the activations' device
+    # (ignored when cp is set)
     cu_seqlens: torch.Tensor
-    max_seqlen: int
-    backend: str = "auto"
+    max_seqlen: int  # longest document in tokens (CUDA kernels size their launch grid with it)
+    backend: str = "auto"  # attention backend, "auto" | "cpu" | "flash" | "torch_varlen"
+    # this rank's CP metadata (cp.local.build_cp_attention_metadata); None without CP
     cp: ContextParallelAttention | None = None
 
 

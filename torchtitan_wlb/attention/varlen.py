@@ -34,21 +34,14 @@ def document_attention(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
     max_seqlen_q: int, max_seqlen_k: int, *, scale: float | None = None, backend: str = "auto",
 ) -> Tensor:  # fmt: skip
-    """Causal attention within segments of a packed sequence.
+    """Causal attention within segments of a packed sequence, in flash-attn's varlen layout:
+    ``q [total_q, n_heads, head_dim]``, ``k, v [total_k, n_kv_heads, head_dim]`` (GQA), segment
+    ``i`` of q attending only to segment ``i`` of k/v (``int32 cu_seqlens`` from 0 to the totals;
+    ``max_seqlen`` sizes the CUDA kernels' grids); ``scale`` defaults to ``1/sqrt(head_dim)``.
 
-    Args:
-        q: ``[total_q, n_heads, head_dim]``.
-        k, v: ``[total_k, n_kv_heads, head_dim]``; ``n_heads % n_kv_heads == 0`` (GQA).
-        cu_seqlens_q, cu_seqlens_k: ``int32 [num_segments + 1]``, starting at 0 and ending at
-            ``total_q`` / ``total_k``. Segment ``i`` of q attends only to segment ``i`` of k/v.
-        max_seqlen_q, max_seqlen_k: longest segment (the CUDA kernels size their grids with it).
-        scale: softmax scale, ``1/sqrt(head_dim)`` by default.
-        backend: ``"auto" | "cpu" | "flash" | "torch_varlen"``.
-
-    Returns:
-        ``[total_q, n_heads, head_dim]``. Causality is aligned bottom-right: query ``j`` of a segment
-        with ``l_q`` queries and ``l_k`` keys sits at key position ``l_k - l_q + j`` and sees keys
-        ``0 .. l_k - l_q + j``; a query that sees no key (``l_q > l_k``) gets zeros.
+    Returns ``[total_q, n_heads, head_dim]``. Causality is aligned bottom-right: query ``j`` of a
+    segment with ``l_q`` queries and ``l_k`` keys sees keys ``0 .. l_k - l_q + j``; a query that
+    sees no key (``l_q > l_k``) gets zeros.
     """
     check_qkv(q, k, v)
     _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])

@@ -69,20 +69,12 @@ def build_cp_plan(
     bandwidth_gbps: float = DEFAULT_CP_BANDWIDTH_GBPS,
     candidates: tuple[str, ...] = ADAPTIVE_CANDIDATES,
 ) -> CPPlan:
-    """Plan the CP split of one packed micro-batch (``[wlb] cp_sharding``).
-
-    Args:
-        doc_lens: 1-D document lengths (each >= 1), in packed order.
-        cp_degree: CP ranks ``c`` (``1 <= c <= sum(doc_lens)``).
-        strategy: ``"per_sequence" | "per_document" | "hybrid" | "adaptive"``.
-        profile: ``"adaptive"``'s throughput table (object or JSON path; ``None``: packaged CPU one).
-        seq_len: if given, the packed length the lengths must sum to.
-        hybrid_max_len: ``[wlb] cp_hybrid_max_len`` (0: chosen per micro-batch).
-        bandwidth_gbps: ``"adaptive"``: ``[wlb] cp_bandwidth_gbps``, which prices gathered K/V.
-        candidates: ``"adaptive"``: the fixed strategies it chooses among (a tie keeps the earlier);
-            every one's predicted seconds (:func:`predicted_seconds`, summed) are recorded in the
-            plan's ``estimated_seconds``.
-    """
+    """Plan the CP split over ``cp_degree`` ranks of one packed micro-batch of ``doc_lens`` (in
+    packed order; summing to ``seq_len`` if given) by ``strategy``, one of :data:`STRATEGIES`
+    (``[wlb] cp_sharding``; ``hybrid_max_len`` and ``bandwidth_gbps`` are the ``[wlb] cp_*`` fields
+    of the same names). ``"adaptive"`` picks among ``candidates`` by their predicted seconds on
+    ``profile`` (object or JSON path; None: the packaged CPU table), recorded in the plan's
+    ``estimated_seconds``; a tie keeps the earlier candidate."""
     if strategy not in STRATEGIES:
         raise ValueError(f"CP strategy {strategy!r} is not one of {STRATEGIES}")
     lens = validate_doc_lens(doc_lens, cp_degree, seq_len)

@@ -22,25 +22,16 @@ from torchtitan_wlb.attention.varlen import check_qkv, document_attention, resol
 
 @dataclass
 class CPAttentionMetadata:
-    """One rank's share of a CP plan, in the form the op consumes (tensors on the compute device).
+    """One rank's share of a CP plan, in the form the op consumes (tensors on the compute device):
+    its :class:`~torchtitan_wlb.cp.plan.LocalAttentionSpec` (``n_head_tokens`` on) with the arrays
+    as tensors, and what the collectives need."""
 
-    Attributes:
-        group_name: name of the CP process group (``ProcessGroup.group_name``).
-        cp_rank: this rank's index in the CP group.
-        cp_degree: CP group size.
-        local_len: tokens this rank holds (``q.shape[0]``).
-        max_gather_len: all-gather buffer rows per rank (0: nothing split, no collective).
-        kv_order: int64 all-gather buffer row of every gathered token, in packed order.
-        n_head_tokens ... max_seqlen_whole: the rank's
-            :class:`~torchtitan_wlb.cp.plan.LocalAttentionSpec`, arrays as tensors.
-    """
-
-    group_name: str
-    cp_rank: int
-    cp_degree: int
-    local_len: int
-    max_gather_len: int
-    kv_order: Tensor
+    group_name: str  # the CP process group's ProcessGroup.group_name
+    cp_rank: int  # this rank's index in the CP group
+    cp_degree: int  # CP group size
+    local_len: int  # tokens this rank holds (q.shape[0])
+    max_gather_len: int  # all-gather buffer rows per rank (0: nothing split, no collective)
+    kv_order: Tensor  # int64 all-gather buffer row of every gathered token, in packed order
     n_head_tokens: int
     n_gather_tokens: int
     cu_seqlens_q: tuple[Tensor, Tensor]
@@ -99,15 +90,22 @@ def _local_attention(
 _INDEX_TENSORS = 6  # kv_order and the five cu_seqlens tensors (cu_q_head ... cu_whole)
 
 
+def op_arguments(spec, max_gather_len: int) -> tuple[tuple, list[int]]:
+    """A rank's five cu_seqlens (``cu_q_head ... cu_whole``) and ``sizes``, the op's argument
+    layout, from its :class:`~torchtitan_wlb.cp.plan.LocalAttentionSpec` or metadata."""
+    (cq_h, cq_t), (ck_h, ck_t) = spec.cu_seqlens_q, spec.cu_seqlens_k
+    (mq_h, mq_t), (mk_h, mk_t) = spec.max_seqlen_q, spec.max_seqlen_k
+    sizes = [spec.n_head_tokens, mq_h, mk_h, mq_t, mk_t, max_gather_len, spec.n_gather_tokens]
+    return (cq_h, ck_h, cq_t, ck_t, spec.cu_seqlens_whole), [*sizes, spec.max_seqlen_whole]
+
+
 @torch.library.custom_op("torchtitan_wlb::cp_attention_fwd", mutates_args=())
 def cp_attention_fwd(
     q: Tensor, k: Tensor, v: Tensor, kv_order: Tensor, cu_q_head: Tensor, cu_k_head: Tensor,
     cu_q_tail: Tensor, cu_k_tail: Tensor, cu_whole: Tensor, sizes: list[int], group_name: str,
     scale: float, backend: str,
 ) -> Tensor:  # fmt: skip
-    """Forward of CP attention on local tensors. ``sizes = [n_head_tokens, max_seqlen_q_head,
-    max_seqlen_k_head, max_seqlen_q_tail, max_seqlen_k_tail, max_gather_len, n_gather_tokens,
-    max_seqlen_whole]``."""
+    """Forward of CP attention on local tensors (index tensors and ``sizes``: :func:`op_arguments`)."""
     n_gather = sizes[6]
     k_glob, v_glob = _all_gather_kv(k, v, kv_order, sizes, group_name)
     cus = (cu_q_head, cu_k_head, cu_q_tail, cu_k_tail, cu_whole)
@@ -200,14 +198,10 @@ def cp_attention(
             f"this rank holds {meta.local_len} tokens in the CP plan, got q with {local_q.shape[0]}"
         )
     scale = 1.0 / math.sqrt(local_q.shape[-1]) if scale is None else scale
-    sizes = [meta.n_head_tokens, meta.max_seqlen_q[0], meta.max_seqlen_k[0], meta.max_seqlen_q[1],
-             meta.max_seqlen_k[1], meta.max_gather_len, meta.n_gather_tokens,
-             meta.max_seqlen_whole]  # fmt: skip
-    cus = (meta.cu_seqlens_q[0], meta.cu_seqlens_k[0], meta.cu_seqlens_q[1], meta.cu_seqlens_k[1])
+    cus, sizes = op_arguments(meta, meta.max_gather_len)
     backend = resolve_backend(backend, local_q.device)
     # DTensor q/k/v: the plain index tensors join as replicated
     with implicit_replication() if isinstance(q, DTensor) else contextlib.nullcontext():
         return cp_attention_fwd(
-            q, k, v, meta.kv_order, *cus, meta.cu_seqlens_whole, sizes, meta.group_name,
-            float(scale), backend,
+            q, k, v, meta.kv_order, *cus, sizes, meta.group_name, float(scale), backend,
         )  # fmt: skip

@@ -38,76 +38,42 @@ def causal_pairs(q_len: np.ndarray, kv_len: np.ndarray) -> np.ndarray:
 class LocalAttentionSpec:
     """One rank's varlen calls: its head and tail halves against the gathered keys (zero-query
     "gap" segments interleaved so that key segments are contiguous), and hybrid's whole documents,
-    local tokens ``[n_gather_tokens:]``, against themselves.
+    local tokens ``[n_gather_tokens:]``, against themselves. ``(head, tail)`` pairs: one per half,
+    query boundaries counted from each half's start, key boundaries in the gathered key order."""
 
-    Attributes:
-        n_head_tokens: local tokens of the head half (the tail half follows them).
-        n_gather_tokens: local tokens whose K/V are all-gathered (both halves; whole documents follow).
-        cu_seqlens_q: ``(head, tail)`` int32 query boundaries within each half (each from 0).
-        cu_seqlens_k: ``(head, tail)`` int32 key boundaries in the gathered key order.
-        max_seqlen_q: ``(head, tail)`` longest query segment.
-        max_seqlen_k: ``(head, tail)`` longest key segment (gaps included).
-        cu_seqlens_whole: int32 boundaries of the whole documents from local token
-            ``n_gather_tokens`` on (``[0]`` when the rank has none).
-        max_seqlen_whole: longest whole document (0 when none).
-    """
-
-    n_head_tokens: int
-    n_gather_tokens: int
-    cu_seqlens_q: tuple[np.ndarray, np.ndarray]
-    cu_seqlens_k: tuple[np.ndarray, np.ndarray]
-    max_seqlen_q: tuple[int, int]
-    max_seqlen_k: tuple[int, int]
-    cu_seqlens_whole: np.ndarray
-    max_seqlen_whole: int
+    n_head_tokens: int  # local tokens of the head half (the tail half follows them)
+    n_gather_tokens: int  # local tokens whose K/V are all-gathered (whole documents follow)
+    cu_seqlens_q: tuple[np.ndarray, np.ndarray]  # int32 query boundaries
+    cu_seqlens_k: tuple[np.ndarray, np.ndarray]  # int32 key boundaries
+    max_seqlen_q: tuple[int, int]  # longest query segment
+    max_seqlen_k: tuple[int, int]  # longest key segment (gaps included)
+    cu_seqlens_whole: np.ndarray  # int32 whole-document boundaries ([0] when the rank has none)
+    max_seqlen_whole: int  # longest whole document (0 when none)
 
 
 @dataclass(frozen=True)
 class CPPlan:
-    """How one packed micro-batch is split over ``cp_degree`` ranks.
+    """How one packed micro-batch is split over ``cp_degree`` ranks: a segment table listing every
+    (document, slot) piece in global token order, and each rank's local layout. int64 arrays."""
 
-    The segment table lists every (document, slot) piece in global token order. Arrays are int64
-    unless stated otherwise.
-
-    Attributes:
-        doc_lens: ``[n_docs]`` document lengths of the micro-batch.
-        doc_cu: ``[n_docs + 1]`` document start offsets in the packed sequence.
-        cp_degree: number of CP ranks ``c``.
-        strategy: the sharding in effect, ``"per_sequence"``, ``"per_document"`` or ``"hybrid"``.
-        requested: the strategy that was asked for (``"adaptive"`` resolves to a fixed one).
-        seg_doc: ``[S]`` document of each segment.
-        seg_start: ``[S]`` first position of the segment inside its document.
-        seg_len: ``[S]`` tokens of the segment (0 for chunks of documents shorter than ``2c``).
-        seg_slot: ``[S]`` slot ``0 .. 2c-1`` (a hybrid whole document sits in its rank's tail slot).
-        slot_order: ``[S]`` segment ids sorted by (slot, gathered before whole, document).
-        slot_offsets: ``[2c + 1]`` range of ``slot_order`` holding each slot.
-        slot_tokens: ``[2c]`` tokens per slot.
-        local_lens: ``[c]`` tokens per rank (head slot + tail slot).
-        seg_local_offset: ``[S]`` offset of each segment inside its rank's local layout.
-        doc_gathered: ``[n_docs]`` bool, whether the document's K/V are all-gathered (not hybrid's
-            whole documents).
-        gather_lens: ``[c]`` local tokens of each rank whose K/V are gathered (a layout prefix).
-        max_len: hybrid's whole-document threshold in tokens (0 for the other strategies).
-        estimated_seconds: ``{strategy: predicted max-rank latency}`` if adaptive selection ran.
-    """
-
-    doc_lens: np.ndarray
-    doc_cu: np.ndarray
-    cp_degree: int
-    strategy: str
-    requested: str
-    seg_doc: np.ndarray
-    seg_start: np.ndarray
-    seg_len: np.ndarray
-    seg_slot: np.ndarray
-    slot_order: np.ndarray
-    slot_offsets: np.ndarray
-    slot_tokens: np.ndarray
-    local_lens: np.ndarray
-    seg_local_offset: np.ndarray
-    doc_gathered: np.ndarray
-    gather_lens: np.ndarray
-    max_len: int = 0
+    doc_lens: np.ndarray  # [n_docs] document lengths of the micro-batch
+    doc_cu: np.ndarray  # [n_docs + 1] document start offsets in the packed sequence
+    cp_degree: int  # CP ranks c
+    strategy: str  # the sharding in effect: "per_sequence", "per_document" or "hybrid"
+    requested: str  # the strategy asked for ("adaptive" resolves to a fixed one)
+    seg_doc: np.ndarray  # [S] document of each segment
+    seg_start: np.ndarray  # [S] first position of the segment inside its document
+    seg_len: np.ndarray  # [S] tokens of the segment (0: a chunk of a document shorter than 2c)
+    seg_slot: np.ndarray  # [S] slot 0 .. 2c-1 (a hybrid whole document: its rank's tail slot)
+    slot_order: np.ndarray  # [S] segment ids by (slot, gathered before whole, document)
+    slot_offsets: np.ndarray  # [2c + 1] range of slot_order holding each slot
+    slot_tokens: np.ndarray  # [2c] tokens per slot
+    local_lens: np.ndarray  # [c] tokens per rank (head slot + tail slot)
+    seg_local_offset: np.ndarray  # [S] offset of each segment in its rank's local layout
+    doc_gathered: np.ndarray  # [n_docs] bool: K/V all-gathered (not one of hybrid's whole ones)
+    gather_lens: np.ndarray  # [c] local tokens of each rank whose K/V are gathered (a prefix)
+    max_len: int = 0  # hybrid's whole-document threshold in tokens (0 for the other strategies)
+    # {strategy: predicted max-rank latency} if adaptive selection ran
     estimated_seconds: dict[str, float] = field(default_factory=dict)
 
     # ----------------------------------------------------------------------------------- basics
@@ -279,14 +245,10 @@ def _arange(n: int) -> np.ndarray:
 @dataclass(frozen=True)
 class ShardingDraft:
     """One fixed strategy's segments before the local layout is built: what a cost estimate
-    needs, so that adaptive selection builds the winner's layout only.
-
-    Attributes:
-        strategy, doc_lens, doc_cu, cp_degree, max_len: as in :class:`CPPlan`.
-        table: the strategy's raw segment table (per-document: the ``[n_docs, 2c]`` chunk sizes
-            and starts; per-sequence: the segment arrays, slot-major; hybrid: the segment arrays,
-            document-major, then ``doc_gathered``).
-    """
+    needs, so that adaptive selection builds the winner's layout only. Fields as in
+    :class:`CPPlan`, and ``table``, the strategy's raw segment table (per-document: the
+    ``[n_docs, 2c]`` chunk sizes and starts; per-sequence: the segment arrays, slot-major; hybrid:
+    the segment arrays, document-major, then ``doc_gathered``)."""
 
     strategy: str
     doc_lens: np.ndarray

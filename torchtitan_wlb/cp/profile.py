@@ -37,27 +37,19 @@ def attention_flops(q_len, kv_len, n_heads: int, head_dim: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class CPProfile:
-    """A measured throughput table and the configuration it was measured with.
+    """A measured throughput table and the configuration it was measured with."""
 
-    Attributes:
-        lengths: sorted grid of segment lengths, used for both q_len and kv_len.
-        tflops: ``[len(lengths), len(lengths)]`` achieved TFLOP/s (padded FLOPs / time); entries with
-            q_len > kv_len are NaN (a causal-prefix segment never has more queries than keys).
-        tile: kernel tile the FLOP count pads every length up to (128 for the CUDA kernels).
-        device: where it was measured, e.g. ``"cpu"`` or the CUDA device name.
-        backend: attention backend measured (``"cpu" | "flash" | "torch_varlen"``).
-        n_heads, n_kv_heads, head_dim, dtype: attention configuration of the measurement.
-    """
-
-    lengths: tuple[int, ...]
+    lengths: tuple[int, ...]  # sorted grid of segment lengths, for both q_len and kv_len
+    # [len(lengths)]^2 achieved TFLOP/s (padded FLOPs / time); NaN where q_len > kv_len (a
+    # causal-prefix segment never has more queries than keys)
     tflops: tuple[tuple[float, ...], ...]
-    tile: int
-    device: str
-    backend: str
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    dtype: str
+    tile: int  # kernel tile the FLOP count pads every length up to (128 for the CUDA kernels)
+    device: str  # where it was measured, e.g. "cpu" or the CUDA device name
+    backend: str  # attention backend measured ("cpu" | "flash" | "torch_varlen")
+    n_heads: int  # attention configuration of the measurement: query heads,
+    n_kv_heads: int  # KV heads,
+    head_dim: int  # head size
+    dtype: str  # and torch dtype name
 
     def __post_init__(self) -> None:
         grid = np.asarray(self.lengths)

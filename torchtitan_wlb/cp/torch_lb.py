@@ -20,22 +20,10 @@ from torchtitan_wlb.cp.plan import ATTENTION_TILE, CPPlan, draft_sharding, valid
 
 
 class PlanLoadBalancer(_LoadBalancer):
-    """This project's CP plans behind torch's ``_LoadBalancer`` interface (usage and layout:
-    docs/context_parallel.md).
-
-    Args:
-        seq_length_per_doc: document lengths per batch row (``[[...]]`` for one micro-batch, as
-            torch's per-document balancer takes them); every row must have the same total ``T``.
-        world_size: CP ranks ``c``.
-        device: where the index tensors go.
-        strategy: a fixed strategy of :func:`torchtitan_wlb.cp.plan.draft_sharding`.
-        **plan_kwargs: passed to ``draft_sharding`` (e.g. hybrid's ``max_len``).
-
-    Attributes:
-        plans: one :class:`CPPlan` per batch row: the first ``plans[b].local_lens[r]`` rows of rank
-            ``r``'s piece are its tokens, the rest padding positions ``T, T + 1, ...``.
-        seq_length: padded length the buffers must have (``c`` x the longest local length).
-    """
+    """This project's CP plans behind torch's ``_LoadBalancer`` interface (usage, arguments and
+    layout: docs/context_parallel.md): ``seq_length_per_doc`` per batch row as torch's per-document
+    balancer takes it, a fixed ``strategy`` of ``draft_sharding`` with its ``plan_kwargs``.
+    ``plans`` holds one :class:`CPPlan` per row; ``seq_length`` is the padded buffer length."""
 
     def __init__(
         self,
@@ -79,26 +67,15 @@ SMALL_CHUNK = ATTENTION_TILE  # also flex-attention's default block
 
 @dataclass(frozen=True)
 class Assignment:
-    """Which CP rank holds each token of a (possibly padded) micro-batch.
+    """Which CP rank holds each token of a (possibly padded) micro-batch."""
 
-    Attributes:
-        doc_lens: ``[D]`` documents as sharded, padding included (a padding document, or padding
-            appended to each document).
-        real_docs: ``[D]`` False for a padding-only document.
-        rank: ``[T]`` CP rank of every token, in packed order.
-        cp_degree: CP ranks ``c``.
-        allgather_rows: K/V rows every rank receives from the other ranks.
-        plan_ms: time to compute the assignment (see :func:`torch_assignment`).
-        pad_tokens: tokens added to meet the balancer's divisibility rule.
-    """
-
-    doc_lens: np.ndarray
-    real_docs: np.ndarray
-    rank: np.ndarray
-    cp_degree: int
-    allgather_rows: int
-    plan_ms: float
-    pad_tokens: int = 0
+    doc_lens: np.ndarray  # [D] documents as sharded, padding included (a document, or per document)
+    real_docs: np.ndarray  # [D] False for a padding-only document
+    rank: np.ndarray  # [T] CP rank of every token, in packed order
+    cp_degree: int  # CP ranks c
+    allgather_rows: int  # K/V rows every rank receives from the other ranks
+    plan_ms: float  # time to compute the assignment (see torch_assignment)
+    pad_tokens: int = 0  # tokens added to meet the balancer's divisibility rule
 
 
 def assignment_stats(

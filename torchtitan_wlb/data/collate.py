@@ -62,14 +62,10 @@ def collate_micro_batch(
 
 
 class MicroBatchNode(BaseNode[BatchT]):
-    """Unrolls per-step packed items into per-micro-batch tensors (``doc_ids`` when packed, and
-    the step's ``wlb_stats`` on its first micro-batch).
-
-    Args:
-        source: node yielding ``{"micro_batches": [{"tokens", "doc_lens", ...}], "stats": {...}}``
-            once per optimizer step (the packing node).
-        reset_positions: restart RoPE positions at every document.
-    """
+    """Unrolls the packing node's per-step items (``{"micro_batches": [{"tokens", "doc_lens",
+    ...}], "stats": {...}}``) into per-micro-batch tensors, with ``doc_ids`` when packed and the
+    step's ``wlb_stats`` on its first micro-batch; ``reset_positions`` restarts RoPE positions at
+    every document."""
 
     def __init__(self, source: BaseNode, reset_positions: bool = True) -> None:
         super().__init__()

@@ -20,17 +20,11 @@ _STATE = ("epoch", "texts_done", "pieces_done", "next_doc_id", "truncated_tokens
 
 
 class DocumentNode(BaseNode[dict]):
-    """Tokenized documents from a :class:`TextSource`: ``{"doc_id", "tokens" (int32),
-    "parent_id", "piece", "epoch"}`` per piece (``doc_id`` counts pieces from 0, ``parent_id`` is
-    the text's index in its epoch).
-
-    Args:
-        source: where texts come from.
-        tokenizer: anything with ``encode(text, add_bos=..., add_eos=...) -> list[int]``.
-        max_doc_len: longest piece in tokens (>= 2).
-        policy: "split", "truncate" or "error" (docs/data.md, "Long documents").
-        epochs: passes over the source; 0 repeats forever (TorchTitan's default for training).
-    """
+    """Tokenized documents from a :class:`TextSource` (``tokenizer``: anything with
+    ``encode(text, add_bos=..., add_eos=...)``): ``{"doc_id", "tokens" (int32), "parent_id",
+    "piece", "epoch"}`` per piece (``doc_id`` counts pieces from 0, ``parent_id`` is the text's
+    index in its epoch) of at most ``max_doc_len`` tokens, longer texts cut by ``policy``
+    (docs/data.md, "Long documents"), over ``epochs`` passes (0: forever, TorchTitan's default)."""
 
     _LOG_AT = frozenset({1, 10, 100, 1_000})  # truncated documents logged, then every 10,000th
 

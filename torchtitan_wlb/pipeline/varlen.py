@@ -1,10 +1,8 @@
 """Variable-length micro-batches through torch.distributed.pipelining schedules, and their loss.
 
 torch sizes receive buffers once, from micro-batch 0; every rank knows each micro-batch's length
-from the packing plan, so the runner re-sizes them before each step: no padding, no shape exchange.
-The only module touching private pipelining state, gated on verified torches. A per-micro-batch
-loss mean would weight a short micro-batch's tokens more than a long one's, so each summed loss is
-divided by the global batch's valid-token count (docs/pipeline.md).
+from the packing plan, so the runner re-sizes them before each step: no padding, no shape exchange
+(docs/pipeline.md). The only module touching private pipelining state, gated on verified torches.
 """
 
 from __future__ import annotations
@@ -127,9 +125,7 @@ class VarlenStepStats:
 @dataclass
 class PipelineActionTimes:
     """Compute seconds of every pipeline action of one step on this rank (row: local stage,
-    column: micro-batch; forward includes the loss, backward the weight backward), without the
-    waits for neighbours: the per-action costs a pipeline timeline plays. ``*_device_s`` are on
-    the device clock, which the online cost model fits (docs/pipeline.md)."""
+    column: micro-batch), without the waits for neighbours: the costs a pipeline timeline plays."""
 
     stage_indices: list[int]
     fwd_s: list[list[float]]
@@ -234,17 +230,9 @@ def _empty_like_layout(shape: Sequence[int], ref: torch.Tensor) -> torch.Tensor:
 
 
 class VarlenPipelineRunner:
-    """Runs one optimizer step's micro-batches, each with its own length, through a schedule.
-
-    Wraps a single- or multi-stage schedule built by torchtitan's ``pipelining_fn`` (with
-    ``scale_grads=False``: the loss normalises gradients) and replaces ``schedule.step(...)``.
-
-    Args:
-        schedule: the pipeline schedule of this rank.
-        seq_dim: the token dimension of the tensors crossing stage boundaries (1 for ``[1, S, D]``).
-        verify_seq_lens: debugging aid: check every step that all ranks passed the same lengths.
-        time_actions: time every action on this rank's stages into :attr:`last_action_times`.
-    """
+    """Runs one optimizer step's micro-batches, each with its own length, through a single- or
+    multi-stage schedule built with ``scale_grads=False`` (the loss normalises gradients), in place
+    of ``schedule.step(...)``; its arguments and their use: docs/pipeline.md."""
 
     def __init__(
         self,
@@ -327,19 +315,9 @@ class VarlenPipelineRunner:
         losses: list | None = None,
         loss_kwargs: Mapping[str, Any] | None = None,
     ) -> VarlenStepStats:
-        """Forward and backward of all micro-batches of one step through the pipeline.
-
-        Args:
-            microbatch_inputs: the first stage's input per micro-batch (ranks holding stage 0).
-            microbatch_kwargs: per micro-batch, the forward keyword arguments of every stage
-                (``attention_masks``, ``positions``, ...), the same on every rank; or None.
-            targets: the labels per micro-batch (ranks holding the last stage).
-            seq_lens: per micro-batch, the length along ``seq_dim`` of the tensors that cross
-                stage boundaries (after CP/sequence sharding), identical on every rank.
-            global_valid_tokens: divides each micro-batch's loss before backward; None: raw loss.
-            losses: filled on last-stage ranks with the (divided) loss of every micro-batch.
-            loss_kwargs: extra keyword arguments for the loss function (torch >= 2.13 only).
-        """
+        """Forward and backward of all micro-batches of one step through the pipeline, each
+        micro-batch's loss divided by ``global_valid_tokens`` (None: the raw loss); the arguments:
+        docs/pipeline.md."""
         n = self.n_microbatches
         lens = [int(x) for x in seq_lens]
         if len(lens) != n:

@@ -2,9 +2,8 @@
 
     python -m torchtitan_wlb.tools.audit outputs/debug_cpu --require-complete
 
-The directory is the run's ``[job] dump_folder``; its ``wlb_audit/`` logs are replayed launch by
-launch. Exit status: 0 proven, 1 not (or, with ``--require-complete``, a pass not over), 2
-unreadable logs. What is proven and how: docs/data.md.
+The directory is the run's ``[job] dump_folder``; what is proven, how, and the exit status:
+docs/data.md.
 """
 
 from __future__ import annotations
@@ -24,18 +23,13 @@ from torchtitan_wlb.tools.cli import ToolParser
 class AuditReport:
     """The verdict on a run's logs."""
 
-    ok: bool
-    """No document lost or repeated, and the logs cover every step that counts."""
-    complete: bool
-    """The pass is over (the data ended) and proven."""
-    message: str
-    """One line: the proof's summary, or the first problem with the documents and steps involved."""
-    steps: int = 0
-    """Last step that counts."""
-    documents: int = 0
-    """Documents trained in the steps that count."""
+    ok: bool  # no document lost or repeated, and the logs cover every step that counts
+    complete: bool  # the pass is over (the data ended) and proven
+    message: str  # one line: the proof's summary, or the first problem (documents, steps)
+    steps: int = 0  # last step that counts
+    documents: int = 0  # documents trained in the steps that count
+    # (first, last) step ranges of earlier launches re-trained by a resumed launch
     superseded: list[tuple[int, int]] = field(default_factory=list)
-    """``(first, last)`` step ranges of earlier launches re-trained by a resumed launch."""
 
 
 class _Violation(Exception):
@@ -56,11 +50,10 @@ class _Timeline:
     launches: int
     dp_degree: int
     last_step: int
+    # in the packer after last_step; None: unknown (no end and no checkpoint logged), so lost
+    # documents cannot be ruled out
     pending: list[int] | None
-    """In the packer after ``last_step``; None: unknown (no end and no checkpoint logged), so lost
-    documents cannot be ruled out."""
-    documents: int | None
-    """Documents the data produced, known once it has ended."""
+    documents: int | None  # documents the data produced, known once it has ended
     complete: bool
     note: str
 

@@ -57,7 +57,7 @@ def _rank_step(plan: CPPlan, rank: int, heads: int, kv_heads: int, head_dim: int
     on random tensors in place of the all-gathered keys."""
     import torch
 
-    from torchtitan_wlb.cp.op import _local_attention
+    from torchtitan_wlb.cp.op import _local_attention, op_arguments
 
     s = plan.local_attention_spec(rank)
     n_local, n_gather = int(plan.local_lens[rank]), s.n_gather_tokens
@@ -67,10 +67,8 @@ def _rank_step(plan: CPPlan, rank: int, heads: int, kv_heads: int, head_dim: int
         torch.randn(n, h, head_dim, generator=gen, requires_grad=True)
         for n, h in ((n_local, heads), gathered, gathered, whole, whole)
     ]  # q, then K and V of the gathered keys and of the whole documents
-    (cq_h, cq_t), (ck_h, ck_t) = s.cu_seqlens_q, s.cu_seqlens_k
-    cus = tuple(torch.from_numpy(c) for c in (cq_h, ck_h, cq_t, ck_t, s.cu_seqlens_whole))
-    sizes = [s.n_head_tokens, s.max_seqlen_q[0], s.max_seqlen_k[0], s.max_seqlen_q[1],
-             s.max_seqlen_k[1], plan.max_gather_len, n_gather, s.max_seqlen_whole]  # fmt: skip
+    cus, sizes = op_arguments(s, plan.max_gather_len)
+    cus = tuple(map(torch.from_numpy, cus))
     return lambda: _local_attention(*tensors, cus, sizes, head_dim**-0.5, "cpu").sum().backward()
 
 
@@ -149,10 +147,9 @@ def run(args: argparse.Namespace) -> dict:
                 plan.kv_order()  # and the op's
                 plan.local_attention_spec(0)
                 times.append((time.perf_counter() - start) * 1e3)
-            rows.append(
+            rows.append(  # the assignment's flops_imbalance is the plan's (same causal pairs)
                 stats(torch_lb.plan_assignment(plan), i)
                 | {
-                    "flops_imbalance": plan.flops_imbalance(),
                     "plan_ms": float(np.median(times)),
                     "plan_ms_min": float(np.min(times)),
                     "estimated_max_rank_ms": profile.estimate_plan_seconds(plan) * 1e3,

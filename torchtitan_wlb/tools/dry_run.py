@@ -5,9 +5,7 @@
     python -m torchtitan_wlb.tools.dry_run train_configs/debug_cpu.toml --ngpu 4 \\
         -- --parallelism.tensor_parallel_degree 2
 
-Rank 0's WLBTrainer is built as on a cluster (mesh, pipeline split, TP/FSDP plans, optimizer, data)
-with the model left on the meta device; one OK or FAIL line per config, exit status 1 when one
-fails. More in docs/slurm.md.
+One OK or FAIL line per config, exit status 1 when one fails; what is built: docs/slurm.md.
 """
 
 from __future__ import annotations
