@@ -53,24 +53,24 @@ class PackingConfig:
     waited ``age`` steps (>= 0)."""
 
     def __post_init__(self) -> None:
-        _check_int("micro_batches", self.micro_batches, 1)
-        _check_int("context_len", self.context_len, 1)
+        check_int("micro_batches", self.micro_batches, 1)
+        check_int("context_len", self.context_len, 1)
         if self.smax is not None:
-            _check_int("smax", self.smax, 1)
+            check_int("smax", self.smax, 1)
             if self.smax < self.context_len:
                 raise ValueError(
                     f"smax={self.smax} is below context_len={self.context_len}; "
                     "S_max must be >= the context length"
                 )
-        _check_int("max_wait", self.max_wait, 0)
-        _check_int("window", self.window, 1)
+        check_int("max_wait", self.max_wait, 0)
+        check_int("window", self.window, 1)
         if not self.solver_time_limit > 0:
             raise ValueError(f"solver_time_limit must be > 0 seconds, got {self.solver_time_limit}")
         if self.solver_node_limit is not None:
-            _check_int("solver_node_limit", self.solver_node_limit, 1)
+            check_int("solver_node_limit", self.solver_node_limit, 1)
         if not self.balance_target >= 1.0:
             raise ValueError(f"balance_target must be >= 1.0, got {self.balance_target}")
-        _check_int("adaptive_max_wait", self.adaptive_max_wait, 0)
+        check_int("adaptive_max_wait", self.adaptive_max_wait, 0)
         if not self.delay_target > 0.0:
             raise ValueError(f"delay_target must be > 0 steps, got {self.delay_target}")
         if not self.release_slack >= 0.0:
@@ -78,12 +78,12 @@ class PackingConfig:
         if self.queue_thresholds is not None:
             th = tuple(self.queue_thresholds)
             for t in th:
-                _check_int("queue_thresholds entry", t, 1)
+                check_int("queue_thresholds entry", t, 1)
             if any(b <= a for a, b in zip(th, th[1:], strict=False)):
                 raise ValueError(f"queue_thresholds must be strictly increasing, got {list(th)}")
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
+def check_int(name: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
