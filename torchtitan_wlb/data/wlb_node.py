@@ -200,11 +200,8 @@ class WLBPackingNode(BaseNode[dict]):
         return np.concatenate(ids), np.concatenate(lens)
 
     def _read(self, tokens: int) -> tuple[np.ndarray, np.ndarray]:
-        """Documents from the source until their tokens reach ``tokens`` (the crossing one
-        included; none when ``tokens <= 0``) or the source ends; their tokens are kept.
-
-        One call of the source's ``read_documents(tokens)`` when it has one, else item by item.
-        """
+        """Documents from the source by the budget rule (``read_documents`` when it has it, else
+        item by item) until the source ends; their tokens are kept."""
         if tokens <= 0 or self._source_done:
             return _EMPTY, _EMPTY
         batched = getattr(self.source, "read_documents", None)
@@ -288,13 +285,7 @@ class WLBPackingNode(BaseNode[dict]):
                 f"document {i}: tokens must be a 1-D integer array of length >= 1, got "
                 f"shape {a.shape} dtype {a.dtype}"
             )
-        cap = self.packer.cap
-        if int(lens.max()) > cap:
-            k = int(np.argmax(lens > cap))
-            raise ValueError(
-                f"document {int(doc_ids[k])} has {int(lens[k])} tokens, more than the micro-batch "
-                f"cap {cap}; split long documents in the loader (max_doc_len)"
-            )
+        self.packer.check_lengths(doc_ids, lens)
         ids = doc_ids.tolist()  # sets, not np.unique: a tenth of the time at ~1,000 ids
         if len(set(ids)) != len(ids) or not self._tokens.keys().isdisjoint(ids):
             seen = set(self._tokens)

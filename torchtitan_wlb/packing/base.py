@@ -214,28 +214,26 @@ class Packer(ABC):
         """Documents waiting per outlier queue (empty for packers without queues)."""
         return []
 
-    def step(self, ids: np.ndarray, lens: np.ndarray, *, flush: bool = False) -> PackedStep:
-        """Add this step's new documents and return the step's ``N`` micro-batches.
+    def check_lengths(self, ids: np.ndarray, lens: np.ndarray) -> None:
+        """Lengths must be in ``[1, cap]``: a longer document can never be placed, so the loader
+        must split it first; an error here rather than a silent drop."""
+        if lens.size and int(lens.min()) < 1:
+            k = int(np.argmax(lens < 1))
+            raise ValueError(f"document {int(ids[k])} has length {lens[k]}; lengths must be >= 1")
+        if lens.size and int(lens.max()) > self.cap:
+            k = int(np.argmax(lens > self.cap))
+            raise ValueError(
+                f"document {int(ids[k])} has {lens[k]} tokens, more than the micro-batch cap "
+                f"{self.cap}; split long documents in the loader (max_doc_len <= {self.cap})"
+            )
 
-        A document longer than ``cap`` can never be placed: the loader must split it first, so it
-        is an error here rather than a silent drop.
-        """
+    def step(self, ids: np.ndarray, lens: np.ndarray, *, flush: bool = False) -> PackedStep:
+        """Add this step's new documents and return the step's ``N`` micro-batches."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         lens = np.asarray(lens, dtype=np.int64).reshape(-1)
         if ids.shape != lens.shape:
             raise ValueError(f"got {ids.size} document ids but {lens.size} lengths")
-        bad = np.flatnonzero(lens < 1)
-        if bad.size:
-            raise ValueError(
-                f"document {int(ids[bad[0]])} has length {int(lens[bad[0]])}; lengths must be >= 1"
-            )
-        too_long = np.flatnonzero(lens > self.cap)
-        if too_long.size:
-            i = too_long[0]
-            raise ValueError(
-                f"document {int(ids[i])} has {int(lens[i])} tokens, more than the micro-batch cap "
-                f"{self.cap}; split long documents in the loader (max_doc_len <= {self.cap})"
-            )
+        self.check_lengths(ids, lens)
         # CPU time of this thread: the packing cost on one core, unaffected by other processes
         # competing for the machine (wall time would charge their time slices to the packer).
         t0 = time.thread_time()

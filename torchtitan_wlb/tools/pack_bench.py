@@ -6,8 +6,7 @@
         --micro-batches 8 --packer fixed_greedy --window 4 --steps 200 --json
     python -m torchtitan_wlb.tools.pack_bench --generator longtail --table2
 
-``--steps epoch`` scores one whole pass, the drain of the outlier queues included; ``--steps S``
-a partial window. Options and every JSON key: docs/packing.md.
+Options, ``--steps epoch`` versus a partial window, and every JSON key: docs/packing.md.
 """
 
 from __future__ import annotations
@@ -107,18 +106,16 @@ class _TokenSource(BaseNode[dict]):
 
 
 def node_step_ms(packer: Packer, lengths: np.ndarray, steps: int, dp: int) -> tuple[list, list]:
-    """Wall and CPU milliseconds of every step of the data node (DP rank 0 of ``dp``). CPU time is
-    the node's thread's own: on shared cores wall time also counts other processes' slices."""
+    """Wall and CPU (this thread's) milliseconds of every step of the data node, DP rank 0 of
+    ``dp``."""
     arena = 4 * packer.config.micro_batches * packer.config.context_len  # four global batches
     node = WLBPackingNode(_TokenSource(lengths, arena), packer, dp_rank=0, dp_degree=dp)
     node.reset()
     wall: list[float] = []
     cpu: list[float] = []
-    while len(wall) < steps:
+    for _ in range(steps):
         start, start_cpu = time.perf_counter(), time.thread_time()
-        try:
-            next(node)
-        except StopIteration:
+        if next(node, None) is None:
             break
         cpu.append((time.thread_time() - start_cpu) * 1e3)
         wall.append((time.perf_counter() - start) * 1e3)
@@ -133,11 +130,8 @@ def run(
     steps: int | None,
     dp: int = 1,
 ) -> dict[str, Any]:
-    """Pack ``lengths`` with one packer and summarise balance, delay and cost.
-
-    ``steps=None`` is one whole pass (to the end of the data, drain included); an integer packs
-    that many steps, then flushes what is held, unscored (a partial window).
-    """
+    """Pack ``lengths`` with one packer and summarise balance, delay and cost: one whole pass
+    (``steps=None``) or a partial window of ``steps`` steps, its flush unscored."""
     packer = build_packer(packer_name, config, cost_model)
     stream = LengthStream(lengths)
     scored, ended = [], []
