@@ -3,12 +3,8 @@
 Input: a ``BaseNode`` yielding ``{"doc_id": int, "tokens": np.ndarray}``. Output: one item per
 optimizer step, ``{"micro_batches": [{"tokens", "doc_lens", "doc_ids"}, ...], "stats": {...}}``
 with this DP rank's ``N // dp`` micro-batches of the global plan. Every DP rank computes the same
-plan from the same stream, so no communication is needed (docs/packing.md, "The torchdata node").
-
-Why the state holds no tokens: the pending documents can be tens of MB per rank at long context,
-in every DP rank's checkpoint, while a few source snapshots (one per pull since the oldest held
-document was read) let ``reset(state)`` re-read them. The source must be deterministic under
-``reset(state)`` (torchdata's contract); replayed documents are checked against the stored lengths.
+plan from the same stream, so no communication is needed. The state holds source snapshots
+instead of tokens, which a restore re-reads (docs/packing.md, "The torchdata node").
 """
 
 from __future__ import annotations
@@ -23,6 +19,7 @@ from torchdata.nodes import BaseNode
 
 from torchtitan_wlb.cost_fit import CostModelSchedule
 from torchtitan_wlb.packing import Packer
+from torchtitan_wlb.packing.base import check_int
 from torchtitan_wlb.packing.driver import next_plan, pull_until, take_until
 from torchtitan_wlb.packing.placement import dp_order
 
@@ -73,18 +70,14 @@ class WLBPackingNode(BaseNode[dict]):
     ) -> None:
         super().__init__()
         n = packer.n
-        if isinstance(dp_degree, bool) or not isinstance(dp_degree, int) or dp_degree < 1:
-            raise ValueError(f"dp_degree must be an integer >= 1, got {dp_degree!r}")
+        check_int("dp_degree", dp_degree, 1)
         if n % dp_degree != 0:
             raise ValueError(
                 f"micro_batches N={n} must be divisible by dp_degree={dp_degree} "
                 "(each DP rank takes N // dp_degree micro-batches)"
             )
-        if (
-            isinstance(dp_rank, bool)
-            or not isinstance(dp_rank, int)
-            or not 0 <= dp_rank < dp_degree
-        ):
+        check_int("dp_rank", dp_rank, 0)
+        if dp_rank >= dp_degree:
             raise ValueError(f"dp_rank must be in [0, {dp_degree}), got {dp_rank!r}")
         self.source = source
         self.packer = packer
@@ -179,12 +172,9 @@ class WLBPackingNode(BaseNode[dict]):
         return self._exhausted
 
     def pull(self, budget: int, horizon: int) -> tuple[np.ndarray, np.ndarray]:
-        """The next documents by the budget rule, read-ahead first, keeping their tokens.
-
-        Then reads ahead until ``horizon`` tokens wait or the source ends; when the source ends
-        with fewer than ``horizon`` tokens left, those join this pull and the data ends here. The
-        source's state before the pull's reads is recorded so that a restore can replay them.
-        """
+        """The next documents by the budget rule, read-ahead first, keeping their tokens; then
+        read ahead ``horizon`` tokens (what is left when less: joins this pull, ending the data),
+        recording the source's state before these reads so that a restore can replay them."""
         if budget <= 0 or self._exhausted:
             return _EMPTY, _EMPTY
         snapshot = self.source.state_dict()
@@ -210,11 +200,8 @@ class WLBPackingNode(BaseNode[dict]):
         return np.concatenate(ids), np.concatenate(lens)
 
     def _read(self, tokens: int) -> tuple[np.ndarray, np.ndarray]:
-        """Documents from the source until their tokens reach ``tokens`` (the crossing one
-        included; none when ``tokens <= 0``) or the source ends; their tokens are kept.
-
-        One call of the source's ``read_documents(tokens)`` when it has one, else item by item.
-        """
+        """Documents from the source by the budget rule (``read_documents`` when it has it, else
+        item by item) until the source ends; their tokens are kept."""
         if tokens <= 0 or self._source_done:
             return _EMPTY, _EMPTY
         batched = getattr(self.source, "read_documents", None)
@@ -256,12 +243,8 @@ class WLBPackingNode(BaseNode[dict]):
         return order[lo : lo + self._per_rank]
 
     def _out_buffer(self, size: int) -> np.ndarray:
-        """A ``TOKEN_DTYPE`` buffer of at least ``size`` elements that nothing else refers to.
-
-        A pooled buffer is free when its reference count is back to the pool's own: every array
-        a consumer keeps from an earlier step (the prefetch queue, user code) is a view holding
-        its buffer, so kept steps never change, and reuse spares the page faults of fresh memory.
-        """
+        """A ``TOKEN_DTYPE`` buffer of at least ``size`` elements that nothing else refers to: a
+        pooled one whose reference count is back to the pool's own (docs/packing.md)."""
         free = self._free_refs
         for k in range(len(self._buffers)):
             if self._buffers[k].size >= size and sys.getrefcount(self._buffers[k]) <= free:
@@ -302,13 +285,7 @@ class WLBPackingNode(BaseNode[dict]):
                 f"document {i}: tokens must be a 1-D integer array of length >= 1, got "
                 f"shape {a.shape} dtype {a.dtype}"
             )
-        cap = self.packer.cap
-        if int(lens.max()) > cap:
-            k = int(np.argmax(lens > cap))
-            raise ValueError(
-                f"document {int(doc_ids[k])} has {int(lens[k])} tokens, more than the micro-batch "
-                f"cap {cap}; split long documents in the loader (max_doc_len)"
-            )
+        self.packer.check_lengths(doc_ids, lens)
         ids = doc_ids.tolist()  # sets, not np.unique: a tenth of the time at ~1,000 ids
         if len(set(ids)) != len(ids) or not self._tokens.keys().isdisjoint(ids):
             seen = set(self._tokens)

@@ -53,24 +53,24 @@ class PackingConfig:
     waited ``age`` steps (>= 0)."""
 
     def __post_init__(self) -> None:
-        _check_int("micro_batches", self.micro_batches, 1)
-        _check_int("context_len", self.context_len, 1)
+        check_int("micro_batches", self.micro_batches, 1)
+        check_int("context_len", self.context_len, 1)
         if self.smax is not None:
-            _check_int("smax", self.smax, 1)
+            check_int("smax", self.smax, 1)
             if self.smax < self.context_len:
                 raise ValueError(
                     f"smax={self.smax} is below context_len={self.context_len}; "
                     "S_max must be >= the context length"
                 )
-        _check_int("max_wait", self.max_wait, 0)
-        _check_int("window", self.window, 1)
+        check_int("max_wait", self.max_wait, 0)
+        check_int("window", self.window, 1)
         if not self.solver_time_limit > 0:
             raise ValueError(f"solver_time_limit must be > 0 seconds, got {self.solver_time_limit}")
         if self.solver_node_limit is not None:
-            _check_int("solver_node_limit", self.solver_node_limit, 1)
+            check_int("solver_node_limit", self.solver_node_limit, 1)
         if not self.balance_target >= 1.0:
             raise ValueError(f"balance_target must be >= 1.0, got {self.balance_target}")
-        _check_int("adaptive_max_wait", self.adaptive_max_wait, 0)
+        check_int("adaptive_max_wait", self.adaptive_max_wait, 0)
         if not self.delay_target > 0.0:
             raise ValueError(f"delay_target must be > 0 steps, got {self.delay_target}")
         if not self.release_slack >= 0.0:
@@ -78,12 +78,12 @@ class PackingConfig:
         if self.queue_thresholds is not None:
             th = tuple(self.queue_thresholds)
             for t in th:
-                _check_int("queue_thresholds entry", t, 1)
+                check_int("queue_thresholds entry", t, 1)
             if any(b <= a for a, b in zip(th, th[1:], strict=False)):
                 raise ValueError(f"queue_thresholds must be strictly increasing, got {list(th)}")
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
+def check_int(name: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
@@ -214,28 +214,26 @@ class Packer(ABC):
         """Documents waiting per outlier queue (empty for packers without queues)."""
         return []
 
-    def step(self, ids: np.ndarray, lens: np.ndarray, *, flush: bool = False) -> PackedStep:
-        """Add this step's new documents and return the step's ``N`` micro-batches.
+    def check_lengths(self, ids: np.ndarray, lens: np.ndarray) -> None:
+        """Lengths must be in ``[1, cap]``: a longer document can never be placed, so the loader
+        must split it first; an error here rather than a silent drop."""
+        if lens.size and int(lens.min()) < 1:
+            k = int(np.argmax(lens < 1))
+            raise ValueError(f"document {int(ids[k])} has length {lens[k]}; lengths must be >= 1")
+        if lens.size and int(lens.max()) > self.cap:
+            k = int(np.argmax(lens > self.cap))
+            raise ValueError(
+                f"document {int(ids[k])} has {lens[k]} tokens, more than the micro-batch cap "
+                f"{self.cap}; split long documents in the loader (max_doc_len <= {self.cap})"
+            )
 
-        A document longer than ``cap`` can never be placed: the loader must split it first, so it
-        is an error here rather than a silent drop.
-        """
+    def step(self, ids: np.ndarray, lens: np.ndarray, *, flush: bool = False) -> PackedStep:
+        """Add this step's new documents and return the step's ``N`` micro-batches."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         lens = np.asarray(lens, dtype=np.int64).reshape(-1)
         if ids.shape != lens.shape:
             raise ValueError(f"got {ids.size} document ids but {lens.size} lengths")
-        bad = np.flatnonzero(lens < 1)
-        if bad.size:
-            raise ValueError(
-                f"document {int(ids[bad[0]])} has length {int(lens[bad[0]])}; lengths must be >= 1"
-            )
-        too_long = np.flatnonzero(lens > self.cap)
-        if too_long.size:
-            i = too_long[0]
-            raise ValueError(
-                f"document {int(ids[i])} has {int(lens[i])} tokens, more than the micro-batch cap "
-                f"{self.cap}; split long documents in the loader (max_doc_len <= {self.cap})"
-            )
+        self.check_lengths(ids, lens)
         # CPU time of this thread: the packing cost on one core, unaffected by other processes
         # competing for the machine (wall time would charge their time slices to the packer).
         t0 = time.thread_time()

@@ -1,8 +1,5 @@
-"""The driving protocol of every packer (docs/packing.md), used by the data node, the packing
-benchmark, tuning and the simulator: each step takes, in stream order, the fewest documents whose
-tokens reach ``packer.tokens_wanted()`` (none when it is 0); a pull that runs out ends the data and
-every later step flushes. The end is seen one global batch early (when less than that would remain,
-the pull takes it too), so the final steps are planned over at least a full step of documents.
+"""The driving protocol of every packer, used by the data node, the packing benchmark, tuning and
+the simulator: the budget rule, the end of the data seen one step early (docs/packing.md).
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
 """The end of the data: the documents still held, spread over balanced final steps instead of
-one step as slow as its heaviest micro-batch (max/mean of 1.6-17 on real workloads). A packer
-emits the first, heaviest planned step and plans the rest again next step, so the drain is a pure
-function of the documents held. See docs/packing.md.
+one step as slow as its heaviest micro-batch (max/mean of 1.6-17 on real workloads; docs/packing.md).
 """
 
 from __future__ import annotations
@@ -48,9 +46,6 @@ def _levelled(
     """Step by step: the ``n`` costliest documents left set the step's level, the others fill
     every micro-batch up to it (largest first, under the token cap). ``None`` as soon as the
     predicted time would exceed ``bound`` (the plan to beat): it only grows with more steps.
-
-    A step holding a long document costs that document's time whatever else it holds, so work
-    placed beside it is work no later step pays for; the even split leaves it at the average.
     """
     step = np.full(costs.size, -1, np.int64)
     mb = np.full(costs.size, -1, np.int64)
@@ -79,21 +74,16 @@ def _levelled(
 def plan_drain(
     costs: np.ndarray, lens: np.ndarray, n: int, cap: int, extra_steps: int = 2
 ) -> DrainPlan:
-    """Final steps of ``n`` micro-batches (cap ``cap`` tokens) for the held documents.
-
-    Two candidates, the lower predicted time wins (ties: fewer steps): the even split
-    (:func:`_chunked`) over the fewest feasible steps or up to ``extra_steps`` more, and the
-    levelled plan (:func:`_levelled`), which wins when long documents remain.
-    """
+    """Final steps of ``n`` micro-batches (cap ``cap`` tokens) for the held documents: the even
+    split over the fewest feasible steps or up to ``extra_steps`` more, or the levelled plan,
+    whichever is predicted faster (ties: fewer steps)."""
     costs = np.asarray(costs, np.float64)
     lens = np.asarray(lens, np.int64)
     if lens.size == 0:
         return DrainPlan(0, np.zeros(0, np.int64), np.zeros(0, np.int64), 0.0)
     steps = max(1, -(-int(lens.sum()) // (n * cap)))
-    best = _chunked(costs, lens, n, cap, steps)
-    while best is None:  # bin packing under the cap may need more than the token bound
-        steps += 1
-        best = _chunked(costs, lens, n, cap, steps)
+    while (best := _chunked(costs, lens, n, cap, steps)) is None:
+        steps += 1  # bin packing under the cap may need more than the token bound
     fewest = best.steps
     for more in range(1, extra_steps + 1):
         if fewest + more > lens.size:  # a step beyond one document each only adds fillers

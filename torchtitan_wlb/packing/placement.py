@@ -48,15 +48,9 @@ def fill_rounds(
     cap: int,
     limit: float = np.inf,
 ) -> np.ndarray:
-    """Place documents (largest cost first) in vectorised rounds; ``-1`` = did not fit.
-
-    ``loads`` (float) and ``tokens`` (int), the bins' workload and token count, are updated in
-    place. Each round, every bin below the water level of the remaining work (least-loaded first)
-    takes a contiguous run of the largest remaining documents worth about 70 % of its deficit,
-    under the level and its token cap. Deficits shrink geometrically while the documents get
-    smaller: a logarithmic number of rounds, the last ones evening out the loads with the
-    smallest documents. A document that fits nowhere (token cap, or ``limit``) stays unplaced.
-    """
+    """Place documents (largest cost first) in vectorised rounds (docs/packing.md, "Vectorised
+    placement"); ``loads`` (float) and ``tokens`` (int), the bins' workload and token count, are
+    updated in place. ``-1``: the document fits nowhere (token cap, or ``limit``)."""
     out = np.full(costs.size, -1, np.int64)
     rem = np.arange(costs.size)
     if np.isfinite(limit):  # the rounds' first filter (below), before sorting: often most go
@@ -150,14 +144,9 @@ def fill_rounds(
 
 
 def dp_order(loads: np.ndarray, dp: int, balanced: bool = True) -> np.ndarray:
-    """A permutation of a step's micro-batches; DP rank ``r`` trains ``order[r*m:(r+1)*m]``.
-
-    A DP rank runs its ``m = N / dp`` micro-batches one after the other, so the slowest rank's
-    total sets the step time. ``balanced`` deals micro-batches sorted by workload in snake order
-    (0, 1, .., dp-1, dp-1, .., 0, ...), which evens the ranks' totals; otherwise ranks take
-    contiguous slices, as TorchTitan's loaders do (the ``original`` baseline). Deterministic, so
-    every rank computes the same assignment. Each rank's micro-batches stay in plan order.
-    """
+    """A permutation of a step's micro-batches; DP rank ``r`` trains ``order[r*m:(r+1)*m]``
+    (``m = N / dp``): dealt by workload in snake order when ``balanced``, so that the ranks'
+    totals even out, else contiguous slices (docs/packing.md, "The torchdata node")."""
     n = int(loads.size)
     if n % dp:
         raise ValueError(f"{n} micro-batches cannot be split evenly over {dp} DP ranks")

@@ -1,12 +1,8 @@
 """WLB-LLM packing: variable-length micro-batches with multi-level outlier queues (Algorithm 1).
 
-``wlb_paper`` is the paper's Algorithm 1 as published, placing documents one by one in a Python
-loop: the reference for comparison. ``wlb`` keeps its queues, carry-over, max wait K and flush and
-changes how outliers enter a step (admission and release by cost, across queues, relaxed with
-age), K (adaptive), the placement (vectorised ``fill_rounds``), the overflow (back-pressure: a
-stream suffix is handed back instead of carried) and the end of the data (a balanced drain,
-:mod:`~torchtitan_wlb.packing.end_of_data`). docs/packing.md describes each change and what it
-buys; the comments below say where each happens.
+``wlb_paper`` is Algorithm 1 as published (a per-document Python loop, the reference); ``wlb``
+keeps its queues, carry-over, K and flush and changes what docs/packing.md ("What ``wlb``
+changes") lists; the comments below say where each change happens.
 """
 
 from __future__ import annotations
@@ -25,13 +21,9 @@ _TOKEN_FILL = 0.98  # admission keeps 2 % of the step's token capacity for regul
 
 
 def default_thresholds(cost_model: CostModel, context_len: int, levels: int = 3) -> tuple[int, ...]:
-    """Queue thresholds derived from the cost model when none are configured.
-
-    Level i holds documents whose own workload is at least ``2**(i-1) / 2`` times that of a full
-    context of short documents (``linear_coef * context_len``): ``levels=3`` gives queues starting
-    at 1/2, 1 and 2 micro-batches' worth of linear work. A document below the first threshold can
-    always be balanced by the others in its micro-batch.
-    """
+    """Queue thresholds from the cost model: level i starts where one document costs
+    ``2**(i-1) / 2`` micro-batches of linear work (docs/packing.md); below it, the other documents
+    of its micro-batch can always balance it."""
     a, b = cost_model.attn_coef, cost_model.linear_coef
     unit = b * context_len
     if unit == 0:  # attention-only cost: use fractions of a full-context document
@@ -165,12 +157,8 @@ class WLBPacker(_QueuedPacker):
         return int(self.k_eff)
 
     def _adapt_wait(self, docs: DocPool) -> None:
-        """Let K grow (up to ``adaptive_max_wait``) while the delay stays well under target.
-
-        Data whose long documents are rare (few tokens wait) can afford long waits, which buy
-        balance; data full of long documents cannot. The running token-weighted delay decides:
-        above ``delay_target`` K steps back towards ``max_wait``, below 90 % of it K grows.
-        """
+        """Adaptive K (docs/packing.md): rare long documents afford long waits, which buy
+        balance; the running token-weighted delay moves K between its bounds."""
         cfg = self.config
         if cfg.adaptive_max_wait <= cfg.max_wait:
             return
@@ -261,10 +249,8 @@ class WLBPacker(_QueuedPacker):
         q_bin[waiting] = admitted
 
         # 4. Regular documents fill the micro-batches, vectorised; what does not fit under the cap
-        #    (or under the level an outlier set) is carried to the next step. Carried documents go
-        #    first: they have waited already; past K steps they ignore the level (only the token
-        #    cap binds). Fresh documents are offered as a stream prefix that the remaining room can
-        #    hold; the rest of the stream is handed back (back-pressure, see ``_offer``).
+        #    (or under the level an outlier set) is carried. Carried documents go first; past K
+        #    steps they ignore the level. Fresh ones are offered as a stream prefix (``_offer``).
         carried = np.flatnonzero(regular.arrival < self._step)
         fresh = np.flatnonzero(regular.arrival == self._step)
         fits = int(r_lens.sum()) + int(tokens.sum()) <= n * cap
@@ -300,13 +286,8 @@ class WLBPacker(_QueuedPacker):
         tokens: np.ndarray,
         limit: float,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Split this step's fresh regular documents (stream order) into offered and handed back.
-
-        Back-pressure: when a released outlier group left less room (its level or the token cap)
-        than the fresh documents need, only the stream prefix that fits is offered and the suffix
-        is handed back, as if not pulled yet; carrying the overflow would instead delay arbitrary
-        small documents behind later ones. A document pulled ``K`` or more steps ago is offered.
-        """
+        """Back-pressure (docs/packing.md): this step's fresh regular documents (stream order)
+        split into the prefix the room left can hold, offered, and the suffix, handed back."""
         lens = regular.lens[fresh]
         tok_room = float((self.cap - tokens).sum())
         cost_room = float(np.maximum(limit - loads, 0.0).sum()) if np.isfinite(limit) else np.inf
@@ -332,15 +313,10 @@ class WLBPacker(_QueuedPacker):
         new_tokens: int,
         tau: float | None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """Place the waiting outliers ``costs``/``lens`` (largest first) into micro-batches
-        without exceeding ``level``; ``new_cost``/``new_tokens``: the regular documents to come.
-
-        With a target ``tau`` (a release at a raised level) the result is kept only if the regular
-        documents can then lift every micro-batch close to ``level`` (predicted max/mean within
-        ``tau``); with ``tau=None`` admission keeps a 2 % token margin so that outliers do not push
-        the step's fresh documents into carry-over. Returns the updated (loads, tokens, bin per
-        waiting document) or ``None`` when the release would not balance.
-        """
+        """Place the waiting outliers (largest first) under ``level``, before the regular
+        documents ``new_cost``/``new_tokens``. With ``tau`` (a release) keep the result only if
+        the predicted max/mean stays within it, else ``None``; without, keep a 2 % token margin
+        for the regular documents. Returns (loads, tokens, bin per waiting document)."""
         n, cap = self.n, self.cap
         must_balance = tau is not None
         loads, tokens = loads.copy(), tokens.copy()
@@ -349,9 +325,8 @@ class WLBPacker(_QueuedPacker):
             budget = loads.sum() + new_cost + costs[fits].sum()
             if budget * tau < n * level:
                 return None  # not enough work to lift every micro-batch to the level
-            # The final test below, bounded before placing: an outlier adds to a micro-batch at
-            # most its cost beyond the regular work its tokens displace (rho per token). Most
-            # release attempts fail; this spares their placement loop.
+            # The final test below, bounded before placing (docs/packing.md): an outlier adds at
+            # most its cost beyond the regular work its tokens displace (rho per token).
             rho = new_cost / new_tokens if new_tokens else 0.0
             fill = np.minimum(np.maximum(level - loads, 0.0), (cap - tokens) * rho).sum()
             gain = np.maximum(costs[fits] - lens[fits] * rho, 0.0).sum()

@@ -6,8 +6,7 @@
         --micro-batches 8 --packer fixed_greedy --window 4 --steps 200 --json
     python -m torchtitan_wlb.tools.pack_bench --generator longtail --table2
 
-``--steps epoch`` scores one whole pass, the drain of the outlier queues included; ``--steps S``
-a partial window. Options and every JSON key: docs/packing.md.
+Options, ``--steps epoch`` versus a partial window, and every JSON key: docs/packing.md.
 """
 
 from __future__ import annotations
@@ -69,10 +68,9 @@ def build_cost_model(args: argparse.Namespace) -> CostModel:
 
 
 class _TokenSource(BaseNode[dict]):
-    """Documents of the given lengths as the document node yields them (ids and int32 tokens, and
-    the batched ``read_documents``), without a tokenizer: views of an arena of ``arena_tokens``
-    tokens, laid out one after the other and wrapping around, so that a few steps' documents occupy
-    more memory than the caches hold, as freshly tokenized ones would."""
+    """Documents of the given lengths as the document node yields them, without a tokenizer:
+    views of a wrapping arena of ``arena_tokens`` tokens, larger than the caches (docs/packing.md).
+    """
 
     def __init__(self, lengths: np.ndarray, arena_tokens: int = 0) -> None:
         super().__init__()
@@ -89,12 +87,10 @@ class _TokenSource(BaseNode[dict]):
         self._pos = int(initial_state["pos"]) if initial_state else 0
 
     def next(self) -> dict:
-        if self._pos >= self.lengths.size:
+        ids, views = self.read_documents(1)
+        if not ids.size:
             raise StopIteration
-        i = self._pos
-        self._pos += 1
-        a = int(self._start[i])
-        return {"doc_id": i, "tokens": self._buffer[a : a + self.lengths[i]]}
+        return {"doc_id": int(ids[0]), "tokens": views[0]}
 
     def read_documents(self, min_tokens: int) -> tuple[np.ndarray, list[np.ndarray]]:
         """The next documents until their tokens reach ``min_tokens`` (or the end)."""
@@ -110,18 +106,16 @@ class _TokenSource(BaseNode[dict]):
 
 
 def node_step_ms(packer: Packer, lengths: np.ndarray, steps: int, dp: int) -> tuple[list, list]:
-    """Wall and CPU milliseconds of every step of the data node (DP rank 0 of ``dp``). CPU time is
-    the node's thread's own: on shared cores wall time also counts other processes' slices."""
+    """Wall and CPU (this thread's) milliseconds of every step of the data node, DP rank 0 of
+    ``dp``."""
     arena = 4 * packer.config.micro_batches * packer.config.context_len  # four global batches
     node = WLBPackingNode(_TokenSource(lengths, arena), packer, dp_rank=0, dp_degree=dp)
     node.reset()
     wall: list[float] = []
     cpu: list[float] = []
-    while len(wall) < steps:
+    for _ in range(steps):
         start, start_cpu = time.perf_counter(), time.thread_time()
-        try:
-            next(node)
-        except StopIteration:
+        if next(node, None) is None:
             break
         cpu.append((time.thread_time() - start_cpu) * 1e3)
         wall.append((time.perf_counter() - start) * 1e3)
@@ -136,11 +130,8 @@ def run(
     steps: int | None,
     dp: int = 1,
 ) -> dict[str, Any]:
-    """Pack ``lengths`` with one packer and summarise balance, delay and cost.
-
-    ``steps=None`` is one whole pass (to the end of the data, drain included); an integer packs
-    that many steps, then flushes what is held, unscored (a partial window).
-    """
+    """Pack ``lengths`` with one packer and summarise balance, delay and cost: one whole pass
+    (``steps=None``) or a partial window of ``steps`` steps, its flush unscored."""
     packer = build_packer(packer_name, config, cost_model)
     stream = LengthStream(lengths)
     scored, ended = [], []
@@ -212,33 +203,29 @@ def _spread(name: str, values: list[float], with_max: bool = False) -> dict[str,
 DEFAULTS = {f.name: f.default for f in fields(PackingConfig)}
 
 
-def _int_at_least(minimum: int) -> Callable[[str], int]:
-    """argparse type: an integer >= ``minimum``."""
+def _arg(convert: Callable[[str], Any], ok: Callable[[Any], bool], expected: str) -> Callable:
+    """argparse type: ``convert(text)`` if it succeeds and ``ok`` accepts it, else one error."""
 
-    def parse(text: str) -> int:
+    def parse(text: str) -> Any:
         try:
-            v = int(text)
+            value = convert(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if v < minimum:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {v}")
-        return v
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
 
     return parse
 
 
-_positive_int = _int_at_least(1)
-_nonneg_int = _int_at_least(0)
-
-
-def _fraction(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 < v < 1:
-        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1), got {v}")
-    return v
+_positive_int = _arg(int, lambda v: v >= 1, "an integer >= 1")
+_nonneg_int = _arg(int, lambda v: v >= 0, "an integer >= 0")
+_fraction = _arg(float, lambda v: 0 < v < 1, "a fraction in (0, 1)")
+_queues = _arg(
+    lambda text: tuple(int(x) for x in text.split(",") if x.strip()),
+    bool,
+    "comma-separated integers",
+)
 
 
 def _model_name(text: str) -> str:
@@ -248,16 +235,6 @@ def _model_name(text: str) -> str:
         return get_model(name).name
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _queues(text: str) -> tuple[int, ...]:
-    try:
-        out = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        out = ()
-    if not out:
-        raise argparse.ArgumentTypeError(f"--queues expects comma-separated integers, got {text!r}")
-    return out
 
 
 # PackingConfig knobs with a flag of the same name: (argparse type, help).
