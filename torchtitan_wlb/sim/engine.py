@@ -17,7 +17,6 @@ from torchtitan_wlb.packing.placement import dp_order
 from torchtitan_wlb.sim import timing
 from torchtitan_wlb.sim.config import ModeSpec, SimConfig
 from torchtitan_wlb.sim.timeline import Schedule, build_schedule, simulate_pipeline
-from torchtitan_wlb.sim.timing import dp_exposed_seconds, layers_per_vstage, stage_times
 from torchtitan_wlb.workloads import cut_stream, cycle_to, split_long
 
 
@@ -250,32 +249,31 @@ def simulate_mode(mode: ModeSpec, lengths, cfg: SimConfig, pack=pack_steps) -> M
     flat = [np.asarray(mb, dtype=np.int64) for s in steps for mb in s]
     shards = cp_shards(flat, cfg, mode.cp_strategy, mode.cp_candidates)
     costs = shard_costs(shards, cfg)
-    fwd, bwd, p2p = stage_times(cfg.model, cfg.layout, cfg.hardware, cfg.chunks, costs)
-    dp, m, n_v = cfg.layout.dp, cfg.m, fwd.shape[1]
+    model, lay, hw = cfg.model, cfg.layout, cfg.hardware
+    fwd, bwd, p2p = timing.stage_times(model, lay, hw, cfg.chunks, costs)
+    dp, m, n_v = lay.dp, cfg.m, fwd.shape[1]
     # [steps * N, V] -> [steps, dp, m, V] -> [steps * dp, V, m]
     f, b = (x.reshape(n_steps, dp, m, n_v).transpose(0, 1, 3, 2).reshape(-1, n_v, m) for x in (fwd, bwd))  # fmt: skip
-    schedule = build_schedule(cfg.layout.pp, m, cfg.chunks)
+    schedule = build_schedule(lay.pp, m, cfg.chunks)
     res = simulate_pipeline(schedule, f, b, p2p.reshape(n_steps * dp, m))
     makespan = res.makespan.reshape(n_steps, dp)
     slowest = makespan.argmax(axis=1)
-    step_time = makespan.max(axis=1) + dp_exposed_seconds(cfg.model, cfg.layout, cfg.hardware)
+    step_time = makespan.max(axis=1) + timing.dp_exposed_seconds(model, lay, hw)
     bubble = res.bubble_fraction.reshape(n_steps, dp)[np.arange(n_steps), slowest]
 
     mb_latency = (fwd + bwd).sum(axis=1).reshape(n_steps, n)
     imbalance = mb_latency.max(axis=1) / mb_latency.mean(axis=1)
 
-    # Per-GPU compute (no waiting): [steps, dp, pp, cp].
-    layers = layers_per_vstage(cfg.model.n_layers, n_v)
-    stage_of_v = np.arange(n_v) % cfg.layout.pp
-    layers_phys = np.bincount(stage_of_v, weights=layers, minlength=cfg.layout.pp)
-    per_layer = (costs.compute_fwd + costs.compute_bwd).reshape(n_steps, dp, m, cfg.layout.cp)
-    rank_compute = per_layer.sum(axis=2)[:, :, None, :] * layers_phys[None, None, :, None]
+    # Per-GPU compute (no waiting): [steps, dp, pp, cp]; virtual stage i runs on rank i % pp.
+    layers = timing.layers_per_vstage(model.n_layers, n_v).reshape(cfg.chunks, lay.pp).sum(axis=0)
+    per_layer = (costs.compute_fwd + costs.compute_bwd).reshape(n_steps, dp, m, lay.cp)
+    rank_compute = per_layer.sum(axis=2)[:, :, None, :] * layers[None, None, :, None]
 
     tokens = np.array([sum(int(mb.sum()) for mb in s) for s in steps], dtype=np.float64)
     first = int(slowest[0])
     gantt = (schedule, res.start[first].copy(), res.end[first].copy())
     return ModeResult(mode, step_time, tokens, imbalance, bubble, rank_compute,
-                      per_layer.reshape(n_steps, n, cfg.layout.cp) * cfg.model.n_layers, gantt,
+                      per_layer.reshape(n_steps, n, lay.cp) * model.n_layers, gantt,
                       float(shards.chose_per_document.mean()), stats,
                       float(shards.chose_hybrid.mean()))  # fmt: skip
 
