@@ -10,8 +10,7 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class HardwareProfile:
-    """Achieved compute throughput and interconnect bandwidth of one accelerator type (the H100
-    defaults' sources: docs/reproduction.md).
+    """Achieved throughputs and bandwidths of one accelerator type (H100 sources: reproduction.md).
 
     Attributes:
         name: Profile name.
