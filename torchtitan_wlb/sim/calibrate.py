@@ -52,10 +52,8 @@ def parse_records(raw: list, source: str) -> Records:
         where = f"{source}: micro-batch record {i}"
         if isinstance(item, (list, tuple)) and len(item) == 2:
             item = {"doc_lens": item[0], "seconds": item[1]}
-        if not isinstance(item, dict):
-            raise ValueError(f"{where} must be {{doc_lens, seconds}}")
-        if "doc_lens" not in item or "seconds" not in item:
-            raise ValueError(f"{where} needs 'doc_lens' and 'seconds'")
+        if not isinstance(item, dict) or "doc_lens" not in item or "seconds" not in item:
+            raise ValueError(f"{where} must be {{doc_lens, seconds, ...}} or [doc_lens, seconds]")
         lens, secs = item["doc_lens"], item["seconds"]
         extra = {k: int(item.get(k, d)) for k, d in _INT_FIELDS.items()}
         extra |= {k: None if item.get(k) is None else float(item[k]) for k in ("fwd_s", "bwd_s")}
