@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 
+from torchtitan_wlb.cost_model import nnls
 from torchtitan_wlb.models.catalogue import get_model
 from torchtitan_wlb.sim import calibrate
-from torchtitan_wlb.sim import fit as sim_fit
 from torchtitan_wlb.sim.analyze import length_histogram
 from torchtitan_wlb.sim.analyze import main as analyze_main
 from torchtitan_wlb.sim.hardware import Layout
@@ -31,13 +31,13 @@ def _synthetic_records(n_mb=60, noise=0.01, seed=0, steps=None):
 
 
 def test_fit_recovers_known_coefficients():
-    recs = sim_fit.parse_records(_synthetic_records(noise=0.0), "synthetic")
-    fit = sim_fit.fit(recs)
+    recs = calibrate.parse_records(_synthetic_records(noise=0.0), "synthetic")
+    fit = calibrate.fit(recs)
     assert fit.attn_coef == pytest.approx(A_TRUE, rel=1e-6)
     assert fit.linear_coef == pytest.approx(B_TRUE, rel=1e-6)
     assert fit.overhead_s == pytest.approx(C_TRUE, rel=1e-6)
     assert fit.max_abs_rel_error < 1e-9
-    noisy = sim_fit.fit(sim_fit.parse_records(_synthetic_records(noise=0.02), "synthetic"))
+    noisy = calibrate.fit(calibrate.parse_records(_synthetic_records(noise=0.02), "synthetic"))
     assert noisy.attn_coef == pytest.approx(A_TRUE, rel=0.1)
     assert noisy.linear_coef == pytest.approx(B_TRUE, rel=0.1)
     assert 0.005 < noisy.mean_abs_rel_error < 0.05
@@ -48,7 +48,7 @@ def test_fit_recovers_known_coefficients():
 def test_nnls_never_returns_negative_coefficients():
     x = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
     y = np.array([-1.0, 2.0, 1.0])
-    coef = sim_fit.nnls(x, y)
+    coef = nnls(x, y)
     assert np.all(coef >= 0)
     # Unconstrained least squares gives (-1, 2); with c0 pinned at 0 the optimum is c1 = 1.5.
     np.testing.assert_allclose(coef, [0.0, 1.5], atol=1e-9)
@@ -57,7 +57,7 @@ def test_nnls_never_returns_negative_coefficients():
 def test_hardware_from_fit_reproduces_the_throughput():
     model = get_model("7B")
     lay = Layout(tp=1, cp=1)
-    fit = sim_fit.fit(sim_fit.parse_records(_synthetic_records(noise=0.0), "s"))
+    fit = calibrate.fit(calibrate.parse_records(_synthetic_records(noise=0.0), "s"))
     hw = fit.hardware(model, lay)
     attn_flops_d2 = model.n_layers * 2 * model.head_dim * model.n_heads * (1 + hw.bwd_attn_factor)
     assert attn_flops_d2 / (hw.attn_tflops * 1e12) == pytest.approx(A_TRUE, rel=1e-6)

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from torchtitan_wlb.models.catalogue import DIM_FIELDS, MODELS, ModelSpec, get_model
-from torchtitan_wlb.sim.config import MODES, REQUIRED_MODES, SimConfig, epoch_steps, get_mode
+from torchtitan_wlb.sim.config import MODES, REQUIRED_MODES, SimConfig, epoch_steps
 from torchtitan_wlb.sim.engine import ModeResult, simulate_mode, speedup
 from torchtitan_wlb.sim.hardware import get_hardware, resolve_layout
 from torchtitan_wlb.workloads import DEFAULT_NUM_DOCS, GENERATORS, generate, load_lengths, steps_arg
@@ -75,20 +75,14 @@ def model_from_args(args: argparse.Namespace) -> ModelSpec:
 
 def config_from_args(args: argparse.Namespace, total_tokens: int | None = None) -> SimConfig:
     """The SimConfig of the command line; ``total_tokens`` of the source resolves ``--steps epoch``."""
-    layout = resolve_layout(args.tp, args.cp, args.pp, args.dp, args.gpus)
-    thresholds = None
-    if args.queue_thresholds:
-        try:
-            thresholds = tuple(int(t) for t in args.queue_thresholds.split(","))
-        except ValueError:
-            raise ValueError(
-                f"--queue-thresholds {args.queue_thresholds!r} must be comma-separated integers"
-            ) from None
-    epoch = args.steps == "epoch"
-    if epoch and total_tokens is None:
-        raise ValueError("--steps epoch needs the document source's token count")
+    text, epoch = args.queue_thresholds, args.steps == "epoch"
+    try:
+        thresholds = tuple(int(t) for t in text.split(",")) if text else None
+    except ValueError:
+        raise ValueError(f"--queue-thresholds {text!r} must be comma-separated integers") from None
     cfg = SimConfig(
-        model=model_from_args(args), layout=layout, context_len=args.context_len,
+        layout=resolve_layout(args.tp, args.cp, args.pp, args.dp, args.gpus),
+        model=model_from_args(args), context_len=args.context_len,
         hardware=get_hardware(args.hardware), schedule=args.schedule, v=args.v,
         steps=1 if epoch else args.steps, warmup_steps=args.warmup_steps,
         micro_batches=args.micro_batches, smax_factor=args.smax_factor, queue_thresholds=thresholds,
@@ -110,14 +104,14 @@ def summarize(results: dict[str, ModeResult]) -> dict:
 
 
 def run(args: argparse.Namespace) -> tuple[dict, dict[str, ModeResult], SimConfig]:
-    if args.lengths:
-        lengths = load_lengths(args.lengths)
-    else:
-        lengths = generate(args.generator, DEFAULT_NUM_DOCS, args.context_len, seed=args.seed)
+    lengths = (load_lengths(args.lengths) if args.lengths
+               else generate(args.generator, DEFAULT_NUM_DOCS, args.context_len, seed=args.seed))  # fmt: skip
     cfg = config_from_args(args, int(np.asarray(lengths).sum()))
     asked = list(MODES) if args.modes == "all" else [m.strip() for m in args.modes.split(",") if m]
+    if unknown := [n for n in asked if n not in MODES]:
+        raise ValueError(f"unknown mode {unknown[0]!r}; accepted: {', '.join(MODES)}")
     # The JSON object always carries the paper's three systems, first.
-    modes = [get_mode(n) for n in dict.fromkeys([*REQUIRED_MODES, *asked])]
+    modes = [MODES[n] for n in dict.fromkeys([*REQUIRED_MODES, *asked])]
     if args.outlier_delay == "off":
         modes = [replace(m, outlier_delay=False, description=m.description + " (no delay)")
                  if m.name == "wlb" else m for m in modes]  # fmt: skip

@@ -30,10 +30,8 @@ class SimConfig:
         queue_thresholds: Outlier queue thresholds of the "wlb" packers; None = auto.
         max_delay_steps: Longest wait of an outlier document (steps).
         seed: Shuffles the document stream when it has to be repeated.
-        cost_model: The packers' W(d): "profiled" (fitted to this simulator's own micro-batch
-            times, as the paper fits offline GPU profiles) or "analytic" FLOPs.
-        cp_profile: Measured CP attention-throughput profile (``tools.cp_profile``) that times
-            attention and drives adaptive CP; None = the hardware profile's kernel model.
+        cost_model: The packers' W(d): "profiled" (fitted to simulated times) or "analytic" FLOPs.
+        cp_profile: Measured CP throughput profile timing attention and adaptive CP; None = kernel.
     """
 
     model: ModelSpec
@@ -94,11 +92,8 @@ class SimConfig:
 
 
 def epoch_steps(total_tokens: int, n_global: int, context_len: int, warmup_steps: int = 0) -> int:
-    """Timed steps that read a document stream about once: ``total / (N x context) - warmup``.
-
-    Every mode trains about N x context tokens a step, so the results do not depend on which
-    window of a skewed workload is simulated.
-    """
+    """Timed steps that read a document stream about once, ``total / (N x context) - warmup``, so
+    that results do not depend on which window of a skewed workload is simulated."""
     per_step = n_global * context_len
     if total_tokens < per_step * (warmup_steps + 1):
         raise ValueError(
@@ -119,8 +114,7 @@ class ModeSpec:
         outlier_delay: For the "wlb" packers: whether outlier documents wait in queues.
         variable_length: Whether micro-batches may exceed the context length up to S_max.
         description: One line for tables and plots.
-        stream_cut: Model TorchTitan's loader: the stream is cut every context length, wherever
-            documents end (``workloads.cut_stream``); False: whole documents, as the project packs.
+        stream_cut: TorchTitan's loader: the stream cut every context length (else whole documents).
         cp_candidates: The strategies "adaptive" chooses among (the paper's two by default).
     """
 
@@ -167,9 +161,3 @@ MODES: dict[str, ModeSpec] = {m.name: m for m in (
              description="adaptive CP only, TorchTitan's loader"),
 )}  # fmt: skip
 REQUIRED_MODES = ("plain_4d", "fixed_4d", "wlb")
-
-
-def get_mode(name: str) -> ModeSpec:
-    if name not in MODES:
-        raise ValueError(f"unknown mode {name!r}; accepted: {', '.join(MODES)}")
-    return MODES[name]

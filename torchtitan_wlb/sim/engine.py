@@ -1,8 +1,5 @@
-"""The 4D step simulator: packed micro-batches -> CP shards -> per-layer times -> pipeline timeline.
-
-It runs the project's own packers, CP planner and cost model (no re-implementation). A step ends when
-its slowest DP replica's pipeline finishes, plus FSDP's exposed traffic (docs/simulator.md).
-"""
+"""The 4D step simulator: packed micro-batches -> CP shards -> per-layer times -> pipeline timeline,
+with the project's own packers, CP planner and cost model (docs/simulator.md)."""
 
 from __future__ import annotations
 
@@ -11,7 +8,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from torchtitan_wlb.cost_model import CostModel
+from torchtitan_wlb.cost_model import CostModel, nnls
 from torchtitan_wlb.cp.adaptive import build_cp_plan
 from torchtitan_wlb.cp.plan import causal_pairs
 from torchtitan_wlb.cp.profile import CPProfile, attention_flops, resolve_profile
@@ -19,17 +16,13 @@ from torchtitan_wlb.packing import LengthStream, build_packer, drive, packing_co
 from torchtitan_wlb.packing.placement import dp_order
 from torchtitan_wlb.sim import timing
 from torchtitan_wlb.sim.config import ModeSpec, SimConfig
-from torchtitan_wlb.sim.fit import MicroBatchRecord, fit
 from torchtitan_wlb.sim.timeline import Schedule, build_schedule, simulate_pipeline
-from torchtitan_wlb.sim.timing import dp_exposed_seconds, layers_per_vstage, stage_times
 from torchtitan_wlb.workloads import cut_stream, cycle_to, split_long
 
 
 def pack_steps(mode, lengths: np.ndarray, cfg, n_steps: int) -> tuple[list[list[np.ndarray]], dict]:
-    """The mode's packer over the stream for ``n_steps``: per step its micro-batches' document
-    lengths, and the averaged packer stats. Documents are split at the context length (the
-    loader's default), or the stream cut every context length (``mode.stream_cut``); a short stream
-    is repeated, reshuffled with ``cfg.seed``."""
+    """The mode's packer over the stream (repeated, reshuffled, if short) for ``n_steps``: per step
+    its micro-batches' document lengths, and the averaged packer stats."""
     need = int((n_steps + cfg.max_delay_steps + 2) * cfg.n_global * cfg.context_len * 1.3)
     rng = np.random.default_rng(cfg.seed)
     if mode.stream_cut:
@@ -131,9 +124,7 @@ def simulated_cp_profile(hw):
                      dtype="bfloat16")  # fmt: skip
 
 
-@lru_cache(maxsize=8)
-def _measured_profile(path: str):
-    return resolve_profile(path)
+_measured_profile = lru_cache(maxsize=8)(resolve_profile)
 
 
 def attention_time_fn(cfg) -> timing.AttentionTimeFn:
@@ -181,9 +172,29 @@ def _profiled_cost_model(model, layout, hw, context_len: int, cp_profile: str | 
     mbs = profiling_micro_batches(context_len, layout.cp)
     costs = shard_costs(cp_shards(mbs, cfg, "per_document"), cfg)
     fwd, bwd, _ = timing.stage_times(model, layout, hw, 1, costs)
-    seconds = (fwd + bwd).sum(axis=1)
-    records = [MicroBatchRecord(mb, float(t)) for mb, t in zip(mbs, seconds, strict=True)]
-    return fit(records, overhead=False).cost_model()
+    a, b, _ = fit_coefficients(mbs, (fwd + bwd).sum(axis=1), overhead=False)
+    return CostModel.from_coefficients(float(a), float(b), unit="seconds")
+
+
+def features(doc_lens_list: list[np.ndarray]) -> np.ndarray:
+    """[n, 3] regressors (sum d^2, sum d, 1) of each micro-batch, vectorised over documents."""
+    counts = np.array([len(d) for d in doc_lens_list], dtype=np.int64)
+    flat = np.concatenate([np.asarray(d, dtype=np.float64) for d in doc_lens_list] + [np.zeros(0)])
+    owner = np.repeat(np.arange(len(doc_lens_list)), counts)
+    sq = np.bincount(owner, weights=flat * flat, minlength=len(doc_lens_list))
+    lin = np.bincount(owner, weights=flat, minlength=len(doc_lens_list))
+    return np.stack([sq, lin, np.ones(len(doc_lens_list))], axis=1)
+
+
+def fit_coefficients(doc_lens_list: list[np.ndarray], seconds: np.ndarray, overhead: bool = True):
+    """Non-negative (a, b, c) of ``seconds ~ a sum d^2 + b sum d (+ c)`` (c = 0 without overhead),
+    rows weighted by 1 / seconds so that each micro-batch counts alike (relative error)."""
+    w = 1.0 / seconds
+    x = features(doc_lens_list)[:, : 3 if overhead else 2] * w[:, None]
+    col_scale = np.abs(x).max(axis=0)
+    col_scale[col_scale == 0] = 1.0
+    coef = nnls(x / col_scale, seconds * w) / col_scale
+    return np.concatenate([coef, np.zeros(3 - coef.size)])
 
 
 @dataclass
@@ -238,32 +249,31 @@ def simulate_mode(mode: ModeSpec, lengths, cfg: SimConfig, pack=pack_steps) -> M
     flat = [np.asarray(mb, dtype=np.int64) for s in steps for mb in s]
     shards = cp_shards(flat, cfg, mode.cp_strategy, mode.cp_candidates)
     costs = shard_costs(shards, cfg)
-    fwd, bwd, p2p = stage_times(cfg.model, cfg.layout, cfg.hardware, cfg.chunks, costs)
-    dp, m, n_v = cfg.layout.dp, cfg.m, fwd.shape[1]
+    model, lay, hw = cfg.model, cfg.layout, cfg.hardware
+    fwd, bwd, p2p = timing.stage_times(model, lay, hw, cfg.chunks, costs)
+    dp, m, n_v = lay.dp, cfg.m, fwd.shape[1]
     # [steps * N, V] -> [steps, dp, m, V] -> [steps * dp, V, m]
     f, b = (x.reshape(n_steps, dp, m, n_v).transpose(0, 1, 3, 2).reshape(-1, n_v, m) for x in (fwd, bwd))  # fmt: skip
-    schedule = build_schedule(cfg.layout.pp, m, cfg.chunks)
+    schedule = build_schedule(lay.pp, m, cfg.chunks)
     res = simulate_pipeline(schedule, f, b, p2p.reshape(n_steps * dp, m))
     makespan = res.makespan.reshape(n_steps, dp)
     slowest = makespan.argmax(axis=1)
-    step_time = makespan.max(axis=1) + dp_exposed_seconds(cfg.model, cfg.layout, cfg.hardware)
+    step_time = makespan.max(axis=1) + timing.dp_exposed_seconds(model, lay, hw)
     bubble = res.bubble_fraction.reshape(n_steps, dp)[np.arange(n_steps), slowest]
 
     mb_latency = (fwd + bwd).sum(axis=1).reshape(n_steps, n)
     imbalance = mb_latency.max(axis=1) / mb_latency.mean(axis=1)
 
-    # Per-GPU compute (no waiting): [steps, dp, pp, cp].
-    layers = layers_per_vstage(cfg.model.n_layers, n_v)
-    stage_of_v = np.arange(n_v) % cfg.layout.pp
-    layers_phys = np.bincount(stage_of_v, weights=layers, minlength=cfg.layout.pp)
-    per_layer = (costs.compute_fwd + costs.compute_bwd).reshape(n_steps, dp, m, cfg.layout.cp)
-    rank_compute = per_layer.sum(axis=2)[:, :, None, :] * layers_phys[None, None, :, None]
+    # Per-GPU compute (no waiting): [steps, dp, pp, cp]; virtual stage i runs on rank i % pp.
+    layers = timing.layers_per_vstage(model.n_layers, n_v).reshape(cfg.chunks, lay.pp).sum(axis=0)
+    per_layer = (costs.compute_fwd + costs.compute_bwd).reshape(n_steps, dp, m, lay.cp)
+    rank_compute = per_layer.sum(axis=2)[:, :, None, :] * layers[None, None, :, None]
 
     tokens = np.array([sum(int(mb.sum()) for mb in s) for s in steps], dtype=np.float64)
     first = int(slowest[0])
     gantt = (schedule, res.start[first].copy(), res.end[first].copy())
     return ModeResult(mode, step_time, tokens, imbalance, bubble, rank_compute,
-                      per_layer.reshape(n_steps, n, cfg.layout.cp) * cfg.model.n_layers, gantt,
+                      per_layer.reshape(n_steps, n, lay.cp) * model.n_layers, gantt,
                       float(shards.chose_per_document.mean()), stats,
                       float(shards.chose_hybrid.mean()))  # fmt: skip
 

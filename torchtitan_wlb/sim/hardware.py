@@ -10,18 +10,17 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class HardwareProfile:
-    """Achieved compute throughput and interconnect bandwidth of one accelerator type.
+    """Achieved throughputs and bandwidths of one accelerator type (H100 sources: reproduction.md).
 
     Attributes:
         name: Profile name.
-        gemm_tflops: Achieved dense bf16 GEMM TFLOP/s per GPU (H100 SXM: 989 peak, ~60 % with
-            TP-sharded shapes).
+        gemm_tflops: Achieved dense bf16 GEMM TFLOP/s per GPU.
         attn_tflops: Achieved forward flash-attention TFLOP/s on long, tile-aligned problems.
         attn_kv_half: Mean visible keys per query row at which attention reaches half of
-            ``attn_tflops`` (throughput ~ kbar / (kbar + attn_kv_half); 600 follows FlashAttention-3).
+            ``attn_tflops`` (throughput ~ kbar / (kbar + attn_kv_half)).
         hbm_gbps: HBM bandwidth (GB/s) for the memory-bound element-wise work.
         elementwise_bytes_per_token_dim: Bytes per token and hidden unit moved by one layer's
-            element-wise ops, forward (norms, residual adds, SwiGLU, RoPE in bf16).
+            forward element-wise ops.
         nvlink_gbps: Achieved per-GPU collective bandwidth inside a node (GB/s, one direction).
         net_gbps: Achieved per-GPU bandwidth across nodes (GB/s, one direction).
         gpus_per_node: GPUs sharing one NVLink domain.

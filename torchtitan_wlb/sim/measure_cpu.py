@@ -28,10 +28,9 @@ def micro_batches(seq_len: int, n: int, seed: int) -> list[np.ndarray]:
         steps, _ = pack_steps(MODES[mode], lengths, cfg, max(1, n // 8))
         packed += [mb for s in steps for mb in s if mb.size]
     rng = np.random.default_rng(seed)
-    equal = []
-    for d in np.unique(np.geomspace(64, seq_len, max(2, n // 2)).astype(np.int64)):
-        k = max(1, int(seq_len * rng.uniform(0.6, 1.0)) // int(d))
-        equal.append(np.full(k, d, dtype=np.int64))
+    lens = np.unique(np.geomspace(64, seq_len, max(2, n // 2)).astype(np.int64))
+    # Each equal-length pack fills 60-100 % of the sequence.
+    equal = [np.full(max(1, int(seq_len * rng.uniform(0.6, 1.0)) // int(d)), d) for d in lens]
     out = packed[: n - len(equal)] + equal
     return [out[i] for i in rng.permutation(len(out))]
 

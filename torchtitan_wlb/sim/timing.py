@@ -22,7 +22,7 @@ AttentionTimeFn = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
 def tile_padded_time_fn(hw: HardwareProfile, tile: int = TILE) -> AttentionTimeFn:
     """Forward attention time of the simulated kernel: queries padded up to the tile (keys shift
     with them), throughput ``kbar / (kbar + attn_kv_half)`` of ``attn_tflops`` for a mean key loop
-    ``kbar``. Tiny per-document chunks pay both: why per-document CP can lose on short documents."""
+    ``kbar``; tiny per-document chunks pay both."""
 
     def fn(q_len: np.ndarray, kv_len: np.ndarray, flops: np.ndarray) -> np.ndarray:
         q = np.asarray(q_len, dtype=np.float64)
@@ -41,14 +41,13 @@ def tile_padded_time_fn(hw: HardwareProfile, tile: int = TILE) -> AttentionTimeF
 @dataclass
 class LayerCosts:
     """Seconds of ONE layer per micro-batch on one GPU: ``compute_*`` and ``attn_fwd`` (its
-    attention part) [n_mb, cp] per CP rank, ``comm_*`` [n_mb] exposed TP + CP communication,
-    ``local_tokens`` [n_mb, cp]."""
+    attention part) [n_mb, cp] per CP rank, ``comm_fwd`` [n_mb] exposed TP + CP communication (the
+    backward's is the same), ``local_tokens`` [n_mb, cp]."""
 
     compute_fwd: np.ndarray
     compute_bwd: np.ndarray
     attn_fwd: np.ndarray
     comm_fwd: np.ndarray
-    comm_bwd: np.ndarray
     local_tokens: np.ndarray
 
 
@@ -63,21 +62,15 @@ def _collective_seconds(bytes_per_gpu: np.ndarray, group: int, span: int, hw: Ha
 def layer_costs(model: ModelSpec, layout: Layout, hw: HardwareProfile, seg_mb, seg_rank, seg_q,
                 seg_kv, local_tokens, attention_time: AttentionTimeFn | None = None,
                 gathered_tokens=None) -> LayerCosts:  # fmt: skip
-    """One layer's per-GPU costs of micro-batches, from their CP attention segments.
-
-    ``seg_*`` are flat, one entry per query chunk of one document on one CP rank: micro-batch, CP
-    rank, query length, key length (the document's prefix up to the chunk's end).
-    ``local_tokens`` [n_mb, cp] counts padding; ``gathered_tokens`` [n_mb] are the tokens whose K/V
-    the all-gather moves (default: all; hybrid sharding gathers its split documents only).
-    """
+    """One layer's per-GPU costs of micro-batches from their CP attention segments ``seg_*`` (one
+    per query chunk of a document on a CP rank: micro-batch, rank, query and key length);
+    ``gathered_tokens`` [n_mb]: the tokens whose K/V the all-gather moves (default: all)."""
     local_tokens = np.asarray(local_tokens, dtype=np.float64)
-    n_mb, cp = local_tokens.shape
-    if cp != layout.cp:
-        raise ValueError(f"local_tokens has {cp} CP ranks, layout has CP={layout.cp}")
-    tp = layout.tp
+    (n_mb, cp), tp = local_tokens.shape, layout.tp
     time_fn = attention_time or tile_padded_time_fn(hw)
     heads_per_gpu = model.n_heads / tp
-    kv_heads_per_gpu = max(model.n_kv_heads / tp, 1.0)  # KV heads are replicated when TP > n_kv
+    # K and V bytes per token on one GPU (KV heads are replicated when TP > n_kv_heads)
+    kv_bytes_per_token = 2.0 * max(model.n_kv_heads / tp, 1.0) * model.head_dim * BF16_BYTES
 
     flops = 4.0 * model.head_dim * heads_per_gpu * causal_pairs(seg_q, seg_kv)
     seg_time = time_fn(np.asarray(seg_q), np.asarray(seg_kv), flops)
@@ -94,24 +87,18 @@ def layer_costs(model: ModelSpec, layout: Layout, hw: HardwareProfile, seg_mb, s
     tp_comm = 4.0 * _collective_seconds(act_bytes, tp, tp, hw) * (1.0 - hw.tp_overlap)
     # CP: all-gather K and V of the whole micro-batch (local KV heads), reduce-scatter in backward.
     gathered = local_tokens.sum(axis=1) if gathered_tokens is None else gathered_tokens
-    kv_bytes = np.asarray(gathered, dtype=np.float64) * (
-        2.0 * kv_heads_per_gpu * model.head_dim * BF16_BYTES
-    )
+    kv_bytes = np.asarray(gathered, dtype=np.float64) * kv_bytes_per_token
     cp_comm = _collective_seconds(kv_bytes, layout.cp, layout.cp * tp, hw) * (1.0 - hw.cp_overlap)
-    comm = tp_comm + cp_comm
-    return LayerCosts(attn + gemm + elem, compute_bwd, attn, comm, comm, local_tokens)
+    return LayerCosts(attn + gemm + elem, compute_bwd, attn, tp_comm + cp_comm, local_tokens)
 
 
 def stage_times(model: ModelSpec, layout: Layout, hw: HardwareProfile, chunks: int,
                 costs: LayerCosts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
-    """[n_mb, PP x chunks] forward / backward time per virtual stage, [n_mb] point-to-point time.
-
-    A layer costs the slowest CP rank plus exposed communication; the last stage adds the output
-    layer and loss. A send moves each GPU's sequence-parallel shard to a stage tp*cp GPUs away.
-    """
+    """[n_mb, PP x chunks] forward / backward time per virtual stage (the last with the output
+    layer and loss), [n_mb] point-to-point time (a sequence-parallel shard, tp*cp GPUs away)."""
     layers = layers_per_vstage(model.n_layers, layout.pp * chunks)
     fwd = (costs.compute_fwd.max(axis=1) + costs.comm_fwd)[:, None] * layers[None, :]
-    bwd = (costs.compute_bwd.max(axis=1) + costs.comm_bwd)[:, None] * layers[None, :]
+    bwd = (costs.compute_bwd.max(axis=1) + costs.comm_fwd)[:, None] * layers[None, :]
     n = costs.local_tokens.max(axis=1)
     out_fwd = 2.0 * n * model.dim * model.vocab_size / layout.tp / (hw.gemm_tflops * 1e12)
     fwd[:, -1] += out_fwd
@@ -130,7 +117,7 @@ def layers_per_vstage(n_layers: int, n_vstages: int) -> np.ndarray:
             f"{n_vstages} pipeline (virtual) stages need at least as many layers, model has {n_layers}"
         )
     base, extra = divmod(n_layers, n_vstages)
-    return np.array([base + (1 if i < extra else 0) for i in range(n_vstages)], dtype=np.float64)
+    return base + (np.arange(n_vstages) < extra).astype(np.float64)
 
 
 def dp_exposed_seconds(model: ModelSpec, layout: Layout, hw: HardwareProfile) -> float:
