@@ -101,7 +101,7 @@ def test_trainer_fits_device_times_and_records_both(one_thread, monkeypatch):
     trainer = WLBTrainer.__new__(WLBTrainer)  # only what forward_backward_step reads
     trainer.__dict__.update(
         _micro_batches_done=0, gradient_accumulation_steps=2, _clock=DeviceClock("cpu"),
-        _pp_runner=None, _last_doc_lens=[3, 5], _fit_features=(34.0, 8.0), _fit_rows=[],
+        _pp_runner=None, _last_doc_lens=[3, 5], _fit_features=(34.0, 8.0, 0.0), _fit_rows=[],
         _cp_stats=[], _fitter=None, device=torch.device("cpu"),
         metrics_processor=types.SimpleNamespace(
             record_micro_batch_time=lambda *a, **kw: recorded.append((a, kw))
@@ -110,5 +110,5 @@ def test_trainer_fits_device_times_and_records_both(one_thread, monkeypatch):
     trainer.forward_backward_step(input_dict={}, labels=None, global_valid_tokens=None)
     [((wall, doc_lens), kw)] = recorded
     assert doc_lens == [3, 5] and wall >= SLEEP
-    assert trainer._fit_rows == [(34.0, 8.0, kw["device_seconds"])]
+    assert trainer._fit_rows == [(34.0, 8.0, 0.0, kw["device_seconds"])]
     assert BURN <= kw["device_seconds"] < SLEEP
