@@ -118,6 +118,7 @@ class Coefficients:
 
     @property
     def gathered(self) -> float:
+        """The cost per gathered token in effect (``b`` when no gathered token was fitted)."""
         return self.b if self.g is None else self.g
 
     def as_array(self) -> np.ndarray:
