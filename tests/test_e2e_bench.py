@@ -45,6 +45,12 @@ def test_device_clock_figures_read_the_device_times():
     assert e2e_bench.fit_error(mbs, [0.0, 0.0, 1.0], cp=1) == pytest.approx(1 / 3)
     [first, second] = e2e_bench.calibration_records(pp, [1])["microbatches"]
     assert (first["seconds"], first["device_s"], second["bwd_device_s"]) == (2.0, 3.0, 2.0)
+    # Two stages of one micro-batch: the fit's row is their sum.
+    other_stage = {**act, "stages": [1], "fwd_device_s": [[0.5, 0.5]], "bwd_device_s": [[1.0, 1.0]]}
+    pp2 = [{1: {"pp_actions": [act], "wlb/step_time_s": 7.0}},
+           {1: {"pp_actions": [other_stage], "wlb/step_time_s": 7.0}}]  # fmt: skip
+    totals = e2e_bench.stage_totals(e2e_bench.calibration_records(pp2, [1])["microbatches"])
+    assert [(t["doc_lens"], t["device_s"]) for t in totals] == [([2], 4.5), ([3], 4.5)]
 
 
 def test_speedups_are_time_to_train_ratios():

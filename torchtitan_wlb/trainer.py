@@ -50,6 +50,16 @@ def _multi_process() -> bool:
     return torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
 
 
+def sum_over_group(values: np.ndarray, group: Any, device: torch.device) -> np.ndarray:
+    """``values`` (float64) summed over the ranks of ``group``: all-gathered, then added in rank
+    order, so that every rank of the group holds the same sum bit for bit (an all-reduce need not
+    be bitwise equal across ranks)."""
+    mine = torch.from_numpy(np.ascontiguousarray(values, np.float64)).to(device)
+    gathered = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(gathered, mine, group=group)
+    return torch.stack(gathered).cpu().numpy().sum(axis=0)
+
+
 def cp_fit_features(plan: CPPlan, rank: int) -> tuple[float, float, float]:
     """The online fit's terms for what ``rank`` runs under ``plan``'s sharding: ``Σd²`` times its
     share of the plan's causal attention pairs, and its tokens split into those whose K/V stay
@@ -305,12 +315,7 @@ class WLBTrainer(Trainer):
             local = FitStats.from_samples(sq, lin, seconds, sum_gathered=gathered)
         vector = local.to_vector()
         if self.job_config.comm.mode not in resume.FAKE_COMM_MODES and _multi_process():
-            # all_gather, then one sum over the same gathered rows on every rank: the same
-            # float64 result everywhere (an all-reduce need not be bitwise equal across ranks).
-            mine = torch.from_numpy(vector).to(self.device)
-            gathered = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
-            torch.distributed.all_gather(gathered, mine)
-            vector = torch.stack(gathered).cpu().numpy().sum(axis=0)
+            vector = sum_over_group(vector, None, self.device)  # the same on every rank
         record = self._fitter.observe(self.step, vector)
         if record is None:
             return
@@ -388,9 +393,16 @@ class WLBTrainer(Trainer):
         times, whole = runner.last_action_times, len(step_doc_lens) == len(pending)
         if times is not None and self._fitter is not None and whole:
             per_mb = np.sum(times.fwd_device_s, axis=0) + np.sum(times.bwd_device_s, axis=0)
-            for lens, seconds in zip(step_doc_lens, per_mb.tolist(), strict=True):
-                d = np.asarray(lens, np.float64)
-                self._fit_rows.append((float(d @ d), float(d.sum()), 0.0, seconds))
+            # One row per micro-batch: its time through every stage (what the packer balances).
+            # Per-stage rows would mix stages of different cost per token (~7 % apart on the CPU
+            # runs: the embedding and the output layer) that no one W(d) can fit.
+            pp_mesh = self.parallel_dims.get_mesh("pp")
+            if self.job_config.comm.mode not in resume.FAKE_COMM_MODES and _multi_process():
+                per_mb = sum_over_group(per_mb, pp_mesh.get_group(), self.device)
+            if pp_mesh.get_local_rank() == 0:  # each micro-batch once per pipeline
+                for lens, seconds in zip(step_doc_lens, per_mb.tolist(), strict=True):
+                    d = np.asarray(lens, np.float64)
+                    self._fit_rows.append((float(d @ d), float(d.sum()), 0.0, seconds))
         if times is not None and self.metrics_processor.jsonl_path:
             lens = step_doc_lens if whole else None
             self.metrics_processor.record_pipeline_actions(times.to_dict(), lens)
