@@ -25,9 +25,9 @@ def install() -> None:
 
     def _maybe_refit(self):
         rows = self._fit_rows
-        for i, (sq, lin, _) in enumerate(rows):
+        for i, (sq, lin, gathered, _) in enumerate(rows):
             noise = 1.0 + 0.01 * (((self.step * 7 + rank * 3 + i * 5) % 11) - 5) / 5
-            rows[i] = (sq, lin, (A * sq + B * lin + C) * noise)
+            rows[i] = (sq, lin, gathered, (A * sq + B * (lin + gathered) + C) * noise)
         return original(self)
 
     WLBTrainer._maybe_refit = _maybe_refit

@@ -1,4 +1,5 @@
-"""The online cost model's fit, guard rails and schedule (pure NumPy, no process group)."""
+"""The online cost model's fit, guard rails and schedule, and the CP features the trainer fits on
+(pure NumPy, no process group)."""
 
 import threading
 
@@ -36,9 +37,43 @@ def test_synthetic_timings_recover_the_coefficients_within_2_percent():
     total = parts[0] + parts[1] + parts[2] + parts[3]
     coef, why = fit_nnls(total)
     assert why == ""
-    np.testing.assert_allclose(coef, TRUE.as_array(), rtol=0.02)
+    np.testing.assert_allclose(coef[[0, 1, 3]], [TRUE.a, TRUE.b, TRUE.c], rtol=0.02)
+    assert coef[2] == 0.0  # no gathered tokens (no CP): their term is left out
     round_trip = FitStats.from_vector(total.to_vector())
     assert np.array_equal(round_trip.to_vector(), total.to_vector())
+
+
+def test_gathered_tokens_get_their_own_coefficient_and_mix_into_the_packers_cost():
+    """Under CP the plan mixes tokens whose K/V are gathered (dearer) with ones kept local, per
+    micro-batch: the fit recovers both per-token costs, and hands the packer their mix."""
+    rng = np.random.default_rng(5)
+    sq, lin = _micro_batches(rng, 64)
+    gathered = lin * rng.uniform(
+        0.0, 1.0, lin.size
+    )  # the plan's choice, micro-batch by micro-batch
+    local = lin - gathered
+    truth = Coefficients(a=2.0e-9, b=3.0e-6, c=4.0e-3, g=5.0e-6)
+    t = truth.predict(sq, local, gathered) * (1 + rng.normal(0, 0.002, sq.size))
+    stats = FitStats.from_samples(sq, local, t, sum_gathered=gathered)
+    coef, why = fit_nnls(stats)
+    assert why == ""
+    np.testing.assert_allclose(coef, truth.as_array(), rtol=0.02)
+    result = refit(stats, stats, Coefficients.of(CostModel(1.0, 100.0, "flops")))
+    assert result.adopted and result.candidate.g == pytest.approx(5.0e-6, rel=0.02)
+    share = result.candidate.gathered_share
+    assert 0.3 < share < 0.7
+    model = result.candidate.cost_model()
+    assert model.linear_coef == pytest.approx((1 - share) * coef[1] + share * coef[2])
+    # Every document split (per_document sharding: no local tokens) or no CP (no gathered
+    # tokens): the absent kind's term drops out instead of making the window degenerate.
+    only_gathered = FitStats.from_samples(sq, np.zeros_like(lin), truth.predict(sq, 0, lin), lin)
+    coef, why = fit_nnls(only_gathered)
+    assert why == "" and coef[1] == 0.0 and coef[2] == pytest.approx(truth.g, rel=1e-6)
+    result = refit(only_gathered, only_gathered, Coefficients.of(CostModel(1.0, 100.0, "flops")))
+    assert result.candidate.gathered_share == 1.0
+    assert result.candidate.cost_model().linear_coef == pytest.approx(truth.g, rel=1e-6)
+    coef, why = fit_nnls(FitStats.from_samples(sq, lin, TRUE.predict(sq, lin)))
+    assert why == "" and coef[2] == 0.0 and coef[1] == pytest.approx(TRUE.b, rel=1e-6)
 
 
 def test_coefficients_stay_non_negative():
@@ -68,7 +103,7 @@ def test_refit_that_predicts_the_holdout_worse_is_not_adopted():
     fit_part = FitStats.from_samples(sq[:32], lin[:32], t[:32])
     holdout = FitStats.from_samples(sq[32:], lin[32:], t[32:])
     # The model in use is already right (at another scale): the refit cannot beat it.
-    scaled = Coefficients(TRUE.a * 7, TRUE.b * 7, TRUE.c * 7, "flops")
+    scaled = Coefficients(TRUE.a * 7, TRUE.b * 7, TRUE.c * 7, unit="flops")
     result = refit(fit_part, holdout, scaled)
     assert not result.adopted and "no better" in result.reason
     # A wrong model in use (attention 20x too cheap) is replaced.
@@ -122,3 +157,19 @@ def test_schedule_is_deterministic_whatever_the_reader_timing():
     again.load_state_dict(state)
     for step in range(1, 12):
         assert again.schedule.model_for_step(step) == got[step]
+
+
+def test_cp_fit_features_split_each_ranks_tokens_by_sharding():
+    """Under CP the fit reads what each rank runs: split documents' tokens are gathered, hybrid's
+    whole ones local; over the ranks the terms add up to the micro-batch's Σd² and tokens."""
+    from torchtitan_wlb.cp.adaptive import build_cp_plan
+    from torchtitan_wlb.trainer import cp_fit_features
+
+    lens = np.array([900, 40, 30, 20, 10, 24], np.int64)
+    for strategy in ("per_sequence", "per_document", "hybrid"):
+        plan = build_cp_plan(lens, 2, strategy, hybrid_max_len=64)
+        sq, local, gathered = np.array([cp_fit_features(plan, r) for r in range(2)]).T
+        assert sq.sum() == pytest.approx(float(lens @ lens))
+        assert local.sum() + gathered.sum() == lens.sum()
+        assert (local.sum() > 0) == (strategy == "hybrid"), strategy
+        assert local.sum() == (lens[1:].sum() if strategy == "hybrid" else 0)

@@ -10,6 +10,7 @@ not by the machine's speed.
 import time
 import types
 
+import numpy as np
 import pytest
 import torch
 from torchtitan.train import Trainer
@@ -101,7 +102,7 @@ def test_trainer_fits_device_times_and_records_both(one_thread, monkeypatch):
     trainer = WLBTrainer.__new__(WLBTrainer)  # only what forward_backward_step reads
     trainer.__dict__.update(
         _micro_batches_done=0, gradient_accumulation_steps=2, _clock=DeviceClock("cpu"),
-        _pp_runner=None, _last_doc_lens=[3, 5], _fit_features=(34.0, 8.0), _fit_rows=[],
+        _pp_runner=None, _last_doc_lens=[3, 5], _fit_features=(34.0, 8.0, 0.0), _fit_rows=[],
         _cp_stats=[], _fitter=None, device=torch.device("cpu"),
         metrics_processor=types.SimpleNamespace(
             record_micro_batch_time=lambda *a, **kw: recorded.append((a, kw))
@@ -110,5 +111,41 @@ def test_trainer_fits_device_times_and_records_both(one_thread, monkeypatch):
     trainer.forward_backward_step(input_dict={}, labels=None, global_valid_tokens=None)
     [((wall, doc_lens), kw)] = recorded
     assert doc_lens == [3, 5] and wall >= SLEEP
-    assert trainer._fit_rows == [(34.0, 8.0, kw["device_seconds"])]
+    assert trainer._fit_rows == [(34.0, 8.0, 0.0, kw["device_seconds"])]
     assert BURN <= kw["device_seconds"] < SLEEP
+
+
+def _sum_worker(rank: int, port: int, out_dir: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from torchtitan_wlb.trainer import sum_over_group
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        values = np.array([0.1, 0.2, 0.3]) * (rank + 1) + 1e-17 * rank  # stage times per rank
+        total = sum_over_group(values, None, torch.device("cpu"))
+        np.save(os.path.join(out_dir, f"rank{rank}.npy"), total)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_pipeline_rows_are_summed_over_the_stages_identically_on_every_rank(tmp_path):
+    """Under PP the online fit's row is a micro-batch's time through every stage: each rank's
+    stage times, summed over the group in rank order, the same bits on both ranks."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # fork: the children inherit the imported trainer (spawning re-imports torchtitan, ~10 s)
+    mp.start_processes(_sum_worker, (port, str(tmp_path)), nprocs=2, start_method="fork")
+    ranks = [np.load(tmp_path / f"rank{r}.npy") for r in (0, 1)]
+    reference = np.array([0.1, 0.2, 0.3]) + (np.array([0.1, 0.2, 0.3]) * 2 + 1e-17)
+    assert ranks[0].tobytes() == ranks[1].tobytes()
+    np.testing.assert_array_equal(ranks[0], reference)

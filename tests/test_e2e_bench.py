@@ -36,11 +36,21 @@ def test_device_clock_figures_read_the_device_times():
     assert e2e_bench.measured_imbalance(pp, [1], "pp2", device=True) == pytest.approx(1.0)
     mbs = e2e_bench.calibration_records(logs, [1])["microbatches"]
     assert [(m["seconds"], m["device_s"]) for m in mbs] == [(1.0, 1.0), (3.0, 1.0)]
+    assert "fit_features" not in mbs[0]
+    with_features = [{1: {**rec, "micro_batch_fit_features": [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]}}]
+    cp_mbs = e2e_bench.calibration_records(with_features, [1])["microbatches"]
+    assert [m["fit_features"] for m in cp_mbs] == [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]
     # a = 0, b = 0, c = 1 predicts the device times exactly, the wall times off by 2/3 on one
     assert e2e_bench.fit_error(mbs, [0.0, 0.0, 1.0], cp=1, key="device_s") == 0.0
     assert e2e_bench.fit_error(mbs, [0.0, 0.0, 1.0], cp=1) == pytest.approx(1 / 3)
     [first, second] = e2e_bench.calibration_records(pp, [1])["microbatches"]
     assert (first["seconds"], first["device_s"], second["bwd_device_s"]) == (2.0, 3.0, 2.0)
+    # Two stages of one micro-batch: the fit's row is their sum.
+    other_stage = {**act, "stages": [1], "fwd_device_s": [[0.5, 0.5]], "bwd_device_s": [[1.0, 1.0]]}
+    pp2 = [{1: {"pp_actions": [act], "wlb/step_time_s": 7.0}},
+           {1: {"pp_actions": [other_stage], "wlb/step_time_s": 7.0}}]  # fmt: skip
+    totals = e2e_bench.stage_totals(e2e_bench.calibration_records(pp2, [1])["microbatches"])
+    assert [(t["doc_lens"], t["device_s"]) for t in totals] == [([2], 4.5), ([3], 4.5)]
 
 
 def test_speedups_are_time_to_train_ratios():
@@ -70,6 +80,11 @@ def test_fit_error_is_mean_absolute_relative_error():
     assert err == pytest.approx((0.8 / 2 + 1.1 / 4) / 2)
     # Under CP a rank does 1/cp of the document work; the fixed cost is per rank.
     assert e2e_bench.fit_error(mbs, [0.2, 0.4, 0.5], cp=2) == pytest.approx(err)
+    # A record with the trainer's CP features (Σd² share, local, gathered tokens) is judged on
+    # them: 0.1*10 + 0.2*1 + 0.3*2 + 0.5 = 2.3 against 2.0, also without g (b for both): 2.1.
+    cp_mb = [{"doc_lens": [2, 3], "seconds": 2.0, "fit_features": [10.0, 1.0, 2.0]}]
+    assert e2e_bench.fit_error(cp_mb, [0.1, 0.2, 0.5, 0.3], cp=2) == pytest.approx(0.15)
+    assert e2e_bench.fit_error(cp_mb, [0.1, 0.2, 0.5], cp=2) == pytest.approx(0.05)
 
 
 def test_modes_and_the_floor_run_set_the_trainer_flags():

@@ -1,6 +1,12 @@
-"""The online cost model: ``t = a * sum(d**2) + b * sum(d) + c`` fitted to measured micro-batch
-times while training, from sufficient statistics that add up over micro-batches, steps and ranks,
-so that every rank solves the same system bit for bit (docs/cost_model.md)."""
+"""The online cost model: ``t = a * sum(d**2) + b * local + g * gathered + c`` fitted to measured
+micro-batch times while training, from sufficient statistics that add up over micro-batches, steps
+and ranks, so that every rank solves the same system bit for bit (docs/cost_model.md).
+
+``local`` and ``gathered`` split a rank's tokens by where their keys and values come from: without
+CP every token is local (``gathered`` is 0 and its term drops out of the fit); under CP a token of
+a document split over the ranks has its K/V all-gathered, a document hybrid sharding keeps whole on
+one rank does not. The two cost differently per token (the gather, the longer key ranges), and the
+CP plan picks the mix per micro-batch, so one ``b`` per token cannot fit every sharding."""
 
 from __future__ import annotations
 
@@ -14,7 +20,8 @@ import numpy as np
 
 from torchtitan_wlb.cost_model import CostModel, nnls
 
-N_TERMS = 3  # sum(d^2), sum(d), 1
+N_TERMS = 4  # sum(d^2), local tokens, gathered tokens, 1
+_ATTN, _LOCAL, _GATHERED, _FIXED = range(N_TERMS)
 STATS_SIZE = N_TERMS * N_TERMS + N_TERMS + 2
 # Smallest accepted eigenvalue of the normalised normal matrix (unit diagonal): below it the terms
 # are (nearly) collinear in this window and the fit would be noise.
@@ -23,9 +30,9 @@ _MIN_EIGEN = 1e-9
 
 @dataclass(frozen=True)
 class FitStats:
-    """Sufficient statistics of ``t ~ x . (a, b, c)``, ``x = (Σd², Σd, 1)``, rows weighted by
-    ``w = 1 / t**2`` (relative error): ``gram = Σ w x x^T``, ``moment = Σ w x t``, ``sq = Σ w t**2``
-    and ``count``."""
+    """Sufficient statistics of ``t ~ x . (a, b, g, c)``, ``x = (Σd², local tokens, gathered
+    tokens, 1)``, rows weighted by ``w = 1 / t**2`` (relative error): ``gram = Σ w x x^T``,
+    ``moment = Σ w x t``, ``sq = Σ w t**2`` and ``count``."""
 
     gram: np.ndarray
     moment: np.ndarray
@@ -37,35 +44,51 @@ class FitStats:
         return cls(np.zeros((N_TERMS, N_TERMS)), np.zeros(N_TERMS), 0.0, 0.0)
 
     @classmethod
-    def from_samples(cls, sum_sq: Any, sum_lin: Any, seconds: Any) -> FitStats:
-        """The statistics of micro-batches with ``Σd²``, ``Σd`` and measured ``seconds`` (> 0)."""
-        sq_, lin, t = (np.asarray(v, np.float64).reshape(-1) for v in (sum_sq, sum_lin, seconds))
-        if not sq_.shape == lin.shape == t.shape:
+    def from_samples(
+        cls, sum_sq: Any, sum_lin: Any, seconds: Any, sum_gathered: Any = None
+    ) -> FitStats:
+        """The statistics of micro-batches with ``Σd²``, ``sum_lin`` local tokens, measured
+        ``seconds`` (> 0) and ``sum_gathered`` tokens whose K/V are all-gathered (None: none)."""
+        if sum_gathered is None:
+            sum_gathered = np.zeros(np.size(seconds))
+        sq_, lin, t, gath = (
+            np.asarray(v, np.float64).reshape(-1) for v in (sum_sq, sum_lin, seconds, sum_gathered)
+        )
+        if not sq_.shape == lin.shape == t.shape == gath.shape:
             raise ValueError(
-                f"FitStats.from_samples: sum_sq, sum_lin and seconds must have the same length, "
-                f"got {sq_.size}, {lin.size}, {t.size}"
+                f"FitStats.from_samples: sum_sq, sum_lin, seconds and sum_gathered must have the "
+                f"same length, got {sq_.size}, {lin.size}, {t.size}, {gath.size}"
             )
         if t.size and (not np.all(np.isfinite(t)) or np.any(t <= 0)):
             raise ValueError(f"measured times must be finite and > 0, got {t.tolist()!r}")
-        x = np.stack([sq_, lin, np.ones_like(t)], axis=1)
+        x = np.stack([sq_, lin, gath, np.ones_like(t)], axis=1)
         w = 1.0 / (t * t)
         return cls((x * w[:, None]).T @ x, x.T @ (w * t), float(np.sum(w * t * t)), float(t.size))
 
     def to_vector(self) -> np.ndarray:
-        """The 14 numbers as one float64 vector (what ranks exchange and checkpoints hold)."""
+        """The 22 numbers as one float64 vector (what ranks exchange and checkpoints hold)."""
         return np.concatenate([self.gram.reshape(-1), self.moment, [self.sq, self.count]])
 
     @classmethod
     def from_vector(cls, vector: Any) -> FitStats:
         v = np.asarray(vector, np.float64).reshape(-1)
         if v.size != STATS_SIZE:
-            raise ValueError(f"a FitStats vector has {STATS_SIZE} numbers, got {v.size}")
+            raise ValueError(
+                f"a FitStats vector has {STATS_SIZE} numbers, got {v.size} (statistics saved by "
+                "an older version with 3 terms cannot be resumed: start the fit afresh)"
+            )
         k = N_TERMS * N_TERMS
         gram, moment = v[:k].reshape(N_TERMS, N_TERMS).copy(), v[k : k + N_TERMS].copy()
         return cls(gram, moment, float(v[-2]), float(v[-1]))
 
     def __add__(self, other: FitStats) -> FitStats:
         return FitStats.from_vector(self.to_vector() + other.to_vector())
+
+    def gathered_share(self) -> float:
+        """The share of the rows' tokens whose K/V were gathered (weighted like the rows, by
+        ``1 / t**2``; micro-batch times vary little, so it is close to the plain share)."""
+        local, gathered = self.gram[_FIXED, _LOCAL], self.gram[_FIXED, _GATHERED]
+        return float(gathered / (local + gathered)) if local + gathered > 0 else 0.0
 
     def rms_error(self, coef: np.ndarray) -> float:
         """Root-mean-square relative prediction error of ``coef`` on these rows, from the
@@ -77,51 +100,73 @@ class FitStats:
 
 @dataclass(frozen=True)
 class Coefficients:
-    """``t = a * Σd² + b * Σd + c`` per micro-batch."""
+    """``t = a * Σd² + b * local tokens + g * gathered tokens + c`` per micro-batch."""
 
     a: float
+    """Per unit of ``Σd²`` (under CP: ``Σd²`` times the rank's share of the attention pairs)."""
     b: float
+    """Per token whose K/V stay on the rank (every token without CP)."""
     c: float = 0.0
+    """Fixed cost per micro-batch."""
+    g: float | None = None
+    """Per token whose K/V are all-gathered over CP; None: the same as ``b`` (no CP seen)."""
+    gathered_share: float = 0.0
+    """The share of tokens that were gathered in the fitted window: how the packer, which cannot
+    know which documents the CP plan will keep whole, mixes ``b`` and ``g`` into one per-token
+    cost."""
     unit: str = "seconds"
 
-    def as_array(self) -> np.ndarray:
-        return np.array([self.a, self.b, self.c], np.float64)
+    @property
+    def gathered(self) -> float:
+        """The cost per gathered token in effect (``b`` when no gathered token was fitted)."""
+        return self.b if self.g is None else self.g
 
-    def predict(self, sum_sq: Any, sum_lin: Any) -> np.ndarray:
-        return self.a * np.asarray(sum_sq, float) + self.b * np.asarray(sum_lin, float) + self.c
+    def as_array(self) -> np.ndarray:
+        return np.array([self.a, self.b, self.gathered, self.c], np.float64)
+
+    def predict(self, sum_sq: Any, sum_lin: Any, sum_gathered: Any = 0.0) -> np.ndarray:
+        sq, lin, gath = (np.asarray(v, float) for v in (sum_sq, sum_lin, sum_gathered))
+        return self.a * sq + self.b * lin + self.gathered * gath + self.c
 
     def cost_model(self) -> CostModel:
         """The per-document model the packers balance. ``c`` is left out: every micro-batch pays
         it once, so it moves no balance decision of a plan."""
-        return CostModel(attn_coef=self.a, linear_coef=self.b, unit=self.unit)
+        share = self.gathered_share
+        linear = (1.0 - share) * self.b + share * self.gathered
+        return CostModel(attn_coef=self.a, linear_coef=linear, unit=self.unit)
 
     @classmethod
     def of(cls, model: CostModel) -> Coefficients:
-        return cls(model.attn_coef, model.linear_coef, 0.0, model.unit)
+        return cls(model.attn_coef, model.linear_coef, 0.0, unit=model.unit)
 
 
 def fit_nnls(stats: FitStats) -> tuple[np.ndarray | None, str]:
-    """Non-negative least squares of the three coefficients: ``(coef, "")`` or ``(None, reason)``;
-    the terms are scaled to a unit-diagonal normal matrix first (``Σd²`` is ~10^7 times ``1``)."""
-    if stats.count < N_TERMS + 1:
-        return None, f"too few micro-batches to fit 3 coefficients ({stats.count:.0f})"
+    """Non-negative least squares of ``(a, b, g, c)``: ``(coef, "")`` or ``(None, reason)``. A token
+    kind absent from the whole window (gathered tokens without CP, local ones under a sharding that
+    splits every document) leaves its coefficient out (0); the terms are scaled to a unit-diagonal
+    normal matrix first (``Σd²`` is ~10^7 times ``1``)."""
     diag = np.diag(stats.gram)
-    if np.any(diag <= 0):
-        return None, "a term is zero for every micro-batch in the window"
-    scale = 1.0 / np.sqrt(diag)
-    g = stats.gram * scale[:, None] * scale[None, :]
-    h = stats.moment * scale
+    active = diag > 0
+    if not (active[_ATTN] and active[_FIXED] and (active[_LOCAL] or active[_GATHERED])):
+        return None, "sum(d^2), the token count or the count is zero for every micro-batch"
+    idx = np.flatnonzero(active)
+    if stats.count < idx.size + 1:
+        return None, f"too few micro-batches to fit {idx.size} coefficients ({stats.count:.0f})"
+    scale = 1.0 / np.sqrt(diag[idx])
+    g = stats.gram[np.ix_(idx, idx)] * scale[:, None] * scale[None, :]
+    h = stats.moment[idx] * scale
     eig = np.linalg.eigvalsh(g)
     if eig[0] < _MIN_EIGEN * eig[-1]:
         return None, (
-            "degenerate window: the micro-batches' sum(d^2), sum(d) and count are (nearly) "
+            "degenerate window: the micro-batches' sum(d^2), token counts and count are (nearly) "
             f"collinear (normalised eigenvalue {eig[0] / eig[-1]:.2e} < {_MIN_EIGEN:g}); e.g. all "
             "of one length, leaving only timing noise to fit"
         )
     lower = np.linalg.cholesky(g)
-    best = nnls(lower.T, np.linalg.solve(lower, h)) * scale
-    if best[0] + best[1] <= 0:
-        return None, "no non-negative fit with a > 0 or b > 0 (only the fixed cost c)"
+    best = np.zeros(N_TERMS)
+    best[idx] = nnls(lower.T, np.linalg.solve(lower, h)) * scale
+    if best[_ATTN] + best[_LOCAL] + best[_GATHERED] <= 0:
+        return None, "no non-negative fit with a > 0, b > 0 or g > 0 (only the fixed cost c)"
     return best, ""
 
 
@@ -146,7 +191,14 @@ def refit(fit_part: FitStats, holdout: FitStats, incumbent: Coefficients) -> Ref
     inc_err = holdout.rms_error(inc)
     if coef is None:
         return RefitResult(False, why, None, math.nan, inc_err)
-    cand = Coefficients(float(coef[0]), float(coef[1]), float(coef[2]))
+    gathered = bool(fit_part.gram[_GATHERED, _GATHERED] > 0)
+    cand = Coefficients(
+        float(coef[_ATTN]),
+        float(coef[_LOCAL]),
+        float(coef[_FIXED]),
+        g=float(coef[_GATHERED]) if gathered else None,
+        gathered_share=fit_part.gathered_share(),
+    )
     cand_err = holdout.rms_error(coef)
     why = f"refit predicts the held-out steps no better ({cand_err:.4f} vs {inc_err:.4f} RMS "
     why = "adopted" if cand_err < inc_err else why + "relative error)"

@@ -20,7 +20,9 @@ MFU_KEY = "mfu(%)"
 _LISTS = (
     "micro_batch_times_s", "micro_batch_device_times_s", "doc_ids", "micro_batch_doc_lens",
     "pp_actions",  # written only under PP
+    "micro_batch_fit_features",  # written only under CP with the online cost model
 )  # fmt: skip
+_OPTIONAL_LISTS = ("pp_actions", "micro_batch_fit_features")  # left out of a record when empty
 # The parts of the wlb console line: (the figure that must be there, the part).
 _WLB_LINE = (
     ("wlb/step_time_s", "step_time: {wlb/step_time_s:.3f}s"),
@@ -132,6 +134,12 @@ class WLBMetricsProcessor(MetricsProcessor):
         if doc_lens is not None and self.jsonl_path is not None:
             self.lists["micro_batch_doc_lens"].append(doc_lens)
 
+    def record_fit_features(self, features: list[float]) -> None:
+        """A CP micro-batch's online-fit features on this rank (Σd² share, local and gathered
+        tokens), so that tools can judge the fit on the terms it was fitted on."""
+        if self.jsonl_path is not None:
+            self.lists["micro_batch_fit_features"].append(features)
+
     def record_pipeline_actions(
         self, actions: dict[str, Any], doc_lens: list[list[int]] | None
     ) -> None:
@@ -165,7 +173,7 @@ class WLBMetricsProcessor(MetricsProcessor):
                 "grad_norm": float(grad_norm),
                 "peak_mem_gib": mem.max_reserved_gib,
                 "device_clock": self.device_clock,
-                **{k: v for k, v in self.lists.items() if v or k != "pp_actions"},
+                **{k: v for k, v in self.lists.items() if v or k not in _OPTIONAL_LISTS},
                 "doc_ids": sorted(self.lists["doc_ids"]),
                 **{k: v for k, v in extra.items() if isinstance(v, (int, float))},
             }

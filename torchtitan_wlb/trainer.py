@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -24,6 +24,9 @@ from torchtitan_wlb.data.sources import BUILTIN_NAME
 from torchtitan_wlb.device_clock import DeviceClock
 from torchtitan_wlb.models.llama3_wlb import cost_model_for_job
 from torchtitan_wlb.validate import check_job_config
+
+if TYPE_CHECKING:
+    from torchtitan_wlb.cp.plan import CPPlan
 
 
 def nothing_to_do(job_config: Any) -> str | None:
@@ -45,6 +48,29 @@ def _count(n: int, noun: str) -> str:
 
 def _multi_process() -> bool:
     return torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+
+
+def sum_over_group(values: np.ndarray, group: Any, device: torch.device) -> np.ndarray:
+    """``values`` (float64) summed over the ranks of ``group``: all-gathered, then added in rank
+    order, so that every rank of the group holds the same sum bit for bit (an all-reduce need not
+    be bitwise equal across ranks)."""
+    mine = torch.from_numpy(np.ascontiguousarray(values, np.float64)).to(device)
+    gathered = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(gathered, mine, group=group)
+    return torch.stack(gathered).cpu().numpy().sum(axis=0)
+
+
+def cp_fit_features(plan: CPPlan, rank: int) -> tuple[float, float, float]:
+    """The online fit's terms for what ``rank`` runs under ``plan``'s sharding: ``Σd²`` times its
+    share of the plan's causal attention pairs, and its tokens split into those whose K/V stay
+    local (hybrid's whole documents) and those all-gathered (split documents). The shardings
+    differ in that mix, and a gathered token costs more, so one per-token term cannot fit them all
+    (docs/cost_model.md)."""
+    pairs = plan.rank_attention_pairs()
+    d = plan.doc_lens.astype(np.float64)
+    share = float(pairs[rank] / pairs.sum()) if pairs.sum() > 0 else 1.0 / pairs.size
+    gathered = int(plan.gather_lens[rank])
+    return float(d @ d) * share, float(int(plan.local_lens[rank]) - gathered), float(gathered)
 
 
 class WLBTrainer(Trainer):
@@ -87,8 +113,9 @@ class WLBTrainer(Trainer):
         self._clock = DeviceClock(self.device)
         self.metrics_processor.device_clock = self._clock.kind
         # (sum d^2, sum d, device seconds) of this step's micro-batches on this rank, for the fit.
-        self._fit_rows: list[tuple[float, float, float]] = []
-        self._fit_features: tuple[float, float] | None = None
+        # The online fit's rows: (Σd², local tokens, gathered tokens, seconds) per micro-batch.
+        self._fit_rows: list[tuple[float, float, float, float]] = []
+        self._fit_features: tuple[float, float, float] | None = None
         self._micro_batches_done = 0
         self._audit = self._build_audit_log()
         self._last_completed_step = 0
@@ -191,7 +218,7 @@ class WLBTrainer(Trainer):
             meta = metadata_from_doc_lens(doc_lens, device=inputs.device, backend=backend)
             if self._fitter is not None:
                 d = doc_lens.to(torch.float64)
-                self._fit_features = (float((d * d).sum()), float(d.sum()))
+                self._fit_features = (float((d * d).sum()), float(d.sum()), 0.0)
         extra_kwargs: dict[str, Any] = {"attention_masks": meta, "positions": positions}
         return inputs, labels, dict(input_dict), extra_kwargs
 
@@ -233,11 +260,9 @@ class WLBTrainer(Trainer):
             candidates=adaptive_candidates(self.parallel_dims.tp_enabled),
         )
         self._cp_stats.append((plan.strategy, plan.flops_imbalance()))
-        if self._fitter is not None:  # this rank's share: its attention pairs and its tokens
-            pairs = plan.rank_attention_pairs()
-            d = doc_lens.astype(np.float64)
-            share = float(pairs[rank] / pairs.sum()) if pairs.sum() > 0 else 1.0 / pairs.size
-            self._fit_features = (float(d @ d) * share, float(plan.token_indices(rank).size))
+        if self._fitter is not None:
+            self._fit_features = cp_fit_features(plan, rank)
+            self.metrics_processor.record_fit_features(list(self._fit_features))
         meta = DocumentAttentionMetadata(
             cu_seqlens=torch.zeros(0, dtype=torch.int32),  # unused: the CP metadata rules
             max_seqlen=0,
@@ -283,21 +308,26 @@ class WLBTrainer(Trainer):
         if self._fitter is None:
             return
         rows, self._fit_rows = self._fit_rows, []
-        rows = [r for r in rows if r[2] > 0]
-        local = FitStats.from_samples(*zip(*rows, strict=True)) if rows else FitStats.zeros()
+        rows = [r for r in rows if r[3] > 0]  # a measured time (the device clock may read 0)
+        local = FitStats.zeros()
+        if rows:
+            sq, lin, gathered, seconds = zip(*rows, strict=True)
+            local = FitStats.from_samples(sq, lin, seconds, sum_gathered=gathered)
         vector = local.to_vector()
         if self.job_config.comm.mode not in resume.FAKE_COMM_MODES and _multi_process():
-            # all_gather, then one sum over the same gathered rows on every rank: the same
-            # float64 result everywhere (an all-reduce need not be bitwise equal across ranks).
-            mine = torch.from_numpy(vector).to(self.device)
-            gathered = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
-            torch.distributed.all_gather(gathered, mine)
-            vector = torch.stack(gathered).cpu().numpy().sum(axis=0)
+            vector = sum_over_group(vector, None, self.device)  # the same on every rank
         record = self._fitter.observe(self.step, vector)
         if record is None:
             return
         c = record["candidate"]
-        coef = f"a={c['a']:.4g} b={c['b']:.4g} c={c['c']:.4g}" if c else "none"
+        coef = "none"
+        if c:
+            g = (
+                ""
+                if c["g"] is None
+                else f" g={c['g']:.4g} (gathered share {c['gathered_share']:.2f})"
+            )
+            coef = f"a={c['a']:.4g} b={c['b']:.4g}{g} c={c['c']:.4g}"
         verdict = f"adopted for step {record['effective_step']} on" if record["adopted"] else "kept"
         logger.info(
             f"online cost model refit after step {self.step}: {coef} (held-out RMS relative error "
@@ -309,6 +339,8 @@ class WLBTrainer(Trainer):
         metrics = {f"cost_refit_{k}": record[k] for k in keys}
         metrics["cost_refit_error"] = record["candidate_error"]
         metrics.update({f"cost_refit_{k}": c[k] for k in "abc" if c})
+        if c and c["g"] is not None:
+            metrics.update(cost_refit_g=c["g"], cost_refit_gathered_share=c["gathered_share"])
         self.metrics_processor.record(metrics)
 
     def state_dict(self) -> dict[str, Any]:
@@ -361,9 +393,16 @@ class WLBTrainer(Trainer):
         times, whole = runner.last_action_times, len(step_doc_lens) == len(pending)
         if times is not None and self._fitter is not None and whole:
             per_mb = np.sum(times.fwd_device_s, axis=0) + np.sum(times.bwd_device_s, axis=0)
-            for lens, seconds in zip(step_doc_lens, per_mb.tolist(), strict=True):
-                d = np.asarray(lens, np.float64)
-                self._fit_rows.append((float(d @ d), float(d.sum()), seconds))
+            # One row per micro-batch: its time through every stage (what the packer balances).
+            # Per-stage rows would mix stages of different cost per token (~7 % apart on the CPU
+            # runs: the embedding and the output layer) that no one W(d) can fit.
+            pp_mesh = self.parallel_dims.get_mesh("pp")
+            if self.job_config.comm.mode not in resume.FAKE_COMM_MODES and _multi_process():
+                per_mb = sum_over_group(per_mb, pp_mesh.get_group(), self.device)
+            if pp_mesh.get_local_rank() == 0:  # each micro-batch once per pipeline
+                for lens, seconds in zip(step_doc_lens, per_mb.tolist(), strict=True):
+                    d = np.asarray(lens, np.float64)
+                    self._fit_rows.append((float(d @ d), float(d.sum()), 0.0, seconds))
         if times is not None and self.metrics_processor.jsonl_path:
             lens = step_doc_lens if whole else None
             self.metrics_processor.record_pipeline_actions(times.to_dict(), lens)

@@ -163,10 +163,22 @@ def run_mode(
     if refits:
         out.update(refits=len(refits), refits_adopted=len(adopted))
     if adopted:
-        coef = [adopted[-1][f"wlb/cost_refit_{k}"] for k in "abc"]
+        last = adopted[-1]
+        coef = [last[f"wlb/cost_refit_{k}"] for k in "abc"]
         out["fit_coefficients"] = dict(zip("abc", coef, strict=True))
+        if "wlb/cost_refit_g" in last:  # under CP: the per-gathered-token term
+            coef.append(last["wlb/cost_refit_g"])
+            out["fit_coefficients"]["g"] = coef[3]
+            out["fit_coefficients"]["gathered_share"] = last["wlb/cost_refit_gathered_share"]
         cp = 2 if args.parallel == "cp2" else 1
         mbs = out["records"]["microbatches"]
+        if args.parallel == "pp2":
+            # The trainer fits a micro-batch's time through every stage; judged per stage too,
+            # each stage taken as half the micro-batch.
+            out["fit_mean_abs_error_per_stage"] = fit_error(
+                mbs, [v / 2 for v in coef], 1, "device_s"
+            )
+            mbs = stage_totals(mbs)
         # On the clock the fit used (the device clock), and on the wall clock beside it.
         out["fit_mean_abs_error"] = fit_error(mbs, coef, cp, key="device_s")
         out["fit_mean_abs_error_wall"] = fit_error(mbs, coef, cp)
@@ -176,15 +188,39 @@ def run_mode(
 def fit_error(
     micro_batches: list[dict[str, Any]], coef: list[float], cp: int, key: str = "seconds"
 ) -> float:
-    """Mean absolute relative error of ``t = a Σd² + b Σd + c`` on recorded micro-batches' ``key``
-    time; under CP a rank does ``1 / cp`` of the work (the trainer's fit: the plan's exact share)."""
+    """Mean absolute relative error of the online model ``coef`` = ``(a, b, c[, g])`` on recorded
+    micro-batches' ``key`` time. A record with the trainer's ``fit_features`` (CP: this rank's
+    ``Σd²`` share, local and gathered tokens) is predicted on exactly those, ``a x0 + b x1 + g x2 +
+    c`` (no ``g``: ``b`` for both kinds); one without, by ``(a Σd² + b Σd) / cp + c`` (a rank does
+    ``1 / cp`` of the work)."""
     if not micro_batches:
         return float("nan")
-    sq = np.array([float(np.square(np.asarray(m["doc_lens"], float)).sum()) for m in micro_batches])
-    lin = np.array([float(np.sum(m["doc_lens"])) for m in micro_batches])
-    t = np.array([m[key] for m in micro_batches])
-    pred = (coef[0] * sq + coef[1] * lin) / cp + coef[2]
-    return float(np.mean(np.abs(pred - t) / t))
+    a, b, c = coef[:3]
+    g = coef[3] if len(coef) > 3 else b
+    pred, t = [], []
+    for m in micro_batches:
+        if "fit_features" in m:
+            sq, local, gathered = m["fit_features"]
+            pred.append(a * sq + b * local + g * gathered + c)
+        else:
+            d = np.asarray(m["doc_lens"], float)
+            pred.append((a * float(d @ d) + b * float(d.sum())) / cp + c)
+        t.append(m[key])
+    t_arr = np.asarray(t)
+    return float(np.mean(np.abs(np.asarray(pred) - t_arr) / t_arr))
+
+
+def stage_totals(micro_batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Pipeline records (one per stage and micro-batch) summed over the stages: one per
+    micro-batch with its ``seconds`` and ``device_s`` through the whole pipeline (the rows the
+    trainer's online fit uses under PP)."""
+    totals: dict[tuple, dict[str, Any]] = {}
+    for m in micro_batches:
+        key = (m["step"], m["mb"], tuple(m["doc_lens"]))
+        row = totals.setdefault(key, {"doc_lens": m["doc_lens"], "seconds": 0.0, "device_s": 0.0})
+        row["seconds"] += m["seconds"]
+        row["device_s"] += m["device_s"]
+    return list(totals.values())
 
 
 def measured_imbalance(
@@ -219,8 +255,14 @@ def calibration_records(per_rank: list[dict[int, dict]], steps: list[int]) -> di
         rec, where = rank_log[s], {"step": s, "rank": rank}
         if not rec.get("pp_actions"):
             times = zip(rec["micro_batch_times_s"], rec["micro_batch_device_times_s"], strict=True)
-            for lens, (sec, dev) in zip(rec.get("micro_batch_doc_lens", []), times, strict=False):
-                micro_batches.append({"doc_lens": lens, "seconds": sec, "device_s": dev, **where})
+            features = rec.get("micro_batch_fit_features") or []
+            for i, (lens, (sec, dev)) in enumerate(
+                zip(rec.get("micro_batch_doc_lens", []), times, strict=False)
+            ):
+                mb = {"doc_lens": lens, "seconds": sec, "device_s": dev, **where}
+                if len(features) == len(rec["micro_batch_times_s"]):
+                    mb["fit_features"] = features[i]
+                micro_batches.append(mb)
             continue
         for act in rec["pp_actions"]:
             per_stage = zip(
