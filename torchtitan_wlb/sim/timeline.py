@@ -70,16 +70,14 @@ def build_schedule(pp: int, m: int, v: int = 1) -> Schedule:
             return None if op.vstage == 0 else (op.vstage - 1, op.mb, True)
         return (op.vstage, op.mb, True) if op.vstage == n_v - 1 else (op.vstage + 1, op.mb, False)
 
-    def ready(op: Op) -> bool:
-        return (key := input_key(op)) is None or key in done
-
     # Take every stage's next op as soon as its input is done, until all are placed.
     orders = [_rank_order(pp, v, m, r) for r in range(pp)]
-    pos, done, topo, prev, last = [0] * pp, {}, [], [], [-1] * pp
+    pos, topo, prev, last = [0] * pp, [], [], [-1] * pp
+    done = {None: -1}  # op key -> its index; None: the first forward has no input
     while len(topo) < sum(len(o) for o in orders):
         placed = len(topo)
         for r, order in enumerate(orders):
-            while pos[r] < len(order) and ready(order[pos[r]]):
+            while pos[r] < len(order) and input_key(order[pos[r]]) in done:
                 op = order[pos[r]]
                 prev.append(last[r])
                 done[(op.vstage, op.mb, op.is_fwd)] = last[r] = len(topo)
@@ -87,7 +85,7 @@ def build_schedule(pp: int, m: int, v: int = 1) -> Schedule:
                 pos[r] += 1
         if len(topo) == placed:  # pragma: no cover - the schedules above are deadlock-free
             raise RuntimeError(f"pipeline schedule deadlocks (pp={pp}, m={m}, v={v})")
-    dep = [-1 if (k := input_key(op)) is None else done[k] for op in topo]
+    dep = [done[input_key(op)] for op in topo]
     rank, vstage, mb, is_fwd, dep, prev = np.vstack([np.array(topo, dtype=np.int64).T, [dep, prev]])
     return Schedule(pp, v, m, rank, vstage, mb, is_fwd.astype(bool), dep, prev)
 
