@@ -33,7 +33,7 @@ K = 1024
 
 
 class PaperConfig(NamedTuple):
-    """One row of the paper's Table 1: model (of models.catalogue), context, (TP, CP, PP, DP)."""
+    """A setup of the paper (a Table 1 row): model (of models.catalogue), context, (TP, CP, PP, DP)."""
 
     model: str
     context_len: int
@@ -53,8 +53,8 @@ PAPER_FIG14 = {64 * K: 1.07, 160 * K: 1.40}
 PAPER_FIG15 = {"cp": 4, "adaptive_vs_per_sequence": 0.075, "adaptive_vs_per_document": 0.034}
 PAPER_T2_ORIGINAL = 1.44  # Table 2: imbalance of the original packing
 H100_BF16_PEAK_TFLOPS = 989.0  # dense, datasheet
-MAIN = ("7B", 128 * K, Layout(8, 2, 4, 1))  # Table 2 and Figures 13-15
-SCALE = ("70B", 128 * K, Layout(8, 16, 16, 4))  # the paper's 8K-GPU job (its model: not published)
+MAIN = PaperConfig("7B", 128 * K, Layout(8, 2, 4, 1))  # Table 2 and Figures 13-15
+SCALE = PaperConfig("70B", 128 * K, Layout(8, 16, 16, 4))  # the paper's 8K-GPU job (model unknown)
 SCALE_TIMED_STEPS, SCALE_TARGET_S = 20, 30.0
 THREE = ("plain_4d", "fixed_4d", "wlb")
 FIG13_CORE = ("plain_4d", "per_doc_cp", "adaptive_cp", "varlen_packing", "wlb")
@@ -84,11 +84,9 @@ def met(ok: bool, no: str = "**not met**") -> str:
     return "met" if ok else no
 
 
-def md_rows(rows: Iterable[Sequence | str]) -> str:
-    """A markdown table's rows (its header is the template's); a string row is taken as it is."""
-    return "\n".join(
-        r if isinstance(r, str) else "| " + " | ".join(map(str, r)) + " |" for r in rows
-    )
+def md_rows(rows: Iterable[Sequence]) -> str:
+    """A markdown table's rows (its header and fixed rows are the template's)."""
+    return "\n".join("| " + " | ".join(map(str, r)) + " |" for r in rows)
 
 
 # ---------------------------------------------------------------------------------- sections
@@ -129,7 +127,6 @@ def table2(workload: str, quick: bool, cfg: SimConfig) -> dict:
     table = [[r["packer"], r["config"], paper_x(r["paper_imbalance"]).rstrip("x"), f"{r['imbalance']:.3f}",
               r["paper_overhead"], f"{r['plan_ms']:.1f} ms", f"{r['avg_delay_iters']:.2f}"] for r in rows]  # fmt: skip
     return {"t2_table": md_rows(table), "t2_argv": " ".join(argv),
-            "t2_config": f"{cfg.model.name}, {cfg.context_len // K}K, N = {cfg.n_global}",
             "t2_shape": shape, "t2_differ": "; ".join(differ) or "none",
             "t2_slower": "; ".join(slower) or "none",
             "t2_limit": argv[argv.index("--solver-time-limit") + 1]}  # fmt: skip
@@ -345,10 +342,9 @@ def scale(lengths, steps: int) -> dict:
     cp_sp = [sweep[replace(lay, cp=c)][0] for c in cps]
     return {
         "scale_table": md_rows(rows),
-        "secs": secs, "sp": sweep[lay][0], "scale_steps": steps, "scale_model": model,
+        "secs": secs, "sp": sweep[lay][0], "scale_steps": steps, "scale": SCALE,
         "scale_timed": SCALE_TIMED_STEPS, "scale_target": SCALE_TARGET_S,
-        "scale_gpus": lay.world_size, "scale_gpus_k": lay.world_size // K,
-        "scale_label": f"{lay.label}, {ctx // K}K", "scale_cp": lay.cp, "scale_dp": lay.dp,
+        "scale_gpus_k": lay.world_size // K, "scale_ctx_k": ctx // K,
         "dp_degrees": ", ".join(map(str, dps)), "cp_degrees": ", ".join(map(str, cps)),
         "dp_trend": _trend(dp_sp), "cp_trend": _trend(cp_sp),
         "dp": " / ".join(map(x3, dp_sp)), "cp": " / ".join(map(x3, cp_sp)),
@@ -366,25 +362,25 @@ def _trend(values: list[float]) -> str:
     return f"stays within {x3(min(values))}-{x3(max(values))}"
 
 
-def figures(fig_dir: Path, bars: dict, f13: dict[str, ModeResult], f14: dict[int, float]) -> list:
+def figures(fig_dir: Path, bars: dict, f13: dict[str, ModeResult], f14: dict[int, float]) -> dict:
     from torchtitan_wlb.sim import plots
 
     fig_dir.mkdir(parents=True, exist_ok=True)
     ours13 = {n: {"ours": speedup(f13["plain_4d"], f13[n])} for n in PAPER_FIG13}
-    return [
-        plots.speedup_bars(bars, fig_dir / "fig12_speedup.png",
-                           title="Figure 12: speedup over Plain-4D (Table 1 configs)"),
-        plots.speedup_bars(ours13, fig_dir / "fig13_breakdown.png",
-                           paper={n: {"ours": v} for n, v in PAPER_FIG13.items()},
-                           title="Figure 13: 7B / 128K breakdown (black: paper)"),
-        plots.speedup_bars({f"{c // K}K": {"wlb": v} for c, v in f14.items()},
-                           fig_dir / "fig14_context.png",
-                           paper={f"{c // K}K": {"wlb": v} for c, v in PAPER_FIG14.items()},
-                           title="Figure 14: 7B, WLB-LLM vs Plain-4D by context (black: paper)"),
-        plots.latency_heatmap([f13[n] for n in ("plain_4d", "per_doc_cp", "varlen_packing", "wlb")],
-                              fig_dir / "heatmap_7b_128k.png"),
-        plots.gantt([f13[n] for n in THREE], fig_dir / "gantt_7b_128k.png"),
-    ]  # fmt: skip
+    heat = [f13[n] for n in ("plain_4d", "per_doc_cp", "varlen_packing", "wlb")]
+    return {
+        "fig12": plots.speedup_bars(bars, fig_dir / "fig12_speedup.png",
+                                    title="Figure 12: speedup over Plain-4D (Table 1 configs)"),
+        "fig13": plots.speedup_bars(ours13, fig_dir / "fig13_breakdown.png",
+                                    paper={n: {"ours": v} for n, v in PAPER_FIG13.items()},
+                                    title="Figure 13: 7B / 128K breakdown (black: paper)"),
+        "fig14": plots.speedup_bars({f"{c // K}K": {"wlb": v} for c, v in f14.items()},
+                                    fig_dir / "fig14_context.png",
+                                    paper={f"{c // K}K": {"wlb": v} for c, v in PAPER_FIG14.items()},
+                                    title="Figure 14: 7B, WLB-LLM vs Plain-4D by context (black: paper)"),
+        "heat": plots.latency_heatmap(heat, fig_dir / "heatmap_7b_128k.png"),
+        "gantt": plots.gantt([f13[n] for n in THREE], fig_dir / "gantt_7b_128k.png"),
+    }  # fmt: skip
 
 
 def fixed_values(lengths: np.ndarray, cfg: SimConfig) -> dict:
@@ -398,10 +394,9 @@ def fixed_values(lengths: np.ndarray, cfg: SimConfig) -> dict:
         "hw_name": hw.name.upper(), "gemm_share": 100 * hw.gemm_tflops / H100_BF16_PEAK_TFLOPS,
         "peak": H100_BF16_PEAK_TFLOPS, "fsdp_exposed": 100 * (1 - hw.dp_overlap),
         "prof_min": int(sim.profiling_micro_batches(cfg.context_len, lay.cp)[0][0]),
-        "cm_label": f"{cfg.model.name} / TP{lay.tp} / CP{lay.cp}", "be": cm.break_even_length / K,
-        "main_label": f"{cfg.model.name} / {cfg.context_len // K}K ({lay.label})",
-        "main_short": f"{cfg.model.name} / {cfg.context_len // K}K", "ctx13": cfg.context_len // K,
-        "layout13": lay.label, "below_tile": 2 * lay.cp * TILE, "p_t2_orig": PAPER_T2_ORIGINAL,
+        "be": cm.break_even_length / K, "ctx13": cfg.context_len // K,
+        "main_short": f"{cfg.model.name} / {cfg.context_len // K}K",
+        "below_tile": 2 * lay.cp * TILE, "p_t2_orig": PAPER_T2_ORIGINAL,
         "p13_cp_gain": PAPER_FIG13["wlb"] / PAPER_FIG13["varlen_packing"],
         "p15_seq": 100 * p15["adaptive_vs_per_sequence"], "p15_doc": 100 * p15["adaptive_vs_per_document"],
     }  # fmt: skip
@@ -459,8 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.out)
     figs = figures(Path(args.figures), v["bars"], res13, v["f14"])
-    v |= {k: f.relative_to(out.parent) if f.is_relative_to(out.parent) else f
-          for k, f in zip(("fig12", "fig13", "fig14", "heat", "gantt"), figs, strict=True)}
+    v |= {k: f.relative_to(out.parent) if f.is_relative_to(out.parent) else f for k, f in figs.items()}
     verdict = {ok: [f"{MODES[n].description} {x3(v[n])} (paper {paper_x(p)})"
                     for n, p in PAPER_FIG13.items() if (abs(v[n] - p) <= TOL) == ok] for ok in (1, 0)}
     v["verdict"] = ("met: " + "; ".join(verdict[1]) + "." if verdict[1] else "none met.") + (

@@ -120,14 +120,12 @@ def simulate_pipeline(
     # Backward of the last virtual stage consumes its own forward on the same rank: no transfer.
     needs_transfer = (s.dep >= 0) & ~(~s.is_fwd & (s.vstage == n_v - 1))
     transfer = np.where(needs_transfer[None, :], p2p_arr[:, s.mb], 0.0)
-    start, end = np.empty_like(dur), np.empty_like(dur)
-    zeros = np.zeros(batch)
+    start = np.empty_like(dur)
+    end = np.zeros((batch, dur.shape[1] + 1))  # the extra last column: op -1 (none), ends at 0
     for i, (d, p) in enumerate(zip(s.dep.tolist(), s.prev_same_rank.tolist(), strict=True)):
-        ready = zeros if p < 0 else end[:, p]
-        if d >= 0:
-            ready = np.maximum(ready, end[:, d] + transfer[:, i])
-        start[:, i] = ready
-        end[:, i] = ready + dur[:, i]
+        start[:, i] = np.maximum(end[:, p], end[:, d] + transfer[:, i])
+        end[:, i] = start[:, i] + dur[:, i]
+    end = end[:, :-1]
     makespan = end.max(axis=1)
     busy = np.stack([dur[:, s.rank == r].sum(axis=1) for r in range(s.pp)], axis=1)
     bubble = 1.0 - busy.sum(axis=1) / (s.pp * makespan)
