@@ -66,7 +66,8 @@ def recommend(lengths, cfg) -> dict:
     trials = []
     for levels, f in itertools.product(QUEUE_LEVEL_CANDIDATES, SMAX_CANDIDATES):
         th = default_thresholds(cm, cfg.context_len, levels=levels)
-        r = predicted_imbalance(lengths, cfg, "wlb", smax=replace(cfg, smax_factor=f).smax, queue_thresholds=th)  # fmt: skip
+        smax = replace(cfg, smax_factor=f).smax
+        r = predicted_imbalance(lengths, cfg, "wlb", smax=smax, queue_thresholds=th)
         trials.append({"levels": levels, "smax_factor": f, **r})
     ok = [t for t in trials if t["avg_delay_steps"] <= DELAY_BUDGET_STEPS] or trials
     best = min(t["imbalance"] for t in ok)
