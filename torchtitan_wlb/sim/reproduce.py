@@ -1,10 +1,5 @@
-"""Regenerate docs/reproduction.md: the paper's Table 2 and Figures 12-15 beside the simulator's.
-
-    python -m torchtitan_wlb.sim.reproduce --workload dist_wlbllm.json --out docs/reproduction.md
-
-The page is ``reproduction_template.md`` with every number computed from one run on the workload
-(the paper's published values are the PAPER_* tables); Table 2 comes from ``pack_bench --table2``.
-"""
+"""docs/reproduction.md, the paper's Table 2 and Figures 12-15 beside the simulator's: the page
+template with every number computed from one run on the workload (docs/benchmarks_sim.md)."""
 
 from __future__ import annotations
 
