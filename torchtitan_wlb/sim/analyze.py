@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from torchtitan_wlb.packing import LengthStream, build_packer, drive, packing_config
+from torchtitan_wlb.packing.wlb import default_thresholds
 from torchtitan_wlb.sim import cli
 from torchtitan_wlb.sim.config import MODES, REQUIRED_MODES
 from torchtitan_wlb.sim.engine import cost_model_for, simulate_mode
@@ -61,16 +62,13 @@ def predicted_imbalance(lengths, cfg, packer: str, **overrides) -> dict:
 def recommend(lengths, cfg) -> dict:
     """Queue thresholds and S_max: the lowest imbalance whose token-weighted delay stays within
     DELAY_BUDGET_STEPS; ties (0.5 %) go to the smaller S_max and fewer queues."""
-    from torchtitan_wlb.packing import default_thresholds
-
     cm = cost_model_for(cfg)
     trials = []
-    for levels in QUEUE_LEVEL_CANDIDATES:
+    for levels, f in itertools.product(QUEUE_LEVEL_CANDIDATES, SMAX_CANDIDATES):
         th = default_thresholds(cm, cfg.context_len, levels=levels)
-        for f in SMAX_CANDIDATES:
-            smax = replace(cfg, smax_factor=f).smax
-            r = predicted_imbalance(lengths, cfg, "wlb", smax=smax, queue_thresholds=th)
-            trials.append({"levels": levels, "smax_factor": f, **r})
+        smax = replace(cfg, smax_factor=f).smax
+        r = predicted_imbalance(lengths, cfg, "wlb", smax=smax, queue_thresholds=th)
+        trials.append({"levels": levels, "smax_factor": f, **r})
     ok = [t for t in trials if t["avg_delay_steps"] <= DELAY_BUDGET_STEPS] or trials
     best = min(t["imbalance"] for t in ok)
     near = [t for t in ok if t["imbalance"] <= best * 1.005]

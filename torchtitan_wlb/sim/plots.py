@@ -49,18 +49,15 @@ def latency_heatmap(results: Sequence[ModeResult], path: str | Path, max_rows: i
     im = None
     dp = results[0].rank_compute_s.shape[1]
     labels = [f"s{s} dp{d} mb{j}" for s in range(steps) for d in range(dp) for j in range(n_mb // dp)]  # fmt: skip
-    for k, (ax, r, mat) in enumerate(zip(axes[0], results, mats, strict=True)):
+    for ax, r, mat in zip(axes[0], results, mats, strict=True):
         im = ax.imshow(mat, cmap="RdYlGn_r", vmin=vmin, vmax=vmax, aspect="auto",
                        interpolation="nearest")  # fmt: skip
         ax.set_title(f"{r.mode.name}\nworst {mat.max():.2f}", fontsize=9)
         ax.set_xlabel("CP rank", fontsize=8)
         ax.set_xticks(range(cp))
         ax.tick_params(labelsize=7)
-        if k == 0:
-            ax.set_yticks(range(n_rows))
-            ax.set_yticklabels(labels, fontsize=6)
-        else:
-            ax.set_yticks([])
+        ax.set_yticks([])
+    axes[0, 0].set_yticks(range(n_rows), labels, fontsize=6)  # row labels on the first panel only
     fig.colorbar(im, ax=axes[0].tolist(), label="latency / step mean", shrink=0.9)
     return _save(plt, fig, path, bbox_inches="tight")
 
@@ -81,8 +78,7 @@ def gantt(results: Sequence[ModeResult], path: str | Path) -> Path:
                            (rank - 0.4, 0.8), facecolors=colors[sel], edgecolor="white",
                            linewidth=0.3)  # fmt: skip
         ax.set_ylim(sched.pp - 0.5, -0.5)
-        ax.set_yticks(range(sched.pp))
-        ax.set_yticklabels([f"PP{p}" for p in range(sched.pp)], fontsize=8)
+        ax.set_yticks(range(sched.pp), [f"PP{p}" for p in range(sched.pp)], fontsize=8)
         title = f"{r.mode.name}: step {end.max():.2f} s, bubbles {r.bubble_fraction[0]:.0%}"
         ax.set_title(title, fontsize=10, loc="left")
     axes[-1, 0].set_xlabel("time (s); light = forward, dark = backward, colour = micro-batch")
@@ -113,8 +109,7 @@ def speedup_bars(speedups: Mapping[str, Mapping[str, float]], path: str | Path,
             ax.scatter(pos, pv, marker="_", s=300, color="black", zorder=3,
                        label="paper" if j == 0 else None)  # fmt: skip
     ax.axhline(1.0, color="grey", linewidth=0.8)
-    ax.set_xticks(x)
-    ax.set_xticklabels(configs, fontsize=8)
+    ax.set_xticks(x, configs, fontsize=8)
     ax.set_ylabel("speedup (x)")
     ax.set_ylim(0.8, max(1.5, np.nanmax([v for c in speedups.values() for v in c.values()]) + 0.12))
     ax.set_title(title, fontsize=10)
@@ -134,7 +129,6 @@ def length_histogram(hist: Sequence[Mapping], context_len: int, path: str | Path
            color=["tab:red" if r["over_half_context"] else "tab:green" for r in hist])  # fmt: skip
     a2.set_title(f"share of tokens (%); red: >= context/2 ({context_len // 2})")
     for ax in (a1, a2):
-        ax.set_xticks(x)
-        ax.set_xticklabels([f"{r['min_len']}" for r in hist], rotation=60, fontsize=7)
+        ax.set_xticks(x, [f"{r['min_len']}" for r in hist], rotation=60, fontsize=7)
         ax.set_xlabel("document length (tokens, bucket start)")
     return _save(plt, fig, path)

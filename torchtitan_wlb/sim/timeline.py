@@ -70,16 +70,14 @@ def build_schedule(pp: int, m: int, v: int = 1) -> Schedule:
             return None if op.vstage == 0 else (op.vstage - 1, op.mb, True)
         return (op.vstage, op.mb, True) if op.vstage == n_v - 1 else (op.vstage + 1, op.mb, False)
 
-    def ready(op: Op) -> bool:
-        return (key := input_key(op)) is None or key in done
-
     # Take every stage's next op as soon as its input is done, until all are placed.
     orders = [_rank_order(pp, v, m, r) for r in range(pp)]
-    pos, done, topo, prev, last = [0] * pp, {}, [], [], [-1] * pp
+    pos, topo, prev, last = [0] * pp, [], [], [-1] * pp
+    done = {None: -1}  # op key -> its index; None: the first forward has no input
     while len(topo) < sum(len(o) for o in orders):
         placed = len(topo)
         for r, order in enumerate(orders):
-            while pos[r] < len(order) and ready(order[pos[r]]):
+            while pos[r] < len(order) and input_key(order[pos[r]]) in done:
                 op = order[pos[r]]
                 prev.append(last[r])
                 done[(op.vstage, op.mb, op.is_fwd)] = last[r] = len(topo)
@@ -87,7 +85,7 @@ def build_schedule(pp: int, m: int, v: int = 1) -> Schedule:
                 pos[r] += 1
         if len(topo) == placed:  # pragma: no cover - the schedules above are deadlock-free
             raise RuntimeError(f"pipeline schedule deadlocks (pp={pp}, m={m}, v={v})")
-    dep = [-1 if (k := input_key(op)) is None else done[k] for op in topo]
+    dep = [done[input_key(op)] for op in topo]
     rank, vstage, mb, is_fwd, dep, prev = np.vstack([np.array(topo, dtype=np.int64).T, [dep, prev]])
     return Schedule(pp, v, m, rank, vstage, mb, is_fwd.astype(bool), dep, prev)
 
@@ -122,14 +120,12 @@ def simulate_pipeline(
     # Backward of the last virtual stage consumes its own forward on the same rank: no transfer.
     needs_transfer = (s.dep >= 0) & ~(~s.is_fwd & (s.vstage == n_v - 1))
     transfer = np.where(needs_transfer[None, :], p2p_arr[:, s.mb], 0.0)
-    start, end = np.empty_like(dur), np.empty_like(dur)
-    zeros = np.zeros(batch)
+    start = np.empty_like(dur)
+    end = np.zeros((batch, dur.shape[1] + 1))  # the extra last column: op -1 (none), ends at 0
     for i, (d, p) in enumerate(zip(s.dep.tolist(), s.prev_same_rank.tolist(), strict=True)):
-        ready = zeros if p < 0 else end[:, p]
-        if d >= 0:
-            ready = np.maximum(ready, end[:, d] + transfer[:, i])
-        start[:, i] = ready
-        end[:, i] = ready + dur[:, i]
+        start[:, i] = np.maximum(end[:, p], end[:, d] + transfer[:, i])
+        end[:, i] = start[:, i] + dur[:, i]
+    end = end[:, :-1]
     makespan = end.max(axis=1)
     busy = np.stack([dur[:, s.rank == r].sum(axis=1) for r in range(s.pp)], axis=1)
     bubble = 1.0 - busy.sum(axis=1) / (s.pp * makespan)
