@@ -154,7 +154,8 @@ class WLBPacker(_QueuedPacker):
         self.delay_ema = float(config.delay_target)
         # Cost per token of a typical regular document (half the first queue threshold): what
         # regular tokens add to a micro-batch, for the forced steps' pull (``tokens_wanted``).
-        mid = np.array([max(1, int(self.thresholds[0]) // 2)])
+        first = int(self.thresholds[0]) if self.thresholds.size else config.context_len
+        mid = np.array([max(1, first // 2)])
         self._regular_cost_per_token = float(cost_model.doc_cost(mid)[0]) / int(mid[0])
 
     def _wait_bound(self) -> int:
