@@ -70,6 +70,27 @@ def test_drain_groups_long_documents_and_fills_beside_them():
     assert (per_step.max(axis=1) / per_step.mean(axis=1)).max() < 1.15
 
 
+def test_second_of_two_final_steps_is_topped_up_from_the_first():
+    """Two final steps whose second holds one mid-sized document and a few short ones: short
+    documents of the first step move into the second up to its heaviest micro-batch, so neither
+    step is far above its mean, and the predicted time does not grow."""
+    from torchtitan_wlb.packing.end_of_data import _levelled
+
+    lens = np.array([64, 48, 48, 48, 40] + [4] * 40)
+    costs = COST.doc_cost(lens)
+    plan = plan_drain(costs, lens, 4, 80)
+    slot = plan.step * 4 + plan.micro_batch
+    loads = np.bincount(slot, weights=costs, minlength=plan.steps * 4).reshape(plan.steps, 4)
+    ratio = loads.max(axis=1) / loads.mean(axis=1)
+    before = _levelled(costs, lens, 4, 80)
+    slot = before.step * 4 + before.micro_batch
+    old = np.bincount(slot, weights=costs, minlength=before.steps * 4).reshape(before.steps, 4)
+    assert plan.steps == before.steps == 2
+    assert ratio.max() < (old.max(axis=1) / old.mean(axis=1)).max()
+    assert plan.predicted_time <= before.predicted_time + 1e-9
+    assert np.bincount(slot, weights=lens).max() <= 80
+
+
 def test_drain_of_nothing_and_of_one_document():
     empty = plan_drain(np.zeros(0), np.zeros(0, np.int64), 4, 10)
     assert empty.steps == 0 and empty.step.size == 0

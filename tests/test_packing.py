@@ -465,3 +465,44 @@ def test_drive_stops_after_steps_and_resumes():
     first = list(drive(packer, stream, 5))
     assert len(first) == 5
     _assert_same(whole, first + run(packer, stream))
+
+
+def test_forced_step_pulls_enough_to_balance_its_outlier():
+    """A step that must force an outlier out (it waited K steps) pulls more than one global batch,
+    up to the step's token capacity, so its other micro-batches come closer to the outlier's cost;
+    without that the outlier sits beside one global batch of short documents."""
+    from torchtitan_wlb.packing.wlb import WLBPacker, _QueuedPacker
+
+    lens = np.concatenate([[CTX], np.full(1000, 2)]).astype(np.int64)  # one outlier, then short
+
+    def forced_step(packer):
+        stream = LengthStream(lens)
+        for plan in drive(packer, stream):
+            if 0 in np.concatenate(plan.doc_ids):
+                return plan, stream
+        raise AssertionError("the outlier was never emitted")
+
+    packer = make("wlb", 4, smax=2 * CTX, adaptive_max_wait=0)
+    stream = LengthStream(lens)
+    next_plan(packer, stream)
+    next_plan(packer, stream)  # the outlier is due at the next step
+    assert len(packer.queue) == 1
+    held = int(packer.carry.lens.sum()) + int(packer.backlog.lens.sum())
+    assert packer.tokens_wanted() > 4 * CTX - held
+    assert packer.tokens_wanted() <= 0.98 * 4 * packer.cap - CTX
+
+    plan, _ = forced_step(make("wlb", 4, smax=2 * CTX, adaptive_max_wait=0))
+
+    class BaseRule(WLBPacker):
+        tokens_wanted = _QueuedPacker.tokens_wanted
+
+    base_plan, _ = forced_step(
+        BaseRule(make("wlb", 4, smax=2 * CTX, adaptive_max_wait=0).config, COST)
+    )
+    assert plan.stats["tokens"] > base_plan.stats["tokens"]
+    assert plan.stats["imbalance"] < base_plan.stats["imbalance"]
+    assert plan.stats["max_tokens"] <= packer.cap
+    # Exactly once to the end of the data, the forced steps' surplus handed back, not lost.
+    plans = run(make("wlb", 4, smax=2 * CTX, adaptive_max_wait=0), lens)
+    ids = np.sort(np.concatenate([np.concatenate(p.doc_ids) for p in plans]))
+    assert np.array_equal(ids, np.arange(lens.size))

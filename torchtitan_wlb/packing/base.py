@@ -46,8 +46,9 @@ class PackingConfig:
     adaptive_max_wait: int = 32
     """``wlb``: K may grow up to this while the running mean delay stays under 90 % of
     ``delay_target`` (<= max_wait: K stays fixed)."""
-    delay_target: float = 0.3
-    """``wlb``: running mean delay (steps per token) above which the adaptive K shrinks (> 0)."""
+    delay_target: float = 0.38
+    """``wlb``: running mean delay (steps per token) above which the adaptive K shrinks (> 0);
+    the whole-pass delay ends 0.05-0.12 above it (docs/packing.md), under 0.5 steps."""
     release_slack: float = 0.25
     """``wlb``: ...plus ``release_slack * age / max_wait`` for a group led by an outlier that has
     waited ``age`` steps (>= 0)."""

@@ -71,6 +71,50 @@ def _levelled(
     return DrainPlan(k, step, mb, predicted)
 
 
+def _step_ratios(plan: DrainPlan, costs: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per planned step: the heaviest micro-batch's workload and the mean."""
+    loads = np.bincount(plan.step * n + plan.micro_batch, weights=costs, minlength=plan.steps * n)
+    loads = loads.reshape(plan.steps, n)
+    return loads.max(axis=1), loads.mean(axis=1)
+
+
+def _top_up_last(
+    plan: DrainPlan, costs: np.ndarray, lens: np.ndarray, n: int, cap: int
+) -> DrainPlan:
+    """Two final steps: the second holds what is left over, often one document beside a few short
+    ones, the slowest step relative to its mean. Fill documents of the first step (each micro-batch
+    keeps its costliest document) move into it up to its own heaviest micro-batch, which costs no
+    time (the first step only loses work; the second's maximum stays). Kept only if the worse of
+    the two steps' max/mean improves."""
+    if plan.steps != 2:  # with more, the steps after the first are planned again next step
+        return plan
+    last = plan.steps - 1
+    in_last = plan.step == last
+    loads = np.bincount(plan.micro_batch[in_last], weights=costs[in_last], minlength=n)
+    tokens = np.bincount(plan.micro_batch[in_last], weights=lens[in_last], minlength=n)
+    tokens = tokens.astype(np.int64)
+    # Each earlier micro-batch's costliest document (its seed) stays where it is.
+    slot = plan.step * n + plan.micro_batch
+    order = np.lexsort((-costs, slot))
+    seed = np.zeros(costs.size, bool)
+    seed[order[np.r_[True, slot[order][1:] != slot[order][:-1]]]] = True
+    movable = np.flatnonzero(~in_last & ~seed)
+    if movable.size == 0:
+        return plan
+    bins = fill_rounds(loads, tokens, costs[movable], lens[movable], cap, float(loads.max()))
+    moved = movable[bins >= 0]
+    if moved.size == 0:
+        return plan
+    step, mb = plan.step.copy(), plan.micro_batch.copy()
+    step[moved], mb[moved] = last, bins[bins >= 0]
+    trial = DrainPlan(plan.steps, step, mb, plan.predicted_time)
+    old_max, old_mean = _step_ratios(plan, costs, n)
+    new_max, new_mean = _step_ratios(trial, costs, n)
+    if (new_max / new_mean).max() >= (old_max / old_mean).max() or new_max[0] < new_max[1]:
+        return plan  # no better, or the first step would no longer be the heavier
+    return DrainPlan(plan.steps, step, mb, float(new_max.sum()))
+
+
 def plan_drain(
     costs: np.ndarray, lens: np.ndarray, n: int, cap: int, extra_steps: int = 2
 ) -> DrainPlan:
@@ -97,4 +141,4 @@ def plan_drain(
         or (levelled.predicted_time <= best.predicted_time and levelled.steps < best.steps)
     ):
         best = levelled
-    return best
+    return _top_up_last(best, costs, lens, n, cap)

@@ -152,9 +152,32 @@ class WLBPacker(_QueuedPacker):
         super().__init__(config, cost_model)
         self.k_eff = float(config.max_wait)
         self.delay_ema = float(config.delay_target)
+        # Cost per token of a typical regular document (half the first queue threshold): what
+        # regular tokens add to a micro-batch, for the forced steps' pull (``tokens_wanted``).
+        first = int(self.thresholds[0]) if self.thresholds.size else config.context_len
+        mid = np.array([max(1, first // 2)])
+        self._regular_cost_per_token = float(cost_model.doc_cost(mid)[0]) / int(mid[0])
 
     def _wait_bound(self) -> int:
         return int(self.k_eff)
+
+    def tokens_wanted(self) -> int:
+        """One global batch less what is held, except before a step that forces outliers out
+        (docs/packing.md, "Forced steps pull more"): such a step's maximum is fixed by its
+        costliest forced outlier, so it pulls the regular tokens that would lift every other
+        micro-batch to that cost, up to the step's token capacity, instead of one global batch
+        beside a document that costs several micro-batches. What does not fit is handed back."""
+        want = super().tokens_wanted()
+        q = self.queue
+        due = np.flatnonzero(self._step - q.arrival >= self._wait_bound())
+        if due.size == 0:
+            return want
+        cost = self.cost_model.doc_cost(q.lens[due])
+        rho = self._regular_cost_per_token
+        need = (self.n * float(cost.max()) - float(cost.sum())) / rho if rho > 0 else 0.0
+        room = int(_TOKEN_FILL * self.n * self.cap) - int(q.lens[due].sum())
+        held = int(self.carry.lens.sum()) + int(self.backlog.lens.sum())
+        return max(want, min(room, int(need)) - held)
 
     def _adapt_wait(self, docs: DocPool) -> None:
         """Adaptive K (docs/packing.md): rare long documents afford long waits, which buy
