@@ -128,14 +128,14 @@ def fill_rounds(
             # proposes a bin (the k-th least-loaded for the k-th document, else its least-loaded
             # fitting bin); each bin takes its largest proposer. Documents that fit nowhere now
             # never will (bins only fill up) and are dropped. A document's least-loaded bin with
-            # room is the least-loaded of a prefix of the bins sorted by room: an N x N table,
-            # not a documents x N one.
+            # room is the least-loaded of a prefix of the bins sorted by room: a running minimum
+            # of the bins' places in the load order (ties: the lower bin), not a documents x N
+            # table.
             nb = loads.size
             by_room = np.argsort(-room, kind="stable")
-            rank = np.empty(nb, np.int64)
-            rank[by_room] = ranks
-            prefix = rank[None, :] <= ranks[:, None]
-            least = np.argmin(np.where(prefix, loads[None, :], np.inf), axis=1)
+            place = np.empty(nb, np.int64)
+            place[by_load] = ranks
+            least = by_load[np.minimum.accumulate(place[by_room]) - 1]
             with_room = nb - room[by_room][::-1].searchsorted(t, side="left")
             best = least[np.maximum(with_room - 1, 0)]
             placeable = (with_room > 0) & (loads[best] + c <= limit)
@@ -146,7 +146,11 @@ def fill_rounds(
             fits_prop = (t <= room[prop]) & (loads[prop] + c <= limit)
             choice = np.where(fits_prop, prop, best)
             order = np.argsort(choice, kind="stable")  # each bin's first proposer:
-            first = order[np.diff(choice[order], prepend=-1) != 0]
+            by_bin = choice[order]
+            head = np.empty(by_bin.size, bool)
+            head[0] = True
+            np.not_equal(by_bin[1:], by_bin[:-1], out=head[1:])
+            first = order[head]
             out[rem[first]] = choice[first]
             loads[choice[first]] += c[first]
             tokens[choice[first]] += t[first]
