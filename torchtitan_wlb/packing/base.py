@@ -275,7 +275,8 @@ class Packer(ABC):
         t0 = time.thread_time()
         docs, mb = self._plan(ids, lens, flush)
         pack_ms = (time.thread_time() - t0) * 1e3
-        order = np.argsort(mb, kind="stable")
+        # Micro-batch numbers fit 16 bits: NumPy's stable sort is then a radix sort (same order).
+        order = np.argsort(mb.astype(np.int16) if self.n <= 2**15 else mb, kind="stable")
         bounds = np.searchsorted(mb[order], np.arange(self.n + 1)).tolist()
         ids_sorted, lens_sorted = docs.ids[order], docs.lens[order]
         out_ids = [ids_sorted[i:j] for i, j in zip(bounds, bounds[1:], strict=False)]
