@@ -9,6 +9,7 @@ instead of tokens, which a restore re-reads (docs/packing.md, "The torchdata nod
 
 from __future__ import annotations
 
+import itertools
 import sys
 from operator import attrgetter
 from typing import Any
@@ -198,7 +199,9 @@ class WLBPackingNode(BaseNode[dict]):
             self._exhausted = True
         read = read_ids.tolist() + more_ids.tolist()
         if read:
-            self._snap_of.update(dict.fromkeys(read, self._snap_base + len(self._snapshots)))
+            self._snap_of.update(
+                zip(read, itertools.repeat(self._snap_base + len(self._snapshots)))
+            )
             self._snapshots.append((self.packer.steps_done, snapshot, len(read)))
             self._held = np.append(self._held, len(read))
         return np.concatenate(ids), np.concatenate(lens)
