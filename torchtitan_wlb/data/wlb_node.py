@@ -88,7 +88,9 @@ class WLBPackingNode(BaseNode[dict]):
         self._initial_packer_state = packer.state_dict()
         self._tokens: dict[int, np.ndarray] = {}  # every held document: read-ahead + pending
         self._snapshots: list[tuple[int, dict[str, Any], int]] = []  # (step, source state, reads)
-        self._snapshot_ids: list[list[int]] = []  # the ids each snapshot's pull read
+        self._held = _EMPTY  # per snapshot: how many of the documents its pull read are held
+        self._snap_base = 0  # serial number of ``_snapshots[0]``
+        self._snap_of: dict[int, int] = {}  # held document id -> serial of the pull that read it
         self._ahead_ids = _EMPTY  # read, not given to the packer yet (stream order)
         self._ahead_lens = _EMPTY
         self._source_done = False
@@ -99,7 +101,7 @@ class WLBPackingNode(BaseNode[dict]):
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
         self._tokens = {}
-        self._snapshot_ids = []
+        self._held, self._snap_base, self._snap_of = _EMPTY, 0, {}
         self._ahead_ids = self._ahead_lens = _EMPTY
         if initial_state is None:
             self.source.reset(None)
@@ -140,7 +142,9 @@ class WLBPackingNode(BaseNode[dict]):
         counts = np.fromiter(map(len, plan.doc_ids), np.int64, len(plan.doc_ids))
         ends = np.cumsum(counts)
         # Every emitted document leaves the node; this rank keeps the tokens of its own.
-        parts = list(map(self._tokens.pop, np.concatenate(plan.doc_ids).tolist()))
+        emitted = np.concatenate(plan.doc_ids).tolist()
+        parts = list(map(self._tokens.pop, emitted))
+        pulls = np.fromiter(map(self._snap_of.pop, emitted), np.int64, len(emitted))
         if self.dp_degree > 1:
             pick = np.concatenate([np.arange(ends[j] - counts[j], ends[j]) for j in mine.tolist()])
             parts = list(map(parts.__getitem__, pick.tolist()))
@@ -159,7 +163,7 @@ class WLBPackingNode(BaseNode[dict]):
             }
             for k, j in enumerate(mine.tolist())
         ]
-        self._prune()
+        self._prune(pulls)
         stats = {**plan.stats, "step": plan.step}
         if self.schedule is not None:
             stats["cost_attn_coef"] = self.packer.cost_model.attn_coef
@@ -195,8 +199,11 @@ class WLBPackingNode(BaseNode[dict]):
             self._exhausted = True
         read = read_ids.tolist() + more_ids.tolist()
         if read:
+            self._snap_of.update(
+                zip(read, itertools.repeat(self._snap_base + len(self._snapshots)))
+            )
             self._snapshots.append((self.packer.steps_done, snapshot, len(read)))
-            self._snapshot_ids.append(read)
+            self._held = np.append(self._held, len(read))
         return np.concatenate(ids), np.concatenate(lens)
 
     def _read(self, tokens: int) -> tuple[np.ndarray, np.ndarray]:
@@ -276,10 +283,10 @@ class WLBPackingNode(BaseNode[dict]):
             return _EMPTY
         if set(map(attrgetter("dtype"), arrays)) != {np.dtype(TOKEN_DTYPE)}:
             arrays[:] = [as_tokens(i, a) for i, a in zip(doc_ids.tolist(), arrays, strict=True)]
-        ndim = np.fromiter(map(attrgetter("ndim"), arrays), np.int64, len(arrays))
         lens = np.fromiter(map(attrgetter("size"), arrays), np.int64, len(arrays))
-        bad = np.flatnonzero((ndim != 1) | (lens < 1))
-        if bad.size:
+        if set(map(attrgetter("ndim"), arrays)) != {1} or int(lens.min()) < 1:
+            ndim = np.fromiter(map(attrgetter("ndim"), arrays), np.int64, len(arrays))
+            bad = np.flatnonzero((ndim != 1) | (lens < 1))
             i, a = int(doc_ids[bad[0]]), arrays[bad[0]]
             raise ValueError(
                 f"document {i}: tokens must be a 1-D integer array of length >= 1, got "
@@ -293,29 +300,34 @@ class WLBPackingNode(BaseNode[dict]):
             raise ValueError(f"document id {twice} appears twice among pending documents")
         return lens
 
-    def _prune(self) -> None:
-        """Drop the snapshots of pulls none of whose documents is still held."""
-        held = self._tokens.__contains__
-        while self._snapshot_ids:
-            read = self._snapshot_ids[0]
-            if not self._tokens.keys().isdisjoint(read):
-                # Drop the released prefix: the next scan starts at a held id.
-                del read[: next(itertools.compress(itertools.count(), map(held, read)))]
-                return
-            del self._snapshots[0], self._snapshot_ids[0]
+    def _prune(self, pulls: np.ndarray) -> None:
+        """Count the emitted documents (``pulls``: the serial of the pull that read each) out of
+        their snapshots and drop the oldest snapshots that no longer hold any: one ``bincount``
+        a step, whatever the number of snapshots that a released outlier frees at once."""
+        if pulls.size:
+            self._held = self._held - np.bincount(
+                pulls - self._snap_base, minlength=self._held.size
+            )
+        live = np.flatnonzero(self._held)
+        k = int(live[0]) if live.size else int(self._held.size)
+        if k:
+            del self._snapshots[:k]
+            self._held = self._held[k:]
+            self._snap_base += k
 
     def _replay(self, held: dict[int, int]) -> None:
         """Re-read the pulls since the oldest held document was read; keep the held documents."""
+        self._held = np.zeros(len(self._snapshots), np.int64)  # none held: dropped next step
         if not held:
             return
         if not self._snapshots:
             raise ValueError("checkpoint holds documents but no source snapshots")
         self.source.reset(self._snapshots[0][1])
-        for _, _, count in self._snapshots:
-            read = []
+        counts = []
+        for serial, (_, _, count) in enumerate(self._snapshots):
+            counts.append(0)
             for _ in range(count):
                 doc_id, tokens = self._unpack(next(self.source))
-                read.append(doc_id)
                 if doc_id in held:
                     if tokens.size != held[doc_id]:
                         raise RuntimeError(
@@ -323,7 +335,9 @@ class WLBPackingNode(BaseNode[dict]):
                             f"says {held[doc_id]}: the source is not deterministic"
                         )
                     self._tokens[doc_id] = tokens
-            self._snapshot_ids.append(read)
+                    self._snap_of[doc_id] = self._snap_base + serial
+                    counts[-1] += 1
+        self._held = np.asarray(counts, np.int64)
         missing = set(held) - set(self._tokens)
         if missing:
             raise RuntimeError(

@@ -144,21 +144,57 @@ class DocPool:
     def __len__(self) -> int:
         return int(self.ids.size)
 
+    @classmethod
+    def _of(
+        cls,
+        ids: np.ndarray,
+        lens: np.ndarray,
+        arrival: np.ndarray,
+        tag: np.ndarray,
+        pulled: np.ndarray,
+    ) -> DocPool:
+        """A pool of int64 array columns, kept as they are (no checks or conversions): the
+        per-step paths build several pools a step from columns that are int64 already."""
+        pool = cls.__new__(cls)
+        pool.ids, pool.lens, pool.arrival, pool.tag, pool.pulled = ids, lens, arrival, tag, pulled
+        return pool
+
     def subset(self, index: np.ndarray) -> DocPool:
-        return DocPool(*(getattr(self, f)[index] for f in self.FIELDS))
+        return DocPool._of(
+            self.ids[index],
+            self.lens[index],
+            self.arrival[index],
+            self.tag[index],
+            self.pulled[index],
+        )
 
     def take(self, mask: np.ndarray) -> DocPool:
         """Remove the documents selected by ``mask`` (bool or index array) and return them."""
+        if len(mask) == 0 or (mask.dtype == bool and not mask.any()):
+            return DocPool()  # nothing selected: this pool keeps every document
         sel = np.zeros(len(self), bool)
         sel[mask] = True
         out = self.subset(sel)
-        for f in self.FIELDS:
-            setattr(self, f, getattr(self, f)[~sel])
+        keep = ~sel
+        self.ids, self.lens, self.arrival, self.tag, self.pulled = (
+            self.ids[keep],
+            self.lens[keep],
+            self.arrival[keep],
+            self.tag[keep],
+            self.pulled[keep],
+        )
         return out
 
     @staticmethod
     def concat(pools: list[DocPool]) -> DocPool:
-        return DocPool(*(np.concatenate([getattr(p, f) for p in pools]) for f in DocPool.FIELDS))
+        pools = [p for p in pools if p.ids.size]
+        if len(pools) <= 1:  # columns are never changed in place, so they can be shared
+            return (
+                DocPool._of(*(getattr(pools[0], f) for f in DocPool.FIELDS)) if pools else DocPool()
+            )
+        return DocPool._of(
+            *(np.concatenate([getattr(p, f) for p in pools]) for f in DocPool.FIELDS)
+        )
 
     def state(self) -> dict[str, list[int]]:
         return {f: getattr(self, f).tolist() for f in self.FIELDS}
@@ -240,7 +276,8 @@ class Packer(ABC):
         t0 = time.thread_time()
         docs, mb = self._plan(ids, lens, flush)
         pack_ms = (time.thread_time() - t0) * 1e3
-        order = np.argsort(mb, kind="stable")
+        # Micro-batch numbers fit 16 bits: NumPy's stable sort is then a radix sort (same order).
+        order = np.argsort(mb.astype(np.int16) if self.n <= 2**15 else mb, kind="stable")
         bounds = np.searchsorted(mb[order], np.arange(self.n + 1)).tolist()
         ids_sorted, lens_sorted = docs.ids[order], docs.lens[order]
         out_ids = [ids_sorted[i:j] for i, j in zip(bounds, bounds[1:], strict=False)]

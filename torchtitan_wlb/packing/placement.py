@@ -16,9 +16,13 @@ _RUN_FRACTION = 0.7
 
 def water_level(loads: np.ndarray, extra: float) -> float:
     """Level reached if ``extra`` work is poured into the least-loaded bins (no caps)."""
-    s = np.sort(loads)
+    return _sorted_water_level(np.sort(loads), extra, np.arange(1, loads.size + 1))
+
+
+def _sorted_water_level(s: np.ndarray, extra: float, ranks: np.ndarray) -> float:
+    """:func:`water_level` of loads already sorted ascending; ``ranks``: ``1 .. s.size``."""
     cs = s.cumsum()
-    need = s * np.arange(1, s.size + 1) - cs  # work to raise the k lowest bins to s[k-1]
+    need = s * ranks - cs  # work to raise the k lowest bins to s[k-1]
     k = int(need.searchsorted(extra, side="right"))
     return float((cs[k - 1] + extra) / k)
 
@@ -56,25 +60,40 @@ def fill_rounds(
     if np.isfinite(limit):  # the rounds' first filter (below), before sorting: often most go
         rem = np.flatnonzero((costs <= limit - loads.min()) & (lens <= (cap - tokens).max()))
     rem = rem[np.argsort(-costs[rem], kind="stable")]  # stays sorted: rounds only remove some
+    ranks = np.arange(1, loads.size + 1)
+    bounded = bool(np.isfinite(limit))
     while rem.size:
         c, t = costs[rem], lens[rem]
         room = cap - tokens
-        if np.isfinite(limit):
+        if bounded:
             keep = (c <= limit - loads.min()) & (t <= room.max())
             if not keep.all():
                 rem, c, t = rem[keep], c[keep], t[keep]
                 if rem.size == 0:
                     break
         open_bins = room >= t.min()
-        if not open_bins.any():
+        n_open = int(np.count_nonzero(open_bins))
+        if not n_open:
             break
         cc = c.cumsum()
-        level = min(water_level(loads[open_bins], float(cc[-1])), limit)
-        elig = (open_bins & (loads < level)).nonzero()[0]
-        elig = elig[loads[elig].argsort(kind="stable")]
+        # One stable sort of the loads serves the water level (the open bins' sorted loads) and
+        # the eligible bins, least-loaded first (a stable order restricted to a subset is that
+        # subset's stable order).
+        by_load = loads.argsort(kind="stable")
+        sorted_loads = loads[by_load]
+        if n_open == loads.size:
+            level = min(_sorted_water_level(sorted_loads, float(cc[-1]), ranks), limit)
+            low = int(sorted_loads.searchsorted(level, side="left"))  # loads < level: a prefix
+            elig, elig_loads = by_load[:low], sorted_loads[:low]
+        else:
+            open_sorted = open_bins[by_load]
+            s_open = sorted_loads[open_sorted]
+            level = min(_sorted_water_level(s_open, float(cc[-1]), ranks[:n_open]), limit)
+            pick = open_sorted & (sorted_loads < level)
+            elig, elig_loads = by_load[pick], sorted_loads[pick]
         ok = np.zeros(rem.size, bool)
         if elig.size:
-            bounds = (_RUN_FRACTION * (level - loads[elig])).cumsum()
+            bounds = (_RUN_FRACTION * (level - elig_loads)).cumsum()
             start = cc - c
             n_in = int(start.searchsorted(bounds[-1], side="left"))  # a prefix: start grows
             slot = bounds.searchsorted(start[:n_in], side="right")  # run of each document
@@ -91,9 +110,11 @@ def fill_rounds(
             # Documents larger than the deficits: one LPT round (the k largest documents to the
             # k least-loaded bins, where k counts the bins LPT would fill before the least-loaded
             # bin's next turn).
-            asc = np.flatnonzero(open_bins)
-            asc = asc[np.argsort(loads[asc], kind="stable")]
-            asc = asc[loads[asc] < loads[asc[0]] + c[0]][: rem.size]
+            if n_open == loads.size:
+                asc, asc_loads = by_load, sorted_loads
+            else:
+                asc, asc_loads = by_load[open_sorted], s_open
+            asc = asc[: int(asc_loads.searchsorted(asc_loads[0] + c[0], side="left"))][: rem.size]
             k = asc.size
             fit = (t[:k] <= room[asc]) & (loads[asc] + c[:k] <= limit)
             if fit.any():
@@ -107,26 +128,29 @@ def fill_rounds(
             # proposes a bin (the k-th least-loaded for the k-th document, else its least-loaded
             # fitting bin); each bin takes its largest proposer. Documents that fit nowhere now
             # never will (bins only fill up) and are dropped. A document's least-loaded bin with
-            # room is the least-loaded of a prefix of the bins sorted by room: an N x N table,
-            # not a documents x N one.
+            # room is the least-loaded of a prefix of the bins sorted by room: a running minimum
+            # of the bins' places in the load order (ties: the lower bin), not a documents x N
+            # table.
             nb = loads.size
             by_room = np.argsort(-room, kind="stable")
-            rank = np.empty(nb, np.int64)
-            rank[by_room] = np.arange(nb)
-            prefix = rank[None, :] <= np.arange(nb)[:, None]
-            least = np.argmin(np.where(prefix, loads[None, :], np.inf), axis=1)
+            place = np.empty(nb, np.int64)
+            place[by_load] = ranks
+            least = by_load[np.minimum.accumulate(place[by_room]) - 1]
             with_room = nb - room[by_room][::-1].searchsorted(t, side="left")
             best = least[np.maximum(with_room - 1, 0)]
             placeable = (with_room > 0) & (loads[best] + c <= limit)
             rem, c, t, best = rem[placeable], c[placeable], t[placeable], best[placeable]
             if rem.size == 0:
                 break
-            asc = np.argsort(loads, kind="stable")
-            prop = asc[np.arange(rem.size) % nb]
+            prop = by_load[np.arange(rem.size) % nb]  # the loads have not changed this round
             fits_prop = (t <= room[prop]) & (loads[prop] + c <= limit)
             choice = np.where(fits_prop, prop, best)
             order = np.argsort(choice, kind="stable")  # each bin's first proposer:
-            first = order[np.diff(choice[order], prepend=-1) != 0]
+            by_bin = choice[order]
+            head = np.empty(by_bin.size, bool)
+            head[0] = True
+            np.not_equal(by_bin[1:], by_bin[:-1], out=head[1:])
+            first = order[head]
             out[rem[first]] = choice[first]
             loads[choice[first]] += c[first]
             tokens[choice[first]] += t[first]

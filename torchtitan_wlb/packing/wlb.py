@@ -365,9 +365,10 @@ class WLBPacker(_QueuedPacker):
         # NumPy calls on N-element arrays; ``loads`` stays in step for its (pairwise) sum.
         bin_load, bin_tok = loads.tolist(), tokens.tolist()
         cost_of, len_of = costs.tolist(), lens.tolist()
+        fewest = min(bin_tok, default=0)  # no bin has room for a longer outlier than cap - this
         for i in np.flatnonzero(fits).tolist():  # O(#waiting outliers), bounded by the queues
             d = len_of[i]
-            if d > token_budget:
+            if d > token_budget or fewest > cap - d:
                 continue
             room, j, low = cap - d, -1, np.inf
             for b in range(n):  # the least-loaded bin with room (the first of equals)
@@ -382,6 +383,7 @@ class WLBPacker(_QueuedPacker):
             out[i] = j
             bin_load[j] += c
             bin_tok[j] += d
+            fewest = min(bin_tok)
             loads[j], tokens[j] = bin_load[j], bin_tok[j]
             token_budget -= d
         if must_balance:
