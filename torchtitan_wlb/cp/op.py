@@ -122,8 +122,8 @@ def _backward_local(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, kv_order: Tensor, cus: tuple[Tensor, ...],
     sizes: list[int], group_name: str, scale: float, backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """Backward on local tensors. Runs in the autograd engine's context, not inside a custom-op
-    body, where autograd dispatch is off and the recompute could not be differentiated."""
+    """Backward on local tensors, in the autograd engine's context: inside a custom-op body
+    autograd dispatch is off and the recompute could not be differentiated."""
     max_gather, n_gather = sizes[5], sizes[6]
     with torch.no_grad():
         k_glob, v_glob = _all_gather_kv(k, v, kv_order, sizes, group_name)

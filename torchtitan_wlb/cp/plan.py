@@ -87,8 +87,7 @@ class CPPlan:
 
     @property
     def max_gather_len(self) -> int:
-        """Rows per rank of the CP op's all-gather buffer: the most gathered tokens on one rank
-        (0: nothing to gather, the op skips the collective)."""
+        """Rows per rank of the CP op's all-gather buffer (0: the op skips the collective)."""
         return int(self.gather_lens.max())
 
     @property
@@ -132,8 +131,7 @@ class CPPlan:
 
     @cached_property
     def _doc_key_start(self) -> np.ndarray:
-        """``[n_docs]`` start of each gathered document in the gathered key order (the packed order
-        with whole documents left out); cached, as ``kv_order`` and every rank's spec need it."""
+        """``[n_docs]`` start of each gathered document in the gathered key order (cached)."""
         if self.gathered_len == self.seq_len:
             return self.doc_cu[:-1]
         gathered = np.where(self.doc_gathered, self.doc_lens, 0)

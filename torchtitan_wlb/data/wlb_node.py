@@ -298,8 +298,7 @@ class WLBPackingNode(BaseNode[dict]):
 
     def _prune(self, pulls: np.ndarray) -> None:
         """Count the emitted documents (``pulls``: the serial of the pull that read each) out of
-        their snapshots and drop the oldest snapshots that no longer hold any: one ``bincount``
-        a step, whatever the number of snapshots that a released outlier frees at once."""
+        their snapshots and drop the oldest snapshots that no longer hold any (one ``bincount``)."""
         if pulls.size:
             self._held = self._held - np.bincount(
                 pulls - self._snap_base, minlength=self._held.size

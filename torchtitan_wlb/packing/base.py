@@ -149,7 +149,13 @@ class DocPool:
         return pool
 
     def subset(self, index: np.ndarray) -> DocPool:
-        return DocPool._of(*(getattr(self, f)[index] for f in self.FIELDS))
+        return DocPool._of(
+            self.ids[index],
+            self.lens[index],
+            self.arrival[index],
+            self.tag[index],
+            self.pulled[index],
+        )
 
     def take(self, mask: np.ndarray) -> DocPool:
         """Remove the documents selected by ``mask`` (bool or index array) and return them."""
@@ -159,8 +165,13 @@ class DocPool:
         sel[mask] = True
         out = self.subset(sel)
         keep = ~sel
-        for f in self.FIELDS:
-            setattr(self, f, getattr(self, f)[keep])
+        self.ids, self.lens, self.arrival, self.tag, self.pulled = (
+            self.ids[keep],
+            self.lens[keep],
+            self.arrival[keep],
+            self.tag[keep],
+            self.pulled[keep],
+        )
         return out
 
     @staticmethod
