@@ -1,6 +1,5 @@
-"""The attention metadata the model receives through ``attention_masks``: the model's attention
-does not know whether context parallelism is on (``cp`` is built on this package, so this package
-only knows the :class:`ContextParallelAttention` protocol).
+"""The attention metadata the model receives through ``attention_masks``, with or without context
+parallelism (``cp`` is built on this package, which knows only a protocol of it).
 """
 
 from __future__ import annotations

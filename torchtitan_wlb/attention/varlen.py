@@ -34,15 +34,10 @@ def document_attention(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
     max_seqlen_q: int, max_seqlen_k: int, *, scale: float | None = None, backend: str = "auto",
 ) -> Tensor:  # fmt: skip
-    """Causal attention within segments of a packed sequence, in flash-attn's varlen layout:
-    ``q [total_q, n_heads, head_dim]``, ``k, v [total_k, n_kv_heads, head_dim]`` (GQA), segment
-    ``i`` of q attending only to segment ``i`` of k/v (``int32 cu_seqlens`` from 0 to the totals;
-    ``max_seqlen`` sizes the CUDA kernels' grids); ``scale`` defaults to ``1/sqrt(head_dim)``.
-
-    Returns ``[total_q, n_heads, head_dim]``. Causality is aligned bottom-right: query ``j`` of a
-    segment with ``l_q`` queries and ``l_k`` keys sees keys ``0 .. l_k - l_q + j``; a query that
-    sees no key (``l_q > l_k``) gets zeros.
-    """
+    """Causal attention of segment ``i`` of q ``[total_q, n_heads, head_dim]`` to segment ``i`` of
+    k, v ``[total_k, n_kv_heads, head_dim]`` (flash-attn's varlen layout, GQA; int32 ``cu_seqlens``
+    from 0 to the totals), aligned bottom-right: query ``j`` of ``l_q`` sees keys
+    ``0 .. l_k - l_q + j`` (none: zeros). Returns q's shape; ``scale``: ``1/sqrt(head_dim)``."""
     check_qkv(q, k, v)
     _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale

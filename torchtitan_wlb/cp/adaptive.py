@@ -1,7 +1,5 @@
 """Choosing a micro-batch's CP sharding: a fixed strategy, or adaptive selection by predicted time
-(the slowest rank's attention from the measured profile, plus the K/V it gathers over the CP
-bandwidth; why each strategy can win: docs/context_parallel.md). It sits above both the plan and
-the profile, so that neither depends on the other.
+(docs/context_parallel.md). It sits above both the plan and the profile, so neither needs the other.
 """
 
 from __future__ import annotations
@@ -69,12 +67,9 @@ def build_cp_plan(
     bandwidth_gbps: float = DEFAULT_CP_BANDWIDTH_GBPS,
     candidates: tuple[str, ...] = ADAPTIVE_CANDIDATES,
 ) -> CPPlan:
-    """Plan the CP split over ``cp_degree`` ranks of one packed micro-batch of ``doc_lens`` (in
-    packed order; summing to ``seq_len`` if given) by ``strategy``, one of :data:`STRATEGIES`
-    (``[wlb] cp_sharding``; ``hybrid_max_len`` and ``bandwidth_gbps`` are the ``[wlb] cp_*`` fields
-    of the same names). ``"adaptive"`` picks among ``candidates`` by their predicted seconds on
-    ``profile`` (object or JSON path; None: the packaged CPU table), recorded in the plan's
-    ``estimated_seconds``; a tie keeps the earlier candidate."""
+    """The CP plan of one packed micro-batch of ``doc_lens`` by ``strategy`` (``[wlb] cp_*``
+    fields). ``"adaptive"`` picks among ``candidates`` by their predicted seconds on ``profile``
+    (None: the packaged CPU table), kept in the plan's ``estimated_seconds``; ties: the earlier."""
     if strategy not in STRATEGIES:
         raise ValueError(f"CP strategy {strategy!r} is not one of {STRATEGIES}")
     lens = validate_doc_lens(doc_lens, cp_degree, seq_len)
@@ -91,6 +86,6 @@ def build_cp_plan(
     estimates = {
         name: sum(predicted_seconds(d, table, bandwidth_gbps)) for name, d in drafts.items()
     }
-    chosen = drafts[min(estimates, key=estimates.get)].plan(requested=strategy)  # ties: the earlier
+    chosen = drafts[min(estimates, key=estimates.get)].plan(requested=strategy)
     chosen.estimated_seconds.update(estimates)
     return chosen

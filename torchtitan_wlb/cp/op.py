@@ -22,9 +22,8 @@ from torchtitan_wlb.attention.varlen import check_qkv, document_attention, resol
 
 @dataclass
 class CPAttentionMetadata:
-    """One rank's share of a CP plan, in the form the op consumes (tensors on the compute device):
-    its :class:`~torchtitan_wlb.cp.plan.LocalAttentionSpec` (``n_head_tokens`` on) with the arrays
-    as tensors, and what the collectives need."""
+    """One rank's share of a CP plan as the op consumes it: what the collectives need, then its
+    :class:`~torchtitan_wlb.cp.plan.LocalAttentionSpec` with the arrays as device tensors."""
 
     group_name: str  # the CP process group's ProcessGroup.group_name
     cp_rank: int  # this rank's index in the CP group
@@ -42,7 +41,7 @@ class CPAttentionMetadata:
     max_seqlen_whole: int
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, *, backend: str = "auto") -> Tensor:
-        """:func:`cp_attention` with this metadata (what ``attention_from_metadata`` calls)."""
+        """:func:`cp_attention` with this metadata."""
         return cp_attention(q, k, v, self, backend=backend)
 
 
@@ -123,8 +122,8 @@ def _backward_local(
     grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, kv_order: Tensor, cus: tuple[Tensor, ...],
     sizes: list[int], group_name: str, scale: float, backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """Backward on local tensors. Runs in the autograd engine's context, not inside a custom-op
-    body, where autograd dispatch is off and the recompute could not be differentiated."""
+    """Backward on local tensors, in the autograd engine's context: inside a custom-op body
+    autograd dispatch is off and the recompute could not be differentiated."""
     max_gather, n_gather = sizes[5], sizes[6]
     with torch.no_grad():
         k_glob, v_glob = _all_gather_kv(k, v, kv_order, sizes, group_name)

@@ -36,15 +36,13 @@ def causal_pairs(q_len: np.ndarray, kv_len: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class LocalAttentionSpec:
-    """One rank's varlen calls: its head and tail halves against the gathered keys (zero-query
-    "gap" segments interleaved so that key segments are contiguous), and hybrid's whole documents,
-    local tokens ``[n_gather_tokens:]``, against themselves. ``(head, tail)`` pairs: one per half,
-    query boundaries counted from each half's start, key boundaries in the gathered key order."""
+    """One rank's varlen calls: head and tail halves against the gathered keys (zero-query "gap"
+    segments keep key segments contiguous), hybrid's whole documents against themselves."""
 
     n_head_tokens: int  # local tokens of the head half (the tail half follows them)
     n_gather_tokens: int  # local tokens whose K/V are all-gathered (whole documents follow)
-    cu_seqlens_q: tuple[np.ndarray, np.ndarray]  # int32 query boundaries
-    cu_seqlens_k: tuple[np.ndarray, np.ndarray]  # int32 key boundaries
+    cu_seqlens_q: tuple[np.ndarray, np.ndarray]  # (head, tail) int32, from each half's start
+    cu_seqlens_k: tuple[np.ndarray, np.ndarray]  # (head, tail) int32, in gathered key order
     max_seqlen_q: tuple[int, int]  # longest query segment
     max_seqlen_k: tuple[int, int]  # longest key segment (gaps included)
     cu_seqlens_whole: np.ndarray  # int32 whole-document boundaries ([0] when the rank has none)
@@ -89,8 +87,7 @@ class CPPlan:
 
     @property
     def max_gather_len(self) -> int:
-        """Rows per rank of the CP op's all-gather buffer: the most gathered tokens on one rank
-        (0: nothing to gather, the op skips the collective)."""
+        """Rows per rank of the CP op's all-gather buffer (0: the op skips the collective)."""
         return int(self.gather_lens.max())
 
     @property
@@ -127,17 +124,14 @@ class CPPlan:
         return tokens, positions
 
     def token_indices(self, rank: int) -> np.ndarray:
-        """``[local_lens[rank]]`` indices into the packed sequence of the tokens ``rank`` keeps."""
         return self.rank_indices(rank)[0]
 
     def positions(self, rank: int) -> np.ndarray:
-        """``[local_lens[rank]]`` per-document positions (RoPE) of the tokens ``rank`` keeps."""
         return self.rank_indices(rank)[1]
 
     @cached_property
     def _doc_key_start(self) -> np.ndarray:
-        """``[n_docs]`` start of each gathered document in the gathered key order (the packed order
-        with whole documents left out); cached, as ``kv_order`` and every rank's spec need it."""
+        """``[n_docs]`` start of each gathered document in the gathered key order (cached)."""
         if self.gathered_len == self.seq_len:
             return self.doc_cu[:-1]
         gathered = np.where(self.doc_gathered, self.doc_lens, 0)
@@ -244,11 +238,9 @@ def _arange(n: int) -> np.ndarray:
 # ----------------------------------------------------------------------------------- building
 @dataclass(frozen=True)
 class ShardingDraft:
-    """One fixed strategy's segments before the local layout is built: what a cost estimate
-    needs, so that adaptive selection builds the winner's layout only. Fields as in
-    :class:`CPPlan`, and ``table``, the strategy's raw segment table (per-document: the
-    ``[n_docs, 2c]`` chunk sizes and starts; per-sequence: the segment arrays, slot-major; hybrid:
-    the segment arrays, document-major, then ``doc_gathered``)."""
+    """One fixed strategy's segments without the local layout (what a cost estimate needs: adaptive
+    selection lays out the winner only). ``table``: per-document, ``[n_docs, 2c]`` chunk sizes and
+    starts; else :class:`CPPlan`'s segment arrays (hybrid: document-major, then doc_gathered)."""
 
     strategy: str
     doc_lens: np.ndarray
@@ -278,8 +270,7 @@ class ShardingDraft:
         return np.ones(len(self.doc_lens), dtype=bool)
 
     def rank_totals(self, per_segment: np.ndarray) -> np.ndarray:
-        """``[c]`` sums of a per-segment quantity (shaped as ``q_len``) over each rank's head and
-        tail slot."""
+        """``[c]`` sums of a per-segment quantity (shaped as ``q_len``) over each rank's slots."""
         c = self.cp_degree
         if self.strategy == "per_document":
             slot = per_segment.sum(axis=0)  # [n_docs, 2c] -> per slot, no per-segment slot array
@@ -288,8 +279,7 @@ class ShardingDraft:
         return slot[:c] + slot[::-1][:c]
 
     def kv_gather_bytes(self, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-        """:meth:`CPPlan.kv_gather_bytes` of the plan this draft becomes, without building it
-        (what a cost estimate of the gather needs)."""
+        """:meth:`CPPlan.kv_gather_bytes` of the plan this draft becomes, without building it."""
         q_len = self.q_len
         if self.strategy == "hybrid":
             q_len = np.where(self.table[6][self.table[0]], q_len, 0)
@@ -368,8 +358,7 @@ def draft_sharding(
 
 
 def validate_doc_lens(doc_lens: Any, cp_degree: Any, seq_len: int | None = None) -> np.ndarray:
-    """``doc_lens`` as int64 after checking it against ``cp_degree`` (and ``seq_len`` if given);
-    a ``ValueError`` names the offending value."""
+    """``doc_lens`` as int64, checked against ``cp_degree`` (and ``seq_len`` if given)."""
     lens = np.asarray(doc_lens)
     if lens.ndim != 1 or lens.size == 0 or not np.issubdtype(lens.dtype, np.integer):
         raise ValueError(
@@ -394,8 +383,7 @@ def validate_doc_lens(doc_lens: Any, cp_degree: Any, seq_len: int | None = None)
 
 
 def _per_document_chunks(lens: np.ndarray, c: int) -> tuple[np.ndarray, np.ndarray]:
-    """``[n_docs, 2c]`` chunk sizes and chunk starts (inside each document) of per-document
-    sharding."""
+    """``[n_docs, 2c]`` chunk sizes and starts (inside each document) of per-document sharding."""
     two_c = 2 * c
     base, rem = np.divmod(lens, two_c)
     # Remainder dealing with a counter carried across documents: document i starts where i-1 ended.
@@ -647,6 +635,5 @@ def _hybrid(lens: np.ndarray, c: int, max_len: int) -> tuple[tuple[np.ndarray, .
 
 
 def auto_hybrid_max_len(lens: np.ndarray, cp_degree: int) -> int:
-    """Hybrid's automatic whole-document threshold for one micro-batch (``max_len = 0``, see
-    :func:`_hybrid`): never below :func:`default_hybrid_max_len`."""
+    """Hybrid's automatic threshold for one micro-batch, never below the default floor."""
     return _hybrid(np.asarray(lens, dtype=np.int64), int(cp_degree), 0)[1]

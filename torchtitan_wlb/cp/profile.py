@@ -1,8 +1,7 @@
 """Achieved attention throughput by (q_len, kv_len): the table adaptive CP selection looks up.
 
 Measured, because a kernel runs small query chunks far below its peak (a 128-row tile holding 20
-queries is mostly padding), and by how much depends on kernel and hardware (docs/context_parallel.md:
-the table's definition, the shipped CPU table and how to measure one).
+queries is mostly padding) by an amount kernel and hardware decide (docs/context_parallel.md).
 """
 
 from __future__ import annotations
@@ -214,9 +213,8 @@ def measure_profile(
 
 
 def _median_seconds(args: tuple, grad, backend: str, dev, repeats: int) -> float:
-    """Median seconds of ``document_attention(*args)`` forward + backward after one warm-up: CUDA
-    wall-clock after a synchronise; on CPU this process's CPU time, so that other jobs on a shared
-    machine do not inflate it (``tools.cp_profile`` runs one torch thread)."""
+    """Median seconds of ``document_attention(*args)`` forward + backward after one warm-up; on
+    CPU this process's CPU time, so that other jobs on a shared machine do not inflate it."""
     import torch
 
     from torchtitan_wlb.attention import document_attention

@@ -1,8 +1,6 @@
 """torch's CP load-balancer interface, both ways: this project's plans as a torch ``_LoadBalancer``
-(:class:`PlanLoadBalancer`, for CP code written against torch's API, TorchTitan's included), and
-torch 2.13's own balancers run on a micro-batch and measured by the tokens each rank ends up with,
-as ``_context_parallel_shard`` cuts them (:func:`torch_assignment`): what torch's code does, not
-what it is meant to do. How each is padded and measured: docs/benchmarks_cp.md.
+(for CP code written against torch's API), and torch's own balancers measured by the tokens each
+rank ends up with (what torch's code does, not what it is meant to do; docs/benchmarks_cp.md).
 """
 
 from __future__ import annotations
@@ -20,10 +18,8 @@ from torchtitan_wlb.cp.plan import ATTENTION_TILE, CPPlan, draft_sharding, valid
 
 
 class PlanLoadBalancer(_LoadBalancer):
-    """This project's CP plans behind torch's ``_LoadBalancer`` interface (usage, arguments and
-    layout: docs/context_parallel.md): ``seq_length_per_doc`` per batch row as torch's per-document
-    balancer takes it, a fixed ``strategy`` of ``draft_sharding`` with its ``plan_kwargs``.
-    ``plans`` holds one :class:`CPPlan` per row; ``seq_length`` is the padded buffer length."""
+    """This project's CP plans (a fixed ``strategy``, one :class:`CPPlan` per batch row in
+    ``plans``) behind torch's ``_LoadBalancer`` interface; usage: docs/context_parallel.md."""
 
     def __init__(
         self,
@@ -81,9 +77,8 @@ class Assignment:
 def assignment_stats(
     a: Assignment, kv_bytes_per_token: float, small: int = SMALL_CHUNK, short_doc_len: int = 0
 ) -> dict:
-    """FLOPs / token imbalance, K/V bytes received per rank and chunks under ``small`` tokens: runs
-    of one document's tokens on one rank, of documents cut over several ranks (the keys:
-    docs/benchmarks_cp.md; ``short_doc_len``: hybrid's whole-document threshold)."""
+    """FLOPs / token imbalance, K/V bytes received per rank and chunks (runs of a cut document on
+    one rank) under ``small`` tokens (``short_doc_len``: hybrid's threshold); docs/benchmarks_cp.md."""
     lens, c = a.doc_lens, a.cp_degree
     doc = np.repeat(np.arange(lens.size), lens)
     starts = np.cumsum(lens) - lens

@@ -1,8 +1,7 @@
 """From packed micro-batches to the tensors TorchTitan's training step consumes (docs/data.md).
 
-The packing node yields one item per optimizer step, ``train_step`` pulls one micro-batch at a
-time; the state (the source's state before the step, micro-batches handed out) lets a checkpoint
-taken between micro-batches resume exactly.
+The state (the source's state before the step, micro-batches handed out) lets a checkpoint taken
+between micro-batches of a step resume exactly.
 """
 
 from __future__ import annotations
@@ -62,10 +61,8 @@ def collate_micro_batch(
 
 
 class MicroBatchNode(BaseNode[BatchT]):
-    """Unrolls the packing node's per-step items (``{"micro_batches": [{"tokens", "doc_lens",
-    ...}], "stats": {...}}``) into per-micro-batch tensors, with ``doc_ids`` when packed and the
-    step's ``wlb_stats`` on its first micro-batch; ``reset_positions`` restarts RoPE positions at
-    every document."""
+    """Unrolls the packing node's per-step items into per-micro-batch tensors (``wlb_stats`` on a
+    step's first); ``reset_positions`` restarts RoPE positions at every document."""
 
     def __init__(self, source: BaseNode, reset_positions: bool = True) -> None:
         super().__init__()

@@ -38,10 +38,9 @@ WLB_KNOBS = {
 
 
 class WLBDataLoader(BaseDataLoader):
-    """A stateful loader over a torchdata node graph (``root`` yields ``(input_dict, labels)``),
-    checkpointed per DP rank with :func:`data_fingerprint`; ``packer`` lets :meth:`accounting`
-    read pending documents out of a state; ``cost_schedule`` is the online cost model's schedule
-    the packing node reads (the trainer's fitter writes it)."""
+    """A stateful loader over a torchdata node graph, checkpointed per DP rank with
+    :func:`data_fingerprint`; ``packer`` lets :meth:`accounting` read pending documents out of a
+    state; ``cost_schedule``: the online cost model's, written by the trainer's fitter."""
 
     def __init__(
         self,
@@ -228,8 +227,7 @@ def build_wlb_dataloader(
     job_config: JobConfig,
     cost_model: CostModel | None = None,
 ) -> BaseDataLoader:
-    """TrainSpec.build_dataloader_fn of ``llama3_wlb``; the train spec binds ``cost_model`` (the
-    workload model the packer balances) from the model flavor."""
+    """TrainSpec.build_dataloader_fn of ``llama3_wlb`` (``cost_model``: bound by the train spec)."""
     wlb = job_config.wlb
     if wlb.loader == "torchtitan":
         from torchtitan.hf_datasets.text_datasets import build_text_dataloader

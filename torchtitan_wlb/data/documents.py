@@ -20,11 +20,9 @@ _STATE = ("epoch", "texts_done", "pieces_done", "next_doc_id", "truncated_tokens
 
 
 class DocumentNode(BaseNode[dict]):
-    """Tokenized documents from a :class:`TextSource` (``tokenizer``: anything with
-    ``encode(text, add_bos=..., add_eos=...)``): ``{"doc_id", "tokens" (int32), "parent_id",
-    "piece", "epoch"}`` per piece (``doc_id`` counts pieces from 0, ``parent_id`` is the text's
-    index in its epoch) of at most ``max_doc_len`` tokens, longer texts cut by ``policy``
-    (docs/data.md, "Long documents"), over ``epochs`` passes (0: forever, TorchTitan's default)."""
+    """Tokenized documents from a :class:`TextSource`, one item per piece of at most
+    ``max_doc_len`` tokens (``doc_id`` counts pieces, ``parent_id`` the text), longer texts cut by
+    ``policy`` (docs/data.md), over ``epochs`` passes (0: forever, TorchTitan's default)."""
 
     _LOG_AT = frozenset({1, 10, 100, 1_000})  # truncated documents logged, then every 10,000th
 
@@ -117,9 +115,8 @@ class DocumentNode(BaseNode[dict]):
         return next(self._it)
 
     def read_documents(self, min_tokens: int) -> tuple[list[int], list[np.ndarray]]:
-        """The next documents' ids and tokens, until their tokens reach ``min_tokens`` (the
-        crossing one included) or the data ends: a batched ``next`` for the packing node, which
-        then checks the batch with array operations instead of one item at a time."""
+        """The next documents' ids and tokens until they reach ``min_tokens`` or the data ends: a
+        batched ``next``, which the packing node checks with array operations."""
         if self._it is None:
             self.reset(None)
         ids: list[int] = []

@@ -1,10 +1,8 @@
 """torchdata node that packs a document stream into per-step micro-batches with a packer.
 
-Input: a ``BaseNode`` yielding ``{"doc_id": int, "tokens": np.ndarray}``. Output: one item per
-optimizer step, ``{"micro_batches": [{"tokens", "doc_lens", "doc_ids"}, ...], "stats": {...}}``
-with this DP rank's ``N // dp`` micro-batches of the global plan. Every DP rank computes the same
-plan from the same stream, so no communication is needed. The state holds source snapshots
-instead of tokens, which a restore re-reads (docs/packing.md, "The torchdata node").
+Every DP rank computes the same global plan from the same stream (no communication) and yields its
+``N // dp`` micro-batches. The state holds source snapshots, not tokens: a restore re-reads them
+(items and state: docs/packing.md, "The torchdata node").
 """
 
 from __future__ import annotations
@@ -50,11 +48,9 @@ def as_tokens(doc_id: int, tokens: Any) -> np.ndarray:
 
 
 class WLBPackingNode(BaseNode[dict]):
-    """Packs documents into ``N`` micro-batches per step and yields this DP rank's share.
-
-    ``schedule`` (the online cost model's) sets the packer's cost model before every plan, by
-    step number, so every DP rank and a resumed run pack each step with the same model.
-    """
+    """Packs documents into ``N`` micro-batches per step and yields this DP rank's share;
+    ``schedule`` sets the packer's cost model by step number, so that every DP rank and a resumed
+    run pack each step with the same model."""
 
     POOL_SIZE = 4
     """Output buffers kept for reuse; when all are still referenced a fresh one is not kept."""
@@ -302,8 +298,7 @@ class WLBPackingNode(BaseNode[dict]):
 
     def _prune(self, pulls: np.ndarray) -> None:
         """Count the emitted documents (``pulls``: the serial of the pull that read each) out of
-        their snapshots and drop the oldest snapshots that no longer hold any: one ``bincount``
-        a step, whatever the number of snapshots that a released outlier frees at once."""
+        their snapshots and drop the oldest snapshots that no longer hold any (one ``bincount``)."""
         if pulls.size:
             self._held = self._held - np.bincount(
                 pulls - self._snap_base, minlength=self._held.size

@@ -1,8 +1,7 @@
 """The ``llama3_wlb`` model: TorchTitan's Llama 3 with document-masked attention.
 
-Only the attention's inner computation changes (its documents, or the rank's CP metadata, arrive
-through TorchTitan's ``attention_masks`` keyword); everything else, parallelisation plans
-included, is TorchTitan's own (subclassed or called, never copied).
+Only the attention's inner computation changes (its metadata arrives through ``attention_masks``);
+everything else, parallelisation plans included, is TorchTitan's own (subclassed, never copied).
 """
 
 from __future__ import annotations
@@ -144,9 +143,8 @@ def parallelize_llama_wlb(model: nn.Module, parallel_dims: Any, job_config: JobC
 
 
 def cost_model_for_job(job_config: JobConfig) -> CostModel:
-    """The workload model W(d) the packers and the CP planner use for this job, as ``[wlb]
-    cost_model`` says (docs/configuration.md); "analytic" is per rank, from the flavor's dims and
-    the TP/CP degrees, and "online" starts from the profile if one is given, else from it."""
+    """The workload model W(d) of this job by ``[wlb] cost_model`` (docs/configuration.md);
+    "online" starts from the profile if one is given, else from the analytic (per-rank) model."""
     wlb = job_config.wlb
     if wlb.cost_model == "coefficients":
         return CostModel.from_coefficients(wlb.attn_coef, wlb.linear_coef)

@@ -1,7 +1,6 @@
 """The packer interface: documents (ids and lengths) in, one global plan of ``N`` micro-batches
-per optimizer step out. A packer is a deterministic function of the documents it was given, so
-every data-parallel rank computes the same plan without communication; its state is plain arrays,
-so a restored packer continues bit-for-bit. Driven by :mod:`~torchtitan_wlb.packing.driver`.
+per optimizer step out. Deterministic, so every data-parallel rank computes the same plan without
+communication; its state is plain arrays, so a restored packer continues bit-for-bit.
 """
 
 from __future__ import annotations
@@ -114,13 +113,11 @@ def _column(value: np.ndarray | int, n: int) -> np.ndarray:
 
 
 class DocPool:
-    """Documents held by a packer as parallel int64 columns, so that selection and state are
-    vectorised.
+    """Documents held by a packer as parallel int64 columns (vectorised selection and state).
 
-    ``arrival``: the step the document entered the packing order (delays and the max wait count
-    from it). ``pulled``: the step it was read from the stream; earlier than ``arrival`` only for
-    documents ``wlb`` handed back, and it tells the data node how far back to replay its source
-    on restore. ``tag``: packer-specific (``wlb``'s queue level, a windowed packer's micro-batch).
+    ``arrival``: the step the document entered the packing order (delays count from it).
+    ``pulled``: the step it was read, earlier only for documents ``wlb`` handed back. ``tag``:
+    packer-specific (``wlb``'s queue level, a windowed packer's micro-batch).
     """
 
     FIELDS = ("ids", "lens", "arrival", "tag", "pulled")
@@ -133,9 +130,8 @@ class DocPool:
         tag: np.ndarray | int = 0,
         pulled: np.ndarray | int | None = None,
     ) -> None:
-        """Documents ``ids`` of lengths ``lens``; scalar columns are broadcast, ``pulled``
-        defaults to ``arrival``. Array columns are kept, not copied: pools never change a column
-        in place, they replace it."""
+        """Scalar columns are broadcast (``pulled`` defaults to ``arrival``); array columns are
+        kept, not copied: pools never change a column in place, they replace it."""
         n = len(ids)
         self.ids, self.lens = _column(ids, n), _column(lens, n)
         self.arrival, self.tag = _column(arrival, n), _column(tag, n)
@@ -145,18 +141,11 @@ class DocPool:
         return int(self.ids.size)
 
     @classmethod
-    def _of(
-        cls,
-        ids: np.ndarray,
-        lens: np.ndarray,
-        arrival: np.ndarray,
-        tag: np.ndarray,
-        pulled: np.ndarray,
-    ) -> DocPool:
-        """A pool of int64 array columns, kept as they are (no checks or conversions): the
-        per-step paths build several pools a step from columns that are int64 already."""
+    def _of(cls, *columns: np.ndarray) -> DocPool:
+        """A pool of the int64 array columns :data:`FIELDS`, kept as they are (no checks or
+        conversions): the per-step paths build several pools a step from int64 columns."""
         pool = cls.__new__(cls)
-        pool.ids, pool.lens, pool.arrival, pool.tag, pool.pulled = ids, lens, arrival, tag, pulled
+        pool.ids, pool.lens, pool.arrival, pool.tag, pool.pulled = columns
         return pool
 
     def subset(self, index: np.ndarray) -> DocPool:
@@ -207,11 +196,8 @@ class DocPool:
 
 
 class Packer(ABC):
-    """Base of all packers: validation, step counting, metrics and state.
-
-    The documents a packer holds live in the :class:`DocPool` attributes named by ``_pools``
-    (``carry``: regular documents that did not fit, placed first next step).
-    """
+    """Base of all packers: validation, step counting, metrics and state. The documents a packer
+    holds live in the :class:`DocPool` attributes named by ``_pools`` (``carry``: did not fit)."""
 
     name: str = "base"
     variable_length: bool = False
@@ -252,8 +238,7 @@ class Packer(ABC):
         return []
 
     def check_lengths(self, ids: np.ndarray, lens: np.ndarray) -> None:
-        """Lengths must be in ``[1, cap]``: a longer document can never be placed, so the loader
-        must split it first; an error here rather than a silent drop."""
+        """Lengths in ``[1, cap]``: a longer document can never be placed; an error, not a drop."""
         if lens.size and int(lens.min()) < 1:
             k = int(np.argmax(lens < 1))
             raise ValueError(f"document {int(ids[k])} has length {lens[k]}; lengths must be >= 1")

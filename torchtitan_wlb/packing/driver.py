@@ -58,11 +58,8 @@ def next_plan(packer: Packer, stream: DocumentStream) -> PackedStep | None:
 
 class LengthStream:
     """Document lengths in stream order, pulled by the budget rule; document ``i`` has id ``i``.
-
-    ``pos`` and ``exhausted`` resume a stream part-way. ``end_of_data=False``: a sample of a
-    longer stream (tuning, the simulator's window), whose end is not the data's end, so the
-    packer is never flushed.
-    """
+    ``pos`` and ``exhausted`` resume a stream part-way; ``end_of_data=False``: a sample (tuning,
+    the simulator's window), whose end is not the data's, so the packer is never flushed."""
 
     def __init__(
         self,

@@ -81,11 +81,9 @@ def _step_ratios(plan: DrainPlan, costs: np.ndarray, n: int) -> tuple[np.ndarray
 def _top_up_last(
     plan: DrainPlan, costs: np.ndarray, lens: np.ndarray, n: int, cap: int
 ) -> DrainPlan:
-    """Two final steps: the second holds what is left over, often one document beside a few short
-    ones, the slowest step relative to its mean. Fill documents of the first step (each micro-batch
-    keeps its costliest document) move into it up to its own heaviest micro-batch, which costs no
-    time (the first step only loses work; the second's maximum stays). Kept only if the worse of
-    the two steps' max/mean improves."""
+    """With two final steps, fill documents of the first (each micro-batch keeps its costliest)
+    move into the second up to its heaviest micro-batch, at no cost in time; kept only if the worse
+    of the two steps' max/mean improves (docs/packing.md, "The end of the data")."""
     if plan.steps != 2:  # with more, the steps after the first are planned again next step
         return plan
     last = plan.steps - 1

@@ -59,10 +59,8 @@ class FixedGreedyPacker(Packer):
         return max(0, self.g * self.n * self.config.context_len - int(self.carry.lens.sum()))
 
     def _assign(self, pool: DocPool) -> np.ndarray:
-        """Global micro-batch (0 .. G*N-1) of every document of ``pool``; -1 = carry.
-
-        Carried documents (arrived before this step) are placed first: none is carried twice in
-        a row while new ones still have room (no starvation).
+        """Global micro-batch (0 .. G*N-1) of every document of ``pool``; -1 = carry. Carried
+        documents are placed first: none is carried twice while new ones have room (no starvation).
         """
         loads = np.zeros(self.g * self.n)
         tokens = np.zeros(self.g * self.n, np.int64)

@@ -30,11 +30,9 @@ def solve_minmax(
     warm_start: np.ndarray | None = None,
     node_limit: int | None = None,
 ) -> SolveResult:
-    """Min-max assignment of all documents to ``n_bins`` micro-batches of at most ``cap`` tokens.
-
-    ``warm_start`` (a feasible assignment) seeds HiGHS and is returned if nothing better is found
-    within the limits: ``node_limit`` branch-and-bound nodes (deterministic), ``time_limit``
-    seconds (not). Raises ``ValueError`` if the documents cannot fit and no warm start is given.
+    """Min-max assignment of all documents to ``n_bins`` micro-batches of at most ``cap`` tokens;
+    ``warm_start`` (feasible) seeds HiGHS and is kept unless beaten within the limits
+    (``node_limit``: deterministic; ``time_limit``: not). No fit and no warm start: ``ValueError``.
     """
     import highspy  # only the solver needs it; the packer registry imports this module
 

@@ -31,8 +31,7 @@ def simulate(
     name: str, lengths: np.ndarray, config: PackingConfig, cost_model: CostModel, steps: int
 ) -> tuple[float, float]:
     """Mean imbalance and token-weighted delay of the first ``steps`` steps of packer ``name``
-    (fewer if the sample ends first); what is still pending then is not counted, as in a long run.
-    """
+    (fewer if the sample ends first); documents still pending are not counted, as in a long run."""
     packer = build_packer(name, config, cost_model)
     stream = LengthStream(lengths, end_of_data=False)  # a sample: its end is not the data's
     imb, delay_tok, tok = [], 0.0, 0

@@ -162,11 +162,9 @@ class WLBPacker(_QueuedPacker):
         return int(self.k_eff)
 
     def tokens_wanted(self) -> int:
-        """One global batch less what is held, except before a step that forces outliers out
-        (docs/packing.md, "Forced steps pull more"): such a step's maximum is fixed by its
-        costliest forced outlier, so it pulls the regular tokens that would lift every other
-        micro-batch to that cost, up to the step's token capacity, instead of one global batch
-        beside a document that costs several micro-batches. What does not fit is handed back."""
+        """One global batch less what is held; before a step that forces outliers out, the regular
+        tokens that lift every micro-batch to its costliest forced outlier's cost, which fixes the
+        step's maximum anyway (docs/packing.md, "Forced steps pull more")."""
         want = super().tokens_wanted()
         q = self.queue
         due = np.flatnonzero(self._step - q.arrival >= self._wait_bound())

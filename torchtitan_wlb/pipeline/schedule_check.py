@@ -1,7 +1,5 @@
-"""Start-up check of a pipeline configuration for variable-length micro-batches.
-
-torch refuses a bad micro-batch count only once the schedule is built, after process groups and
-model splitting; this pure-Python mirror of torch 2.13's schedules refuses it before any of that.
+"""Start-up check of a pipeline configuration for variable-length micro-batches: torch refuses a
+bad micro-batch count only once the schedule is built; this mirror of its rules refuses it first.
 """
 
 from __future__ import annotations

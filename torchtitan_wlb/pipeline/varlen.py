@@ -84,8 +84,7 @@ def global_valid_tokens(
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """A rank's valid-token count summed over ``group`` (a process group or 1-D device mesh;
-    None: the default group, if any), on ``device``. Never include PP ranks: they hold the same
-    micro-batches (docs/pipeline.md says which group)."""
+    None: the default group, if any), on ``device``; which group: docs/pipeline.md."""
     count = torch.as_tensor(local_count, dtype=torch.int64, device=device).clone()
     if isinstance(group, DeviceMesh):
         if group.ndim != 1:
@@ -139,9 +138,8 @@ class PipelineActionTimes:
 
 
 class _ActionTimer:
-    """Instance-level wrappers around each stage's per-micro-batch calls and the schedule's loss,
-    removed after the step. On CUDA they record events read once afterwards, so timing adds no
-    synchronisation inside the schedule; elsewhere they read the :class:`DeviceClock`."""
+    """Instance-level wrappers timing each stage's per-micro-batch calls and the schedule's loss,
+    removed after the step; CUDA events are read once afterwards (no sync inside the schedule)."""
 
     # Stage methods timed, as a forward (0) or a backward (1).
     _TIMED = {"forward_one_chunk": 0, "backward_one_chunk": 1, "backward_weight_one_chunk": 1}
@@ -222,7 +220,6 @@ class _ActionTimer:
 def _empty_like_layout(shape: Sequence[int], ref: torch.Tensor) -> torch.Tensor:
     """An empty tensor of ``shape`` with ``ref``'s dtype, device and dimension order (``ref`` is
     torch's buffer, so the new one keeps the memory layout the sender produces)."""
-    # Outermost dimension first, as in ref's strides (the identity when ref is contiguous).
     order = sorted(range(ref.dim()), key=lambda d: (-ref.stride(d), d))
     permuted = torch.empty([shape[d] for d in order], dtype=ref.dtype, device=ref.device)
     inverse = [order.index(d) for d in range(ref.dim())]
@@ -315,9 +312,8 @@ class VarlenPipelineRunner:
         losses: list | None = None,
         loss_kwargs: Mapping[str, Any] | None = None,
     ) -> VarlenStepStats:
-        """Forward and backward of all micro-batches of one step through the pipeline, each
-        micro-batch's loss divided by ``global_valid_tokens`` (None: the raw loss); the arguments:
-        docs/pipeline.md."""
+        """Forward and backward of one step's micro-batches, each loss divided by
+        ``global_valid_tokens`` (None: the raw loss); the arguments: docs/pipeline.md."""
         n = self.n_microbatches
         lens = [int(x) for x in seq_lens]
         if len(lens) != n:
