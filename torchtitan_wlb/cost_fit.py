@@ -1,12 +1,7 @@
 """The online cost model: ``t = a * sum(d**2) + b * local + g * gathered + c`` fitted to measured
 micro-batch times while training, from sufficient statistics that add up over micro-batches, steps
-and ranks, so that every rank solves the same system bit for bit (docs/cost_model.md).
-
-``local`` and ``gathered`` split a rank's tokens by where their keys and values come from: without
-CP every token is local (``gathered`` is 0 and its term drops out of the fit); under CP a token of
-a document split over the ranks has its K/V all-gathered, a document hybrid sharding keeps whole on
-one rank does not. The two cost differently per token (the gather, the longer key ranges), and the
-CP plan picks the mix per micro-batch, so one ``b`` per token cannot fit every sharding."""
+and ranks, so that every rank solves the same system bit for bit. ``local`` and ``gathered`` split
+a rank's tokens by whether their K/V are all-gathered under CP (docs/cost_model.md)."""
 
 from __future__ import annotations
 
@@ -207,19 +202,14 @@ def refit(fit_part: FitStats, holdout: FitStats, incumbent: Coefficients) -> Ref
 
 @dataclass(frozen=True)
 class OnlineFitConfig:
-    """When the online model refits and when a refit takes effect (all in optimizer steps)."""
+    """When the online model refits and when a refit takes effect (all in optimizer steps); each
+    field ``<name>`` is documented as ``[wlb] fit_<name>`` (docs/configuration.md)."""
 
     warmup_steps: int = 2
-    """The first steps' times are not used (allocator and kernel warm-up)."""
     window_steps: int = 8
-    """A refit uses the last this many steps' micro-batches."""
     holdout_steps: int = 2
-    """The window's newest steps, held out to judge a refit against the model in use."""
     interval_steps: int = 4
-    """Steps between refits once the window is full."""
     apply_lag_steps: int = 3
-    """A refit decided after step s packs step s + lag onwards (>= 1; larger than the packing
-    node's read-ahead, so the node seldom waits for a decision)."""
 
     def __post_init__(self) -> None:
         lowest = {"warmup_steps": 0, "window_steps": 0, "holdout_steps": 0, "interval_steps": 1}

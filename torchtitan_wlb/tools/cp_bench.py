@@ -214,9 +214,7 @@ def parser() -> ToolParser:
     p.add_argument("--kv-heads", type=int, default=1, help="KV heads (--measure, K/V bytes)")
     p.add_argument("--head-dim", type=int, default=16, help="head dim (--measure, K/V bytes)")
     p.add_argument("--kv-dtype-bytes", type=int, default=2, help="bytes per K/V element")
-    p.add_argument(
-        "--no-torch-balancers", dest="torch_balancers", action="store_false", help="skip torch's"
-    )
+    p.add_argument("--no-torch-balancers", dest="torch_balancers", action="store_false")
     p.add_argument("--json", action="store_true", help="print the JSON result last")
     return p
 

@@ -64,9 +64,8 @@ def write_jsonl(lengths: np.ndarray, path: Path, seed: int) -> None:
 
 
 def mode_args(mode: str, args: argparse.Namespace, cp_sharding: str = "") -> list[str]:
-    """The trainer flags of ``mode``: its preset (with ``cp_sharding``: its packer and that sharding),
-    the cost model and the online fit's settings. The floor packs one document per micro-batch;
-    wlb_online is wlb with the cost model refitted while training."""
+    """The trainer flags of ``mode`` (with ``cp_sharding``: its packer and that sharding), its cost
+    model and the online fit's settings; the floor packs one document per micro-batch."""
     if mode == FLOOR:
         return ["--wlb.packing", "original", "--wlb.cp_sharding", "per_document"]
     preset = "wlb" if mode == "wlb_online" else mode
@@ -188,11 +187,8 @@ def run_mode(
 def fit_error(
     micro_batches: list[dict[str, Any]], coef: list[float], cp: int, key: str = "seconds"
 ) -> float:
-    """Mean absolute relative error of the online model ``coef`` = ``(a, b, c[, g])`` on recorded
-    micro-batches' ``key`` time. A record with the trainer's ``fit_features`` (CP: this rank's
-    ``Σd²`` share, local and gathered tokens) is predicted on exactly those, ``a x0 + b x1 + g x2 +
-    c`` (no ``g``: ``b`` for both kinds); one without, by ``(a Σd² + b Σd) / cp + c`` (a rank does
-    ``1 / cp`` of the work)."""
+    """Mean absolute relative error of ``coef`` = ``(a, b, c[, g])`` on the micro-batches' ``key``
+    time: on the trainer's ``fit_features`` where recorded, else ``(a Σd² + b Σd) / cp + c``."""
     if not micro_batches:
         return float("nan")
     a, b, c = coef[:3]
@@ -211,9 +207,8 @@ def fit_error(
 
 
 def stage_totals(micro_batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Pipeline records (one per stage and micro-batch) summed over the stages: one per
-    micro-batch with its ``seconds`` and ``device_s`` through the whole pipeline (the rows the
-    trainer's online fit uses under PP)."""
+    """Pipeline records summed over the stages: one per micro-batch, as the trainer's online fit
+    has them under PP."""
     totals: dict[tuple, dict[str, Any]] = {}
     for m in micro_batches:
         key = (m["step"], m["mb"], tuple(m["doc_lens"]))

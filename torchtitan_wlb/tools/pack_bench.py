@@ -106,8 +106,7 @@ class _TokenSource(BaseNode[dict]):
 
 
 def node_step_ms(packer: Packer, lengths: np.ndarray, steps: int, dp: int) -> tuple[list, list]:
-    """Wall and CPU (this thread's) milliseconds of every step of the data node, DP rank 0 of
-    ``dp``."""
+    """Wall and thread CPU milliseconds of every step of the data node on DP rank 0 of ``dp``."""
     arena = 4 * packer.config.micro_batches * packer.config.context_len  # four global batches
     node = WLBPackingNode(_TokenSource(lengths, arena), packer, dp_rank=0, dp_degree=dp)
     node.reset()
@@ -190,8 +189,7 @@ def run(
 
 
 def _spread(name: str, values: list[float], with_max: bool = False) -> dict[str, float]:
-    """Mean, 95th percentile (and maximum) of ``values`` as ``name``, ``name_p95``
-    (``name_max``); zeros when there are none."""
+    """Mean, 95th percentile (and maximum) of ``values`` (zeros when there are none)."""
     v = np.asarray(values or [0.0], np.float64)
     out = {name: float(v.mean()), f"{name}_p95": float(np.percentile(v, 95))}
     if with_max:
