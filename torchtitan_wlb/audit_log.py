@@ -74,8 +74,7 @@ class AuditLog:
 
 
 def read_audit_logs(output_dir: str) -> list[dict[str, Any]]:
-    """Every record of every rank under ``output_dir`` (a dump folder, or its ``wlb_audit/``); an
-    :class:`AuditLogError` names the folder, file and line of anything unreadable."""
+    """Every rank's records under ``output_dir`` (a dump folder, or its ``wlb_audit/``)."""
     folder = os.path.join(output_dir, AUDIT_FOLDER)
     if not os.path.isdir(folder):
         if os.path.basename(os.path.normpath(output_dir)) == AUDIT_FOLDER:

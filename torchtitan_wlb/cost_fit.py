@@ -42,8 +42,7 @@ class FitStats:
     def from_samples(
         cls, sum_sq: Any, sum_lin: Any, seconds: Any, sum_gathered: Any = None
     ) -> FitStats:
-        """The statistics of micro-batches with ``Σd²``, ``sum_lin`` local tokens, measured
-        ``seconds`` (> 0) and ``sum_gathered`` tokens whose K/V are all-gathered (None: none)."""
+        """Micro-batches' statistics: ``Σd²``, local tokens, ``seconds`` (> 0), gathered tokens."""
         if sum_gathered is None:
             sum_gathered = np.zeros(np.size(seconds))
         sq_, lin, t, gath = (
@@ -252,8 +251,7 @@ class CostModelSchedule:
             return next((m for e, m in reversed(self._adoptions) if e <= step), self.initial)
 
     def decide(self, step: int, model: CostModel | None) -> int:
-        """Record that the decisions of every step through ``step`` are made; ``model``, if
-        given, packs from ``step + lag`` on. Returns that effective step."""
+        """Decide every step through ``step``; ``model``, if given, packs from the returned step."""
         effective = step + self.config.apply_lag_steps
         with self._cond:
             if model is not None:
@@ -276,8 +274,7 @@ class CostModelSchedule:
 
 
 class OnlineFitter:
-    """The trainer's side: a window of per-step statistics (already summed over ranks), refits at
-    the configured steps, the adoption history, and the schedule the packing node reads."""
+    """The trainer's side: a window of rank-summed step statistics, the refits and their history."""
 
     def __init__(self, schedule: CostModelSchedule) -> None:
         self.schedule = schedule
@@ -287,8 +284,7 @@ class OnlineFitter:
         self.history: list[dict[str, Any]] = []
 
     def observe(self, step: int, vector: np.ndarray) -> dict[str, Any] | None:
-        """Add step ``step``'s statistics (summed over all ranks); at a refit step, refit and
-        return its record (adopted or not, the reason and errors), else None."""
+        """Add step ``step``'s rank-summed statistics; at a refit step, refit and return its record."""
         if step > self.config.warmup_steps:
             self._window.append((step, np.asarray(vector, np.float64).copy()))
         if not self.config.is_refit_step(step):

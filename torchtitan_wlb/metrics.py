@@ -103,8 +103,7 @@ class WLBMetricsProcessor(MetricsProcessor):
             self.jsonl_path = os.path.join(folder, f"rank_{rank}.jsonl")
 
     def start_at(self, step: int) -> None:
-        """The first step this process trains: the first logged interval starts here, so it
-        covers no model building or checkpoint loading."""
+        """Start the first logged interval at ``step``: it covers no model building or loading."""
         self.last_logged_step = step - 1
         self.time_last_log = time.perf_counter()
 
@@ -128,8 +127,7 @@ class WLBMetricsProcessor(MetricsProcessor):
     def record_micro_batch_time(
         self, seconds: float, doc_lens: list[int] | None, device_seconds: float
     ) -> None:
-        """A micro-batch's forward+backward wall and device-clock times and, for calibration, its
-        documents."""
+        """A micro-batch's forward+backward wall and device times and, for calibration, its documents."""
         self.lists["micro_batch_times_s"].append(seconds)
         self.lists["micro_batch_device_times_s"].append(device_seconds)
         if doc_lens is not None and self.jsonl_path is not None:

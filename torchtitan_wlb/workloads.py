@@ -45,8 +45,7 @@ GENERATORS: dict[str, Callable[[np.random.Generator, int, int], np.ndarray]] = {
 
 
 def generate(name: str, num_docs: int, context_len: int, seed: int = 0) -> np.ndarray:
-    """``num_docs`` int64 lengths in ``[1, context_len]`` from generator ``name``, deterministic in
-    ``seed``."""
+    """``num_docs`` int64 lengths in ``[1, context_len]`` from ``name``, deterministic in ``seed``."""
     if name not in GENERATORS:
         raise ValueError(f"unknown generator {name!r}; accepted: {', '.join(GENERATORS)}")
     if num_docs < 1 or context_len < 1:

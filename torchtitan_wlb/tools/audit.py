@@ -198,8 +198,7 @@ def _first_problem(trained: np.ndarray, where: np.ndarray, t: _Timeline) -> str 
 
 
 def audit(output_dir: str) -> AuditReport:
-    """The verdict on the run whose dump folder is ``output_dir``; raises ``AuditLogError`` on
-    unreadable logs."""
+    """The verdict on the run dumped in ``output_dir`` (``AuditLogError``: unreadable logs)."""
     records = read_audit_logs(output_dir)
     try:
         t = _replay(records)

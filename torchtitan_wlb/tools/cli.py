@@ -18,8 +18,7 @@ class ToolParser(argparse.ArgumentParser):
 
     @classmethod
     def from_doc(cls, module: str, doc: str, **kwargs: Any) -> ToolParser:
-        """The parser of ``python -m <module>``: first docstring line as description, the
-        docstring's example lines as the ``--help`` epilog."""
+        """The parser of ``python -m <module>``, the docstring's examples as its epilog."""
         lines = examples(doc)
         return cls(
             prog=f"python -m {module}",

@@ -53,8 +53,7 @@ def pack_micro_batches(lens: np.ndarray, context_len: int, micro_batches: int) -
 
 
 def _rank_step(plan: CPPlan, rank: int, heads: int, kv_heads: int, head_dim: int):
-    """A closure running ``rank``'s local attention, forward + backward: the CP op's own calls
-    on random tensors in place of the all-gathered keys."""
+    """A closure running ``rank``'s local attention forward + backward on random tensors."""
     import torch
 
     from torchtitan_wlb.cp.op import _local_attention, op_arguments

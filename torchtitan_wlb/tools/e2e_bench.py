@@ -6,8 +6,7 @@
     python -m torchtitan_wlb.tools.e2e_bench --parallel cp2 --modes wlb \
         --cp-sharding per_document,hybrid --json   # CP shardings, same packing
 
-Every mode trains one set of documents once (the speedups are ratios of the time to train it), after
-a noise-floor run of identical micro-batches. Modes, measures and JSON keys: docs/benchmarks.md.
+Modes, the noise-floor run, measures and JSON keys: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -53,8 +52,7 @@ def make_documents(args: argparse.Namespace) -> np.ndarray:
 
 
 def write_jsonl(lengths: np.ndarray, path: Path, seed: int) -> None:
-    """One document per line whose byte-tokenized length (+ BOS/EOS) is the given length (random
-    characters: time does not depend on the values)."""
+    """One document per line whose byte-tokenized length (+ BOS/EOS) is the given one."""
     rng = np.random.default_rng(seed)
     alphabet = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz     ", dtype=np.uint8)
     with open(path, "w") as f:
@@ -85,8 +83,7 @@ def mode_args(mode: str, args: argparse.Namespace, cp_sharding: str = "") -> lis
 def run_mode(
     mode: str, args: argparse.Namespace, data: Path, workdir: Path, bar: Any, cp_sharding: str = ""
 ) -> dict[str, Any]:
-    """One training job of ``mode`` (with ``cp_sharding``: that ``[wlb] cp_sharding``) and its
-    figures, read from every rank's metrics log."""
+    """One training job of ``mode`` and its figures, read from every rank's metrics log."""
     label = f"{mode}+{cp_sharding}" if cp_sharding else mode
     dump = workdir / label
     n_steps = args.floor_steps if mode == FLOOR else args.steps
@@ -207,8 +204,7 @@ def fit_error(
 
 
 def stage_totals(micro_batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Pipeline records summed over the stages: one per micro-batch, as the trainer's online fit
-    has them under PP."""
+    """PP records summed over the stages: one per micro-batch, as the online fit has them."""
     totals: dict[tuple, dict[str, Any]] = {}
     for m in micro_batches:
         key = (m["step"], m["mb"], tuple(m["doc_lens"]))

@@ -16,7 +16,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import fields, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -197,10 +197,6 @@ def _spread(name: str, values: list[float], with_max: bool = False) -> dict[str,
     return out
 
 
-# The flags named after PackingConfig fields (argparse dest = field name), defaults from it.
-DEFAULTS = {f.name: f.default for f in fields(PackingConfig)}
-
-
 def _arg(convert: Callable[[str], Any], ok: Callable[[Any], bool], expected: str) -> Callable:
     """argparse type: ``convert(text)`` if it succeeds and ``ok`` accepts it, else one error."""
 
@@ -262,7 +258,8 @@ def parser() -> ToolParser:
     p.add_argument("--queues", type=_queues, default=None, help="thresholds, e.g. 32768,65536")
     p.add_argument("--smax", type=_positive_int, default=None, help="micro-batch token cap")
     for knob, (kind, text) in KNOBS.items():
-        p.add_argument(f"--{knob.replace('_', '-')}", type=kind, default=DEFAULTS[knob], help=text)
+        flag, default = f"--{knob.replace('_', '-')}", getattr(PackingConfig, knob)
+        p.add_argument(flag, type=kind, default=default, help=text)
     p.add_argument("--max-doc-len", type=_positive_int, default=None, help="split longer docs")
     models = ", ".join(MODELS)
     p.add_argument("--model", type=_model_name, default="7B", help=f"cost model of: {models}")
