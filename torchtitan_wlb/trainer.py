@@ -304,10 +304,8 @@ class WLBTrainer(Trainer):
             return
         rows, self._fit_rows = self._fit_rows, []
         rows = [r for r in rows if r[3] > 0]  # a measured time (the device clock may read 0)
-        local = FitStats.zeros()
-        if rows:
-            sq, lin, gathered, seconds = zip(*rows, strict=True)
-            local = FitStats.from_samples(sq, lin, seconds, sum_gathered=gathered)
+        sq, lin, gathered, seconds = np.asarray(rows, np.float64).reshape(-1, 4).T
+        local = FitStats.from_samples(sq, lin, seconds, sum_gathered=gathered)
         vector = local.to_vector()
         if self.job_config.comm.mode not in resume.FAKE_COMM_MODES and _multi_process():
             vector = sum_over_group(vector, None, self.device)  # the same on every rank

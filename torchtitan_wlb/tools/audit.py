@@ -133,20 +133,18 @@ def _span(ends: list[dict], ckpts: dict[int, list[dict]], logged: int) -> tuple:
     return last, pending, None, False, note
 
 
-def _collect(
-    steps: dict[int, list[dict]], last_step: int, dp_degree: int
-) -> tuple[np.ndarray, np.ndarray]:
+def _collect(t: _Timeline) -> tuple[np.ndarray, np.ndarray]:
     """All trained document ids of steps 1..last_step and their (step, dp_rank, micro-batch)."""
     ids: list[list[int]] = []
     locs: list[tuple[int, int, int]] = []
-    for step in range(1, last_step + 1):
-        recs = steps.get(step)
+    for step in range(1, t.last_step + 1):
+        recs = t.steps.get(step)
         if not recs:
             raise _Violation(
                 f"step {step} has no audit record (the logs of the launch that trained it are "
                 "missing, or the run resumed from a checkpoint written elsewhere)"
             )
-        for dp_rank in range(dp_degree):
+        for dp_rank in range(t.dp_degree):
             peers = [r for r in recs if int(r["dp_rank"]) == dp_rank]  # its CP / TP / PP ranks
             if not peers:
                 raise _Violation(f"step {step} has no audit record from DP rank {dp_rank}")
@@ -202,7 +200,7 @@ def audit(output_dir: str) -> AuditReport:
     records = read_audit_logs(output_dir)
     try:
         t = _replay(records)
-        trained, where = _collect(t.steps, t.last_step, t.dp_degree)
+        trained, where = _collect(t)
         problem = _first_problem(trained, where, t)
         if problem:
             raise _Violation(f"{problem}; steps 1-{t.last_step} audited")

@@ -171,9 +171,8 @@ def run_mode(
         if args.parallel == "pp2":
             # The trainer fits a micro-batch's time through every stage; judged per stage too,
             # each stage taken as half the micro-batch.
-            out["fit_mean_abs_error_per_stage"] = fit_error(
-                mbs, [v / 2 for v in coef], 1, "device_s"
-            )
+            half = [v / 2 for v in coef]
+            out["fit_mean_abs_error_per_stage"] = fit_error(mbs, half, 1, "device_s")
             mbs = stage_totals(mbs)
         # On the clock the fit used (the device clock), and on the wall clock beside it.
         out["fit_mean_abs_error"] = fit_error(mbs, coef, cp, key="device_s")
