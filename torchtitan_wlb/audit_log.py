@@ -21,8 +21,7 @@ class AuditLogError(ValueError):
 
 
 class AuditLog:
-    """One rank's writer. Every record is one ``write`` of a whole line, so a kill leaves at most a
-    truncated last line."""
+    """One rank's writer; a record is one ``write`` of a whole line (a kill truncates the last)."""
 
     def __init__(self, dump_folder: str, rank: int, dp_rank: int, dp_degree: int) -> None:
         folder = os.path.join(dump_folder, AUDIT_FOLDER)

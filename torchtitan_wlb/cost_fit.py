@@ -105,9 +105,8 @@ class Coefficients:
     g: float | None = None
     """Per token whose K/V are all-gathered over CP; None: the same as ``b`` (no CP seen)."""
     gathered_share: float = 0.0
-    """The share of tokens that were gathered in the fitted window: how the packer, which cannot
-    know which documents the CP plan will keep whole, mixes ``b`` and ``g`` into one per-token
-    cost."""
+    """The fitted window's share of gathered tokens: how the packer, not knowing which documents
+    the CP plan will keep whole, mixes ``b`` and ``g`` into one per-token cost."""
     unit: str = "seconds"
 
     @property
@@ -136,8 +135,7 @@ class Coefficients:
 
 def fit_nnls(stats: FitStats) -> tuple[np.ndarray | None, str]:
     """Non-negative least squares of ``(a, b, g, c)``: ``(coef, "")`` or ``(None, reason)``. A token
-    kind absent from the whole window (gathered tokens without CP, local ones under a sharding that
-    splits every document) leaves its coefficient out (0); the terms are scaled to a unit-diagonal
+    kind absent from the window leaves its coefficient 0; the terms are scaled to a unit-diagonal
     normal matrix first (``Σd²`` is ~10^7 times ``1``)."""
     diag = np.diag(stats.gram)
     active = diag > 0

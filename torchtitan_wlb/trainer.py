@@ -220,9 +220,8 @@ class WLBTrainer(Trainer):
     def _pad_for_sharding(
         self, inputs: Tensor, labels: Tensor, positions: Tensor, doc_lens: Tensor
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Pad so that TP's sequence-parallel shards are equal (``tp * 2 * cp`` tokens) and, under
-        CP alone, each of the ``2 * cp`` chunks holds tokens; the pad is one more document with
-        ignored labels, adding nothing to the loss or the gradients."""
+        """Pad to equal TP sequence shards (``tp * 2 * cp`` tokens) or, under CP alone, to tokens
+        in each of the ``2 * cp`` chunks: one more document with ignored labels."""
         pd = self.parallel_dims
         multiple = pd.tp * (2 * pd.cp if pd.cp_enabled else 1)
         pad = -inputs.shape[1] % multiple if pd.tp_enabled else max(0, multiple - inputs.shape[1])

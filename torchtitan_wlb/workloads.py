@@ -162,8 +162,7 @@ def cycle_to(
 
 
 def steps_arg(text: str) -> int | str:
-    """argparse type of a ``--steps`` flag: a positive integer, or ``"epoch"`` for one whole pass
-    over the documents (every tool that packs a workload reads its step count this way)."""
+    """argparse type of every tool's ``--steps``: a positive integer, or ``"epoch"`` (one pass)."""
     if text.strip().lower() == "epoch":
         return "epoch"
     try:

@@ -50,9 +50,7 @@ class _Timeline:
     launches: int
     dp_degree: int
     last_step: int
-    # in the packer after last_step; None: unknown (no end and no checkpoint logged), so lost
-    # documents cannot be ruled out
-    pending: list[int] | None
+    pending: list[int] | None  # in the packer after last_step; None: unknown
     documents: int | None  # documents the data produced, known once it has ended
     complete: bool
     note: str

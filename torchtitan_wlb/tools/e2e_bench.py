@@ -216,9 +216,8 @@ def stage_totals(micro_batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def measured_imbalance(
     per_rank: list[dict[int, dict]], steps: list[int], parallel: str, device: bool = False
 ) -> float:
-    """Measured micro-batch imbalance, time-weighted (Σ max / Σ mean of forward + backward): per
-    stage under PP, a micro-batch's slowest rank under CP, else every rank's micro-batches pooled;
-    on the wall clock, or with ``device`` on the device clock."""
+    """Time-weighted micro-batch imbalance (Σ max / Σ mean of fwd + bwd): per stage under PP, the
+    slowest rank under CP, else all ranks pooled; on the wall clock, or the device's (``device``)."""
     fwd, bwd = ("fwd_device_s", "bwd_device_s") if device else ("fwd_s", "bwd_s")
     mbs = "micro_batch_device_times_s" if device else "micro_batch_times_s"
     top = total = 0.0

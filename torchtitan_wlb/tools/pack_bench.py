@@ -68,9 +68,8 @@ def build_cost_model(args: argparse.Namespace) -> CostModel:
 
 
 class _TokenSource(BaseNode[dict]):
-    """Documents of the given lengths as the document node yields them, without a tokenizer:
-    views of a wrapping arena of ``arena_tokens`` tokens, larger than the caches (docs/packing.md).
-    """
+    """Documents as the document node yields them, without a tokenizer: views of a wrapping arena
+    of ``arena_tokens`` tokens, larger than the caches (docs/packing.md)."""
 
     def __init__(self, lengths: np.ndarray, arena_tokens: int = 0) -> None:
         super().__init__()
@@ -332,9 +331,8 @@ def table2(args: argparse.Namespace, cost_model: CostModel) -> list[dict[str, An
 def solver_gap(
     lengths: np.ndarray, config: PackingConfig, cost_model: CostModel, steps: int, limit: float
 ) -> dict[str, Any]:
-    """Re-solve the documents ``wlb`` emitted in each of its first ``steps`` steps exactly (same
-    N and S_max), isolating its placement quality from its release decisions; windows the solver
-    does not finish within ``limit`` seconds are compared with its proven lower bound."""
+    """Re-solve each of ``wlb``'s first ``steps`` steps exactly (same N, S_max): its placement
+    apart from its releases; an unfinished solve (``limit`` s) gives its proven lower bound."""
     from torchtitan_wlb.packing.solver import solve_minmax
 
     packer = build_packer("wlb", config, cost_model)
