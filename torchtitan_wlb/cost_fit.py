@@ -207,6 +207,8 @@ class OnlineFitConfig:
     holdout_steps: int = 2
     interval_steps: int = 4
     apply_lag_steps: int = 3
+    """A refit decided after step s packs step s + lag onwards (>= 1; larger than the packing
+    node's read-ahead, so the node seldom waits for a decision)."""
 
     def __post_init__(self) -> None:
         lowest = {"warmup_steps": 0, "window_steps": 0, "holdout_steps": 0, "interval_steps": 1}
