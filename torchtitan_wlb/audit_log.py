@@ -21,8 +21,7 @@ class AuditLogError(ValueError):
 
 
 class AuditLog:
-    """One rank's writer. Every record is one ``write`` of a whole line, so a kill leaves at most a
-    truncated last line."""
+    """One rank's writer; a record is one ``write`` of a whole line (a kill truncates the last)."""
 
     def __init__(self, dump_folder: str, rank: int, dp_rank: int, dp_degree: int) -> None:
         folder = os.path.join(dump_folder, AUDIT_FOLDER)
@@ -74,8 +73,7 @@ class AuditLog:
 
 
 def read_audit_logs(output_dir: str) -> list[dict[str, Any]]:
-    """Every record of every rank under ``output_dir`` (a dump folder, or its ``wlb_audit/``); an
-    :class:`AuditLogError` names the folder, file and line of anything unreadable."""
+    """Every rank's records under ``output_dir`` (a dump folder, or its ``wlb_audit/``)."""
     folder = os.path.join(output_dir, AUDIT_FOLDER)
     if not os.path.isdir(folder):
         if os.path.basename(os.path.normpath(output_dir)) == AUDIT_FOLDER:

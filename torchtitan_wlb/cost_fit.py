@@ -1,12 +1,7 @@
 """The online cost model: ``t = a * sum(d**2) + b * local + g * gathered + c`` fitted to measured
 micro-batch times while training, from sufficient statistics that add up over micro-batches, steps
-and ranks, so that every rank solves the same system bit for bit (docs/cost_model.md).
-
-``local`` and ``gathered`` split a rank's tokens by where their keys and values come from: without
-CP every token is local (``gathered`` is 0 and its term drops out of the fit); under CP a token of
-a document split over the ranks has its K/V all-gathered, a document hybrid sharding keeps whole on
-one rank does not. The two cost differently per token (the gather, the longer key ranges), and the
-CP plan picks the mix per micro-batch, so one ``b`` per token cannot fit every sharding."""
+and ranks, so that every rank solves the same system bit for bit. ``local`` and ``gathered`` split
+a rank's tokens by whether their K/V are all-gathered under CP (docs/cost_model.md)."""
 
 from __future__ import annotations
 
@@ -47,8 +42,7 @@ class FitStats:
     def from_samples(
         cls, sum_sq: Any, sum_lin: Any, seconds: Any, sum_gathered: Any = None
     ) -> FitStats:
-        """The statistics of micro-batches with ``Σd²``, ``sum_lin`` local tokens, measured
-        ``seconds`` (> 0) and ``sum_gathered`` tokens whose K/V are all-gathered (None: none)."""
+        """Micro-batches' statistics: ``Σd²``, local tokens, ``seconds`` (> 0), gathered tokens."""
         if sum_gathered is None:
             sum_gathered = np.zeros(np.size(seconds))
         sq_, lin, t, gath = (
@@ -111,9 +105,8 @@ class Coefficients:
     g: float | None = None
     """Per token whose K/V are all-gathered over CP; None: the same as ``b`` (no CP seen)."""
     gathered_share: float = 0.0
-    """The share of tokens that were gathered in the fitted window: how the packer, which cannot
-    know which documents the CP plan will keep whole, mixes ``b`` and ``g`` into one per-token
-    cost."""
+    """The fitted window's share of gathered tokens: how the packer, not knowing which documents
+    the CP plan will keep whole, mixes ``b`` and ``g`` into one per-token cost."""
     unit: str = "seconds"
 
     @property
@@ -142,8 +135,7 @@ class Coefficients:
 
 def fit_nnls(stats: FitStats) -> tuple[np.ndarray | None, str]:
     """Non-negative least squares of ``(a, b, g, c)``: ``(coef, "")`` or ``(None, reason)``. A token
-    kind absent from the whole window (gathered tokens without CP, local ones under a sharding that
-    splits every document) leaves its coefficient out (0); the terms are scaled to a unit-diagonal
+    kind absent from the window leaves its coefficient 0; the terms are scaled to a unit-diagonal
     normal matrix first (``Σd²`` is ~10^7 times ``1``)."""
     diag = np.diag(stats.gram)
     active = diag > 0
@@ -207,16 +199,13 @@ def refit(fit_part: FitStats, holdout: FitStats, incumbent: Coefficients) -> Ref
 
 @dataclass(frozen=True)
 class OnlineFitConfig:
-    """When the online model refits and when a refit takes effect (all in optimizer steps)."""
+    """When the online model refits and when a refit takes effect (all in optimizer steps); each
+    field ``<name>`` is documented as ``[wlb] fit_<name>`` (docs/configuration.md)."""
 
     warmup_steps: int = 2
-    """The first steps' times are not used (allocator and kernel warm-up)."""
     window_steps: int = 8
-    """A refit uses the last this many steps' micro-batches."""
     holdout_steps: int = 2
-    """The window's newest steps, held out to judge a refit against the model in use."""
     interval_steps: int = 4
-    """Steps between refits once the window is full."""
     apply_lag_steps: int = 3
     """A refit decided after step s packs step s + lag onwards (>= 1; larger than the packing
     node's read-ahead, so the node seldom waits for a decision)."""
@@ -262,8 +251,7 @@ class CostModelSchedule:
             return next((m for e, m in reversed(self._adoptions) if e <= step), self.initial)
 
     def decide(self, step: int, model: CostModel | None) -> int:
-        """Record that the decisions of every step through ``step`` are made; ``model``, if
-        given, packs from ``step + lag`` on. Returns that effective step."""
+        """Decide every step through ``step``; ``model``, if given, packs from the returned step."""
         effective = step + self.config.apply_lag_steps
         with self._cond:
             if model is not None:
@@ -286,8 +274,7 @@ class CostModelSchedule:
 
 
 class OnlineFitter:
-    """The trainer's side: a window of per-step statistics (already summed over ranks), refits at
-    the configured steps, the adoption history, and the schedule the packing node reads."""
+    """The trainer's side: a window of rank-summed step statistics, the refits and their history."""
 
     def __init__(self, schedule: CostModelSchedule) -> None:
         self.schedule = schedule
@@ -297,8 +284,7 @@ class OnlineFitter:
         self.history: list[dict[str, Any]] = []
 
     def observe(self, step: int, vector: np.ndarray) -> dict[str, Any] | None:
-        """Add step ``step``'s statistics (summed over all ranks); at a refit step, refit and
-        return its record (adopted or not, the reason and errors), else None."""
+        """Add step ``step``'s rank-summed statistics; at a refit step, refit and return its record."""
         if step > self.config.warmup_steps:
             self._window.append((step, np.asarray(vector, np.float64).copy()))
         if not self.config.is_refit_step(step):

@@ -33,8 +33,7 @@ class DeviceClock:
         return time.perf_counter(), time.thread_time() if self.kind == THREAD_CPU else 0.0
 
     def since(self, start: tuple[float, float]) -> tuple[float, float]:
-        """(wall seconds, device seconds) since ``start``; on CUDA after a synchronize, and the
-        device seconds are then the wall seconds."""
+        """(wall, device) seconds since ``start``; on CUDA after a synchronize, both the wall's."""
         if self.kind == CUDA:
             torch.cuda.synchronize(self.device)
         wall = time.perf_counter() - start[0]

@@ -103,8 +103,7 @@ class WLBMetricsProcessor(MetricsProcessor):
             self.jsonl_path = os.path.join(folder, f"rank_{rank}.jsonl")
 
     def start_at(self, step: int) -> None:
-        """The first step this process trains: the first logged interval starts here, so it
-        covers no model building or checkpoint loading."""
+        """Start the first logged interval at ``step``: it covers no model building or loading."""
         self.last_logged_step = step - 1
         self.time_last_log = time.perf_counter()
 
@@ -119,33 +118,20 @@ class WLBMetricsProcessor(MetricsProcessor):
                 for i, v in enumerate(value):  # e.g. outlier queue depths: one per queue
                     self.wlb_metrics[f"wlb/{key}_{i}"] = float(v)
 
-    def record_doc_ids(self, doc_ids: torch.Tensor) -> None:
-        """Documents this rank trained on (kept only when the JSONL log is on: an audit trail)."""
+    def keep(self, key: str, *values: Any) -> None:
+        """Append ``values`` to the JSONL record's list ``key`` (trained document ids, CP fit
+        features, pipeline action times); dropped when the JSONL log is off."""
         if self.jsonl_path is not None:
-            self.lists["doc_ids"].extend(doc_ids.tolist())
+            self.lists[key].extend(values)
 
     def record_micro_batch_time(
         self, seconds: float, doc_lens: list[int] | None, device_seconds: float
     ) -> None:
-        """A micro-batch's forward+backward wall and device-clock times and, for calibration, its
-        documents."""
+        """A micro-batch's forward+backward wall and device times and, for calibration, its documents."""
         self.lists["micro_batch_times_s"].append(seconds)
         self.lists["micro_batch_device_times_s"].append(device_seconds)
         if doc_lens is not None and self.jsonl_path is not None:
             self.lists["micro_batch_doc_lens"].append(doc_lens)
-
-    def record_fit_features(self, features: list[float]) -> None:
-        """A CP micro-batch's online-fit features on this rank (Σd² share, local and gathered
-        tokens), so that tools can judge the fit on the terms it was fitted on."""
-        if self.jsonl_path is not None:
-            self.lists["micro_batch_fit_features"].append(features)
-
-    def record_pipeline_actions(
-        self, actions: dict[str, Any], doc_lens: list[list[int]] | None
-    ) -> None:
-        """One pipeline step's per-action forward / backward times on this rank (PP only)."""
-        if self.jsonl_path is not None:
-            self.lists["pp_actions"].append({**actions, "doc_lens": doc_lens})
 
     def log(
         self,

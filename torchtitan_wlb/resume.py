@@ -37,14 +37,12 @@ def _steps_holding(folder: str, probes: tuple[str, ...]) -> list[int]:
 
 
 def latest_checkpoint_step(folder: str) -> int:
-    """The step TorchTitan resumes from in ``folder``: the largest ``step-N`` holding a complete
-    checkpoint (DCP ``.metadata`` or a Hugging Face index), -1 when there is none."""
+    """The largest complete ``step-N`` in ``folder``, which TorchTitan resumes from; -1: none."""
     return max(_steps_holding(folder, _COMPLETE), default=-1)
 
 
 def resume_folder(job_config: Any) -> tuple[str, int] | None:
-    """``(folder, step)`` of the checkpoint TorchTitan would load (``[checkpoint] load_step`` if
-    set, else the latest), or None."""
+    """``(folder, step)`` of the checkpoint TorchTitan would load (``load_step``, else the latest)."""
     ckpt = job_config.checkpoint
     base = checkpoint_folder(job_config)
     if not ckpt.enable or not os.path.isdir(base):

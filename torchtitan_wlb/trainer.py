@@ -51,9 +51,8 @@ def _multi_process() -> bool:
 
 
 def sum_over_group(values: np.ndarray, group: Any, device: torch.device) -> np.ndarray:
-    """``values`` (float64) summed over the ranks of ``group``: all-gathered, then added in rank
-    order, so that every rank of the group holds the same sum bit for bit (an all-reduce need not
-    be bitwise equal across ranks)."""
+    """``values`` summed over ``group`` in rank order: bitwise the same on every rank (an
+    all-reduce need not be)."""
     mine = torch.from_numpy(np.ascontiguousarray(values, np.float64)).to(device)
     gathered = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size(group))]
     torch.distributed.all_gather(gathered, mine, group=group)
@@ -61,11 +60,8 @@ def sum_over_group(values: np.ndarray, group: Any, device: torch.device) -> np.n
 
 
 def cp_fit_features(plan: CPPlan, rank: int) -> tuple[float, float, float]:
-    """The online fit's terms for what ``rank`` runs under ``plan``'s sharding: ``Σd²`` times its
-    share of the plan's causal attention pairs, and its tokens split into those whose K/V stay
-    local (hybrid's whole documents) and those all-gathered (split documents). The shardings
-    differ in that mix, and a gathered token costs more, so one per-token term cannot fit them all
-    (docs/cost_model.md)."""
+    """The online fit's terms for ``rank`` under ``plan``: ``Σd²`` times its share of the causal
+    attention pairs, its local and its all-gathered tokens (docs/cost_model.md)."""
     pairs = plan.rank_attention_pairs()
     d = plan.doc_lens.astype(np.float64)
     share = float(pairs[rank] / pairs.sum()) if pairs.sum() > 0 else 1.0 / pairs.size
@@ -112,7 +108,6 @@ class WLBTrainer(Trainer):
         self._fitter = OnlineFitter(schedule) if schedule is not None else None
         self._clock = DeviceClock(self.device)
         self.metrics_processor.device_clock = self._clock.kind
-        # (sum d^2, sum d, device seconds) of this step's micro-batches on this rank, for the fit.
         # The online fit's rows: (Σd², local tokens, gathered tokens, seconds) per micro-batch.
         self._fit_rows: list[tuple[float, float, float, float]] = []
         self._fit_features: tuple[float, float, float] | None = None
@@ -196,7 +191,7 @@ class WLBTrainer(Trainer):
             self.metrics_processor.record(stats)
         doc_ids = input_dict.pop("doc_ids", None)
         if doc_ids is not None:
-            self.metrics_processor.record_doc_ids(doc_ids)
+            self.metrics_processor.keep("doc_ids", *doc_ids.tolist())
             if self._audit is not None:
                 self._audit.add_micro_batch(doc_ids.tolist())
         if "doc_lens" not in input_dict:
@@ -225,9 +220,8 @@ class WLBTrainer(Trainer):
     def _pad_for_sharding(
         self, inputs: Tensor, labels: Tensor, positions: Tensor, doc_lens: Tensor
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Pad so that TP's sequence-parallel shards are equal (``tp * 2 * cp`` tokens) and, under
-        CP alone, each of the ``2 * cp`` chunks holds tokens; the pad is one more document with
-        ignored labels, adding nothing to the loss or the gradients."""
+        """Pad to equal TP sequence shards (``tp * 2 * cp`` tokens) or, under CP alone, to tokens
+        in each of the ``2 * cp`` chunks: one more document with ignored labels."""
         pd = self.parallel_dims
         multiple = pd.tp * (2 * pd.cp if pd.cp_enabled else 1)
         pad = -inputs.shape[1] % multiple if pd.tp_enabled else max(0, multiple - inputs.shape[1])
@@ -262,7 +256,7 @@ class WLBTrainer(Trainer):
         self._cp_stats.append((plan.strategy, plan.flops_imbalance()))
         if self._fitter is not None:
             self._fit_features = cp_fit_features(plan, rank)
-            self.metrics_processor.record_fit_features(list(self._fit_features))
+            self.metrics_processor.keep("micro_batch_fit_features", list(self._fit_features))
         meta = DocumentAttentionMetadata(
             cu_seqlens=torch.zeros(0, dtype=torch.int32),  # unused: the CP metadata rules
             max_seqlen=0,
@@ -309,10 +303,8 @@ class WLBTrainer(Trainer):
             return
         rows, self._fit_rows = self._fit_rows, []
         rows = [r for r in rows if r[3] > 0]  # a measured time (the device clock may read 0)
-        local = FitStats.zeros()
-        if rows:
-            sq, lin, gathered, seconds = zip(*rows, strict=True)
-            local = FitStats.from_samples(sq, lin, seconds, sum_gathered=gathered)
+        sq, lin, gathered, seconds = np.asarray(rows, np.float64).reshape(-1, 4).T
+        local = FitStats.from_samples(sq, lin, seconds, sum_gathered=gathered)
         vector = local.to_vector()
         if self.job_config.comm.mode not in resume.FAKE_COMM_MODES and _multi_process():
             vector = sum_over_group(vector, None, self.device)  # the same on every rank
@@ -322,11 +314,8 @@ class WLBTrainer(Trainer):
         c = record["candidate"]
         coef = "none"
         if c:
-            g = (
-                ""
-                if c["g"] is None
-                else f" g={c['g']:.4g} (gathered share {c['gathered_share']:.2f})"
-            )
+            g, share = c["g"], c["gathered_share"]
+            g = "" if g is None else f" g={g:.4g} (gathered share {share:.2f})"
             coef = f"a={c['a']:.4g} b={c['b']:.4g}{g} c={c['c']:.4g}"
         verdict = f"adopted for step {record['effective_step']} on" if record["adopted"] else "kept"
         logger.info(
@@ -393,9 +382,7 @@ class WLBTrainer(Trainer):
         times, whole = runner.last_action_times, len(step_doc_lens) == len(pending)
         if times is not None and self._fitter is not None and whole:
             per_mb = np.sum(times.fwd_device_s, axis=0) + np.sum(times.bwd_device_s, axis=0)
-            # One row per micro-batch: its time through every stage (what the packer balances).
-            # Per-stage rows would mix stages of different cost per token (~7 % apart on the CPU
-            # runs: the embedding and the output layer) that no one W(d) can fit.
+            # One row per micro-batch through every stage: what the packer balances.
             pp_mesh = self.parallel_dims.get_mesh("pp")
             if self.job_config.comm.mode not in resume.FAKE_COMM_MODES and _multi_process():
                 per_mb = sum_over_group(per_mb, pp_mesh.get_group(), self.device)
@@ -405,7 +392,7 @@ class WLBTrainer(Trainer):
                     self._fit_rows.append((float(d @ d), float(d.sum()), 0.0, seconds))
         if times is not None and self.metrics_processor.jsonl_path:
             lens = step_doc_lens if whole else None
-            self.metrics_processor.record_pipeline_actions(times.to_dict(), lens)
+            self.metrics_processor.keep("pp_actions", {**times.to_dict(), "doc_lens": lens})
         if losses is not None:
             return torch.sum(torch.stack([loss.detach() for loss in losses])).to(self.device)
         return torch.tensor(-1.0, device=self.device)  # TorchTitan: no loss off the last stage

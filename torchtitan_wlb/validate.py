@@ -225,8 +225,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def parse_job_config(args: list[str]) -> Any:
-    """TorchTitan's parser, its usage box (tyro's exit) and unknown-field errors turned into one
-    :class:`ConfigError` line."""
+    """TorchTitan's parser, its usage box and unknown-field errors as one ConfigError line."""
     from torchtitan.config import ConfigManager
 
     err = io.StringIO()
@@ -267,8 +266,7 @@ def _parser_message(text: str) -> str:
 
 
 def _unknown_fields(text: str) -> str:
-    """TorchTitan's "Invalid field names in <class ...>" for a TOML section, as one line that
-    names the section and suggests the closest field."""
+    """TorchTitan's unknown-field error as one line naming the section and the closest field."""
     m = re.search(r"Invalid field names in <class '[\w.]*?(\w+)'> data: \{(.*?)\}", text)
     if not m:
         return text

@@ -45,8 +45,7 @@ GENERATORS: dict[str, Callable[[np.random.Generator, int, int], np.ndarray]] = {
 
 
 def generate(name: str, num_docs: int, context_len: int, seed: int = 0) -> np.ndarray:
-    """``num_docs`` int64 lengths in ``[1, context_len]`` from generator ``name``, deterministic in
-    ``seed``."""
+    """``num_docs`` int64 lengths in ``[1, context_len]`` from ``name``, deterministic in ``seed``."""
     if name not in GENERATORS:
         raise ValueError(f"unknown generator {name!r}; accepted: {', '.join(GENERATORS)}")
     if num_docs < 1 or context_len < 1:
@@ -163,8 +162,7 @@ def cycle_to(
 
 
 def steps_arg(text: str) -> int | str:
-    """argparse type of a ``--steps`` flag: a positive integer, or ``"epoch"`` for one whole pass
-    over the documents (every tool that packs a workload reads its step count this way)."""
+    """argparse type of every tool's ``--steps``: a positive integer, or ``"epoch"`` (one pass)."""
     if text.strip().lower() == "epoch":
         return "epoch"
     try:

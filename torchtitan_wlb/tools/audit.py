@@ -50,9 +50,7 @@ class _Timeline:
     launches: int
     dp_degree: int
     last_step: int
-    # in the packer after last_step; None: unknown (no end and no checkpoint logged), so lost
-    # documents cannot be ruled out
-    pending: list[int] | None
+    pending: list[int] | None  # in the packer after last_step; None: unknown
     documents: int | None  # documents the data produced, known once it has ended
     complete: bool
     note: str
@@ -133,20 +131,18 @@ def _span(ends: list[dict], ckpts: dict[int, list[dict]], logged: int) -> tuple:
     return last, pending, None, False, note
 
 
-def _collect(
-    steps: dict[int, list[dict]], last_step: int, dp_degree: int
-) -> tuple[np.ndarray, np.ndarray]:
+def _collect(t: _Timeline) -> tuple[np.ndarray, np.ndarray]:
     """All trained document ids of steps 1..last_step and their (step, dp_rank, micro-batch)."""
     ids: list[list[int]] = []
     locs: list[tuple[int, int, int]] = []
-    for step in range(1, last_step + 1):
-        recs = steps.get(step)
+    for step in range(1, t.last_step + 1):
+        recs = t.steps.get(step)
         if not recs:
             raise _Violation(
                 f"step {step} has no audit record (the logs of the launch that trained it are "
                 "missing, or the run resumed from a checkpoint written elsewhere)"
             )
-        for dp_rank in range(dp_degree):
+        for dp_rank in range(t.dp_degree):
             peers = [r for r in recs if int(r["dp_rank"]) == dp_rank]  # its CP / TP / PP ranks
             if not peers:
                 raise _Violation(f"step {step} has no audit record from DP rank {dp_rank}")
@@ -198,12 +194,11 @@ def _first_problem(trained: np.ndarray, where: np.ndarray, t: _Timeline) -> str 
 
 
 def audit(output_dir: str) -> AuditReport:
-    """The verdict on the run whose dump folder is ``output_dir``; raises ``AuditLogError`` on
-    unreadable logs."""
+    """The verdict on the run dumped in ``output_dir`` (``AuditLogError``: unreadable logs)."""
     records = read_audit_logs(output_dir)
     try:
         t = _replay(records)
-        trained, where = _collect(t.steps, t.last_step, t.dp_degree)
+        trained, where = _collect(t)
         problem = _first_problem(trained, where, t)
         if problem:
             raise _Violation(f"{problem}; steps 1-{t.last_step} audited")

@@ -17,16 +17,14 @@ class ToolParser(argparse.ArgumentParser):
     """ArgumentParser whose errors are one line and exit status 2."""
 
     @classmethod
-    def from_doc(cls, module: str, doc: str, **kwargs: Any) -> ToolParser:
-        """The parser of ``python -m <module>``: first docstring line as description, the
-        docstring's example lines as the ``--help`` epilog."""
+    def from_doc(cls, module: str, doc: str) -> ToolParser:
+        """The parser of ``python -m <module>``, the docstring's examples as its epilog."""
         lines = examples(doc)
         return cls(
             prog=f"python -m {module}",
             description=doc.strip().splitlines()[0],
             epilog="examples:\n" + "\n".join(f"  {line}" for line in lines) if lines else None,
             formatter_class=argparse.RawDescriptionHelpFormatter,  # examples keep their lines
-            **kwargs,
         )
 
     def error(self, message: str) -> NoReturn:
@@ -42,15 +40,12 @@ def examples(doc: str) -> list[str]:
 
 
 def require_at_least(
-    parser: argparse.ArgumentParser,
-    args: argparse.Namespace,
-    names: Iterable[str],
-    minimum: int = 1,
+    parser: argparse.ArgumentParser, args: argparse.Namespace, names: Iterable[str]
 ) -> None:
-    """``parser.error`` naming the first flag of ``names`` (argparse dests) below ``minimum``."""
+    """``parser.error`` naming the first flag of ``names`` (argparse dests) below 1."""
     for name in names:
-        if (value := getattr(args, name)) < minimum:
-            parser.error(f"--{name.replace('_', '-')} = {value} must be >= {minimum}")
+        if (value := getattr(args, name)) < 1:
+            parser.error(f"--{name.replace('_', '-')} = {value} must be >= 1")
 
 
 def progress(iterable: Iterable[Any] | None = None, **kwargs: Any) -> tqdm:

@@ -53,8 +53,7 @@ def pack_micro_batches(lens: np.ndarray, context_len: int, micro_batches: int) -
 
 
 def _rank_step(plan: CPPlan, rank: int, heads: int, kv_heads: int, head_dim: int):
-    """A closure running ``rank``'s local attention, forward + backward: the CP op's own calls
-    on random tensors in place of the all-gathered keys."""
+    """A closure running ``rank``'s local attention forward + backward on random tensors."""
     import torch
 
     from torchtitan_wlb.cp.op import _local_attention, op_arguments
@@ -214,9 +213,7 @@ def parser() -> ToolParser:
     p.add_argument("--kv-heads", type=int, default=1, help="KV heads (--measure, K/V bytes)")
     p.add_argument("--head-dim", type=int, default=16, help="head dim (--measure, K/V bytes)")
     p.add_argument("--kv-dtype-bytes", type=int, default=2, help="bytes per K/V element")
-    p.add_argument(
-        "--no-torch-balancers", dest="torch_balancers", action="store_false", help="skip torch's"
-    )
+    p.add_argument("--no-torch-balancers", dest="torch_balancers", action="store_false")
     p.add_argument("--json", action="store_true", help="print the JSON result last")
     return p
 

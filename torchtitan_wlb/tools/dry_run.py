@@ -34,15 +34,6 @@ def _layout_trainer_class() -> type:
     weights of a 70B layout (gigabytes on rank 0 alone) are never materialised."""
     from torchtitan_wlb.trainer import WLBTrainer
 
-    def keep_on_meta(parallelize_fn: Any) -> Any:
-        def parallelize(model: Any, *args: Any, **kwargs: Any) -> Any:
-            model = parallelize_fn(model, *args, **kwargs)
-            model.to_empty = lambda *, device, recurse=True: model
-            model.init_weights = lambda *a, **k: None
-            return model
-
-        return parallelize
-
     class LayoutTrainer(WLBTrainer):
         # TorchTitan's Trainer assigns self.train_spec in __init__: wrap its parallelize_fn then
         # (the pipeline split parallelises each stage with it).
@@ -52,8 +43,13 @@ def _layout_trainer_class() -> type:
 
         @train_spec.setter
         def train_spec(self, spec: Any) -> None:
-            wrapped = keep_on_meta(spec.parallelize_fn)
-            self._layout_train_spec = dataclasses.replace(spec, parallelize_fn=wrapped)
+            def parallelize(model: Any, *args: Any, **kwargs: Any) -> Any:
+                model = spec.parallelize_fn(model, *args, **kwargs)
+                model.to_empty = lambda *, device, recurse=True: model
+                model.init_weights = lambda *a, **k: None
+                return model
+
+            self._layout_train_spec = dataclasses.replace(spec, parallelize_fn=parallelize)
 
     return LayoutTrainer
 

@@ -6,8 +6,7 @@
     python -m torchtitan_wlb.tools.e2e_bench --parallel cp2 --modes wlb \
         --cp-sharding per_document,hybrid --json   # CP shardings, same packing
 
-Every mode trains one set of documents once (the speedups are ratios of the time to train it), after
-a noise-floor run of identical micro-batches. Modes, measures and JSON keys: docs/benchmarks.md.
+Modes, the noise-floor run, measures and JSON keys: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -53,8 +52,7 @@ def make_documents(args: argparse.Namespace) -> np.ndarray:
 
 
 def write_jsonl(lengths: np.ndarray, path: Path, seed: int) -> None:
-    """One document per line whose byte-tokenized length (+ BOS/EOS) is the given length (random
-    characters: time does not depend on the values)."""
+    """One document per line whose byte-tokenized length (+ BOS/EOS) is the given one."""
     rng = np.random.default_rng(seed)
     alphabet = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz     ", dtype=np.uint8)
     with open(path, "w") as f:
@@ -64,9 +62,8 @@ def write_jsonl(lengths: np.ndarray, path: Path, seed: int) -> None:
 
 
 def mode_args(mode: str, args: argparse.Namespace, cp_sharding: str = "") -> list[str]:
-    """The trainer flags of ``mode``: its preset (with ``cp_sharding``: its packer and that sharding),
-    the cost model and the online fit's settings. The floor packs one document per micro-batch;
-    wlb_online is wlb with the cost model refitted while training."""
+    """The trainer flags of ``mode`` (with ``cp_sharding``: its packer and that sharding), its cost
+    model and the online fit's settings; the floor packs one document per micro-batch."""
     if mode == FLOOR:
         return ["--wlb.packing", "original", "--wlb.cp_sharding", "per_document"]
     preset = "wlb" if mode == "wlb_online" else mode
@@ -86,8 +83,7 @@ def mode_args(mode: str, args: argparse.Namespace, cp_sharding: str = "") -> lis
 def run_mode(
     mode: str, args: argparse.Namespace, data: Path, workdir: Path, bar: Any, cp_sharding: str = ""
 ) -> dict[str, Any]:
-    """One training job of ``mode`` (with ``cp_sharding``: that ``[wlb] cp_sharding``) and its
-    figures, read from every rank's metrics log."""
+    """One training job of ``mode`` and its figures, read from every rank's metrics log."""
     label = f"{mode}+{cp_sharding}" if cp_sharding else mode
     dump = workdir / label
     n_steps = args.floor_steps if mode == FLOOR else args.steps
@@ -175,9 +171,8 @@ def run_mode(
         if args.parallel == "pp2":
             # The trainer fits a micro-batch's time through every stage; judged per stage too,
             # each stage taken as half the micro-batch.
-            out["fit_mean_abs_error_per_stage"] = fit_error(
-                mbs, [v / 2 for v in coef], 1, "device_s"
-            )
+            half = [v / 2 for v in coef]
+            out["fit_mean_abs_error_per_stage"] = fit_error(mbs, half, 1, "device_s")
             mbs = stage_totals(mbs)
         # On the clock the fit used (the device clock), and on the wall clock beside it.
         out["fit_mean_abs_error"] = fit_error(mbs, coef, cp, key="device_s")
@@ -188,11 +183,8 @@ def run_mode(
 def fit_error(
     micro_batches: list[dict[str, Any]], coef: list[float], cp: int, key: str = "seconds"
 ) -> float:
-    """Mean absolute relative error of the online model ``coef`` = ``(a, b, c[, g])`` on recorded
-    micro-batches' ``key`` time. A record with the trainer's ``fit_features`` (CP: this rank's
-    ``Σd²`` share, local and gathered tokens) is predicted on exactly those, ``a x0 + b x1 + g x2 +
-    c`` (no ``g``: ``b`` for both kinds); one without, by ``(a Σd² + b Σd) / cp + c`` (a rank does
-    ``1 / cp`` of the work)."""
+    """Mean absolute relative error of ``coef`` = ``(a, b, c[, g])`` on the micro-batches' ``key``
+    time: on the trainer's ``fit_features`` where recorded, else ``(a Σd² + b Σd) / cp + c``."""
     if not micro_batches:
         return float("nan")
     a, b, c = coef[:3]
@@ -211,9 +203,7 @@ def fit_error(
 
 
 def stage_totals(micro_batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Pipeline records (one per stage and micro-batch) summed over the stages: one per
-    micro-batch with its ``seconds`` and ``device_s`` through the whole pipeline (the rows the
-    trainer's online fit uses under PP)."""
+    """PP records summed over the stages: one per micro-batch, as the online fit has them."""
     totals: dict[tuple, dict[str, Any]] = {}
     for m in micro_batches:
         key = (m["step"], m["mb"], tuple(m["doc_lens"]))
@@ -226,9 +216,8 @@ def stage_totals(micro_batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def measured_imbalance(
     per_rank: list[dict[int, dict]], steps: list[int], parallel: str, device: bool = False
 ) -> float:
-    """Measured micro-batch imbalance, time-weighted (Σ max / Σ mean of forward + backward): per
-    stage under PP, a micro-batch's slowest rank under CP, else every rank's micro-batches pooled;
-    on the wall clock, or with ``device`` on the device clock."""
+    """Time-weighted micro-batch imbalance (Σ max / Σ mean of fwd + bwd): per stage under PP, the
+    slowest rank under CP, else all ranks pooled; on the wall clock, or the device's (``device``)."""
     fwd, bwd = ("fwd_device_s", "bwd_device_s") if device else ("fwd_s", "bwd_s")
     mbs = "micro_batch_device_times_s" if device else "micro_batch_times_s"
     top = total = 0.0

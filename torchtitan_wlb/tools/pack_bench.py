@@ -16,7 +16,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import fields, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -68,9 +68,8 @@ def build_cost_model(args: argparse.Namespace) -> CostModel:
 
 
 class _TokenSource(BaseNode[dict]):
-    """Documents of the given lengths as the document node yields them, without a tokenizer:
-    views of a wrapping arena of ``arena_tokens`` tokens, larger than the caches (docs/packing.md).
-    """
+    """Documents as the document node yields them, without a tokenizer: views of a wrapping arena
+    of ``arena_tokens`` tokens, larger than the caches (docs/packing.md)."""
 
     def __init__(self, lengths: np.ndarray, arena_tokens: int = 0) -> None:
         super().__init__()
@@ -106,8 +105,7 @@ class _TokenSource(BaseNode[dict]):
 
 
 def node_step_ms(packer: Packer, lengths: np.ndarray, steps: int, dp: int) -> tuple[list, list]:
-    """Wall and CPU (this thread's) milliseconds of every step of the data node, DP rank 0 of
-    ``dp``."""
+    """Wall and thread CPU milliseconds of every step of the data node on DP rank 0 of ``dp``."""
     arena = 4 * packer.config.micro_batches * packer.config.context_len  # four global batches
     node = WLBPackingNode(_TokenSource(lengths, arena), packer, dp_rank=0, dp_degree=dp)
     node.reset()
@@ -190,17 +188,12 @@ def run(
 
 
 def _spread(name: str, values: list[float], with_max: bool = False) -> dict[str, float]:
-    """Mean, 95th percentile (and maximum) of ``values`` as ``name``, ``name_p95``
-    (``name_max``); zeros when there are none."""
+    """Mean, 95th percentile (and maximum) of ``values`` (zeros when there are none)."""
     v = np.asarray(values or [0.0], np.float64)
     out = {name: float(v.mean()), f"{name}_p95": float(np.percentile(v, 95))}
     if with_max:
         out[f"{name}_max"] = float(v.max())
     return out
-
-
-# The flags named after PackingConfig fields (argparse dest = field name), defaults from it.
-DEFAULTS = {f.name: f.default for f in fields(PackingConfig)}
 
 
 def _arg(convert: Callable[[str], Any], ok: Callable[[Any], bool], expected: str) -> Callable:
@@ -264,7 +257,8 @@ def parser() -> ToolParser:
     p.add_argument("--queues", type=_queues, default=None, help="thresholds, e.g. 32768,65536")
     p.add_argument("--smax", type=_positive_int, default=None, help="micro-batch token cap")
     for knob, (kind, text) in KNOBS.items():
-        p.add_argument(f"--{knob.replace('_', '-')}", type=kind, default=DEFAULTS[knob], help=text)
+        flag, default = f"--{knob.replace('_', '-')}", getattr(PackingConfig, knob)
+        p.add_argument(flag, type=kind, default=default, help=text)
     p.add_argument("--max-doc-len", type=_positive_int, default=None, help="split longer docs")
     models = ", ".join(MODELS)
     p.add_argument("--model", type=_model_name, default="7B", help=f"cost model of: {models}")
@@ -337,9 +331,8 @@ def table2(args: argparse.Namespace, cost_model: CostModel) -> list[dict[str, An
 def solver_gap(
     lengths: np.ndarray, config: PackingConfig, cost_model: CostModel, steps: int, limit: float
 ) -> dict[str, Any]:
-    """Re-solve the documents ``wlb`` emitted in each of its first ``steps`` steps exactly (same
-    N and S_max), isolating its placement quality from its release decisions; windows the solver
-    does not finish within ``limit`` seconds are compared with its proven lower bound."""
+    """Re-solve each of ``wlb``'s first ``steps`` steps exactly (same N, S_max): its placement
+    apart from its releases; an unfinished solve (``limit`` s) gives its proven lower bound."""
     from torchtitan_wlb.packing.solver import solve_minmax
 
     packer = build_packer("wlb", config, cost_model)

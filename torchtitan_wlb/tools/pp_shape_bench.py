@@ -111,9 +111,8 @@ def _worker(rank: int, args: argparse.Namespace, init_file: str, out_file: str) 
             lambda: runner._resize_recv_buffers(alt[next(counter) % 2]), args.reps * 20
         )
 
-        # Shape exchange alternatives, rank 0 (stage 0) -> rank 1 (stage 1): all lengths in one
-        # tensor, one tensor per micro-batch, one pickled shape per micro-batch (as torch's shape
-        # inference sends them).
+        # Shape exchange, stage 0 -> stage 1: all lengths in one tensor, one tensor per
+        # micro-batch, or one pickled shape per micro-batch (as torch's shape inference does).
         lens_t = torch.tensor(alt[0], dtype=torch.int64)
         send = rank == 0
 
