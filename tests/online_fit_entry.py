@@ -6,33 +6,83 @@ forward+backward time, just before the step's statistics are gathered, with a kn
 ``t = a * sum(d^2) + b * sum(d) + c`` (attention far dearer than the analytic FLOP model says),
 times a deterministic factor that differs per rank and micro-batch (the ranks are fed different
 timings). Run by torchrun as a script, so the package needs no test hooks.
+
+With ``--synthetic-stage-times`` (a pipeline-parallel run) it replaces the per-stage action times
+the pipeline runner records instead: stage ``s`` of ``p`` takes the share ``STAGE_SHARES[s]`` of
+``t`` (a third forward, two thirds backward), so the trainer's own sum over the pipeline
+group must put ``t`` back together for the fit to recover ``a``.
 """
 
+import dataclasses
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Taken off the command line before the imports below (importing TorchTitan parses it).
+STAGE_TIMES = "--synthetic-stage-times" in sys.argv
+if STAGE_TIMES:
+    sys.argv.remove("--synthetic-stage-times")
 
 from torchtitan_wlb import train  # noqa: E402  (activates CPU support first)
 from torchtitan_wlb.trainer import WLBTrainer  # noqa: E402
 
 A, B, C = 1e-7, 1e-5, 1e-3
+STAGE_SHARES = (0.3, 0.7)  # of a micro-batch's time, per pipeline stage (PP = 2)
+RANK = int(os.environ.get("RANK", "0"))
+
+
+def _seconds(step: int, i: int, sq: float, lin: float) -> float:
+    """The synthetic truth for micro-batch ``i`` of ``step`` on this rank, within 1 % noise."""
+    noise = 1.0 + 0.01 * (((step * 7 + RANK * 3 + i * 5) % 11) - 5) / 5
+    return (A * sq + B * lin + C) * noise
 
 
 def install() -> None:
     original = WLBTrainer._maybe_refit
-    rank = int(os.environ.get("RANK", "0"))
 
     def _maybe_refit(self):
         rows = self._fit_rows
         for i, (sq, lin, gathered, _) in enumerate(rows):
-            noise = 1.0 + 0.01 * (((self.step * 7 + rank * 3 + i * 5) % 11) - 5) / 5
-            rows[i] = (sq, lin, gathered, (A * sq + B * (lin + gathered) + C) * noise)
+            rows[i] = (sq, lin, gathered, _seconds(self.step, i, sq, lin + gathered))
         return original(self)
 
     WLBTrainer._maybe_refit = _maybe_refit
 
 
+def install_stage_times() -> None:
+    original = WLBTrainer._pipeline_step
+
+    def _pipeline_step(self, *args, **kwargs):
+        # This step's document lengths: the trainer fills this list, then runs the pipeline.
+        step_doc_lens, runner = self._pp_doc_lens, self._pp_runner
+        run = runner.step
+
+        def step(*a, **k):
+            run(*a, **k)
+            times, p = runner.last_action_times, self.parallel_dims.pp
+            total = [
+                _seconds(self.step, i, float(sum(d * d for d in lens)), float(sum(lens)))
+                for i, lens in enumerate(step_doc_lens)
+            ]
+            fwd = [[STAGE_SHARES[s] * t / 3 for t in total] for s in times.stage_indices]
+            bwd = [[STAGE_SHARES[s] * t * 2 / 3 for t in total] for s in times.stage_indices]
+            assert len(STAGE_SHARES) == p and len(total) == len(times.fwd_device_s[0])
+            runner.last_action_times = dataclasses.replace(
+                times, fwd_s=fwd, bwd_s=bwd, fwd_device_s=fwd, bwd_device_s=bwd
+            )
+
+        runner.step = step
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            del runner.step
+
+    WLBTrainer._pipeline_step = _pipeline_step
+
+
 if __name__ == "__main__":
-    install()
+    if STAGE_TIMES:
+        install_stage_times()
+    else:
+        install()
     sys.exit(train.main())

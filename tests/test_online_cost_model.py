@@ -1,11 +1,12 @@
-"""``[wlb] cost_model = "online"`` end to end on two gloo ranks (DP = 2), with synthetic times.
+"""``[wlb] cost_model = "online"`` end to end on two gloo ranks (DP = 2 or PP = 2), synthetic times.
 
 One run of 6 steps refits after steps 4 and 6 (warm-up 1, window 3, hold-out 1, interval 2); the
 refit after step 4 is adopted and, with a lag of 2, packs step 6. Both ranks, fed different times,
 must hold the same coefficients bit for bit and pack with the same model at every step. Then a run
 resumed from the checkpoint of step 4 (after the refit, before it takes effect) must pack and
 train steps 5 and 6 exactly as the uninterrupted run: same documents, same coefficients, same
-losses, the same refit after step 6.
+losses, the same refit after step 6. Under pipeline parallelism (PP = 2) the same refit must come
+from the per-stage action times of each micro-batch, summed over the pipeline group.
 """
 
 import json
@@ -23,7 +24,7 @@ ENTRY = os.path.join(ROOT, "tests", "online_fit_entry.py")
 pytestmark = pytest.mark.slow
 
 
-def _train(dump):
+def _train(dump, *extra):
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
         "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", "--role", "rank", ENTRY,
@@ -33,7 +34,7 @@ def _train(dump):
         "--checkpoint.interval", "2", "--wlb.metrics_jsonl", "--metrics.disable_color_printing",
         "--wlb.cost_model", "online", "--wlb.fit_warmup_steps", "1", "--wlb.fit_window_steps",
         "3", "--wlb.fit_holdout_steps", "1", "--wlb.fit_interval_steps", "2",
-        "--wlb.fit_apply_lag_steps", "2",
+        "--wlb.fit_apply_lag_steps", "2", *extra,
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
@@ -49,11 +50,11 @@ def _records(dump, rank):
 REFIT_KEYS = ("wlb/cost_refit_a", "wlb/cost_refit_b", "wlb/cost_refit_c", "wlb/cost_refit_error")
 
 
-def test_online_refit_is_identical_on_every_rank_and_resumes_exactly(tmp_path):
-    ref = tmp_path / "ref"
-    log = _train(ref)
+def _check_refit(log, dump):
+    """The refit after step 4 adopted for step 6: the same coefficients on both ranks, bit for
+    bit, the synthetic attention coefficient recovered, packing with it from step 6 on both."""
     assert "online cost model refit after step 4" in log and "adopted for step 6" in log
-    runs = [_records(ref, rank) for rank in (0, 1)]
+    runs = [_records(dump, rank) for rank in (0, 1)]
     for recs in runs:
         assert sorted(recs) == [1, 2, 3, 4, 5, 6]
         assert recs[4]["wlb/cost_refit_adopted"] == 1.0
@@ -70,7 +71,12 @@ def test_online_refit_is_identical_on_every_rank_and_resumes_exactly(tmp_path):
     for recs in runs:
         assert [recs[s]["wlb/cost_attn_coef"] for s in range(1, 6)] == [analytic] * 5
         assert recs[6]["wlb/cost_attn_coef"] == a
+    return runs
 
+
+def test_online_refit_is_identical_on_every_rank_and_resumes_exactly(tmp_path):
+    ref = tmp_path / "ref"
+    runs = _check_refit(_train(ref), ref)
     # Resume from the checkpoint of step 4: the refit is decided, not yet in effect.
     resumed = tmp_path / "resumed"
     shutil.copytree(ref / "checkpoint" / "step-4", resumed / "checkpoint" / "step-4")
@@ -83,3 +89,10 @@ def test_online_refit_is_identical_on_every_rank_and_resumes_exactly(tmp_path):
             for key in ("loss", "doc_ids", "micro_batch_doc_lens", "wlb/cost_attn_coef"):
                 assert again[step][key] == full[step][key], (rank, step, key)
         assert [again[6][k] for k in REFIT_KEYS] == [full[6][k] for k in REFIT_KEYS]
+
+
+def test_online_refit_under_pipeline_parallelism(tmp_path):
+    """PP = 2: one fit row per micro-batch from the per-stage action times (synthetic, a different
+    share on each stage and different noise on each rank), summed over the pipeline group."""
+    args = ("--parallelism.pipeline_parallel_degree", "2", "--checkpoint.no-enable")
+    _check_refit(_train(tmp_path, *args, "--synthetic-stage-times"), tmp_path)
