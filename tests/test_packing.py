@@ -506,3 +506,16 @@ def test_forced_step_pulls_enough_to_balance_its_outlier():
     plans = run(make("wlb", 4, smax=2 * CTX, adaptive_max_wait=0), lens)
     ids = np.sort(np.concatenate([np.concatenate(p.doc_ids) for p in plans]))
     assert np.array_equal(ids, np.arange(lens.size))
+
+
+def test_forced_step_pull_follows_the_cost_model_in_use():
+    """The online cost model swaps the packer's model between steps (seconds, not FLOPs): the
+    forced step's pull must be the same under any rescaled model, not mix two models' units."""
+    lens = np.concatenate([[CTX], np.full(1000, 2)]).astype(np.int64)
+    packer = make("wlb", 4, smax=2 * CTX, adaptive_max_wait=0)
+    stream = LengthStream(lens)
+    next_plan(packer, stream)
+    next_plan(packer, stream)  # the outlier is due at the next step
+    wanted = packer.tokens_wanted()
+    packer.cost_model = CostModel(COST.attn_coef * 2.0**-50, COST.linear_coef * 2.0**-50, "seconds")
+    assert packer.tokens_wanted() == wanted

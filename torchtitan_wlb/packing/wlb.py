@@ -152,11 +152,10 @@ class WLBPacker(_QueuedPacker):
         super().__init__(config, cost_model)
         self.k_eff = float(config.max_wait)
         self.delay_ema = float(config.delay_target)
-        # Cost per token of a typical regular document (half the first queue threshold): what
+        # A typical regular document (half the first queue threshold): its cost per token is what
         # regular tokens add to a micro-batch, for the forced steps' pull (``tokens_wanted``).
         first = int(self.thresholds[0]) if self.thresholds.size else config.context_len
-        mid = np.array([max(1, first // 2)])
-        self._regular_cost_per_token = float(cost_model.doc_cost(mid)[0]) / int(mid[0])
+        self._regular_len = max(1, first // 2)
 
     def _wait_bound(self) -> int:
         return int(self.k_eff)
@@ -170,8 +169,10 @@ class WLBPacker(_QueuedPacker):
         due = np.flatnonzero(self._step - q.arrival >= self._wait_bound())
         if due.size == 0:
             return want
+        # Both costs from the model in use: the online cost model swaps it between steps.
         cost = self.cost_model.doc_cost(q.lens[due])
-        rho = self._regular_cost_per_token
+        typical = self.cost_model.doc_cost(np.array([self._regular_len]))
+        rho = float(typical[0]) / self._regular_len
         need = (self.n * float(cost.max()) - float(cost.sum())) / rho if rho > 0 else 0.0
         room = int(_TOKEN_FILL * self.n * self.cap) - int(q.lens[due].sum())
         held = int(self.carry.lens.sum()) + int(self.backlog.lens.sum())
