@@ -64,3 +64,11 @@ def test_value_errors_are_one_line(capsys):
     assert capsys.readouterr().err.strip().splitlines() == [
         "python -m torchtitan_wlb.tools.cp_bench: error: --cp = 0 must be >= 1"
     ]
+
+
+def test_e2e_bench_checks_the_fit_flags_before_any_job_starts(capsys):
+    with pytest.raises(SystemExit) as exc:
+        _tool("e2e_bench").main(["--fit-window", "0"])
+    assert exc.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "--fit-window 0" in line and "fit_window_steps = 0 is out of range" in line

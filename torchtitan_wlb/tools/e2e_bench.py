@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from torchtitan_wlb.config import MODE_PRESETS
+from torchtitan_wlb.config import MODE_PRESETS, WLB, ConfigError
 from torchtitan_wlb.cp.adaptive import STRATEGIES as CP_STRATEGIES
 from torchtitan_wlb.tools.cli import ToolParser, progress, require_at_least
 from torchtitan_wlb.workloads import GENERATORS, generate, load_lengths, steps_arg
@@ -72,12 +72,15 @@ def mode_args(mode: str, args: argparse.Namespace, cp_sharding: str = "") -> lis
         packer = MODE_PRESETS[preset][0]
         flags = ["--wlb.mode", "", "--wlb.packing", packer, "--wlb.cp_sharding", cp_sharding]
     cost = ["--wlb.cost_model", "online" if mode == "wlb_online" else args.cost_model]
-    fit = [
-        "--wlb.fit_warmup_steps", str(args.fit_warmup), "--wlb.fit_window_steps",
-        str(args.fit_window), "--wlb.fit_holdout_steps", str(max(1, args.fit_window // 4)),
-        "--wlb.fit_interval_steps", str(args.fit_interval),
-    ]  # fmt: skip
+    fit = [x for k, v in fit_fields(args).items() for x in (f"--wlb.{k}", str(v))]
     return flags + cost + fit
+
+
+def fit_fields(args: argparse.Namespace) -> dict[str, int]:
+    """The ``[wlb]`` online-fit fields every job gets (the last quarter of the window held out)."""
+    return {"fit_warmup_steps": args.fit_warmup, "fit_window_steps": args.fit_window,
+            "fit_holdout_steps": max(1, args.fit_window // 4),
+            "fit_interval_steps": args.fit_interval}  # fmt: skip
 
 
 def run_mode(
@@ -345,6 +348,11 @@ def _check(p: ToolParser, args: argparse.Namespace) -> tuple[list[str], list[str
     require_at_least(p, args, ("context_len", "micro_batches", "num_docs", "scale_from", "runs"))
     if args.steps != "epoch" and args.steps <= args.warmup:
         p.error(f"--steps {args.steps} must exceed --warmup {args.warmup}")
+    try:  # the jobs' [wlb] fit fields, checked before any job starts
+        WLB(**fit_fields(args))
+    except ConfigError as e:
+        p.error(f"--fit-warmup {args.fit_warmup} --fit-window {args.fit_window} --fit-interval "
+                f"{args.fit_interval}: {e}")  # fmt: skip
     return modes, shardings
 
 
