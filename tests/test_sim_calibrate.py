@@ -228,3 +228,52 @@ def test_pipeline_record_without_stage_times_is_rejected(tmp_path, capsys):
     assert calibrate.main(["--records", str(path)]) == 2
     err = capsys.readouterr().err
     assert "pipeline record 3" in err and "Traceback" not in err
+
+
+# ------------------------------------------------------- from e2e_bench's records, end to end
+def _trainer_logs(parallel: str) -> list[dict[int, dict]]:
+    """Two ranks' ``[wlb] metrics_jsonl`` logs (the keys e2e_bench reads) carrying the synthetic
+    times above: under DP = 2 each rank its own micro-batches, under PP = 2 one stage's actions."""
+    logs: list[dict[int, dict]] = [{}, {}]
+    if parallel == "pp2":
+        data = _pp_records()
+        for step in data["steps"]:
+            for k, log in enumerate(logs):
+                mine = [r for r in data["microbatches"] if r["step"] == step["step"] and r["stage"] == k]  # fmt: skip
+                act = {"stages": [k], "doc_lens": [r["doc_lens"] for r in mine]}
+                for key in ("fwd_s", "bwd_s"):  # the device clock reads the same here
+                    act[key] = act[key.replace("_s", "_device_s")] = [[r[key] for r in mine]]
+                log[step["step"]] = {"pp_actions": [act], "wlb/step_time_s": step["seconds"]}
+        return logs
+    recs = _synthetic_records(n_mb=80, noise=0.01, steps=True)
+    for step in sorted({r["step"] for r in recs}):
+        mine = [[r for r in recs if r["step"] == step][k::2] for k in range(2)]
+        seconds = max(sum(r["seconds"] for r in rs) for rs in mine) + 0.05  # + optimizer
+        for log, rs in zip(logs, mine, strict=True):
+            times = [r["seconds"] for r in rs]
+            log[step] = {"micro_batch_doc_lens": [r["doc_lens"] for r in rs],
+                         "micro_batch_times_s": times, "micro_batch_device_times_s": times,
+                         "wlb/step_time_s": seconds}  # fmt: skip
+    return logs
+
+
+@pytest.mark.parametrize("parallel", ["dp2", "pp2"])
+def test_calibration_from_e2e_bench_records(tmp_path, capsys, parallel):
+    """The calibration file of ``e2e_bench --records-out`` is fitted and its steps predicted."""
+    from torchtitan_wlb.tools import e2e_bench
+
+    logs = _trainer_logs(parallel)
+    records = e2e_bench.calibration_records(logs, sorted(logs[0]))
+    e2e_bench.write_records(tmp_path, {"wlb": records}, parallel, "tiny")
+    path = tmp_path / "records_wlb.json"
+    assert calibrate.main(["--records", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    pred = out["step_prediction"]
+    assert pred["step_overhead_s"] == pytest.approx(0.05, abs=0.02)
+    if parallel == "pp2":  # per-stage fits played through 1F1B (PP = 2 from the file's layout)
+        assert pred["schedule"] == "1f1b" and pred["mean_abs_rel_error"] < 0.03
+        assert out["attn_coef"] == pytest.approx(6e-9, rel=0.2)
+    else:  # both ranks' micro-batches fitted; a step takes its slower rank's
+        assert out["records"] == 80 and pred["mean_abs_rel_error"] < 0.05
+        assert out["attn_coef"] == pytest.approx(A_TRUE, rel=0.1)
+        assert out["linear_coef"] == pytest.approx(B_TRUE, rel=0.1)

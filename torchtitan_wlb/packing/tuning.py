@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from torchtitan_wlb.cost_model import CostModel
-from torchtitan_wlb.packing.base import PackingConfig
+from torchtitan_wlb.packing.base import Packer, PackingConfig
 from torchtitan_wlb.packing.driver import LengthStream, drive
 from torchtitan_wlb.packing.registry import build_packer
 from torchtitan_wlb.packing.wlb import default_thresholds
@@ -27,11 +27,22 @@ class TuneResult:
     mean_delay: float  # token-weighted mean delay in steps on the sample
 
 
-def simulate(
+@dataclass(frozen=True)
+class SampleRun:
+    """A packer's first steps over a sample: their mean imbalance and token-weighted delay, how
+    many steps it packed, and the packer (its cap and thresholds are what it was run with)."""
+
+    imbalance: float
+    mean_delay: float
+    steps: int
+    packer: Packer
+
+
+def run_sample(
     name: str, lengths: np.ndarray, config: PackingConfig, cost_model: CostModel, steps: int
-) -> tuple[float, float]:
-    """Mean imbalance and token-weighted delay of the first ``steps`` steps of packer ``name``
-    (fewer if the sample ends first); documents still pending are not counted, as in a long run."""
+) -> SampleRun:
+    """Packer ``name`` over the first ``steps`` steps of ``lengths`` (fewer if the sample ends
+    first); documents still pending are not counted, as in a long run."""
     packer = build_packer(name, config, cost_model)
     stream = LengthStream(lengths, end_of_data=False)  # a sample: its end is not the data's
     imb, delay_tok, tok = [], 0.0, 0
@@ -41,7 +52,16 @@ def simulate(
         tok += plan.stats["tokens"]
         if stream.remaining == 0:
             break
-    return (float(np.mean(imb)) if imb else 1.0, delay_tok / tok if tok else 0.0)
+    mean_imb = float(np.mean(imb)) if imb else 1.0
+    return SampleRun(mean_imb, delay_tok / tok if tok else 0.0, len(imb), packer)
+
+
+def simulate(
+    name: str, lengths: np.ndarray, config: PackingConfig, cost_model: CostModel, steps: int
+) -> tuple[float, float]:
+    """Mean imbalance and token-weighted delay of ``run_sample``."""
+    run = run_sample(name, lengths, config, cost_model, steps)
+    return run.imbalance, run.mean_delay
 
 
 def tune_queues(

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from torchtitan_wlb.packing import LengthStream, build_packer, drive, packing_config
+from torchtitan_wlb.packing import packing_config
+from torchtitan_wlb.packing.tuning import run_sample
 from torchtitan_wlb.packing.wlb import default_thresholds
 from torchtitan_wlb.sim import cli
 from torchtitan_wlb.sim.config import MODES, REQUIRED_MODES
@@ -43,20 +44,13 @@ def length_histogram(lengths: np.ndarray, context_len: int) -> list[dict]:
 def predicted_imbalance(lengths, cfg, packer: str, **overrides) -> dict:
     """One packer's predicted imbalance and delay over the sample (no flush: it is a sample)."""
     config = packing_config(packer, cfg.n_global, cfg.context_len, max_wait=cfg.max_delay_steps, **overrides)  # fmt: skip
-    p = build_packer(packer, config, cost_model_for(cfg))
-    stream = LengthStream(split_long(lengths, cfg.context_len), end_of_data=False)
-    imb, delay, tok = [], [], []
-    for plan in drive(p, stream, cfg.steps):
-        imb.append(plan.stats["imbalance"])
-        delay.append(plan.stats["mean_delay"] * plan.stats["tokens"])
-        tok.append(plan.stats["tokens"])
-        if stream.remaining == 0:
-            break
-    if not imb:
+    docs = split_long(lengths, cfg.context_len)
+    run = run_sample(packer, docs, config, cost_model_for(cfg), cfg.steps)
+    if not run.steps:
         raise ValueError("the lengths sample is too small for one step; give more documents")
-    return {"imbalance": float(np.mean(imb)), "avg_delay_steps": float(np.sum(delay) / max(1, np.sum(tok))),
-            "steps": len(imb), "smax": int(p.cap),
-            "queues": [int(x) for x in getattr(p, "thresholds", [])]}  # fmt: skip
+    return {"imbalance": run.imbalance, "avg_delay_steps": run.mean_delay, "steps": run.steps,
+            "smax": int(run.packer.cap),
+            "queues": [int(x) for x in getattr(run.packer, "thresholds", [])]}  # fmt: skip
 
 
 def recommend(lengths, cfg) -> dict:

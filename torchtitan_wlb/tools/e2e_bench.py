@@ -275,6 +275,16 @@ def calibration_records(per_rank: list[dict[int, dict]], steps: list[int]) -> di
     return {"microbatches": micro_batches, "steps": step_times}
 
 
+def write_records(out_dir: Path, records: dict[str, dict], parallel: str, flavor: str) -> None:
+    """``records_<mode>.json`` per mode: the calibration file ``sim.calibrate --records`` reads,
+    with the 2-rank layout (the flavor is not a simulator preset: the fit is of coefficients)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    layout = {"tp": 1, "cp": 1, "pp": 1, "dp": 1, parallel[:2]: 2}
+    for mode, rec in records.items():
+        with open(out_dir / f"records_{mode}.json", "w") as f:
+            json.dump({**rec, "layout": layout, "flavor": flavor}, f)
+
+
 def parser() -> ToolParser:
     p = ToolParser.from_doc("torchtitan_wlb.tools.e2e_bench", __doc__)
     p.add_argument("--parallel", choices=sorted(PARALLEL), default="pp2", help="2-rank layout")
@@ -399,13 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     records = [{mode: res.pop("records") for mode, res in run["modes"].items()} for run in runs]
     last = runs[-1]["modes"]
     if args.records_out:
-        out_dir = Path(args.records_out)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        layout = {"tp": 1, "cp": 1, "pp": 1, "dp": 1, args.parallel[:2]: 2}
-        for mode, rec in records[-1].items():
-            # The flavor is not a simulator preset: the calibration fits coefficients only.
-            with open(out_dir / f"records_{mode}.json", "w") as f:
-                json.dump({**rec, "layout": layout, "flavor": args.model}, f)
+        write_records(Path(args.records_out), records[-1], args.parallel, args.model)
     shown = ("parallel", "model", "context_len", "micro_batches", "steps", "warmup")
     summary: dict[str, Any] = {
         **{key: getattr(args, key) for key in shown},
