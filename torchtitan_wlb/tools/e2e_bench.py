@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from torchtitan_wlb.config import MODE_PRESETS, WLB, ConfigError
+from torchtitan_wlb.cost_fit import stage_sums
 from torchtitan_wlb.cp.adaptive import STRATEGIES as CP_STRATEGIES
 from torchtitan_wlb.tools.cli import ToolParser, progress, require_at_least
 from torchtitan_wlb.workloads import GENERATORS, generate, load_lengths, steps_arg
@@ -207,13 +208,13 @@ def fit_error(
 
 def stage_totals(micro_batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """PP records summed over the stages: one per micro-batch, as the online fit has them."""
-    totals: dict[tuple, dict[str, Any]] = {}
-    for m in micro_batches:
-        key = (m["step"], m["mb"], tuple(m["doc_lens"]))
-        row = totals.setdefault(key, {"doc_lens": m["doc_lens"], "seconds": 0.0, "device_s": 0.0})
-        row["seconds"] += m["seconds"]
-        row["device_s"] += m["device_s"]
-    return list(totals.values())
+    keys = [(m["step"], m["mb"], tuple(m["doc_lens"])) for m in micro_batches]
+    stages = [m["stage"] for m in micro_batches]
+    done, sums = stage_sums(keys, stages, [(m["seconds"], m["device_s"]) for m in micro_batches])
+    return [
+        {"doc_lens": list(key[2]), "seconds": sec, "device_s": dev}
+        for key, (sec, dev) in zip(done, sums.tolist(), strict=True)
+    ]
 
 
 def measured_imbalance(

@@ -37,7 +37,7 @@ from torchtitan_wlb.packing import (
     packing_config,
 )
 from torchtitan_wlb.packing.driver import take_until
-from torchtitan_wlb.packing.tuning import tune_queues
+from torchtitan_wlb.packing.tuning import DELAY_BUDGET, tune_queues
 from torchtitan_wlb.tools.cli import ToolParser, progress
 
 # The paper's Table 2 (7B, 128K context): (method, config, imbalance, overhead).
@@ -271,7 +271,9 @@ def parser() -> ToolParser:
     p.add_argument("--solver-steps", type=_positive_int, default=8, help="steps for solver rows")
     p.add_argument("--solver-gap", type=_nonneg_int, default=0, help="wlb vs optimum over STEPS")
     p.add_argument("--tune", type=_fraction, default=None, help="tune on this share of the docs")
-    p.add_argument("--delay-budget", type=float, default=0.5, help="--tune: max mean delay")
+    p.add_argument(
+        "--delay-budget", type=float, default=DELAY_BUDGET, help="--tune: max mean delay"
+    )
     p.add_argument("--json", action="store_true", help="print the summary as one JSON line")
     return p
 
