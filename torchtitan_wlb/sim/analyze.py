@@ -17,7 +17,7 @@ from torchtitan_wlb.packing.tuning import choose, run_sample, tune_trials
 from torchtitan_wlb.sim import cli
 from torchtitan_wlb.sim.config import MODES, REQUIRED_MODES
 from torchtitan_wlb.sim.engine import cost_model_for, simulate_mode
-from torchtitan_wlb.workloads import load_lengths, split_long
+from torchtitan_wlb.workloads import load_lengths, long_documents, long_token_share, split_long
 
 PACKERS_COMPARED = ("original", "fixed_greedy", "wlb_paper", "wlb")
 SMAX_CANDIDATES = (1.0, 1.125, 1.25, 1.5)
@@ -34,7 +34,7 @@ def length_histogram(lengths: np.ndarray, context_len: int) -> list[dict]:
     total = float(lengths.sum())
     return [{"min_len": int(edges[i]), "max_len": int(edges[i + 1] - 1), "docs": int(docs[i]),
              "doc_share": float(docs[i] / lengths.size), "token_share": float(toks[i] / total),
-             "over_half_context": bool(edges[i] >= context_len // 2)}
+             "over_half_context": bool(long_documents(edges[i + 1] - 1, context_len))}
             for i in np.flatnonzero(docs)]  # fmt: skip
 
 
@@ -112,8 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             "documents": int(lengths.size), "tokens": int(lengths.sum()),
             "mean_len": float(lengths.mean()), "median_len": float(np.median(lengths)),
             "max_len": int(lengths.max()),
-            "token_share_over_half_context": float(lengths[lengths >= cfg.context_len // 2].sum()
-                                                   / lengths.sum()),
+            "token_share_over_half_context": long_token_share(lengths, cfg.context_len),
             "histogram": hist, "packers": packers,
             "recommended": {k: v for k, v in rec.items() if k != "trials"},
             "recommend_trials": rec["trials"],
