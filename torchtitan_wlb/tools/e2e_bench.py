@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from torchtitan_wlb.config import MODE_PRESETS, WLB, ConfigError
-from torchtitan_wlb.cost_fit import stage_sums
+from torchtitan_wlb.cost_fit import Coefficients, stage_sums
 from torchtitan_wlb.cp.adaptive import STRATEGIES as CP_STRATEGIES
 from torchtitan_wlb.tools.cli import ToolParser, progress, require_at_least
 from torchtitan_wlb.workloads import GENERATORS, generate, load_lengths, steps_arg
@@ -191,19 +191,14 @@ def fit_error(
     time: on the trainer's ``fit_features`` where recorded, else ``(a Σd² + b Σd) / cp + c``."""
     if not micro_batches:
         return float("nan")
-    a, b, c = coef[:3]
-    g = coef[3] if len(coef) > 3 else b
-    pred, t = [], []
+    # The trainer's predictor (g None: b for both token kinds) on the features it fits.
+    model = Coefficients(*coef[:3], g=coef[3] if len(coef) > 3 else None)
+    rows = []
     for m in micro_batches:
-        if "fit_features" in m:
-            sq, local, gathered = m["fit_features"]
-            pred.append(a * sq + b * local + g * gathered + c)
-        else:
-            d = np.asarray(m["doc_lens"], float)
-            pred.append((a * float(d @ d) + b * float(d.sum())) / cp + c)
-        t.append(m[key])
-    t_arr = np.asarray(t)
-    return float(np.mean(np.abs(np.asarray(pred) - t_arr) / t_arr))
+        d = np.asarray(m["doc_lens"], float)
+        rows.append(m.get("fit_features") or (float(d @ d) / cp, float(d.sum()) / cp, 0.0))
+    t = np.asarray([m[key] for m in micro_batches], float)
+    return float(np.mean(np.abs(model.predict(*np.asarray(rows).T) - t) / t))
 
 
 def stage_totals(micro_batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
