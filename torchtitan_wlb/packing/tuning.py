@@ -84,16 +84,16 @@ def tune_trials(
 ) -> list[TuneResult]:
     """Every candidate of the search run over ``sample_lengths`` (already split): the queue
     thresholds of ``levels`` (and the configured ones) x ``smaxes`` (None: the configured cap) x
-    ``waits``; the ``steps`` default and the sample's N are in docs/packing.md."""
+    ``waits``; ``steps`` None sizes the run (steps and N) to the sample (docs/packing.md), else
+    ``steps`` steps at the configured N are scored."""
     lengths = np.asarray(sample_lengths, np.int64)
     if lengths.size == 0 or np.any(lengths < 1):
         raise ValueError("tuning needs a non-empty sample of lengths >= 1")
-    # A short sample is simulated at a smaller N (the delay a K causes does not depend on N).
-    n_tune = config.micro_batches
-    if lengths.sum() < _MIN_TUNE_STEPS * n_tune * config.context_len:
-        n_tune = max(1, int(lengths.sum() // (_MIN_TUNE_STEPS * config.context_len)))
-    config = replace(config, micro_batches=n_tune)
-    if steps is None:
+    if steps is None:  # sized to the sample: a short one at a smaller N (K's delay is not N's)
+        n_tune = config.micro_batches
+        if lengths.sum() < _MIN_TUNE_STEPS * n_tune * config.context_len:
+            n_tune = max(1, int(lengths.sum() // (_MIN_TUNE_STEPS * config.context_len)))
+        config = replace(config, micro_batches=n_tune)
         batches = int(lengths.sum() // (n_tune * config.context_len))
         steps = max(1, batches - min(2 * max(waits), batches // 2))
     candidates = {default_thresholds(cost_model, config.context_len, k) for k in levels}
