@@ -14,6 +14,7 @@ from torchtitan_wlb.cost_fit import (
     OnlineFitter,
     fit_nnls,
     refit,
+    stage_sums,
 )
 from torchtitan_wlb.cost_model import CostModel
 
@@ -119,6 +120,19 @@ def test_bad_timings_and_config_are_refused():
         OnlineFitConfig(window_steps=2, holdout_steps=2)
     with pytest.raises(ValueError, match="apply_lag_steps"):
         OnlineFitConfig(apply_lag_steps=0)
+
+
+def test_stage_sums_give_each_whole_micro_batch_once_in_key_order():
+    # (step, mb) keys: micro-batch (1, 0) through stages 0 and 1, (0, 1) too (records out of
+    # order), (2, 0) only through stage 1, so its sum is not its time and it is left out.
+    keys = [(1, 0), (0, 1), (1, 0), (2, 0), (0, 1)]
+    stages = [0, 1, 1, 1, 0]
+    times = [[1.0, 10.0], [2.0, 20.0], [3.0, 30.0], [4.0, 40.0], [5.0, 50.0]]
+    done, sums = stage_sums(keys, stages, times)
+    assert done == [(0, 1), (1, 0)]
+    assert sums.tolist() == [[7.0, 70.0], [4.0, 40.0]]
+    done, sums = stage_sums([], [], np.zeros((0, 2)))
+    assert done == [] and sums.shape == (0, 2)
 
 
 def test_schedule_is_deterministic_whatever_the_reader_timing():

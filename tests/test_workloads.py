@@ -14,6 +14,8 @@ from torchtitan_wlb.workloads import (
     cycle_to,
     generate,
     load_lengths,
+    long_documents,
+    long_token_share,
     split_long,
 )
 
@@ -132,3 +134,10 @@ def test_split_long_and_stream_policies():
         split_long(lens, 0)
     out = cycle_to(lens, 100)
     assert out.sum() >= 100 and out[:-1].sum() < 100 and out[:3].tolist() == [5, 25, 10]
+
+
+def test_long_documents_are_those_two_of_which_never_share_a_sequence():
+    # Two documents of exactly half the context fit one sequence: they are not long.
+    assert long_documents([4, 5, 8], 8).tolist() == [False, True, True]
+    assert long_documents([4, 5], 9).tolist() == [False, True]  # 4 + 4 <= 9 < 5 + 5
+    assert long_token_share([4, 5, 8, 3], 8) == pytest.approx(13 / 20)

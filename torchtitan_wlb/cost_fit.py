@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import deque
+from collections.abc import Hashable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -90,6 +91,26 @@ class FitStats:
         coef = np.asarray(coef, np.float64)
         sse = max(0.0, float(self.sq - 2.0 * coef @ self.moment + coef @ self.gram @ coef))
         return math.sqrt(sse / self.count) if self.count else math.nan
+
+
+def stage_sums(
+    keys: Sequence[Hashable], stages: Sequence[int], times: Any
+) -> tuple[list[Hashable], np.ndarray]:
+    """Per-stage times of pipeline micro-batches summed into one row per micro-batch, the row this
+    fit takes (its time through every stage). ``keys[i]`` names record i's micro-batch, ``times``
+    is ``[record]`` or ``[record, column]``; returns the sorted keys and their summed rows. A
+    micro-batch missing a stage that other records have is left out: its sum is not its time."""
+    times = np.asarray(times, np.float64)
+    times = times[:, None] if times.ndim == 1 else times
+    ids: dict[Hashable, int] = {}
+    group = np.array([ids.setdefault(key, len(ids)) for key in keys], np.int64)
+    _, stage = np.unique(np.asarray(stages, np.int64), return_inverse=True)
+    seen = np.zeros((len(ids), int(stage.max(initial=-1)) + 1), bool)
+    seen[group, stage] = True
+    sums = np.zeros((len(ids), times.shape[1]))
+    np.add.at(sums, group, times)  # in record order, as a running sum would
+    done = sorted(key for key, i in ids.items() if seen[i].all())
+    return done, sums[[ids[key] for key in done]]
 
 
 @dataclass(frozen=True)

@@ -134,6 +134,18 @@ def split_long(lengths: np.ndarray, max_doc_len: int) -> np.ndarray:
     return out
 
 
+def long_documents(lengths: np.ndarray, context_len: int) -> np.ndarray:
+    """Which documents are long: more than half the context. Two of them never share a sequence,
+    which is what makes them hard to pack; two of exactly half do fit one (so they are not long)."""
+    return np.asarray(lengths) > context_len // 2
+
+
+def long_token_share(lengths: np.ndarray, context_len: int) -> float:
+    """The share of the tokens that are in long documents (:func:`long_documents`)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    return float(lengths[long_documents(lengths, context_len)].sum() / lengths.sum())
+
+
 def cut_stream(lengths: np.ndarray, seq_len: int) -> np.ndarray:
     """TorchTitan's loader: the documents concatenated and cut every ``seq_len`` tokens, as pieces
     in stream order (a document straddling a cut continues as another in the next sequence)."""

@@ -13,17 +13,14 @@ from pathlib import Path
 import numpy as np
 
 from torchtitan_wlb.packing import packing_config
-from torchtitan_wlb.packing.tuning import run_sample
-from torchtitan_wlb.packing.wlb import default_thresholds
+from torchtitan_wlb.packing.tuning import choose, run_sample, tune_trials
 from torchtitan_wlb.sim import cli
 from torchtitan_wlb.sim.config import MODES, REQUIRED_MODES
 from torchtitan_wlb.sim.engine import cost_model_for, simulate_mode
-from torchtitan_wlb.workloads import load_lengths, split_long
+from torchtitan_wlb.workloads import load_lengths, long_documents, long_token_share, split_long
 
 PACKERS_COMPARED = ("original", "fixed_greedy", "wlb_paper", "wlb")
 SMAX_CANDIDATES = (1.0, 1.125, 1.25, 1.5)
-QUEUE_LEVEL_CANDIDATES = (1, 2, 3)
-DELAY_BUDGET_STEPS = 0.5  # token-weighted mean delay the recommendation may cost (the paper's 0.5)
 
 
 def length_histogram(lengths: np.ndarray, context_len: int) -> list[dict]:
@@ -37,7 +34,7 @@ def length_histogram(lengths: np.ndarray, context_len: int) -> list[dict]:
     total = float(lengths.sum())
     return [{"min_len": int(edges[i]), "max_len": int(edges[i + 1] - 1), "docs": int(docs[i]),
              "doc_share": float(docs[i] / lengths.size), "token_share": float(toks[i] / total),
-             "over_half_context": bool(edges[i] >= context_len // 2)}
+             "over_half_context": bool(long_documents(edges[i + 1] - 1, context_len))}
             for i in np.flatnonzero(docs)]  # fmt: skip
 
 
@@ -54,23 +51,22 @@ def predicted_imbalance(lengths, cfg, packer: str, **overrides) -> dict:
 
 
 def recommend(lengths, cfg) -> dict:
-    """Queue thresholds and S_max: the lowest imbalance whose token-weighted delay stays within
-    DELAY_BUDGET_STEPS; ties (0.5 %) go to the smaller S_max and fewer queues."""
+    """Queue thresholds (1-3 queues) x S_max at the configured K, chosen by the packing tuner's one
+    rule (``packing.tuning.choose``: the lowest imbalance within the delay budget, ties to the
+    smaller S_max)."""
     cm = cost_model_for(cfg)
-    trials = []
-    for levels, f in itertools.product(QUEUE_LEVEL_CANDIDATES, SMAX_CANDIDATES):
-        th = default_thresholds(cm, cfg.context_len, levels=levels)
-        smax = replace(cfg, smax_factor=f).smax
-        r = predicted_imbalance(lengths, cfg, "wlb", smax=smax, queue_thresholds=th)
-        trials.append({"levels": levels, "smax_factor": f, **r})
-    ok = [t for t in trials if t["avg_delay_steps"] <= DELAY_BUDGET_STEPS] or trials
-    best = min(t["imbalance"] for t in ok)
-    near = [t for t in ok if t["imbalance"] <= best * 1.005]
-    pick = min(near, key=lambda t: (t["smax"], t["levels"]))
-    return {"queue_thresholds": pick["queues"], "micro_batch_max_len": pick["smax"],
-            "max_delay_steps": cfg.max_delay_steps, "predicted_imbalance": pick["imbalance"],
-            "avg_delay_steps": pick["avg_delay_steps"],
-            "break_even_length": float(cm.break_even_length), "trials": trials}  # fmt: skip
+    smax = {replace(cfg, smax_factor=f).smax: f for f in reversed(SMAX_CANDIDATES)}
+    config = packing_config("wlb", cfg.n_global, cfg.context_len, max_wait=cfg.max_delay_steps)
+    docs, waits = split_long(lengths, cfg.context_len), (cfg.max_delay_steps,)
+    trials = tune_trials(docs, config, cm, smaxes=tuple(smax), waits=waits, steps=cfg.steps)
+    pick = choose(trials)
+    return {"queue_thresholds": list(pick.queue_thresholds), "micro_batch_max_len": pick.smax,
+            "max_delay_steps": cfg.max_delay_steps, "predicted_imbalance": pick.imbalance,
+            "avg_delay_steps": pick.mean_delay, "break_even_length": float(cm.break_even_length),
+            "trials": [{"levels": len(t.queue_thresholds), "smax_factor": smax[t.smax],
+                        "imbalance": t.imbalance, "avg_delay_steps": t.mean_delay,
+                        "steps": t.steps, "smax": t.smax, "queues": list(t.queue_thresholds)}
+                       for t in trials]}  # fmt: skip
 
 
 def lengths_from_dataset(path: str, limit: int) -> np.ndarray:
@@ -116,8 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             "documents": int(lengths.size), "tokens": int(lengths.sum()),
             "mean_len": float(lengths.mean()), "median_len": float(np.median(lengths)),
             "max_len": int(lengths.max()),
-            "token_share_over_half_context": float(lengths[lengths >= cfg.context_len // 2].sum()
-                                                   / lengths.sum()),
+            "token_share_over_half_context": long_token_share(lengths, cfg.context_len),
             "histogram": hist, "packers": packers,
             "recommended": {k: v for k, v in rec.items() if k != "trials"},
             "recommend_trials": rec["trials"],

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from torchtitan_wlb.cost_fit import stage_sums
 from torchtitan_wlb.cost_model import CostModel
 from torchtitan_wlb.models.catalogue import ModelSpec, get_model
 from torchtitan_wlb.sim.engine import features, fit_coefficients
@@ -95,15 +96,10 @@ def load_records(path: str | Path) -> tuple[Records, dict[int, float], dict]:
 
 def whole_model_records(records: Records) -> Records:
     """Per-stage records summed over the stages (each micro-batch's whole time)."""
-    by_mb: dict[tuple[int, int], Records] = {}
-    for r in records:
-        by_mb.setdefault((r.step, r.mb), []).append(r)
-    n_stages = len({r.stage for r in records})
-    return [
-        MicroBatchRecord(rs[0].doc_lens, float(sum(r.seconds for r in rs)), step)
-        for (step, _), rs in sorted(by_mb.items())
-        if len({r.stage for r in rs}) == n_stages
-    ]
+    keys = [(r.step, r.mb, tuple(r.doc_lens.tolist())) for r in records]
+    done, sums = stage_sums(keys, [r.stage for r in records], [r.seconds for r in records])
+    rows = zip(done, sums[:, 0].tolist(), strict=True)
+    return [MicroBatchRecord(np.asarray(k[2], np.int64), t, k[0]) for k, t in rows]
 
 
 def pipeline_steps(records: Records) -> dict[int, tuple[list[np.ndarray], np.ndarray]]:

@@ -127,7 +127,7 @@ def length_histogram(hist: Sequence[Mapping], context_len: int, path: str | Path
     a1.set_title("documents per length bucket")
     a2.bar(x, [100 * r["token_share"] for r in hist],
            color=["tab:red" if r["over_half_context"] else "tab:green" for r in hist])  # fmt: skip
-    a2.set_title(f"share of tokens (%); red: >= context/2 ({context_len // 2})")
+    a2.set_title(f"share of tokens (%); red: > context/2 ({context_len // 2})")
     for ax in (a1, a2):
         ax.set_xticks(x, [f"{r['min_len']}" for r in hist], rotation=60, fontsize=7)
         ax.set_xlabel("document length (tokens, bucket start)")

@@ -17,12 +17,20 @@ from typing import NamedTuple
 import numpy as np
 
 from torchtitan_wlb.models.catalogue import get_model
+from torchtitan_wlb.packing.paper import PAPER_T2_ORIGINAL
 from torchtitan_wlb.sim import engine as sim
 from torchtitan_wlb.sim.config import MODES, SimConfig, epoch_steps
 from torchtitan_wlb.sim.engine import ModeResult, simulate_mode, speedup
 from torchtitan_wlb.sim.hardware import HardwareProfile, Layout
 from torchtitan_wlb.sim.timing import TILE
-from torchtitan_wlb.workloads import cut_stream, load_lengths, split_long, steps_arg
+from torchtitan_wlb.workloads import (
+    cut_stream,
+    load_lengths,
+    long_documents,
+    long_token_share,
+    split_long,
+    steps_arg,
+)
 
 K = 1024
 
@@ -46,7 +54,6 @@ PAPER_FIG12 = {"avg": 1.23, "avg_64k": 1.15, "avg_128k": 1.30, "vs_fixed": 1.19,
 PAPER_FIG13 = {"per_doc_cp": 1.02, "adaptive_cp": 1.05, "varlen_packing": 1.28, "wlb": 1.33}
 PAPER_FIG14 = {64 * K: 1.07, 160 * K: 1.40}
 PAPER_FIG15 = {"cp": 4, "adaptive_vs_per_sequence": 0.075, "adaptive_vs_per_document": 0.034}
-PAPER_T2_ORIGINAL = 1.44  # Table 2: imbalance of the original packing
 H100_BF16_PEAK_TFLOPS = 989.0  # dense, datasheet
 MAIN = PaperConfig("7B", 128 * K, Layout(8, 2, 4, 1))  # Table 2 and Figures 13-15
 SCALE = PaperConfig("70B", 128 * K, Layout(8, 16, 16, 4))  # the paper's 8K-GPU job (model unknown)
@@ -274,7 +281,7 @@ def spread(lengths, windows: int, steps: int, whole: dict) -> dict:
         f"{x3(max(w['f12_wlb']))}, {inside['f12_wlb']} of {windows} inside the band",
         "n_windows": windows, "window_steps": steps, "spread": max(w["f12_wlb"]) - min(w["f12_wlb"]),
         # Documents above half the context that a window reads (N x context tokens per step).
-        "long_docs": np.sum(lengths > cfg.context_len // 2) * steps * cfg.n_global
+        "long_docs": np.sum(long_documents(lengths, cfg.context_len)) * steps * cfg.n_global
         * cfg.context_len / float(np.sum(lengths)),
     }  # fmt: skip
 
@@ -385,7 +392,7 @@ def fixed_values(lengths: np.ndarray, cfg: SimConfig) -> dict:
     return {
         "main": cfg, "hw": hw, "cm": cm, "p12": PAPER_FIG12, "p13": PAPER_FIG13, "p15": p15, "tol": TOL,
         "tile": TILE, "n_docs": int(lengths.size), "long_k": long // K,
-        "long_share": 100.0 * float(lengths[lengths > long].sum() / lengths.sum()),
+        "long_share": 100.0 * long_token_share(lengths, cfg.context_len),
         "hw_name": hw.name.upper(), "gemm_share": 100 * hw.gemm_tflops / H100_BF16_PEAK_TFLOPS,
         "peak": H100_BF16_PEAK_TFLOPS, "fsdp_exposed": 100 * (1 - hw.dp_overlap),
         "prof_min": int(sim.profiling_micro_batches(cfg.context_len, lay.cp)[0][0]),

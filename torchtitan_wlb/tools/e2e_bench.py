@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from torchtitan_wlb.config import MODE_PRESETS, WLB, ConfigError
+from torchtitan_wlb.cost_fit import Coefficients, stage_sums
 from torchtitan_wlb.cp.adaptive import STRATEGIES as CP_STRATEGIES
 from torchtitan_wlb.tools.cli import ToolParser, progress, require_at_least
 from torchtitan_wlb.workloads import GENERATORS, generate, load_lengths, steps_arg
@@ -190,30 +191,25 @@ def fit_error(
     time: on the trainer's ``fit_features`` where recorded, else ``(a Σd² + b Σd) / cp + c``."""
     if not micro_batches:
         return float("nan")
-    a, b, c = coef[:3]
-    g = coef[3] if len(coef) > 3 else b
-    pred, t = [], []
+    # The trainer's predictor (g None: b for both token kinds) on the features it fits.
+    model = Coefficients(*coef[:3], g=coef[3] if len(coef) > 3 else None)
+    rows = []
     for m in micro_batches:
-        if "fit_features" in m:
-            sq, local, gathered = m["fit_features"]
-            pred.append(a * sq + b * local + g * gathered + c)
-        else:
-            d = np.asarray(m["doc_lens"], float)
-            pred.append((a * float(d @ d) + b * float(d.sum())) / cp + c)
-        t.append(m[key])
-    t_arr = np.asarray(t)
-    return float(np.mean(np.abs(np.asarray(pred) - t_arr) / t_arr))
+        d = np.asarray(m["doc_lens"], float)
+        rows.append(m.get("fit_features") or (float(d @ d) / cp, float(d.sum()) / cp, 0.0))
+    t = np.asarray([m[key] for m in micro_batches], float)
+    return float(np.mean(np.abs(model.predict(*np.asarray(rows).T) - t) / t))
 
 
 def stage_totals(micro_batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """PP records summed over the stages: one per micro-batch, as the online fit has them."""
-    totals: dict[tuple, dict[str, Any]] = {}
-    for m in micro_batches:
-        key = (m["step"], m["mb"], tuple(m["doc_lens"]))
-        row = totals.setdefault(key, {"doc_lens": m["doc_lens"], "seconds": 0.0, "device_s": 0.0})
-        row["seconds"] += m["seconds"]
-        row["device_s"] += m["device_s"]
-    return list(totals.values())
+    keys = [(m["step"], m["mb"], tuple(m["doc_lens"])) for m in micro_batches]
+    stages = [m["stage"] for m in micro_batches]
+    done, sums = stage_sums(keys, stages, [(m["seconds"], m["device_s"]) for m in micro_batches])
+    return [
+        {"doc_lens": list(key[2]), "seconds": sec, "device_s": dev}
+        for key, (sec, dev) in zip(done, sums.tolist(), strict=True)
+    ]
 
 
 def measured_imbalance(

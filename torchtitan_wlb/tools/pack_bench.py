@@ -37,24 +37,9 @@ from torchtitan_wlb.packing import (
     packing_config,
 )
 from torchtitan_wlb.packing.driver import take_until
-from torchtitan_wlb.packing.tuning import tune_queues
+from torchtitan_wlb.packing.paper import PAPER_TABLE2
+from torchtitan_wlb.packing.tuning import DELAY_BUDGET, tune_queues
 from torchtitan_wlb.tools.cli import ToolParser, progress
-
-# The paper's Table 2 (7B, 128K context): (method, config, imbalance, overhead).
-PAPER_TABLE2 = [
-    ("original", "-", 1.44, "0 ms"),
-    ("fixed_greedy", "G=1", 1.41, "4-5 ms"),
-    ("fixed_greedy", "G=2", 1.22, "4-5 ms"),
-    ("fixed_greedy", "G=4", 1.11, "4-5 ms"),
-    ("fixed_greedy", "G=8", 1.08, "4-5 ms"),
-    ("solver", "G=1", 1.40, "467 ms"),
-    ("solver", "G=2", 1.18, "1.5 s"),
-    ("solver", "G=4", 1.09, "25 s"),
-    ("wlb_paper", "1 queue", 1.24, "8 ms"),
-    ("wlb_paper", "2 queues", 1.05, "20 ms"),
-    ("wlb_paper", "3 queues", 1.05, "23 ms"),
-    ("wlb", "3 queues", None, "-"),
-]
 
 
 def build_cost_model(args: argparse.Namespace) -> CostModel:
@@ -271,7 +256,9 @@ def parser() -> ToolParser:
     p.add_argument("--solver-steps", type=_positive_int, default=8, help="steps for solver rows")
     p.add_argument("--solver-gap", type=_nonneg_int, default=0, help="wlb vs optimum over STEPS")
     p.add_argument("--tune", type=_fraction, default=None, help="tune on this share of the docs")
-    p.add_argument("--delay-budget", type=float, default=0.5, help="--tune: max mean delay")
+    p.add_argument(
+        "--delay-budget", type=float, default=DELAY_BUDGET, help="--tune: max mean delay"
+    )
     p.add_argument("--json", action="store_true", help="print the summary as one JSON line")
     return p
 
