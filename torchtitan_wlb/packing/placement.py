@@ -65,7 +65,8 @@ def fill_rounds(
     while rem.size:
         c, t = costs[rem], lens[rem]
         room = cap - tokens
-        if bounded:
+        # ``c`` is in descending order: every cost is under the bound when the first one is.
+        if bounded and (c[0] > limit - loads.min() or t.max() > room.max()):
             keep = (c <= limit - loads.min()) & (t <= room.max())
             if not keep.all():
                 rem, c, t = rem[keep], c[keep], t[keep]
