@@ -65,7 +65,8 @@ def fill_rounds(
     while rem.size:
         c, t = costs[rem], lens[rem]
         room = cap - tokens
-        if bounded:
+        # ``c`` is in descending order: every cost is under the bound when the first one is.
+        if bounded and (c[0] > limit - loads.min() or t.max() > room.max()):
             keep = (c <= limit - loads.min()) & (t <= room.max())
             if not keep.all():
                 rem, c, t = rem[keep], c[keep], t[keep]
@@ -100,7 +101,7 @@ def fill_rounds(
             first = slot.searchsorted(slot, side="left")
             ct = t[:n_in].cumsum()
             run_cost = cc[:n_in] - start[first]
-            run_tok = ct - (ct[first] - t[first])
+            run_tok = ct - (ct - t[:n_in])[first]
             bins = elig[slot]
             # Each run keeps its prefix under both bounds: a prefix already, as costs are >= 0
             # (a run's cost and tokens only grow along it).
@@ -162,7 +163,7 @@ def fill_rounds(
         dest = bins[good]
         out[placed] = dest
         loads += np.bincount(dest, weights=costs[placed], minlength=loads.size)
-        tokens += np.bincount(dest, weights=lens[placed], minlength=loads.size).astype(tokens.dtype)
+        np.add.at(tokens, dest, lens[placed])  # integers: the order of the adds does not matter
         rem = rem[~ok]
     return out
 
