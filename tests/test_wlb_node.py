@@ -142,7 +142,9 @@ def test_state_holds_no_tokens_and_few_snapshots():
     for _ in range(10):
         next(node)
         state = node.state_dict()
-        assert len(state["snapshots"]) <= 2 + 2
+        # A pull's snapshot lives while one of its documents is held: K steps in a queue, read
+        # ahead ``read_ahead_steps`` global batches before that, one for the carry.
+        assert len(state["snapshots"]) <= 2 + node.packer.config.read_ahead_steps + 1
         assert "tokens" not in repr(state)
 
 

@@ -50,7 +50,7 @@ class DocumentStream(Protocol):
 def next_plan(packer: Packer, stream: DocumentStream) -> PackedStep | None:
     """One step of the protocol: pull the packer's budget, plan the step (flushing once the data
     has ended). None when the stream gave nothing and the packer holds nothing: the data is done."""
-    ids, lens = stream.pull(packer.tokens_wanted(), packer.n * packer.config.context_len)
+    ids, lens = stream.pull(packer.tokens_wanted(), packer.read_ahead_tokens())
     if ids.size == 0 and not packer.has_pending():
         return None
     return packer.step(ids, lens, flush=stream.exhausted)

@@ -113,6 +113,27 @@ def _top_up_last(
     return DrainPlan(plan.steps, step, mb, float(new_max.sum()))
 
 
+def _absorb_last(
+    plan: DrainPlan, costs: np.ndarray, lens: np.ndarray, n: int, cap: int
+) -> DrainPlan:
+    """With two final steps, the second's documents go into the first when they fit under the
+    cap and the one step is predicted faster than the two (a second step of a few short leftovers
+    costs little time but is as unbalanced as a step can be: micro-batches with nothing)."""
+    if plan.steps != 2:
+        return plan
+    first, last = plan.step == 0, plan.step == 1
+    loads = np.bincount(plan.micro_batch[first], weights=costs[first], minlength=n)
+    tokens = np.bincount(plan.micro_batch[first], weights=lens[first], minlength=n)
+    tokens = tokens.astype(np.int64)
+    moving = np.flatnonzero(last)
+    bins = fill_rounds(loads, tokens, costs[moving], lens[moving], cap)
+    if (bins < 0).any() or float(loads.max()) >= plan.predicted_time * (1 - 1e-9):
+        return plan
+    mb = plan.micro_batch.copy()
+    mb[moving] = bins
+    return DrainPlan(1, np.zeros(costs.size, np.int64), mb, float(loads.max()))
+
+
 def plan_drain(
     costs: np.ndarray, lens: np.ndarray, n: int, cap: int, extra_steps: int = 2
 ) -> DrainPlan:
@@ -139,4 +160,4 @@ def plan_drain(
         or (levelled.predicted_time <= best.predicted_time and levelled.steps < best.steps)
     ):
         best = levelled
-    return _top_up_last(best, costs, lens, n, cap)
+    return _top_up_last(_absorb_last(best, costs, lens, n, cap), costs, lens, n, cap)
