@@ -1,5 +1,6 @@
 """The driving protocol of every packer, used by the data node, the packing benchmark, tuning and
-the simulator: the budget rule, the end of the data seen one step early (docs/packing.md).
+the simulator: the budget rule, the end of the data seen early (the packer's read-ahead;
+docs/packing.md).
 """
 
 from __future__ import annotations
