@@ -325,3 +325,25 @@ def test_two_final_steps_become_one_when_the_leftovers_fit_beside_the_first():
     # Without room beside the first step's documents the plan stays as it was.
     full = np.array([40, 40, 40, 40, 2, 2, 2])
     assert _absorb_last(two, COST.doc_cost(full), full, 4, 41) is two
+
+
+def test_no_extra_final_step_for_a_gain_in_the_noise():
+    """Short documents that fit one step: a second step predicted 0.03 % faster is not taken (it
+    would only delay the documents it holds)."""
+    lens = np.random.default_rng(13).integers(1, 9, 60)
+    plan = plan_drain(COST.doc_cost(lens), lens, 4, 80)
+    assert plan.steps == 1
+    assert np.bincount(plan.micro_batch, weights=lens, minlength=4).max() <= 80
+
+
+def test_levelled_plan_ends_evenly_once_no_document_stands_out():
+    """Four long documents and many short ones: after the step the long ones set, the short ones
+    are split evenly over the fewest steps, not one step per N of them."""
+    lens = np.array([60] * 4 + [2] * 200)
+    plan = _levelled(COST.doc_cost(lens), lens, 4, 80)
+    assert plan is not None and plan.steps <= 3
+    assert (plan.step[:4] == 0).all()
+    slot = plan.step * 4 + plan.micro_batch
+    assert np.bincount(slot, weights=lens).max() <= 80
+    # Nothing stands out at all: the even plan is the levelled one, so it is not built.
+    assert _levelled(COST.doc_cost(np.full(40, 2)), np.full(40, 2), 4, 80) is None
