@@ -11,7 +11,7 @@ from torchtitan.components.loss import IGNORE_INDEX
 
 from torchtitan_wlb.cost_model import CostModel
 from torchtitan_wlb.data.collate import collate_micro_batch
-from torchtitan_wlb.packing import PackingConfig, build_packer
+from torchtitan_wlb.packing import LengthStream, PackingConfig, build_packer, drive
 from torchtitan_wlb.packing.end_of_data import _levelled, plan_drain
 
 COST = CostModel.from_coefficients(attn_coef=1.0 / 32, linear_coef=1.0)
@@ -282,3 +282,68 @@ def test_documents_all_longer_than_smax_are_split_and_trained_once(tmp_path, nam
     with pytest.raises(DataError, match="document 0 .* has 152 tokens > max_doc_len = 64"):
         strict = DocumentNode(source, ByteTokenizer(), 64, "error", epochs=1)
         list(WLBPackingNode(strict, build_packer(name, cfg, COST)))
+
+
+def test_read_ahead_sees_the_end_early_and_counts_delay_from_the_stream_step():
+    """With ``read_ahead_steps = 3`` the last three global batches reach the packer together;
+    each document's delay still counts from the step the stream would have pulled it: with
+    short uniform documents (nothing to wait for) no step's mean delay reaches one step (counted
+    from the pull, the last of three drain steps would show two)."""
+    lens = np.full(40 * 8, 8)  # 40 global batches of 4 x 64 tokens, no outliers
+    cost = CostModel.from_coefficients(attn_coef=1.0 / 32, linear_coef=1.0)
+    ends = {}
+    for ahead in (1, 3):
+        config = PackingConfig(micro_batches=4, context_len=64, read_ahead_steps=ahead)
+        packer = build_packer("wlb", config, cost)
+        stream = LengthStream(lens)
+        plans, flushed = [], []
+        for plan in drive(packer, stream):
+            plans.append(plan)
+            flushed.append(stream.exhausted)
+        ends[ahead] = len(plans) - flushed.index(True)
+        assert max(p.stats["mean_delay"] for p in plans) < 1.0
+        ids = np.concatenate([x for p in plans for x in p.doc_ids])
+        assert np.array_equal(np.sort(ids), np.arange(lens.size))
+    assert ends[3] > ends[1]  # the early end: more steps planned by the drain
+
+
+def test_two_final_steps_become_one_when_the_leftovers_fit_beside_the_first():
+    """A two-step plan whose second step holds a few short leftovers (most micro-batches empty,
+    its max/mean far above 1) is merged into the first when they fit under the cap and the one
+    step is predicted faster."""
+    from torchtitan_wlb.packing.end_of_data import DrainPlan, _absorb_last
+
+    lens = np.array([40, 30, 30, 30, 2, 2, 2])
+    costs = COST.doc_cost(lens)
+    two = DrainPlan(2, np.array([0, 0, 0, 0, 1, 1, 1]), np.array([0, 1, 2, 3, 0, 1, 2]), 0.0)
+    loads = np.bincount(two.step * 4 + two.micro_batch, weights=costs, minlength=8)
+    two = DrainPlan(2, two.step, two.micro_batch, float(loads[:4].max() + loads[4:].max()))
+    one = _absorb_last(two, costs, lens, 4, 48)
+    assert one.steps == 1 and (one.step == 0).all()
+    assert one.predicted_time < two.predicted_time
+    assert np.bincount(one.micro_batch, weights=lens, minlength=4).max() <= 48
+    # Without room beside the first step's documents the plan stays as it was.
+    full = np.array([40, 40, 40, 40, 2, 2, 2])
+    assert _absorb_last(two, COST.doc_cost(full), full, 4, 41) is two
+
+
+def test_no_extra_final_step_for_a_gain_in_the_noise():
+    """Short documents that fit one step: a second step predicted 0.03 % faster is not taken (it
+    would only delay the documents it holds)."""
+    lens = np.random.default_rng(13).integers(1, 9, 60)
+    plan = plan_drain(COST.doc_cost(lens), lens, 4, 80)
+    assert plan.steps == 1
+    assert np.bincount(plan.micro_batch, weights=lens, minlength=4).max() <= 80
+
+
+def test_levelled_plan_ends_evenly_once_no_document_stands_out():
+    """Four long documents and many short ones: after the step the long ones set, the short ones
+    are split evenly over the fewest steps, not one step per N of them."""
+    lens = np.array([60] * 4 + [2] * 200)
+    plan = _levelled(COST.doc_cost(lens), lens, 4, 80)
+    assert plan is not None and plan.steps <= 3
+    assert (plan.step[:4] == 0).all()
+    slot = plan.step * 4 + plan.micro_batch
+    assert np.bincount(slot, weights=lens).max() <= 80
+    # Nothing stands out at all: the even plan is the levelled one, so it is not built.
+    assert _levelled(COST.doc_cost(np.full(40, 2)), np.full(40, 2), 4, 80) is None

@@ -85,7 +85,7 @@ _LOWEST: dict[str, tuple[str, float, str]] = {
                     (">=", 0, "")),
     **dict.fromkeys(("max_delay_steps", "delay_target", "packing_window", "solver_node_limit",
                      "solver_time_limit_s", "cp_bandwidth_gbps", "fit_interval_steps",
-                     "fit_apply_lag_steps"), (">", 0, "")),
+                     "fit_apply_lag_steps", "read_ahead_steps"), (">", 0, "")),
     "balance_target": (">=", 1.0, ""),
     "fit_window_steps": (">=", 2, " (at least one step fitted and one held out)"),
 }  # fmt: skip
@@ -152,6 +152,12 @@ class WLB:
     release_slack: float = 0.25
     """"wlb": how much extra imbalance an ageing outlier may accept to leave its queue early
     rather than be forced out alone at K (>= 0)."""
+
+    read_ahead_steps: int = 2
+    """"wlb": global batches of documents the data node reads ahead of the packer (>= 1). The
+    end of the data is seen this many steps early, and the last steps' documents are drained
+    together with the held outliers; each rank keeps their tokens (memory: this many global
+    batches of int32 tokens). 1: the end is seen one step early, as for the other packers."""
 
     packing_window: int = 1
     """Global batches packed together by "fixed_greedy" and "solver" (Table 2's G)."""

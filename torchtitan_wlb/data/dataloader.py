@@ -33,6 +33,7 @@ WLB_KNOBS = {
     "delay_target": "delay_target",
     "balance_target": "balance_target",
     "release_slack": "release_slack",
+    "read_ahead_steps": "read_ahead_steps",
     "packing_window": "window",
 }
 

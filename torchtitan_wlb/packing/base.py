@@ -51,6 +51,10 @@ class PackingConfig:
     release_slack: float = 0.25
     """``wlb``: ...plus ``release_slack * age / max_wait`` for a group led by an outlier that has
     waited ``age`` steps (>= 0)."""
+    read_ahead_steps: int = 2
+    """``wlb``: global batches of documents read ahead of the packer (>= 1). The end of the data
+    is seen when fewer than this many are left; they are all handed over then and the drain
+    plans them with the held outliers. 1: the end is seen one step early (the other packers)."""
 
     def __post_init__(self) -> None:
         check_int("micro_batches", self.micro_batches, 1)
@@ -75,6 +79,7 @@ class PackingConfig:
             raise ValueError(f"delay_target must be > 0 steps, got {self.delay_target}")
         if not self.release_slack >= 0.0:
             raise ValueError(f"release_slack must be >= 0, got {self.release_slack}")
+        check_int("read_ahead_steps", self.read_ahead_steps, 1)
         if self.queue_thresholds is not None:
             th = tuple(self.queue_thresholds)
             for t in th:
@@ -217,6 +222,11 @@ class Packer(ABC):
         batch less what the packer carries, so every packer consumes data at TorchTitan's rate."""
         return max(0, self.n * self.config.context_len - int(self.carry.lens.sum()))
 
+    def read_ahead_tokens(self) -> int:
+        """Tokens the stream reads ahead of the packer: when fewer are left, the data ends (the
+        rest is handed over at once and the packer is flushed). One global batch by default."""
+        return self.n * self.config.context_len
+
     def has_pending(self) -> bool:
         """Whether documents are still carried, queued or planned (flush until False)."""
         return any(len(getattr(self, p)) for p in self._pools)
@@ -277,7 +287,9 @@ class Packer(ABC):
         loads = np.bincount(mb, weights=cost, minlength=self.n)
         tokens = np.bincount(mb, weights=docs.lens, minlength=self.n).astype(np.int64)
         mean = loads.mean()
-        delay = self._step - docs.arrival
+        # Documents handed over early at the end of the data arrive at their stream step (wlb's
+        # read-ahead); one trained before it counts as no delay, not a negative one.
+        delay = np.maximum(self._step - docs.arrival, 0)
         ntok = int(docs.lens.sum())
         return {
             "imbalance": float(loads.max() / mean) if mean > 0 else 1.0,

@@ -1,5 +1,6 @@
 """The driving protocol of every packer, used by the data node, the packing benchmark, tuning and
-the simulator: the budget rule, the end of the data seen one step early (docs/packing.md).
+the simulator: the budget rule, the end of the data seen early (the packer's read-ahead;
+docs/packing.md).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class DocumentStream(Protocol):
 def next_plan(packer: Packer, stream: DocumentStream) -> PackedStep | None:
     """One step of the protocol: pull the packer's budget, plan the step (flushing once the data
     has ended). None when the stream gave nothing and the packer holds nothing: the data is done."""
-    ids, lens = stream.pull(packer.tokens_wanted(), packer.n * packer.config.context_len)
+    ids, lens = stream.pull(packer.tokens_wanted(), packer.read_ahead_tokens())
     if ids.size == 0 and not packer.has_pending():
         return None
     return packer.step(ids, lens, flush=stream.exhausted)

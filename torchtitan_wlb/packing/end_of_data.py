@@ -10,6 +10,10 @@ import numpy as np
 
 from torchtitan_wlb.packing.placement import fill_rounds
 
+# A plan with more final steps must be predicted this much faster: each step adds delay to the
+# documents it holds (and a step's fixed cost in training) for a gain in the noise otherwise.
+_STEP_GAIN = 1e-3
+
 
 @dataclass(frozen=True)
 class DrainPlan:
@@ -51,6 +55,8 @@ def _levelled(
     mb = np.full(costs.size, -1, np.int64)
     left = np.argsort(-costs, kind="stable")
     predicted, k = 0.0, 0
+    if costs.max() * n * -(-int(lens.sum()) // (n * cap)) <= costs.sum():
+        return None  # no document above the even share: nothing for seeds to level
     while left.size:
         seeds, rest = left[:n], left[n:]
         loads = np.zeros(n)
@@ -68,6 +74,18 @@ def _levelled(
         rest = costs[left]
         if predicted + max(rest.sum() / n, rest.max(initial=0.0)) * (1 - 1e-9) > bound:
             return None
+        fewest = -(-int(lens[left].sum()) // (n * cap))
+        if left.size and rest.max() * n * fewest <= rest.sum():
+            # No document left is above the even share of the fewest steps: seeds would only
+            # add a step per ``n`` documents (one step each at the end); the even plan ends it.
+            while (tail := _chunked(rest, lens[left], n, cap, fewest)) is None:
+                fewest += 1
+            step[left], mb[left] = k + tail.step, tail.micro_batch
+            predicted += tail.predicted_time
+            k += tail.steps
+            if predicted * (1 - 1e-9) > bound:
+                return None
+            break
     return DrainPlan(k, step, mb, predicted)
 
 
@@ -113,12 +131,33 @@ def _top_up_last(
     return DrainPlan(plan.steps, step, mb, float(new_max.sum()))
 
 
+def _absorb_last(
+    plan: DrainPlan, costs: np.ndarray, lens: np.ndarray, n: int, cap: int
+) -> DrainPlan:
+    """With two final steps, the second's documents go into the first when they fit under the
+    cap and the one step is predicted faster than the two (a second step of a few short leftovers
+    costs little time but is as unbalanced as a step can be: micro-batches with nothing)."""
+    if plan.steps != 2:
+        return plan
+    first, last = plan.step == 0, plan.step == 1
+    loads = np.bincount(plan.micro_batch[first], weights=costs[first], minlength=n)
+    tokens = np.bincount(plan.micro_batch[first], weights=lens[first], minlength=n)
+    tokens = tokens.astype(np.int64)
+    moving = np.flatnonzero(last)
+    bins = fill_rounds(loads, tokens, costs[moving], lens[moving], cap)
+    if (bins < 0).any() or float(loads.max()) >= plan.predicted_time * (1 - 1e-9):
+        return plan
+    mb = plan.micro_batch.copy()
+    mb[moving] = bins
+    return DrainPlan(1, np.zeros(costs.size, np.int64), mb, float(loads.max()))
+
+
 def plan_drain(
     costs: np.ndarray, lens: np.ndarray, n: int, cap: int, extra_steps: int = 2
 ) -> DrainPlan:
     """Final steps of ``n`` micro-batches (cap ``cap`` tokens) for the held documents: the even
     split over the fewest feasible steps or up to ``extra_steps`` more, or the levelled plan,
-    whichever is predicted faster (ties: fewer steps)."""
+    whichever is predicted faster (more steps only for a gain of ``_STEP_GAIN``)."""
     costs = np.asarray(costs, np.float64)
     lens = np.asarray(lens, np.int64)
     if lens.size == 0:
@@ -131,12 +170,13 @@ def plan_drain(
         if fewest + more > lens.size:  # a step beyond one document each only adds fillers
             break
         trial = _chunked(costs, lens, n, cap, fewest + more)
-        if trial is not None and trial.predicted_time < best.predicted_time * (1 - 1e-9):
+        if trial is not None and trial.predicted_time < best.predicted_time * (1 - _STEP_GAIN):
             best = trial
     levelled = _levelled(costs, lens, n, cap, best.predicted_time)
-    if levelled is not None and (
-        levelled.predicted_time < best.predicted_time * (1 - 1e-9)
-        or (levelled.predicted_time <= best.predicted_time and levelled.steps < best.steps)
-    ):
-        best = levelled
-    return _top_up_last(best, costs, lens, n, cap)
+    if levelled is not None:
+        gain = _STEP_GAIN if levelled.steps > best.steps else 1e-9
+        if levelled.predicted_time < best.predicted_time * (1 - gain) or (
+            levelled.predicted_time <= best.predicted_time and levelled.steps < best.steps
+        ):
+            best = levelled
+    return _top_up_last(_absorb_last(best, costs, lens, n, cap), costs, lens, n, cap)

@@ -67,14 +67,20 @@ class _QueuedPacker(Packer):
         # States written before back-pressure existed have no backlog.
         super().load_state_dict({"backlog": DocPool().state(), **state})
 
-    def _intake(self, ids: np.ndarray, lens: np.ndarray) -> DocPool:
+    def _intake(self, ids: np.ndarray, lens: np.ndarray, flush: bool = False) -> DocPool:
         """Queue the new outliers; return the regular documents: carry, then those handed back
         last step (they precede this pull in the stream and enter the packing order now), then new.
+        The pull that ends the data holds the read-ahead: each document arrives at the step the
+        budget rule would have pulled it (one global batch a step), so delays count from there.
         """
         level = np.searchsorted(self.thresholds, lens, side="right")
         back, self.backlog = self.backlog, DocPool()
         handed_back = DocPool(back.ids, back.lens, self._step, 0, back.pulled)
-        new = DocPool.concat([handed_back, DocPool(ids, lens, self._step, level)])
+        arrival: np.ndarray | int = self._step
+        if flush and lens.size:
+            before = np.cumsum(lens) - lens  # tokens ahead of each document in this pull
+            arrival = self._step + before // (self.n * self.config.context_len)
+        new = DocPool.concat([handed_back, DocPool(ids, lens, arrival, level)])
         self.queue = DocPool.concat([self.queue, new.take(np.flatnonzero(new.tag > 0))])
         regular = DocPool.concat([self.carry, new])
         regular.tag = np.zeros(len(regular), np.int64)
@@ -160,6 +166,11 @@ class WLBPacker(_QueuedPacker):
     def _wait_bound(self) -> int:
         return int(self.k_eff)
 
+    def read_ahead_tokens(self) -> int:
+        """``read_ahead_steps`` global batches: the drain then plans the last steps' documents
+        together with the held outliers (docs/packing.md, "The end of the data")."""
+        return self.config.read_ahead_steps * self.n * self.config.context_len
+
     def tokens_wanted(self) -> int:
         """One global batch less what is held; before a step that forces outliers out, the regular
         tokens that lift every micro-batch to its costliest forced outlier's cost, which fixes the
@@ -221,7 +232,7 @@ class WLBPacker(_QueuedPacker):
 
     def _plan(self, ids, lens, flush):
         n, cap, cm = self.n, self.cap, self.cost_model
-        regular = self._intake(ids, lens)
+        regular = self._intake(ids, lens, flush)
         if flush:
             return self._drain(regular)
         loads = np.zeros(n)

@@ -224,6 +224,7 @@ KNOBS = {
     "release_slack": (float, "wlb: target growth with age / K"),
     "adaptive_max_wait": (_nonneg_int, "wlb: K may grow up to this (<= K: fixed K)"),
     "delay_target": (float, "wlb: adaptive K's delay target"),
+    "read_ahead_steps": (_positive_int, "wlb: global batches read ahead (sees the end)"),
 }
 
 
