@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from torchtitan_wlb.tools import e2e_bench
@@ -63,6 +64,18 @@ def test_speedups_are_time_to_train_ratios():
     assert out["median_step_speedup_wlb_vs_plain"] == pytest.approx(2.0)
     assert out["mem_wlb_vs_plain"] == pytest.approx(1.1)
     assert "speedup_wlb_vs_fixed" not in out
+
+
+def test_floor_documents_cost_what_a_typical_micro_batch_does():
+    """The floor's micro-batches: k identical documents, k the workload's typical documents per
+    context (token-weighted), so that fixed-time effects weigh as much as in the modes' runs."""
+    lens = np.array([400] * 10)  # token-weighted mean 400: 5 per 2048-token context
+    assert e2e_bench.floor_doc_len(lens, 2048) == 409
+    assert e2e_bench.floor_doc_len(np.array([2048, 2048]), 2048) == 2048
+    assert e2e_bench.floor_doc_len(np.array([1, 3, 2]), 2048) == 2048 // 44  # k + 1 never fits
+    assert e2e_bench.floor_doc_len(lens, 2048, asked=2048) == 2048  # the full-context floor
+    with pytest.raises(SystemExit):
+        e2e_bench.main(["--floor-doc-len", "5000", "--context-len", "2048"])
 
 
 @pytest.mark.parametrize("value", ["0", "many", "-3"])

@@ -52,6 +52,22 @@ def make_documents(args: argparse.Namespace) -> np.ndarray:
     return np.clip(scaled, 3, args.context_len)
 
 
+def floor_doc_len(lengths: np.ndarray, context_len: int, asked: int = 0) -> int:
+    """Length of the noise floor's documents: ``asked``, or (0) ``context_len // k`` with ``k`` the
+    nearest whole number of the workload's token-weighted mean documents per context, so that a
+    floor micro-batch (``k`` such documents, identical in every micro-batch) costs about what a
+    typical packed one does. A full-context document costs ~2x a typical micro-batch here (its
+    attention), which halves the share that fixed-time effects take of its time: it under-measures
+    the floor (docs/benchmarks.md)."""
+    if asked:
+        return min(int(asked), context_len)
+    lens = np.asarray(lengths, np.float64)
+    typical = float((lens * lens).sum() / lens.sum()) if lens.sum() > 0 else float(context_len)
+    k = max(1, round(context_len / max(typical, 1.0)))
+    k = min(k, max(1, int(np.sqrt(context_len)) - 1))  # k + 1 documents never fit one context
+    return context_len // k
+
+
 def write_jsonl(lengths: np.ndarray, path: Path, seed: int) -> None:
     """One document per line whose byte-tokenized length (+ BOS/EOS) is the given one."""
     rng = np.random.default_rng(seed)
@@ -300,6 +316,10 @@ def parser() -> ToolParser:
     for name, default in (("warmup", 2), ("window", 8), ("interval", 4)):
         p.add_argument(f"--fit-{name}", type=int, default=default, help=f"[wlb] fit_{name}_steps")
     p.add_argument("--floor-steps", type=int, default=20, help="noise-floor steps; 0: none")
+    p.add_argument(
+        "--floor-doc-len", type=int, default=0,
+        help="floor documents' length (0: context / k, k typical documents per context)",
+    )  # fmt: skip
     p.add_argument("--cp-sharding", default="", help="comma-separated [wlb] cp_sharding values")
     p.add_argument("--threads-per-rank", type=int, default=1, help="OMP threads per rank")
     p.add_argument("--seed", type=int, default=0)
@@ -345,6 +365,8 @@ def _check(p: ToolParser, args: argparse.Namespace) -> tuple[list[str], list[str
         p.error(f"--modes {args.modes!r}: use a comma-separated subset of {', '.join(MODES)}")
     if args.floor_steps < 0 or 0 < args.floor_steps <= args.warmup:
         p.error(f"--floor-steps {args.floor_steps} must be 0 or exceed --warmup")
+    if not 0 <= args.floor_doc_len <= args.context_len:
+        p.error(f"--floor-doc-len {args.floor_doc_len} must be in [0, --context-len] (0: auto)")
     shardings = [s for s in args.cp_sharding.split(",") if s]
     if set(shardings) - set(CP_STRATEGIES) or len(set(shardings)) != len(shardings):
         values = ", ".join(CP_STRATEGIES)
@@ -377,9 +399,10 @@ def main(argv: list[str] | None = None) -> int:
         data, floor_data = workdir / "docs.jsonl", workdir / "floor.jsonl"
         write_jsonl(lengths, data, args.seed)
         jobs = [(m, s, data) for m in modes for s in shardings or [""]]
+        floor_len = floor_doc_len(lengths, args.context_len, args.floor_doc_len)
         if args.floor_steps:  # first, the noise floor's identical micro-batches
-            n_docs = args.floor_steps * args.micro_batches
-            write_jsonl(np.full(n_docs, args.context_len, np.int64), floor_data, args.seed)
+            n_docs = args.floor_steps * args.micro_batches * (args.context_len // floor_len)
+            write_jsonl(np.full(n_docs, floor_len, np.int64), floor_data, args.seed)
             jobs.insert(0, (FLOOR, "", floor_data))
         bar = progress(desc="e2e_bench", unit="step")
         for run in range(args.runs):
@@ -397,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
             floor_key = {}
             if floor := results.pop(FLOOR, None):
+                floor_key["floor_doc_len"] = floor_len
                 floor_key["measured_imbalance_floor"] = floor["measured_imbalance"]
                 floor_key["measured_imbalance_floor_device"] = floor["measured_imbalance_device"]
             extra = sharding_speedups(results, modes, shardings) if shardings else {}
