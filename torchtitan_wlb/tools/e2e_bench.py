@@ -119,7 +119,9 @@ def run_mode(
         "--training.seq_len", str(args.context_len),
         "--training.global_batch_size", str(args.micro_batches),
         *steps, *mode_args(mode, args, cp_sharding),
-        "--wlb.micro_batch_max_len", str(int(args.context_len * args.smax_factor)),
+        # The floor's micro-batches hold exactly context / floor_doc_len documents each.
+        "--wlb.micro_batch_max_len",
+        str(args.context_len if mode == FLOOR else int(args.context_len * args.smax_factor)),
         "--wlb.metrics_jsonl", "--checkpoint.no-enable", "--metrics.log_freq", "1",
         "--metrics.disable_color_printing", "--debug.seed", str(args.seed),
         "--lr_scheduler.warmup_steps", "1",
