@@ -74,6 +74,11 @@ def test_floor_documents_cost_what_a_typical_micro_batch_does():
     assert e2e_bench.floor_doc_len(np.array([2048, 2048]), 2048) == 2048
     assert e2e_bench.floor_doc_len(np.array([1, 3, 2]), 2048) == 2048 // 44  # k + 1 never fits
     assert e2e_bench.floor_doc_len(lens, 2048, asked=2048) == 2048  # the full-context floor
+    # The floor's S_max holds k of its documents, not k + 1; the modes keep theirs.
+    args = e2e_bench.parser().parse_args(["--context-len", "2048"])
+    assert e2e_bench.micro_batch_max_len(e2e_bench.FLOOR, args, 409) == 2453
+    assert e2e_bench.micro_batch_max_len(e2e_bench.FLOOR, args, 2048) == 2560
+    assert e2e_bench.micro_batch_max_len("wlb", args, 409) == 2560
     with pytest.raises(SystemExit):
         e2e_bench.main(["--floor-doc-len", "5000", "--context-len", "2048"])
 

@@ -100,10 +100,27 @@ def fit_fields(args: argparse.Namespace) -> dict[str, int]:
             "fit_interval_steps": args.fit_interval}  # fmt: skip
 
 
+def micro_batch_max_len(mode: str, args: argparse.Namespace, floor_len: int) -> int:
+    """``[wlb] micro_batch_max_len``: S_max for the modes; for the floor, room for exactly
+    ``context // floor_len`` of its documents (identical micro-batches under next-fit packing)."""
+    smax = int(args.context_len * args.smax_factor)
+    if mode != FLOOR:
+        return smax
+    k = args.context_len // floor_len
+    return max(k * floor_len, min(smax, (k + 1) * floor_len - 1))
+
+
 def run_mode(
-    mode: str, args: argparse.Namespace, data: Path, workdir: Path, bar: Any, cp_sharding: str = ""
+    mode: str,
+    args: argparse.Namespace,
+    data: Path,
+    workdir: Path,
+    bar: Any,
+    cp_sharding: str = "",
+    floor_len: int = 0,
 ) -> dict[str, Any]:
-    """One training job of ``mode`` and its figures, read from every rank's metrics log."""
+    """One training job of ``mode`` and its figures, read from every rank's metrics log
+    (``floor_len``: the floor's document length)."""
     label = f"{mode}+{cp_sharding}" if cp_sharding else mode
     dump = workdir / label
     n_steps = args.floor_steps if mode == FLOOR else args.steps
@@ -119,9 +136,7 @@ def run_mode(
         "--training.seq_len", str(args.context_len),
         "--training.global_batch_size", str(args.micro_batches),
         *steps, *mode_args(mode, args, cp_sharding),
-        # The floor's micro-batches hold exactly context / floor_doc_len documents each.
-        "--wlb.micro_batch_max_len",
-        str(args.context_len if mode == FLOOR else int(args.context_len * args.smax_factor)),
+        "--wlb.micro_batch_max_len", str(micro_batch_max_len(mode, args, floor_len)),
         "--wlb.metrics_jsonl", "--checkpoint.no-enable", "--metrics.log_freq", "1",
         "--metrics.disable_color_printing", "--debug.seed", str(args.seed),
         "--lr_scheduler.warmup_steps", "1",
@@ -411,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
             results, rundir = {}, workdir / f"run{run}"
             for mode, sharding, docs in jobs:
                 label = f"{mode}+{sharding}" if sharding else mode
-                res = results[label] = run_mode(mode, args, docs, rundir, bar, sharding)
+                res = run_mode(mode, args, docs, rundir, bar, sharding, floor_len)
+                results[label] = res
                 bar.write(
                     f"run {run + 1}/{args.runs} {label:9s} {res['steps']} steps, "
                     f"{res['time_to_train_s']:.1f}s to train  median step {res['step_time_s']:.3f}s  "
