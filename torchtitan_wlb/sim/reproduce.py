@@ -91,7 +91,6 @@ def md_rows(rows: Iterable[Sequence]) -> str:
     return "\n".join("| " + " | ".join(map(str, r)) + " |" for r in rows)
 
 
-# ---------------------------------------------------------------------------------- sections
 def table2(workload: str, quick: bool, cfg: SimConfig) -> dict:
     """Table 2 through the packing benchmark (``pack_bench --table2``) with the profiled cost model."""
     cm = sim.cost_model_for(cfg)
@@ -411,7 +410,6 @@ def render(values: dict, skip: Iterable[str] = ()) -> str:
                    if name not in skip)  # fmt: skip
 
 
-# --------------------------------------------------------------------------------------- main
 # fmt: off
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m torchtitan_wlb.sim.reproduce")
