@@ -74,7 +74,6 @@ class CPPlan:
     # {strategy: predicted max-rank latency} if adaptive selection ran
     estimated_seconds: dict[str, float] = field(default_factory=dict)
 
-    # ----------------------------------------------------------------------------------- basics
     @property
     def seq_len(self) -> int:
         """Tokens of the packed micro-batch."""
@@ -111,7 +110,6 @@ class CPPlan:
             self.slot_order[off[tail] : off[tail + 1]],
         )
 
-    # ---------------------------------------------------------------------------- index arrays
     def rank_indices(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
         """``(token_indices, positions)`` of ``rank``: packed-sequence indices of the tokens it keeps,
         in local layout order, and their per-document (RoPE) positions."""
@@ -188,7 +186,6 @@ class CPPlan:
             (mq_h, mq_t), (mk_h, mk_t), cu_whole, int(whole_lens.max(initial=0)),
         )  # fmt: skip
 
-    # ------------------------------------------------------------------------------ statistics
     def rank_totals(self, per_segment: np.ndarray) -> np.ndarray:
         """``[c]`` sums of a ``[S]`` per-segment quantity over each rank's segments."""
         owner = self.slot_owner()[self.seg_slot]
@@ -235,7 +232,6 @@ def _arange(n: int) -> np.ndarray:
     return _ARANGE[:n]
 
 
-# ----------------------------------------------------------------------------------- building
 @dataclass(frozen=True)
 class ShardingDraft:
     """One fixed strategy's segments without the local layout (what a cost estimate needs: adaptive

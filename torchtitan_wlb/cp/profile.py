@@ -122,7 +122,6 @@ class CPProfile:
         seconds = self.segment_seconds(plan.seg_len, plan.seg_start + plan.seg_len)
         return float(plan.rank_totals(seconds).max())
 
-    # ------------------------------------------------------------------------------------ I/O
     def to_json(self) -> str:
         data = asdict(self)
         data["tflops"] = [[None if not np.isfinite(x) else x for x in row] for row in self.tflops]
@@ -169,7 +168,6 @@ def resolve_profile(profile: CPProfile | str | Path | None) -> CPProfile:
     raise ValueError(f"profile must be a CPProfile, a JSON path or None; got {type(profile)}")
 
 
-# ------------------------------------------------------------------------------- measurement
 def measure_profile(
     lengths: list[int], *, device: str = "cpu", backend: str = "auto", n_heads: int = 4,
     n_kv_heads: int = 2, head_dim: int = 32, dtype: str = "float32", tile: int | None = None,

@@ -39,12 +39,6 @@ class DocumentNode(BaseNode[dict]):
         self.tokenizer = tokenizer
         if max_doc_len < 2:
             raise ValueError(f"max_doc_len = {max_doc_len} must be >= 2 tokens")
-        if policy not in ("split", "truncate", "error"):
-            raise ValueError(
-                f"long_doc_policy = {policy!r} is not accepted; use 'split', 'truncate' or 'error'"
-            )
-        if epochs < 0:
-            raise ValueError(f"epochs = {epochs} must be >= 0 (0 repeats forever)")
         self.max_doc_len = max_doc_len
         self.policy = policy
         self.epochs = epochs

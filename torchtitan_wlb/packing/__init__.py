@@ -8,7 +8,6 @@ from torchtitan_wlb.packing.driver import LengthStream, drain, drive, next_plan
 from torchtitan_wlb.packing.fixed import OriginalPacker
 from torchtitan_wlb.packing.registry import PACKERS, build_packer, packing_config
 from torchtitan_wlb.packing.tuning import tune_queues
-from torchtitan_wlb.packing.wlb import default_thresholds
 
 __all__ = [
     "PACKERS",
@@ -17,7 +16,6 @@ __all__ = [
     "Packer",
     "PackingConfig",
     "build_packer",
-    "default_thresholds",
     "drain",
     "drive",
     "next_plan",

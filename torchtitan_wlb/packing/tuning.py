@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -141,19 +142,13 @@ def tune_queues(
     config: PackingConfig,
     cost_model: CostModel,
     *,
-    packer: str = "wlb",
     delay_budget: float = DELAY_BUDGET,
-    waits: Sequence[int] = DEFAULT_WAITS,
-    levels: Sequence[int] = (1, 2, 3),
-    smaxes: Sequence[int] | None = None,
-    steps: int | None = None,
     tolerance: float = 0.005,
+    **search: Any,
 ) -> TuneResult:
     """Queue thresholds, K (and S_max when ``smaxes`` are given) for ``packer`` on
-    ``sample_lengths`` (already split): :func:`choose` of :func:`tune_trials`."""
+    ``sample_lengths`` (already split): :func:`choose` of :func:`tune_trials`, which takes the
+    ``search`` keywords (``packer``, ``waits``, ``levels``, ``smaxes``, ``steps``)."""
     _check_budget(delay_budget)  # before the search, not after it
-    trials = tune_trials(
-        sample_lengths, config, cost_model, packer=packer, waits=waits, levels=levels,
-        smaxes=smaxes, steps=steps,
-    )  # fmt: skip
+    trials = tune_trials(sample_lengths, config, cost_model, **search)
     return choose(trials, delay_budget, tolerance)

@@ -47,8 +47,7 @@ class _QueuedPacker(Packer):
 
     def __init__(self, config: PackingConfig, cost_model: CostModel) -> None:
         super().__init__(config, cost_model)
-        default_smax = int(math.floor(1.25 * config.context_len))
-        self.cap = config.smax if config.smax is not None else default_smax
+        self.cap = config.smax if config.smax is not None else int(1.25 * config.context_len)
         th = config.queue_thresholds
         if th is None:
             th = default_thresholds(cost_model, config.context_len)

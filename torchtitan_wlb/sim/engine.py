@@ -10,7 +10,7 @@ import numpy as np
 
 from torchtitan_wlb.cost_model import CostModel, nnls
 from torchtitan_wlb.cp.adaptive import build_cp_plan
-from torchtitan_wlb.cp.plan import causal_pairs
+from torchtitan_wlb.cp.plan import ATTENTION_TILE, causal_pairs
 from torchtitan_wlb.cp.profile import CPProfile, attention_flops, resolve_profile
 from torchtitan_wlb.packing import LengthStream, build_packer, drive, packing_config
 from torchtitan_wlb.packing.placement import dp_order
@@ -111,7 +111,7 @@ def simulated_cp_profile(hw):
     adaptive selection judges with the simulated GPU's efficiency, not the packaged CPU table's."""
     grid = np.unique(np.round(2.0 ** np.arange(3, 18.01, 0.25)).astype(np.int64))
     q, kv = np.meshgrid(grid, grid, indexing="ij")
-    fn, tile, head_dim = timing.tile_padded_time_fn(hw), timing.TILE, 128
+    fn, tile, head_dim = timing.tile_padded_time_fn(hw), ATTENTION_TILE, 128
     valid = q <= kv
     kv_v = np.where(valid, kv, q)  # cells with q > kv are never looked up (NaN in the table)
     seconds = fn(q, kv_v, 4.0 * head_dim * causal_pairs(q, kv_v)) * (1.0 + hw.bwd_attn_factor)

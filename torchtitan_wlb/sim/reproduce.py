@@ -16,13 +16,13 @@ from typing import NamedTuple
 
 import numpy as np
 
+from torchtitan_wlb.cp.plan import ATTENTION_TILE
 from torchtitan_wlb.models.catalogue import get_model
 from torchtitan_wlb.packing.paper import PAPER_T2_ORIGINAL
 from torchtitan_wlb.sim import engine as sim
 from torchtitan_wlb.sim.config import MODES, SimConfig, epoch_steps
 from torchtitan_wlb.sim.engine import ModeResult, simulate_mode, speedup
 from torchtitan_wlb.sim.hardware import HardwareProfile, Layout
-from torchtitan_wlb.sim.timing import TILE
 from torchtitan_wlb.workloads import (
     cut_stream,
     load_lengths,
@@ -91,7 +91,6 @@ def md_rows(rows: Iterable[Sequence]) -> str:
     return "\n".join("| " + " | ".join(map(str, r)) + " |" for r in rows)
 
 
-# ---------------------------------------------------------------------------------- sections
 def table2(workload: str, quick: bool, cfg: SimConfig) -> dict:
     """Table 2 through the packing benchmark (``pack_bench --table2``) with the profiled cost model."""
     cm = sim.cost_model_for(cfg)
@@ -391,14 +390,14 @@ def fixed_values(lengths: np.ndarray, cfg: SimConfig) -> dict:
     long = cfg.context_len // 2
     return {
         "main": cfg, "hw": hw, "cm": cm, "p12": PAPER_FIG12, "p13": PAPER_FIG13, "p15": p15, "tol": TOL,
-        "tile": TILE, "n_docs": int(lengths.size), "long_k": long // K,
+        "tile": ATTENTION_TILE, "n_docs": int(lengths.size), "long_k": long // K,
         "long_share": 100.0 * long_token_share(lengths, cfg.context_len),
         "hw_name": hw.name.upper(), "gemm_share": 100 * hw.gemm_tflops / H100_BF16_PEAK_TFLOPS,
         "peak": H100_BF16_PEAK_TFLOPS, "fsdp_exposed": 100 * (1 - hw.dp_overlap),
         "prof_min": int(sim.profiling_micro_batches(cfg.context_len, lay.cp)[0][0]),
         "be": cm.break_even_length / K, "ctx13": cfg.context_len // K,
         "main_short": f"{cfg.model.name} / {cfg.context_len // K}K",
-        "below_tile": 2 * lay.cp * TILE, "p_t2_orig": PAPER_T2_ORIGINAL,
+        "below_tile": 2 * lay.cp * ATTENTION_TILE, "p_t2_orig": PAPER_T2_ORIGINAL,
         "p13_cp_gain": PAPER_FIG13["wlb"] / PAPER_FIG13["varlen_packing"],
         "p15_seq": 100 * p15["adaptive_vs_per_sequence"], "p15_doc": 100 * p15["adaptive_vs_per_document"],
     }  # fmt: skip
@@ -411,7 +410,6 @@ def render(values: dict, skip: Iterable[str] = ()) -> str:
                    if name not in skip)  # fmt: skip
 
 
-# --------------------------------------------------------------------------------------- main
 # fmt: off
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m torchtitan_wlb.sim.reproduce")

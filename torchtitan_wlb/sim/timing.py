@@ -8,18 +8,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from torchtitan_wlb.cp.plan import causal_pairs
+from torchtitan_wlb.cp.plan import ATTENTION_TILE, causal_pairs
 from torchtitan_wlb.models.catalogue import ModelSpec
 from torchtitan_wlb.sim.hardware import HardwareProfile, Layout
 
 BF16_BYTES = 2
-TILE = 128
 
 # fwd attention seconds for (q_len, kv_len, flops) arrays -> seconds array.
 AttentionTimeFn = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
 
 
-def tile_padded_time_fn(hw: HardwareProfile, tile: int = TILE) -> AttentionTimeFn:
+def tile_padded_time_fn(hw: HardwareProfile, tile: int = ATTENTION_TILE) -> AttentionTimeFn:
     """Forward attention time of the simulated kernel: queries padded up to the tile (keys shift
     with them), throughput ``kbar / (kbar + attn_kv_half)`` of ``attn_tflops`` for a mean key loop
     ``kbar``; tiny per-document chunks pay both."""
