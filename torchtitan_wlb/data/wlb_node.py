@@ -7,6 +7,7 @@ Every DP rank computes the same global plan from the same stream (no communicati
 
 from __future__ import annotations
 
+import itertools
 import sys
 from operator import attrgetter
 from typing import Any
@@ -15,7 +16,6 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from torchtitan_wlb.cost_fit import CostModelSchedule
-from torchtitan_wlb.data.token_store import TokenStore
 from torchtitan_wlb.packing import Packer
 from torchtitan_wlb.packing.base import check_int
 from torchtitan_wlb.packing.driver import next_plan, pull_until, take_until
@@ -82,11 +82,11 @@ class WLBPackingNode(BaseNode[dict]):
         self.schedule = schedule
         self._per_rank = n // dp_degree
         self._initial_packer_state = packer.state_dict()
-        # Every held document (read-ahead + pending): its tokens and the serial of its pull.
-        self._store = TokenStore()
+        self._tokens: dict[int, np.ndarray] = {}  # every held document: read-ahead + pending
         self._snapshots: list[tuple[int, dict[str, Any], int]] = []  # (step, source state, reads)
         self._held = _EMPTY  # per snapshot: how many of the documents its pull read are held
         self._snap_base = 0  # serial number of ``_snapshots[0]``
+        self._snap_of: dict[int, int] = {}  # held document id -> serial of the pull that read it
         self._ahead_ids = _EMPTY  # read, not given to the packer yet (stream order)
         self._ahead_lens = _EMPTY
         self._source_done = False
@@ -96,8 +96,8 @@ class WLBPackingNode(BaseNode[dict]):
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
-        self._store = TokenStore()
-        self._held, self._snap_base = _EMPTY, 0
+        self._tokens = {}
+        self._held, self._snap_base, self._snap_of = _EMPTY, 0, {}
         self._ahead_ids = self._ahead_lens = _EMPTY
         if initial_state is None:
             self.source.reset(None)
@@ -138,11 +138,12 @@ class WLBPackingNode(BaseNode[dict]):
         counts = np.fromiter(map(len, plan.doc_ids), np.int64, len(plan.doc_ids))
         ends = np.cumsum(counts)
         # Every emitted document leaves the node; this rank keeps the tokens of its own.
-        held, pulls = self._store.take(np.concatenate(plan.doc_ids))
+        emitted = np.concatenate(plan.doc_ids).tolist()
+        parts = list(map(self._tokens.pop, emitted))
+        pulls = np.fromiter(map(self._snap_of.pop, emitted), np.int64, len(emitted))
         if self.dp_degree > 1:
             pick = np.concatenate([np.arange(ends[j] - counts[j], ends[j]) for j in mine.tolist()])
-            held = held[pick]
-        parts = held.tolist()
+            parts = list(map(parts.__getitem__, pick.tolist()))
         lens = [plan.doc_lens[j] for j in mine.tolist()]
         # Buffer offsets of this rank's micro-batches: the running token count at each one's end.
         running = np.concatenate([_ZERO, np.cumsum(np.concatenate(lens))])
@@ -180,10 +181,10 @@ class WLBPackingNode(BaseNode[dict]):
         k, _ = take_until(budget, np.cumsum(self._ahead_lens), 0)
         ids, lens = [self._ahead_ids[:k]], [self._ahead_lens[:k]]
         self._ahead_ids, self._ahead_lens = self._ahead_ids[k:], self._ahead_lens[k:]
-        read_ids, read_lens, read_tokens = self._read(budget - int(lens[0].sum()))
+        read_ids, read_lens = self._read(budget - int(lens[0].sum()))
         ids.append(read_ids)
         lens.append(read_lens)
-        more_ids, more_lens, more_tokens = self._read(horizon - int(self._ahead_lens.sum()))
+        more_ids, more_lens = self._read(horizon - int(self._ahead_lens.sum()))
         self._ahead_ids = np.concatenate([self._ahead_ids, more_ids])
         self._ahead_lens = np.concatenate([self._ahead_lens, more_lens])
         if self._source_done and int(self._ahead_lens.sum()) < horizon:
@@ -192,19 +193,20 @@ class WLBPackingNode(BaseNode[dict]):
             lens.append(self._ahead_lens)
             self._ahead_ids = self._ahead_lens = _EMPTY
             self._exhausted = True
-        read = np.concatenate([read_ids, more_ids])
-        if read.size:
-            serial = self._snap_base + len(self._snapshots)
-            self._store.put(read, read_tokens + more_tokens, serial)
-            self._snapshots.append((self.packer.steps_done, snapshot, int(read.size)))
-            self._held = np.append(self._held, read.size)
+        read = read_ids.tolist() + more_ids.tolist()
+        if read:
+            self._snap_of.update(
+                zip(read, itertools.repeat(self._snap_base + len(self._snapshots)))
+            )
+            self._snapshots.append((self.packer.steps_done, snapshot, len(read)))
+            self._held = np.append(self._held, len(read))
         return np.concatenate(ids), np.concatenate(lens)
 
-    def _read(self, tokens: int) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+    def _read(self, tokens: int) -> tuple[np.ndarray, np.ndarray]:
         """Documents from the source by the budget rule (``read_documents`` when it has it, else
-        item by item) until the source ends: ids, lengths and token arrays (checked)."""
+        item by item) until the source ends; their tokens are kept."""
         if tokens <= 0 or self._source_done:
-            return _EMPTY, _EMPTY, []
+            return _EMPTY, _EMPTY
         batched = getattr(self.source, "read_documents", None)
         if batched is not None:
             doc_ids, arrays = batched(tokens)
@@ -228,7 +230,8 @@ class WLBPackingNode(BaseNode[dict]):
         lens = self._check(doc_ids, arrays)
         if int(lens.sum()) < tokens:
             self._source_done = True
-        return doc_ids, lens, arrays
+        self._tokens.update(zip(doc_ids.tolist(), arrays, strict=True))
+        return doc_ids, lens
 
     def _rank_micro_batches(self, doc_lens: list[np.ndarray]) -> np.ndarray:
         """The plan's micro-batches this DP rank trains: contiguous slices for ``original`` (the
@@ -267,8 +270,7 @@ class WLBPackingNode(BaseNode[dict]):
 
     def _check(self, doc_ids: np.ndarray, arrays: list[np.ndarray]) -> np.ndarray:
         """Check a batch read from the source (vectorised) and return the lengths; arrays of
-        another integer dtype are converted in place in ``arrays``. Repeated ids are found when
-        the pull's documents are stored (``TokenStore.put``)."""
+        another integer dtype are converted in place in ``arrays``."""
         if doc_ids.size != len(arrays):
             raise ValueError(
                 f"the source gave {doc_ids.size} document ids but {len(arrays)} arrays"
@@ -287,6 +289,11 @@ class WLBPackingNode(BaseNode[dict]):
                 f"shape {a.shape} dtype {a.dtype}"
             )
         self.packer.check_lengths(doc_ids, lens)
+        ids = doc_ids.tolist()  # sets, not np.unique: a tenth of the time at ~1,000 ids
+        if len(set(ids)) != len(ids) or not self._tokens.keys().isdisjoint(ids):
+            seen = set(self._tokens)
+            twice = next(i for i in ids if i in seen or seen.add(i))
+            raise ValueError(f"document id {twice} appears twice among pending documents")
         return lens
 
     def _prune(self, pulls: np.ndarray) -> None:
@@ -313,7 +320,7 @@ class WLBPackingNode(BaseNode[dict]):
         self.source.reset(self._snapshots[0][1])
         counts = []
         for serial, (_, _, count) in enumerate(self._snapshots):
-            ids, arrays = [], []
+            counts.append(0)
             for _ in range(count):
                 doc_id, tokens = self._unpack(next(self.source))
                 if doc_id in held:
@@ -322,12 +329,11 @@ class WLBPackingNode(BaseNode[dict]):
                             f"replayed document {doc_id} has {tokens.size} tokens, checkpoint "
                             f"says {held[doc_id]}: the source is not deterministic"
                         )
-                    ids.append(doc_id)
-                    arrays.append(tokens)
-            self._store.put(np.asarray(ids, np.int64), arrays, self._snap_base + serial)
-            counts.append(len(ids))
+                    self._tokens[doc_id] = tokens
+                    self._snap_of[doc_id] = self._snap_base + serial
+                    counts[-1] += 1
         self._held = np.asarray(counts, np.int64)
-        missing = set(held) - set(self._store.ids.tolist())
+        missing = set(held) - set(self._tokens)
         if missing:
             raise RuntimeError(
                 f"{len(missing)} held documents (e.g. {min(missing)}) were not found when "
