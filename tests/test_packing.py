@@ -258,7 +258,7 @@ def test_tune_queues_picks_the_most_balanced_within_budget():
     from dataclasses import replace
 
     from torchtitan_wlb.packing import tune_queues
-    from torchtitan_wlb.packing.tuning import simulate
+    from torchtitan_wlb.packing.tuning import run_sample
 
     rng = np.random.default_rng(3)
     n = 2500
@@ -271,7 +271,8 @@ def test_tune_queues_picks_the_most_balanced_within_budget():
         th = default_thresholds(COST, CTX, k_levels)
         for k in waits:
             c = replace(cfg, queue_thresholds=th, max_wait=k)
-            table[(th, k)] = simulate("wlb", lens, c, COST, steps)
+            run = run_sample("wlb", lens, c, COST, steps)
+            table[(th, k)] = (run.imbalance, run.mean_delay)
     budget = float(np.median([d for _, d in table.values()]))
     res = tune_queues(lens, cfg, COST, delay_budget=budget, waits=waits, levels=levels, steps=steps)
     within = {key: v for key, v in table.items() if v[1] <= budget}

@@ -64,14 +64,6 @@ def run_sample(
     return SampleRun(mean_imb, delay_tok / tok if tok else 0.0, len(imb), packer)
 
 
-def simulate(
-    name: str, lengths: np.ndarray, config: PackingConfig, cost_model: CostModel, steps: int
-) -> tuple[float, float]:
-    """Mean imbalance and token-weighted delay of ``run_sample``."""
-    run = run_sample(name, lengths, config, cost_model, steps)
-    return run.imbalance, run.mean_delay
-
-
 def tune_trials(
     sample_lengths: np.ndarray,
     config: PackingConfig,

@@ -53,12 +53,9 @@ def make_documents(args: argparse.Namespace) -> np.ndarray:
 
 
 def floor_doc_len(lengths: np.ndarray, context_len: int, asked: int = 0) -> int:
-    """Length of the noise floor's documents: ``asked``, or (0) ``context_len // k`` with ``k`` the
-    nearest whole number of the workload's token-weighted mean documents per context, so that a
-    floor micro-batch (``k`` such documents, identical in every micro-batch) costs about what a
-    typical packed one does. A full-context document costs ~2x a typical micro-batch here (its
-    attention), which halves the share that fixed-time effects take of its time: it under-measures
-    the floor (docs/benchmarks.md)."""
+    """Length of the noise floor's documents: ``asked``, else ``context_len // k``, ``k`` the
+    workload's token-weighted mean documents per context, so that a floor micro-batch costs what a
+    typical one does (a full-context document under-measures the floor: docs/benchmarks.md)."""
     if asked:
         return min(int(asked), context_len)
     lens = np.asarray(lengths, np.float64)
@@ -119,8 +116,7 @@ def run_mode(
     cp_sharding: str = "",
     floor_len: int = 0,
 ) -> dict[str, Any]:
-    """One training job of ``mode`` and its figures, read from every rank's metrics log
-    (``floor_len``: the floor's document length)."""
+    """One training job of ``mode`` and its figures, read from every rank's metrics log."""
     label = f"{mode}+{cp_sharding}" if cp_sharding else mode
     dump = workdir / label
     n_steps = args.floor_steps if mode == FLOOR else args.steps
