@@ -97,7 +97,7 @@ OUT_OF_RANGE = {
     "cp_hybrid_max_len": "-1",
     "long_doc_policy": '"drop"', "max_doc_len": "-1", "micro_batch_max_len": "-1",
     "queue_thresholds": "[64, 32]", "max_delay_steps": "0", "adaptive_max_delay_steps": "1",
-    "delay_target": "0.0", "balance_target": "0.5", "release_slack": "-0.1",
+    "delay_target": "0.0", "balance_target": "0.5", "release_slack": "-0.1", "read_ahead_steps": "0",
     "packing_window": "0", "solver_node_limit": "0", "solver_time_limit_s": "0", "cost_model": '"x"',
     "attn_coef": "-1.0", "linear_coef": "-1.0", "cost_profile": '"/no/such.json"',
     "cp_profile": '"/no/such.json"', "cp_bandwidth_gbps": "0.0", "text_field": '""', "loader": '"mine"', "epochs": "-1",
