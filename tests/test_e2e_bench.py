@@ -66,6 +66,13 @@ def test_speedups_are_time_to_train_ratios():
     assert "speedup_wlb_vs_fixed" not in out
 
 
+def test_short_whole_passes_are_flagged():
+    results = {"plain_4d": {"steps": 45}, "wlb": {"steps": 39}}
+    (line,) = e2e_bench.short_passes(results)
+    assert line.startswith("warning: wlb trained the set in 39 steps (< 40)")
+    assert e2e_bench.short_passes({"wlb": {"steps": 40}}) == []
+
+
 def test_floor_documents_cost_what_a_typical_micro_batch_does():
     """The floor's micro-batches: k identical documents, k the workload's typical documents per
     context (token-weighted), so that fixed-time effects weigh as much as in the modes' runs."""

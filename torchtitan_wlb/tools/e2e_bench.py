@@ -39,6 +39,8 @@ MODES = ("plain_4d", "fixed_4d", "wlb", "wlb_online")  # [wlb] mode presets, and
 FLOOR = "floor"  # the noise-floor run: every micro-batch one full-context document
 STEP_LINE = re.compile(r"step:\s*(\d+)/")  # the trainer's step line, "step:  3/14  loss: ..."
 # each 2-rank layout: the [parallelism] degree set to 2
+MIN_PASS_STEPS = 40
+"""Fewer steps in a whole pass and one outlier release can swing a mode's time to train."""
 PARALLEL = {"pp2": "pipeline_parallel", "cp2": "context_parallel", "dp2": "data_parallel_shard"}
 
 
@@ -357,6 +359,16 @@ def speedups(results: dict[str, dict[str, Any]]) -> dict[str, float]:
     return out
 
 
+def short_passes(results: dict[str, dict[str, Any]]) -> list[str]:
+    """A warning per mode whose whole pass took fewer than ``MIN_PASS_STEPS`` steps."""
+    return [
+        f"warning: {mode} trained the set in {res['steps']} steps (< {MIN_PASS_STEPS}): one "
+        "outlier release can swing its time to train; raise --num-docs"
+        for mode, res in results.items()
+        if res["steps"] < MIN_PASS_STEPS
+    ]
+
+
 def sharding_speedups(
     results: dict[str, dict[str, Any]], modes: list[str], shardings: list[str]
 ) -> dict[str, float]:
@@ -461,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
             err = f"error: {mode} trained {res['docs_trained']} of {lengths.size} documents"
             print(err, file=sys.stderr)
             return 1
+    for line in short_passes(last) if args.steps == "epoch" else ():
+        print(line, file=sys.stderr)
     print(json.dumps(summary) if args.json else json.dumps(summary, indent=2))
     return 0
 
