@@ -209,8 +209,9 @@ class WLBPacker(_QueuedPacker):
         ``_HEADROOM`` of its target (rare long documents: little is held, so little delay is
         paid), K rises in proportion to the headroom, up to ``_MAX_RISE`` times as fast: the
         delay the data leaves unused buys longer waits, and groups of long documents form
-        within the pass instead of at a K still ramping from its floor (docs/packing.md,
-        "Adaptive K"). Workloads whose running delay stays above that fraction see no change."""
+        within the pass instead of at a K still ramping from its floor (docs/packing.md, "What
+        ``wlb`` changes", Adaptive K). Data whose running delay stays above that fraction of the
+        target see the plain step."""
         spare = self._HEADROOM * self.config.delay_target
         if self.delay_ema >= spare:
             return self._WAIT_STEP
