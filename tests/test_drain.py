@@ -70,6 +70,22 @@ def test_drain_groups_long_documents_and_fills_beside_them():
     assert (per_step.max(axis=1) / per_step.mean(axis=1)).max() < 1.15
 
 
+def test_drain_step_takes_the_costliest_documents_it_has_room_for_first():
+    """One long document sets the first drain step's level; the other micro-batches have room
+    for 37 + 24 + 24 + 22 + 16 tokens. Filled in one pass, the rounds put the 12-token document in
+    and leave a costlier 22-token one for a second step (time 209.6, first step 1.54x its mean);
+    the costliest documents that fit go first (time 189, 1.30x)."""
+    lens = np.array([60, 37, 12, 24, 24, 16, 22])
+    costs = COST.doc_cost(lens)
+    plan = plan_drain(costs, lens, 3, 64)
+    first = plan.step == 0
+    loads = np.bincount(plan.micro_batch[first], weights=costs[first], minlength=3)
+    assert plan.predicted_time < 200
+    assert loads.max() / loads.mean() < 1.35
+    assert first[[0, 1, 3, 4, 6]].all() and not first[2]  # the 12-token document waits
+    assert np.bincount(plan.micro_batch[first], weights=lens[first], minlength=3).max() <= 64
+
+
 def test_second_of_two_final_steps_is_topped_up_from_the_first():
     """Two final steps whose second holds one mid-sized document and a few short ones: short
     documents of the first step move into the second up to its heaviest micro-batch, so neither

@@ -307,6 +307,29 @@ def test_adaptive_wait_grows_when_delay_is_low_and_bounds_the_wait():
     assert fixed.state_dict()["k_eff"] == 2
 
 
+def test_adaptive_wait_spends_large_delay_headroom_faster():
+    """While the running delay is under half its target (nothing held is being paid for), K
+    rises faster than one ``_WAIT_STEP`` a step, up to ``_MAX_RISE`` of them; with the running
+    delay above half the target the rise is the plain ``_WAIT_STEP``."""
+    packer = make("wlb", 4, max_wait=2, adaptive_max_wait=60)
+    step, most = packer._WAIT_STEP, packer._WAIT_STEP * packer._MAX_RISE
+    stream = LengthStream(np.full(2000, 4, np.int64), end_of_data=False)  # regular: no delay
+    ks = [packer.k_eff]
+    for plan in drive(packer, stream, 20):
+        assert plan.stats["mean_delay"] == 0.0
+        ks.append(packer.k_eff)
+    rises = np.diff(ks)
+    assert (rises <= most + 1e-9).all()
+    assert rises.max() > step  # faster than the linear ramp once the delay is far under target
+    assert len(ks) == 21 and ks[-1] > 2 + step * 20
+    # Above half the target: the plain step.
+    slow = make("wlb", 4, max_wait=2, adaptive_max_wait=60)
+    slow.delay_ema = 0.8 * slow.config.delay_target
+    before = slow.k_eff
+    list(drive(slow, LengthStream(np.full(40, 4, np.int64), end_of_data=False), 1))
+    assert slow.k_eff == before + step
+
+
 def _skewed(n_docs: int, seed: int, p_long: float = 0.08) -> np.ndarray:
     rng = np.random.default_rng(seed)
     return np.where(

@@ -44,6 +44,27 @@ def _chunked(costs: np.ndarray, lens: np.ndarray, n: int, cap: int, steps: int) 
     return DrainPlan(steps, by_rank // n, by_rank % n, predicted)
 
 
+def _fill_densest_first(
+    loads: np.ndarray, tokens: np.ndarray, costs: np.ndarray, lens: np.ndarray, cap: int
+) -> np.ndarray:
+    """Fill the micro-batches up to the heaviest one's load (``costs`` in descending order) in two
+    passes: first the costliest documents whose tokens the micro-batches below that level have
+    room for, then the rest. In one pass, the rounds spread mid-sized documents until most
+    micro-batches reach the token cap below the level, and costlier documents (under a cost
+    ``a d^2 + b d``, the densest per token) that would have lifted them wait for a later step:
+    the step's mean drops and it is the more lopsided (docs/packing.md, "The end of the data")."""
+    level = float(loads.max())
+    free = int((cap - tokens)[loads < level].sum())
+    k = int(np.cumsum(lens).searchsorted(free, side="right"))
+    bins = np.full(costs.size, -1, np.int64)
+    if 0 < k < costs.size:
+        bins[:k] = fill_rounds(loads, tokens, costs[:k], lens[:k], cap, level)
+        bins[k:] = fill_rounds(loads, tokens, costs[k:], lens[k:], cap, level)
+    else:
+        bins[:] = fill_rounds(loads, tokens, costs, lens, cap, level)
+    return bins
+
+
 def _levelled(
     costs: np.ndarray, lens: np.ndarray, n: int, cap: int, bound: float = np.inf
 ) -> DrainPlan | None:
@@ -64,7 +85,7 @@ def _levelled(
         loads[: seeds.size] = costs[seeds]
         tokens[: seeds.size] = lens[seeds]
         step[seeds], mb[seeds] = k, np.arange(seeds.size)
-        bins = fill_rounds(loads, tokens, costs[rest], lens[rest], cap, float(loads.max()))
+        bins = _fill_densest_first(loads, tokens, costs[rest], lens[rest], cap)
         placed = bins >= 0
         step[rest[placed]], mb[rest[placed]] = k, bins[placed]
         left = rest[~placed]

@@ -152,6 +152,8 @@ class WLBPacker(_QueuedPacker):
     max_release_attempts = 4
     _EMA = 0.1  # weight of the newest step in the running delay
     _WAIT_STEP = 0.5  # change of the effective K per step
+    _HEADROOM = 0.5  # running delay under this fraction of the target: K rises faster
+    _MAX_RISE = 8.0  # at most this many times ``_WAIT_STEP`` a step
 
     def __init__(self, config: PackingConfig, cost_model: CostModel) -> None:
         super().__init__(config, cost_model)
@@ -200,7 +202,20 @@ class WLBPacker(_QueuedPacker):
         if self.delay_ema > cfg.delay_target:
             self.k_eff = max(float(cfg.max_wait), self.k_eff - self._WAIT_STEP)
         elif self.delay_ema < 0.9 * cfg.delay_target:
-            self.k_eff = min(float(cfg.adaptive_max_wait), self.k_eff + self._WAIT_STEP)
+            self.k_eff = min(float(cfg.adaptive_max_wait), self.k_eff + self._rise())
+
+    def _rise(self) -> float:
+        """How far K rises this step. Normally ``_WAIT_STEP``; while the running delay is under
+        ``_HEADROOM`` of its target (rare long documents: little is held, so little delay is
+        paid), K rises in proportion to the headroom, up to ``_MAX_RISE`` times as fast: the
+        delay the data leaves unused buys longer waits, and groups of long documents form
+        within the pass instead of at a K still ramping from its floor (docs/packing.md, "What
+        ``wlb`` changes", Adaptive K). Data whose running delay stays above that fraction of the
+        target see the plain step."""
+        spare = self._HEADROOM * self.config.delay_target
+        if self.delay_ema >= spare:
+            return self._WAIT_STEP
+        return self._WAIT_STEP * min(self._MAX_RISE, spare / max(self.delay_ema, 1e-12))
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "k_eff": self.k_eff, "delay_ema": self.delay_ema}
