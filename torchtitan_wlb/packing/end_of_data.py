@@ -47,12 +47,10 @@ def _chunked(costs: np.ndarray, lens: np.ndarray, n: int, cap: int, steps: int) 
 def _fill_densest_first(
     loads: np.ndarray, tokens: np.ndarray, costs: np.ndarray, lens: np.ndarray, cap: int
 ) -> np.ndarray:
-    """Fill the micro-batches up to the heaviest one's load (``costs`` in descending order) in two
-    passes: first the costliest documents whose tokens the micro-batches below that level have
-    room for, then the rest. In one pass, the rounds spread mid-sized documents until most
-    micro-batches reach the token cap below the level, and costlier documents (under a cost
-    ``a d^2 + b d``, the densest per token) that would have lifted them wait for a later step:
-    the step's mean drops and it is the more lopsided (docs/packing.md, "The end of the data")."""
+    """Fill up to the heaviest micro-batch's load (``costs`` descending) in two passes: first the
+    costliest documents the micro-batches below that level have room for, then the rest. One pass
+    fills them with mid-sized documents to the token cap while the densest wait for a later step,
+    which is then lopsided (docs/packing.md, "The end of the data")."""
     level = float(loads.max())
     free = int((cap - tokens)[loads < level].sum())
     k = int(np.cumsum(lens).searchsorted(free, side="right"))

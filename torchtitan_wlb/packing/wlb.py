@@ -205,13 +205,9 @@ class WLBPacker(_QueuedPacker):
             self.k_eff = min(float(cfg.adaptive_max_wait), self.k_eff + self._rise())
 
     def _rise(self) -> float:
-        """How far K rises this step. Normally ``_WAIT_STEP``; while the running delay is under
-        ``_HEADROOM`` of its target (rare long documents: little is held, so little delay is
-        paid), K rises in proportion to the headroom, up to ``_MAX_RISE`` times as fast: the
-        delay the data leaves unused buys longer waits, and groups of long documents form
-        within the pass instead of at a K still ramping from its floor (docs/packing.md, "What
-        ``wlb`` changes", Adaptive K). Data whose running delay stays above that fraction of the
-        target see the plain step."""
+        """K's rise this step: ``_WAIT_STEP``, or while the running delay is under ``_HEADROOM`` of
+        its target, up to ``_MAX_RISE`` times that in proportion to the headroom, so groups of rare
+        long documents form within the pass (docs/packing.md, "Adaptive K")."""
         spare = self._HEADROOM * self.config.delay_target
         if self.delay_ema >= spare:
             return self._WAIT_STEP

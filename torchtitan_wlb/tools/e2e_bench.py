@@ -38,9 +38,8 @@ ROOT = Path(__file__).resolve().parents[2]
 MODES = ("plain_4d", "fixed_4d", "wlb", "wlb_online")  # [wlb] mode presets, and wlb_online
 FLOOR = "floor"  # the noise-floor run: every micro-batch one full-context document
 STEP_LINE = re.compile(r"step:\s*(\d+)/")  # the trainer's step line, "step:  3/14  loss: ..."
+MIN_PASS_STEPS = 40  # fewer steps in a pass and one outlier release can swing time to train
 # each 2-rank layout: the [parallelism] degree set to 2
-MIN_PASS_STEPS = 40
-"""Fewer steps in a whole pass and one outlier release can swing a mode's time to train."""
 PARALLEL = {"pp2": "pipeline_parallel", "cp2": "context_parallel", "dp2": "data_parallel_shard"}
 
 
