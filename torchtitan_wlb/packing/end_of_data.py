@@ -137,8 +137,8 @@ def _absorb_last(
     """With two final steps, the second's documents go into the first when they fit under the
     cap and the one step is predicted faster than the two (a second step of a few short leftovers
     costs little time but is as unbalanced as a step can be: micro-batches with nothing)."""
-    if plan.steps != 2:
-        return plan
+    if plan.steps != 2 or int(lens.sum()) > n * cap:
+        return plan  # more tokens than one step holds: some document would find no room
     first, last = plan.step == 0, plan.step == 1
     loads = np.bincount(plan.micro_batch[first], weights=costs[first], minlength=n)
     tokens = np.bincount(plan.micro_batch[first], weights=lens[first], minlength=n)
@@ -166,8 +166,14 @@ def plan_drain(
     while (best := _chunked(costs, lens, n, cap, steps)) is None:
         steps += 1  # bin packing under the cap may need more than the token bound
     fewest = best.steps
+    # No plan is predicted faster than the mean micro-batch workload of all the documents (each
+    # step's heaviest micro-batch is at least its mean): an even split that is already within the
+    # gain a longer plan must win by of that bound cannot be beaten by one (margin: rounding).
+    floor = float(costs.sum()) / n * (1 - 1e-9)
     for more in range(1, extra_steps + 1):
         if fewest + more > lens.size:  # a step beyond one document each only adds fillers
+            break
+        if best.predicted_time * (1 - _STEP_GAIN) <= floor:
             break
         trial = _chunked(costs, lens, n, cap, fewest + more)
         if trial is not None and trial.predicted_time < best.predicted_time * (1 - _STEP_GAIN):
