@@ -85,6 +85,7 @@ def _plan_drain_every_candidate(costs, lens, n, cap):
             levelled.predicted_time <= best.predicted_time and levelled.steps < best.steps
         ):
             best = levelled
+            floor_hits += 100  # counted apart: the levelled plan was chosen
     if best.steps == 2:  # absorb the second step into the first, tried whatever the tokens
         first = best.step == 0
         loads = np.bincount(best.micro_batch[first], weights=costs[first], minlength=n)
@@ -103,7 +104,7 @@ def test_drain_shortcuts_never_change_the_plan():
     mean-workload floor, and the absorb attempt when one step cannot hold the tokens: the plan is
     the one trying every candidate gives."""
     rng = np.random.default_rng(1)
-    skipped = 0
+    skipped = levelled = 0
     for _ in range(80):
         n = int(rng.integers(2, 7))
         k = int(rng.integers(1, 160))
@@ -111,12 +112,36 @@ def test_drain_shortcuts_never_change_the_plan():
         lens = np.where(long, rng.integers(40, 81, k), rng.integers(1, 12, k))
         costs = COST.doc_cost(lens)
         want, hits = _plan_drain_every_candidate(costs, lens, n, 80)
-        skipped += hits
+        skipped += hits % 100
+        levelled += hits // 100
         got = plan_drain(costs, lens, n, 80)
         assert got.steps == want.steps and got.predicted_time == want.predicted_time
         assert np.array_equal(got.step, want.step)
         assert np.array_equal(got.micro_batch, want.micro_batch)
-    assert skipped >= 5  # the shortcut was taken, not only the long way
+    assert skipped >= 5  # the shortcuts were taken, not only the long way
+    assert levelled >= 5
+
+
+def test_even_split_gives_up_only_when_it_cannot_win():
+    """Given up as soon as its partial loads prove it slower than the bound, never when its
+    plan is within it; a plan it keeps is the one built without a bound."""
+    rng = np.random.default_rng(2)
+    gave_up = 0
+    for _ in range(60):
+        lens = rng.integers(1, 80, size=int(rng.integers(1, 150)))
+        costs = COST.doc_cost(lens)
+        steps = int(rng.integers(1, 4)) - (-int(lens.sum()) // (4 * 80))
+        full = _chunked(costs, lens, 4, 80, steps)
+        if full is None:
+            continue
+        for factor in (0.5, 0.99, 1.0, 1.01):
+            got = _chunked(costs, lens, 4, 80, steps, give_up_above=full.predicted_time * factor)
+            assert got is not None or factor < 1.0
+            gave_up += got is None
+            if got is not None:
+                assert np.array_equal(got.step, full.step)
+                assert np.array_equal(got.micro_batch, full.micro_batch)
+    assert gave_up >= 20  # bounds under the plan's time are found out before its end
 
 
 def test_drain_groups_long_documents_and_fills_beside_them():
