@@ -235,13 +235,17 @@ def _beats_every_even_split(
     """Whether the levelled plan is predicted ``_STEP_GAIN`` faster than every even split, so it
     is chosen whichever of them :func:`_best_even_split` would pick. A longer split is given up
     as soon as its partial loads prove it slower than that (most of its placement is skipped)."""
-    beat = levelled.predicted_time / (1 - _STEP_GAIN)  # an even split above this loses
-    if not shortest.predicted_time > beat:
+
+    def loses(split: DrainPlan) -> bool:  # the test plan_drain applies (the larger gain)
+        return levelled.predicted_time < split.predicted_time * (1 - _STEP_GAIN)
+
+    if not loses(shortest):
         return False
     if shortest.predicted_time * (1 - _STEP_GAIN) <= _floor(costs, n):
         return True  # no longer split can be chosen over the shortest
+    beat = levelled.predicted_time / (1 - _STEP_GAIN)  # a split given up above this loses
     for steps in longer:
         trial = _chunked(costs, lens, n, cap, steps, give_up_above=beat)
-        if trial is not None and not trial.predicted_time > beat:
+        if trial is not None and not loses(trial):
             return False
     return True
