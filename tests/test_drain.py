@@ -12,7 +12,15 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan_wlb.cost_model import CostModel
 from torchtitan_wlb.data.collate import collate_micro_batch
 from torchtitan_wlb.packing import LengthStream, PackingConfig, build_packer, drive
-from torchtitan_wlb.packing.end_of_data import _levelled, plan_drain
+from torchtitan_wlb.packing.end_of_data import (
+    _STEP_GAIN,
+    DrainPlan,
+    _chunked,
+    _levelled,
+    _top_up_last,
+    plan_drain,
+)
+from torchtitan_wlb.packing.placement import fill_rounds
 
 COST = CostModel.from_coefficients(attn_coef=1.0 / 32, linear_coef=1.0)
 SETTINGS = settings(
@@ -54,6 +62,86 @@ def test_levelled_plan_gives_up_only_when_it_cannot_win():
             if got is not None:
                 assert np.array_equal(got.step, full.step)
                 assert np.array_equal(got.micro_batch, full.micro_batch)
+
+
+def _plan_drain_every_candidate(costs, lens, n, cap):
+    """plan_drain's search without its shortcuts: every even split, the levelled plan, and the
+    absorb attempt always tried."""
+    steps = max(1, -(-int(lens.sum()) // (n * cap)))
+    while (best := _chunked(costs, lens, n, cap, steps)) is None:
+        steps += 1
+    fewest, floor_hits = best.steps, 0
+    for more in (1, 2):
+        if fewest + more > lens.size:
+            break
+        floor_hits += best.predicted_time * (1 - _STEP_GAIN) <= costs.sum() / n * (1 - 1e-9)
+        trial = _chunked(costs, lens, n, cap, fewest + more)
+        if trial is not None and trial.predicted_time < best.predicted_time * (1 - _STEP_GAIN):
+            best = trial
+    levelled = _levelled(costs, lens, n, cap, best.predicted_time)
+    if levelled is not None:
+        gain = _STEP_GAIN if levelled.steps > best.steps else 1e-9
+        if levelled.predicted_time < best.predicted_time * (1 - gain) or (
+            levelled.predicted_time <= best.predicted_time and levelled.steps < best.steps
+        ):
+            best = levelled
+            floor_hits += 100  # counted apart: the levelled plan was chosen
+    if best.steps == 2:  # absorb the second step into the first, tried whatever the tokens
+        first = best.step == 0
+        loads = np.bincount(best.micro_batch[first], weights=costs[first], minlength=n)
+        tokens = np.bincount(best.micro_batch[first], weights=lens[first], minlength=n)
+        moving = np.flatnonzero(~first)
+        bins = fill_rounds(loads, tokens.astype(np.int64), costs[moving], lens[moving], cap)
+        if not (bins < 0).any() and float(loads.max()) < best.predicted_time * (1 - 1e-9):
+            mb = best.micro_batch.copy()
+            mb[moving] = bins
+            best = DrainPlan(1, np.zeros(costs.size, np.int64), mb, float(loads.max()))
+    return _top_up_last(best, costs, lens, n, cap), floor_hits
+
+
+def test_drain_shortcuts_never_change_the_plan():
+    """The search skips longer even splits once the best one is within the gain of the
+    mean-workload floor, and the absorb attempt when one step cannot hold the tokens: the plan is
+    the one trying every candidate gives."""
+    rng = np.random.default_rng(1)
+    skipped = levelled = 0
+    for _ in range(80):
+        n = int(rng.integers(2, 7))
+        k = int(rng.integers(1, 160))
+        long = rng.random(k) < rng.choice([0.0, 0.05, 0.3])
+        lens = np.where(long, rng.integers(40, 81, k), rng.integers(1, 12, k))
+        costs = COST.doc_cost(lens)
+        want, hits = _plan_drain_every_candidate(costs, lens, n, 80)
+        skipped += hits % 100
+        levelled += hits // 100
+        got = plan_drain(costs, lens, n, 80)
+        assert got.steps == want.steps and got.predicted_time == want.predicted_time
+        assert np.array_equal(got.step, want.step)
+        assert np.array_equal(got.micro_batch, want.micro_batch)
+    assert skipped >= 5  # the shortcuts were taken, not only the long way
+    assert levelled >= 5
+
+
+def test_even_split_gives_up_only_when_it_cannot_win():
+    """Given up as soon as its partial loads prove it slower than the bound, never when its
+    plan is within it; a plan it keeps is the one built without a bound."""
+    rng = np.random.default_rng(2)
+    gave_up = 0
+    for _ in range(60):
+        lens = rng.integers(1, 80, size=int(rng.integers(1, 150)))
+        costs = COST.doc_cost(lens)
+        steps = int(rng.integers(1, 4)) - (-int(lens.sum()) // (4 * 80))
+        full = _chunked(costs, lens, 4, 80, steps)
+        if full is None:
+            continue
+        for factor in (0.5, 0.99, 1.0, 1.01):
+            got = _chunked(costs, lens, 4, 80, steps, give_up_above=full.predicted_time * factor)
+            assert got is not None or factor < 1.0
+            gave_up += got is None
+            if got is not None:
+                assert np.array_equal(got.step, full.step)
+                assert np.array_equal(got.micro_batch, full.micro_batch)
+    assert gave_up >= 20  # bounds under the plan's time are found out before its end
 
 
 def test_drain_groups_long_documents_and_fills_beside_them():

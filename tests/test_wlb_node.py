@@ -315,6 +315,18 @@ def test_kept_steps_keep_their_tokens_and_buffers_are_reused():
     assert len(node._buffers) <= 3  # kept step + loop variable + the step being made
 
 
+def test_first_output_buffer_is_built_with_the_node_and_serves_the_first_step():
+    """The node allocates and touches one full step's buffer when it is built (setup), so the
+    first step writes into it instead of faulting in fresh pages."""
+    node = node_for(docs(skewed_lengths(200, 4)), max_wait=3)
+    assert len(node._buffers) == 1
+    assert node._buffers[0].size >= node.packer.n * node.packer.cap
+    built = id(node._buffers[0])  # not a reference: that would make the buffer look in use
+    first = next(node)
+    assert [id(b) for b in node._buffers] == [built]
+    assert all(mb["tokens"].base is node._buffers[0] for mb in first["micro_batches"])
+
+
 def test_online_schedule_switches_the_packers_model_at_its_step_and_on_restore():
     from torchtitan_wlb.cost_fit import CostModelSchedule, OnlineFitConfig
 

@@ -93,6 +93,7 @@ class WLBPackingNode(BaseNode[dict]):
         self._exhausted = False
         self._buffers: list[np.ndarray] = []  # output buffers (see ``_out_buffer``)
         self._free_refs = 0  # a pooled buffer's reference count when nothing else holds it
+        self._add_buffer(self._per_rank * packer.cap).fill(0)  # see ``_add_buffer``
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
@@ -181,10 +182,10 @@ class WLBPackingNode(BaseNode[dict]):
         k, _ = take_until(budget, np.cumsum(self._ahead_lens), 0)
         ids, lens = [self._ahead_ids[:k]], [self._ahead_lens[:k]]
         self._ahead_ids, self._ahead_lens = self._ahead_ids[k:], self._ahead_lens[k:]
-        read_ids, read_lens = self._read(budget - int(lens[0].sum()))
+        read_ids, read_lens, read = self._read(budget - int(lens[0].sum()))
         ids.append(read_ids)
         lens.append(read_lens)
-        more_ids, more_lens = self._read(horizon - int(self._ahead_lens.sum()))
+        more_ids, more_lens, more = self._read(horizon - int(self._ahead_lens.sum()))
         self._ahead_ids = np.concatenate([self._ahead_ids, more_ids])
         self._ahead_lens = np.concatenate([self._ahead_lens, more_lens])
         if self._source_done and int(self._ahead_lens.sum()) < horizon:
@@ -193,7 +194,7 @@ class WLBPackingNode(BaseNode[dict]):
             lens.append(self._ahead_lens)
             self._ahead_ids = self._ahead_lens = _EMPTY
             self._exhausted = True
-        read = read_ids.tolist() + more_ids.tolist()
+        read += more
         if read:
             self._snap_of.update(
                 zip(read, itertools.repeat(self._snap_base + len(self._snapshots)))
@@ -202,11 +203,12 @@ class WLBPackingNode(BaseNode[dict]):
             self._held = np.append(self._held, len(read))
         return np.concatenate(ids), np.concatenate(lens)
 
-    def _read(self, tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    def _read(self, tokens: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
         """Documents from the source by the budget rule (``read_documents`` when it has it, else
-        item by item) until the source ends; their tokens are kept."""
+        item by item) until the source ends; their tokens are kept. Returns their ids (an array
+        and a list: the per-document bookkeeping takes Python ints, made once), lengths."""
         if tokens <= 0 or self._source_done:
-            return _EMPTY, _EMPTY
+            return _EMPTY, _EMPTY, []
         batched = getattr(self.source, "read_documents", None)
         if batched is not None:
             doc_ids, arrays = batched(tokens)
@@ -227,11 +229,11 @@ class WLBPackingNode(BaseNode[dict]):
 
             pull_until(tokens, pull)
             doc_ids = np.asarray(ids_read, np.int64)
-        lens = self._check(doc_ids, arrays)
+        lens, ids = self._check(doc_ids, arrays)
         if int(lens.sum()) < tokens:
             self._source_done = True
-        self._tokens.update(zip(doc_ids.tolist(), arrays, strict=True))
-        return doc_ids, lens
+        self._tokens.update(zip(ids, arrays, strict=True))
+        return doc_ids, lens, ids
 
     def _rank_micro_batches(self, doc_lens: list[np.ndarray]) -> np.ndarray:
         """The plan's micro-batches this DP rank trains: contiguous slices for ``original`` (the
@@ -254,6 +256,13 @@ class WLBPackingNode(BaseNode[dict]):
                 return self._buffers[k]
         if len(self._buffers) >= self.POOL_SIZE:
             return np.empty(size, TOKEN_DTYPE)
+        return self._add_buffer(size)
+
+    def _add_buffer(self, size: int) -> np.ndarray:
+        """A new pooled buffer of at least ``size`` (and at least a full step's) elements. The
+        node builds its first one and touches its pages when it is built: setup, like the model's
+        parameters, so that the first step does not pay a page fault per 4 KiB of its output
+        (about 5,000 of them for 20 MB at ``N = 32``, several ms; docs/packing.md)."""
         self._buffers.append(np.empty(max(size, self._per_rank * self.packer.cap), TOKEN_DTYPE))
         self._free_refs = sys.getrefcount(self._buffers[-1])
         return self._buffers[-1]
@@ -268,15 +277,15 @@ class WLBPackingNode(BaseNode[dict]):
         doc_id = int(item["doc_id"])
         return doc_id, as_tokens(doc_id, item["tokens"])
 
-    def _check(self, doc_ids: np.ndarray, arrays: list[np.ndarray]) -> np.ndarray:
-        """Check a batch read from the source (vectorised) and return the lengths; arrays of
-        another integer dtype are converted in place in ``arrays``."""
+    def _check(self, doc_ids: np.ndarray, arrays: list[np.ndarray]) -> tuple[np.ndarray, list[int]]:
+        """Check a batch read from the source (vectorised) and return the lengths and the ids as
+        a list; arrays of another integer dtype are converted in place in ``arrays``."""
         if doc_ids.size != len(arrays):
             raise ValueError(
                 f"the source gave {doc_ids.size} document ids but {len(arrays)} arrays"
             )
         if not arrays:
-            return _EMPTY
+            return _EMPTY, []
         if set(map(attrgetter("dtype"), arrays)) != {np.dtype(TOKEN_DTYPE)}:
             arrays[:] = [as_tokens(i, a) for i, a in zip(doc_ids.tolist(), arrays, strict=True)]
         lens = np.fromiter(map(attrgetter("size"), arrays), np.int64, len(arrays))
@@ -294,7 +303,7 @@ class WLBPackingNode(BaseNode[dict]):
             seen = set(self._tokens)
             twice = next(i for i in ids if i in seen or seen.add(i))
             raise ValueError(f"document id {twice} appears twice among pending documents")
-        return lens
+        return lens, ids
 
     def _prune(self, pulls: np.ndarray) -> None:
         """Count the emitted documents (``pulls``: the serial of the pull that read each) out of

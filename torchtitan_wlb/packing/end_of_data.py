@@ -29,12 +29,28 @@ class DrainPlan:
     """Sum over the planned steps of the heaviest micro-batch's workload."""
 
 
-def _chunked(costs: np.ndarray, lens: np.ndarray, n: int, cap: int, steps: int) -> DrainPlan | None:
+def _chunked(
+    costs: np.ndarray,
+    lens: np.ndarray,
+    n: int,
+    cap: int,
+    steps: int,
+    give_up_above: float = np.inf,
+) -> DrainPlan | None:
     """Even split: place into ``steps * n`` micro-batches, sort them by workload, cut into steps
-    of ``n`` (similar costs share a step). ``None`` when a document finds no room."""
+    of ``n`` (similar costs share a step). ``None`` when a document finds no room, or as soon as
+    the predicted time of the micro-batches placed so far exceeds ``give_up_above``: loads only
+    grow, and with them every step's heaviest micro-batch, so the plan could only be slower."""
     loads = np.zeros(steps * n)
     tokens = np.zeros(steps * n, np.int64)
-    bins = fill_rounds(loads, tokens, costs, lens, cap)
+    stop = None
+    if np.isfinite(give_up_above):
+
+        def stop(partial: np.ndarray) -> bool:
+            # Margin: the final sum may round differently (a few ulps).
+            return float(np.sort(partial)[::-1][::n].sum()) > give_up_above * (1 + 1e-12)
+
+    bins = fill_rounds(loads, tokens, costs, lens, cap, stop=stop)
     if (bins < 0).any():
         return None
     rank = np.empty(steps * n, np.int64)
@@ -156,8 +172,8 @@ def _absorb_last(
     """With two final steps, the second's documents go into the first when they fit under the
     cap and the one step is predicted faster than the two (a second step of a few short leftovers
     costs little time but is as unbalanced as a step can be: micro-batches with nothing)."""
-    if plan.steps != 2:
-        return plan
+    if plan.steps != 2 or int(lens.sum()) > n * cap:
+        return plan  # more tokens than one step holds: some document would find no room
     first, last = plan.step == 0, plan.step == 1
     loads = np.bincount(plan.micro_batch[first], weights=costs[first], minlength=n)
     tokens = np.bincount(plan.micro_batch[first], weights=lens[first], minlength=n)
@@ -182,20 +198,73 @@ def plan_drain(
     if lens.size == 0:
         return DrainPlan(0, np.zeros(0, np.int64), np.zeros(0, np.int64), 0.0)
     steps = max(1, -(-int(lens.sum()) // (n * cap)))
-    while (best := _chunked(costs, lens, n, cap, steps)) is None:
+    while (shortest := _chunked(costs, lens, n, cap, steps)) is None:
         steps += 1  # bin packing under the cap may need more than the token bound
-    fewest = best.steps
-    for more in range(1, extra_steps + 1):
-        if fewest + more > lens.size:  # a step beyond one document each only adds fillers
+    fewest = shortest.steps
+    longer = [m for m in range(fewest + 1, fewest + extra_steps + 1) if m <= lens.size]
+    # The levelled plan, bounded by the shortest even split (the best even split is no slower).
+    levelled = _levelled(costs, lens, n, cap, shortest.predicted_time)
+    if levelled is not None and _beats_every_even_split(
+        levelled, shortest, longer, costs, lens, n, cap
+    ):
+        best = levelled
+    else:
+        best = _best_even_split(shortest, longer, costs, lens, n, cap)
+        if levelled is not None and best is not shortest:  # a tighter bound: build it again
+            levelled = _levelled(costs, lens, n, cap, best.predicted_time)
+        if levelled is not None:
+            gain = _STEP_GAIN if levelled.steps > best.steps else 1e-9
+            if levelled.predicted_time < best.predicted_time * (1 - gain) or (
+                levelled.predicted_time <= best.predicted_time and levelled.steps < best.steps
+            ):
+                best = levelled
+    return _top_up_last(_absorb_last(best, costs, lens, n, cap), costs, lens, n, cap)
+
+
+def _floor(costs: np.ndarray, n: int) -> float:
+    """No plan is predicted faster than the mean micro-batch workload of all the documents (each
+    step's heaviest micro-batch is at least its mean); margin: rounding."""
+    return float(costs.sum()) / n * (1 - 1e-9)
+
+
+def _best_even_split(
+    shortest: DrainPlan, longer: list[int], costs: np.ndarray, lens: np.ndarray, n: int, cap: int
+) -> DrainPlan:
+    """The shortest even split, or a longer one predicted ``_STEP_GAIN`` faster than the best so
+    far. Longer ones are not built once the best is within that gain of the floor."""
+    best = shortest
+    for steps in longer:
+        if best.predicted_time * (1 - _STEP_GAIN) <= _floor(costs, n):
             break
-        trial = _chunked(costs, lens, n, cap, fewest + more)
+        trial = _chunked(costs, lens, n, cap, steps)
         if trial is not None and trial.predicted_time < best.predicted_time * (1 - _STEP_GAIN):
             best = trial
-    levelled = _levelled(costs, lens, n, cap, best.predicted_time)
-    if levelled is not None:
-        gain = _STEP_GAIN if levelled.steps > best.steps else 1e-9
-        if levelled.predicted_time < best.predicted_time * (1 - gain) or (
-            levelled.predicted_time <= best.predicted_time and levelled.steps < best.steps
-        ):
-            best = levelled
-    return _top_up_last(_absorb_last(best, costs, lens, n, cap), costs, lens, n, cap)
+    return best
+
+
+def _beats_every_even_split(
+    levelled: DrainPlan,
+    shortest: DrainPlan,
+    longer: list[int],
+    costs: np.ndarray,
+    lens: np.ndarray,
+    n: int,
+    cap: int,
+) -> bool:
+    """Whether the levelled plan is predicted ``_STEP_GAIN`` faster than every even split, so it
+    is chosen whichever of them :func:`_best_even_split` would pick. A longer split is given up
+    as soon as its partial loads prove it slower than that (most of its placement is skipped)."""
+
+    def loses(split: DrainPlan) -> bool:  # the test plan_drain applies (the larger gain)
+        return levelled.predicted_time < split.predicted_time * (1 - _STEP_GAIN)
+
+    if not loses(shortest):
+        return False
+    if shortest.predicted_time * (1 - _STEP_GAIN) <= _floor(costs, n):
+        return True  # no longer split can be chosen over the shortest
+    beat = levelled.predicted_time / (1 - _STEP_GAIN)  # a split given up above this loses
+    for steps in longer:
+        trial = _chunked(costs, lens, n, cap, steps, give_up_above=beat)
+        if trial is not None and not loses(trial):
+            return False
+    return True
