@@ -122,28 +122,6 @@ def test_drain_shortcuts_never_change_the_plan():
     assert levelled >= 5
 
 
-def test_even_split_gives_up_only_when_it_cannot_win():
-    """Given up as soon as its partial loads prove it slower than the bound, never when its
-    plan is within it; a plan it keeps is the one built without a bound."""
-    rng = np.random.default_rng(2)
-    gave_up = 0
-    for _ in range(60):
-        lens = rng.integers(1, 80, size=int(rng.integers(1, 150)))
-        costs = COST.doc_cost(lens)
-        steps = int(rng.integers(1, 4)) - (-int(lens.sum()) // (4 * 80))
-        full = _chunked(costs, lens, 4, 80, steps)
-        if full is None:
-            continue
-        for factor in (0.5, 0.99, 1.0, 1.01):
-            got = _chunked(costs, lens, 4, 80, steps, give_up_above=full.predicted_time * factor)
-            assert got is not None or factor < 1.0
-            gave_up += got is None
-            if got is not None:
-                assert np.array_equal(got.step, full.step)
-                assert np.array_equal(got.micro_batch, full.micro_batch)
-    assert gave_up >= 20  # bounds under the plan's time are found out before its end
-
-
 def test_drain_groups_long_documents_and_fills_beside_them():
     # Four long documents and many short ones, N = 4: one step of the four long ones, each
     # beside nothing but each other, is the balanced drain; the short ones make their own step.

@@ -29,28 +29,12 @@ class DrainPlan:
     """Sum over the planned steps of the heaviest micro-batch's workload."""
 
 
-def _chunked(
-    costs: np.ndarray,
-    lens: np.ndarray,
-    n: int,
-    cap: int,
-    steps: int,
-    give_up_above: float = np.inf,
-) -> DrainPlan | None:
+def _chunked(costs: np.ndarray, lens: np.ndarray, n: int, cap: int, steps: int) -> DrainPlan | None:
     """Even split: place into ``steps * n`` micro-batches, sort them by workload, cut into steps
-    of ``n`` (similar costs share a step). ``None`` when a document finds no room, or as soon as
-    the predicted time of the micro-batches placed so far exceeds ``give_up_above``: loads only
-    grow, and with them every step's heaviest micro-batch, so the plan could only be slower."""
+    of ``n`` (similar costs share a step). ``None`` when a document finds no room."""
     loads = np.zeros(steps * n)
     tokens = np.zeros(steps * n, np.int64)
-    stop = None
-    if np.isfinite(give_up_above):
-
-        def stop(partial: np.ndarray) -> bool:
-            # Margin: the final sum may round differently (a few ulps).
-            return float(np.sort(partial)[::-1][::n].sum()) > give_up_above * (1 + 1e-12)
-
-    bins = fill_rounds(loads, tokens, costs, lens, cap, stop=stop)
+    bins = fill_rounds(loads, tokens, costs, lens, cap)
     if (bins < 0).any():
         return None
     rank = np.empty(steps * n, np.int64)
@@ -198,73 +182,22 @@ def plan_drain(
     if lens.size == 0:
         return DrainPlan(0, np.zeros(0, np.int64), np.zeros(0, np.int64), 0.0)
     steps = max(1, -(-int(lens.sum()) // (n * cap)))
-    while (shortest := _chunked(costs, lens, n, cap, steps)) is None:
+    while (best := _chunked(costs, lens, n, cap, steps)) is None:
         steps += 1  # bin packing under the cap may need more than the token bound
-    fewest = shortest.steps
-    longer = [m for m in range(fewest + 1, fewest + extra_steps + 1) if m <= lens.size]
-    # The levelled plan, bounded by the shortest even split (the best even split is no slower).
-    levelled = _levelled(costs, lens, n, cap, shortest.predicted_time)
-    if levelled is not None and _beats_every_even_split(
-        levelled, shortest, longer, costs, lens, n, cap
-    ):
-        best = levelled
-    else:
-        best = _best_even_split(shortest, longer, costs, lens, n, cap)
-        if levelled is not None and best is not shortest:  # a tighter bound: build it again
-            levelled = _levelled(costs, lens, n, cap, best.predicted_time)
-        if levelled is not None:
-            gain = _STEP_GAIN if levelled.steps > best.steps else 1e-9
-            if levelled.predicted_time < best.predicted_time * (1 - gain) or (
-                levelled.predicted_time <= best.predicted_time and levelled.steps < best.steps
-            ):
-                best = levelled
-    return _top_up_last(_absorb_last(best, costs, lens, n, cap), costs, lens, n, cap)
-
-
-def _floor(costs: np.ndarray, n: int) -> float:
-    """No plan is predicted faster than the mean micro-batch workload of all the documents (each
-    step's heaviest micro-batch is at least its mean); margin: rounding."""
-    return float(costs.sum()) / n * (1 - 1e-9)
-
-
-def _best_even_split(
-    shortest: DrainPlan, longer: list[int], costs: np.ndarray, lens: np.ndarray, n: int, cap: int
-) -> DrainPlan:
-    """The shortest even split, or a longer one predicted ``_STEP_GAIN`` faster than the best so
-    far. Longer ones are not built once the best is within that gain of the floor."""
-    best = shortest
-    for steps in longer:
-        if best.predicted_time * (1 - _STEP_GAIN) <= _floor(costs, n):
+    # More steps, unless the best is within _STEP_GAIN of what no plan beats: the mean micro-batch
+    # workload of all the documents (each step's heaviest is at least its mean; margin: rounding).
+    floor = float(costs.sum()) / n * (1 - 1e-9)
+    for steps in range(best.steps + 1, min(best.steps + extra_steps, lens.size) + 1):
+        if best.predicted_time * (1 - _STEP_GAIN) <= floor:
             break
         trial = _chunked(costs, lens, n, cap, steps)
         if trial is not None and trial.predicted_time < best.predicted_time * (1 - _STEP_GAIN):
             best = trial
-    return best
-
-
-def _beats_every_even_split(
-    levelled: DrainPlan,
-    shortest: DrainPlan,
-    longer: list[int],
-    costs: np.ndarray,
-    lens: np.ndarray,
-    n: int,
-    cap: int,
-) -> bool:
-    """Whether the levelled plan is predicted ``_STEP_GAIN`` faster than every even split, so it
-    is chosen whichever of them :func:`_best_even_split` would pick. A longer split is given up
-    as soon as its partial loads prove it slower than that (most of its placement is skipped)."""
-
-    def loses(split: DrainPlan) -> bool:  # the test plan_drain applies (the larger gain)
-        return levelled.predicted_time < split.predicted_time * (1 - _STEP_GAIN)
-
-    if not loses(shortest):
-        return False
-    if shortest.predicted_time * (1 - _STEP_GAIN) <= _floor(costs, n):
-        return True  # no longer split can be chosen over the shortest
-    beat = levelled.predicted_time / (1 - _STEP_GAIN)  # a split given up above this loses
-    for steps in longer:
-        trial = _chunked(costs, lens, n, cap, steps, give_up_above=beat)
-        if trial is not None and not loses(trial):
-            return False
-    return True
+    levelled = _levelled(costs, lens, n, cap, best.predicted_time)
+    if levelled is not None:
+        gain = _STEP_GAIN if levelled.steps > best.steps else 1e-9
+        if levelled.predicted_time < best.predicted_time * (1 - gain) or (
+            levelled.predicted_time <= best.predicted_time and levelled.steps < best.steps
+        ):
+            best = levelled
+    return _top_up_last(_absorb_last(best, costs, lens, n, cap), costs, lens, n, cap)

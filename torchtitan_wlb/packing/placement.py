@@ -7,8 +7,6 @@ to whole batches; :func:`dp_order` deals a step's micro-batches to DP ranks.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 
 # Share of its deficit a micro-batch receives per round: large enough for few rounds, small
@@ -53,13 +51,10 @@ def fill_rounds(
     lens: np.ndarray,
     cap: int,
     limit: float = np.inf,
-    stop: Callable[[np.ndarray], bool] | None = None,
 ) -> np.ndarray:
     """Place documents (largest cost first) in vectorised rounds (docs/packing.md, "Vectorised
     placement"); ``loads`` (float) and ``tokens`` (int), the bins' workload and token count, are
-    updated in place. ``-1``: the document fits nowhere (token cap, or ``limit``). ``stop``: called
-    with the loads before every round; True ends the placement there (the documents not placed
-    yet stay ``-1``), for a caller that can tell from partial loads that it will not use them."""
+    updated in place. ``-1``: the document fits nowhere (token cap, or ``limit``)."""
     out = np.full(costs.size, -1, np.int64)
     rem = np.arange(costs.size)
     if np.isfinite(limit):  # the rounds' first filter (below), before sorting: often most go
@@ -68,8 +63,6 @@ def fill_rounds(
     ranks = np.arange(1, loads.size + 1)
     bounded = bool(np.isfinite(limit))
     while rem.size:
-        if stop is not None and stop(loads):
-            break
         c, t = costs[rem], lens[rem]
         room = cap - tokens
         # ``c`` is in descending order: every cost is under the bound when the first one is.
