@@ -15,6 +15,7 @@ from torchtitan_wlb.packing import LengthStream, PackingConfig, build_packer, dr
 from torchtitan_wlb.packing.end_of_data import (
     _STEP_GAIN,
     DrainPlan,
+    _better,
     _chunked,
     _levelled,
     _top_up_last,
@@ -76,16 +77,12 @@ def _plan_drain_every_candidate(costs, lens, n, cap):
             break
         floor_hits += best.predicted_time * (1 - _STEP_GAIN) <= costs.sum() / n * (1 - 1e-9)
         trial = _chunked(costs, lens, n, cap, fewest + more)
-        if trial is not None and trial.predicted_time < best.predicted_time * (1 - _STEP_GAIN):
+        if trial is not None and _better(trial, best):
             best = trial
     levelled = _levelled(costs, lens, n, cap, best.predicted_time)
-    if levelled is not None:
-        gain = _STEP_GAIN if levelled.steps > best.steps else 1e-9
-        if levelled.predicted_time < best.predicted_time * (1 - gain) or (
-            levelled.predicted_time <= best.predicted_time and levelled.steps < best.steps
-        ):
-            best = levelled
-            floor_hits += 100  # counted apart: the levelled plan was chosen
+    if levelled is not None and _better(levelled, best):
+        best = levelled
+        floor_hits += 100  # counted apart: the levelled plan was chosen
     if best.steps == 2:  # absorb the second step into the first, tried whatever the tokens
         first = best.step == 0
         loads = np.bincount(best.micro_batch[first], weights=costs[first], minlength=n)

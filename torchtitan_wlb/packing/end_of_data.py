@@ -171,6 +171,14 @@ def _absorb_last(
     return DrainPlan(1, np.zeros(costs.size, np.int64), mb, float(loads.max()))
 
 
+def _better(plan: DrainPlan, best: DrainPlan) -> bool:
+    """Whether ``plan`` replaces ``best``: with more steps only ``_STEP_GAIN`` faster; else faster,
+    or as fast in fewer steps."""
+    gain = _STEP_GAIN if plan.steps > best.steps else 1e-9
+    faster = plan.predicted_time < best.predicted_time * (1 - gain)
+    return faster or (plan.predicted_time <= best.predicted_time and plan.steps < best.steps)
+
+
 def plan_drain(
     costs: np.ndarray, lens: np.ndarray, n: int, cap: int, extra_steps: int = 2
 ) -> DrainPlan:
@@ -191,13 +199,9 @@ def plan_drain(
         if best.predicted_time * (1 - _STEP_GAIN) <= floor:
             break
         trial = _chunked(costs, lens, n, cap, steps)
-        if trial is not None and trial.predicted_time < best.predicted_time * (1 - _STEP_GAIN):
+        if trial is not None and _better(trial, best):
             best = trial
     levelled = _levelled(costs, lens, n, cap, best.predicted_time)
-    if levelled is not None:
-        gain = _STEP_GAIN if levelled.steps > best.steps else 1e-9
-        if levelled.predicted_time < best.predicted_time * (1 - gain) or (
-            levelled.predicted_time <= best.predicted_time and levelled.steps < best.steps
-        ):
-            best = levelled
+    if levelled is not None and _better(levelled, best):
+        best = levelled
     return _top_up_last(_absorb_last(best, costs, lens, n, cap), costs, lens, n, cap)
