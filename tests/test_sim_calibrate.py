@@ -13,7 +13,9 @@ from torchtitan_wlb.models.catalogue import get_model
 from torchtitan_wlb.sim import calibrate
 from torchtitan_wlb.sim.analyze import length_histogram
 from torchtitan_wlb.sim.analyze import main as analyze_main
+from torchtitan_wlb.sim.fit import fit as fit_records
 from torchtitan_wlb.sim.hardware import Layout
+from torchtitan_wlb.sim.records import parse_records
 
 A_TRUE, B_TRUE, C_TRUE = 3e-10, 2e-6, 0.004
 
@@ -31,13 +33,13 @@ def _synthetic_records(n_mb=60, noise=0.01, seed=0, steps=None):
 
 
 def test_fit_recovers_known_coefficients():
-    recs = calibrate.parse_records(_synthetic_records(noise=0.0), "synthetic")
-    fit = calibrate.fit(recs)
+    recs = parse_records(_synthetic_records(noise=0.0), "synthetic")
+    fit = fit_records(recs)
     assert fit.attn_coef == pytest.approx(A_TRUE, rel=1e-6)
     assert fit.linear_coef == pytest.approx(B_TRUE, rel=1e-6)
     assert fit.overhead_s == pytest.approx(C_TRUE, rel=1e-6)
     assert fit.max_abs_rel_error < 1e-9
-    noisy = calibrate.fit(calibrate.parse_records(_synthetic_records(noise=0.02), "synthetic"))
+    noisy = fit_records(parse_records(_synthetic_records(noise=0.02), "synthetic"))
     assert noisy.attn_coef == pytest.approx(A_TRUE, rel=0.1)
     assert noisy.linear_coef == pytest.approx(B_TRUE, rel=0.1)
     assert 0.005 < noisy.mean_abs_rel_error < 0.05
@@ -57,7 +59,7 @@ def test_nnls_never_returns_negative_coefficients():
 def test_hardware_from_fit_reproduces_the_throughput():
     model = get_model("7B")
     lay = Layout(tp=1, cp=1)
-    fit = calibrate.fit(calibrate.parse_records(_synthetic_records(noise=0.0), "s"))
+    fit = fit_records(parse_records(_synthetic_records(noise=0.0), "s"))
     hw = fit.hardware(model, lay)
     attn_flops_d2 = model.n_layers * 2 * model.head_dim * model.n_heads * (1 + hw.bwd_attn_factor)
     assert attn_flops_d2 / (hw.attn_tflops * 1e12) == pytest.approx(A_TRUE, rel=1e-6)

@@ -8,7 +8,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from torchtitan_wlb.cost_model import CostModel, nnls
+from torchtitan_wlb.cost_model import CostModel
 from torchtitan_wlb.cp.adaptive import build_cp_plan
 from torchtitan_wlb.cp.plan import ATTENTION_TILE, causal_pairs
 from torchtitan_wlb.cp.profile import CPProfile, attention_flops, resolve_profile
@@ -16,6 +16,7 @@ from torchtitan_wlb.packing import LengthStream, build_packer, drive, packing_co
 from torchtitan_wlb.packing.placement import dp_order
 from torchtitan_wlb.sim import timing
 from torchtitan_wlb.sim.config import ModeSpec, SimConfig
+from torchtitan_wlb.sim.fit import fit_coefficients
 from torchtitan_wlb.sim.timeline import Schedule, build_schedule, simulate_pipeline
 from torchtitan_wlb.workloads import cut_stream, cycle_to, split_long
 
@@ -174,27 +175,6 @@ def _profiled_cost_model(model, layout, hw, context_len: int, cp_profile: str | 
     fwd, bwd, _ = timing.stage_times(model, layout, hw, 1, costs)
     a, b, _ = fit_coefficients(mbs, (fwd + bwd).sum(axis=1), overhead=False)
     return CostModel.from_coefficients(float(a), float(b), unit="seconds")
-
-
-def features(doc_lens_list: list[np.ndarray]) -> np.ndarray:
-    """[n, 3] regressors (sum d^2, sum d, 1) of each micro-batch, vectorised over documents."""
-    counts = np.array([len(d) for d in doc_lens_list], dtype=np.int64)
-    flat = np.concatenate([np.asarray(d, dtype=np.float64) for d in doc_lens_list] + [np.zeros(0)])
-    owner = np.repeat(np.arange(len(doc_lens_list)), counts)
-    sq = np.bincount(owner, weights=flat * flat, minlength=len(doc_lens_list))
-    lin = np.bincount(owner, weights=flat, minlength=len(doc_lens_list))
-    return np.stack([sq, lin, np.ones(len(doc_lens_list))], axis=1)
-
-
-def fit_coefficients(doc_lens_list: list[np.ndarray], seconds: np.ndarray, overhead: bool = True):
-    """Non-negative (a, b, c) of ``seconds ~ a sum d^2 + b sum d (+ c)`` (c = 0 without overhead),
-    rows weighted by 1 / seconds so that each micro-batch counts alike (relative error)."""
-    w = 1.0 / seconds
-    x = features(doc_lens_list)[:, : 3 if overhead else 2] * w[:, None]
-    col_scale = np.abs(x).max(axis=0)
-    col_scale[col_scale == 0] = 1.0
-    coef = nnls(x / col_scale, seconds * w) / col_scale
-    return np.concatenate([coef, np.zeros(3 - coef.size)])
 
 
 @dataclass
