@@ -66,6 +66,27 @@ def test_speedups_are_time_to_train_ratios():
     assert "speedup_wlb_vs_fixed" not in out
 
 
+def test_balance_loss_is_measured_time_over_the_balanced_pipeline():
+    # One step, PP = 2, m = 2. Stage 1 is the busier (3 + 1 = 4 s): a balanced 1F1B takes
+    # 4 x (m + pp - 1) / m = 6 s, the step took 7.5 s.
+    mbs = [
+        {"step": 5, "stage": st, "mb": j, "seconds": t}
+        for st, j, t in ((0, 0, 1.0), (0, 1, 2.0), (1, 0, 3.0), (1, 1, 1.0))
+    ]
+    records = {
+        "microbatches": mbs,
+        "steps": [{"step": 5, "seconds": 7.5}, {"step": 9, "seconds": 9.0}],
+    }
+    assert e2e_bench.pipeline_balance_loss(records) == pytest.approx(7.5 / 6.0)
+    even = [dict(mb, seconds=2.0) for mb in mbs]  # equal micro-batches: nothing left to save
+    assert (
+        e2e_bench.pipeline_balance_loss(
+            {"microbatches": even, "steps": [{"step": 5, "seconds": 6.0}]}
+        )
+        == 1.0
+    )
+
+
 def test_short_whole_passes_are_flagged():
     results = {"plain_4d": {"steps": 45}, "wlb": {"steps": 39}}
     (line,) = e2e_bench.short_passes(results)

@@ -184,6 +184,8 @@ def run_mode(
         "wall_s": wall,
         "records": calibration_records(per_rank, timed),
     }
+    if args.parallel == "pp2":
+        out["balance_loss"] = pipeline_balance_loss(out["records"])
     for key in ("cp_per_document_share", "cp_hybrid_share"):
         shares = [v for rec in first if (v := rec.get(f"wlb/{key}")) is not None]
         if shares:
@@ -263,6 +265,21 @@ def measured_imbalance(
                 top += float(times.max())
                 total += float(times.mean())
     return top / total if total else 1.0
+
+
+def pipeline_balance_loss(records: dict[str, Any], pp: int = 2) -> float:
+    """The timed steps' measured time over what a 1F1B pipeline takes when every micro-batch of a
+    step costs that step's mean on each stage (the busiest stage's work x (m + pp - 1) / m): the
+    most that better balance could still save (1.0: nothing; the stages' split is not counted)."""
+    work: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+    n_mb: dict[int, set[int]] = collections.defaultdict(set)
+    for mb in records["microbatches"]:
+        work[mb["step"]][mb["stage"]] += mb["seconds"]
+        n_mb[mb["step"]].add(mb["mb"])
+    measured = sum(s["seconds"] for s in records["steps"] if s["step"] in work)
+    m = {s: len(ids) for s, ids in n_mb.items()}
+    balanced = sum(max(w.values()) * (m[s] + pp - 1) / m[s] for s, w in work.items())
+    return measured / balanced if balanced else float("nan")
 
 
 def calibration_records(per_rank: list[dict[int, dict]], steps: list[int]) -> dict[str, Any]:
