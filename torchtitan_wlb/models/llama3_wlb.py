@@ -87,14 +87,6 @@ class WLBTransformer(Transformer):
         )
 
 
-def ffn_hidden_dim(args: TransformerModelArgs) -> int:
-    """The SwiGLU hidden size TorchTitan's FeedForward derives from the model args."""
-    hidden = int(2 * (4 * args.dim) / 3)
-    if args.ffn_dim_multiplier is not None:
-        hidden = int(args.ffn_dim_multiplier * hidden)
-    return args.multiple_of * ((hidden + args.multiple_of - 1) // args.multiple_of)
-
-
 def model_args(spec: ModelSpec) -> WLBModelArgs:
     """TorchTitan's Llama 3 arguments for a catalogue model, with ``multiple_of`` and the FFN
     multiplier chosen so that TorchTitan derives the catalogue's SwiGLU width (docs/models.md)."""
