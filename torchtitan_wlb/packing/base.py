@@ -154,13 +154,7 @@ class DocPool:
         return pool
 
     def subset(self, index: np.ndarray) -> DocPool:
-        return DocPool._of(
-            self.ids[index],
-            self.lens[index],
-            self.arrival[index],
-            self.tag[index],
-            self.pulled[index],
-        )
+        return DocPool._of(*(getattr(self, f)[index] for f in self.FIELDS))
 
     def take(self, mask: np.ndarray) -> DocPool:
         """Remove the documents selected by ``mask`` (bool or index array) and return them."""
@@ -169,14 +163,8 @@ class DocPool:
         sel = np.zeros(len(self), bool)
         sel[mask] = True
         out = self.subset(sel)
-        keep = ~sel
-        self.ids, self.lens, self.arrival, self.tag, self.pulled = (
-            self.ids[keep],
-            self.lens[keep],
-            self.arrival[keep],
-            self.tag[keep],
-            self.pulled[keep],
-        )
+        for f in self.FIELDS:  # the rest stay
+            setattr(self, f, getattr(self, f)[~sel])
         return out
 
     @staticmethod
