@@ -104,7 +104,7 @@ class WLBDataLoader(BaseDataLoader):
             if saved is not None:
                 scratch = build_packer(name, self._packer.config, self._packer.cost_model)
                 scratch.load_state_dict(saved)
-                pending = sorted(int(i) for i in scratch.pending_ids().tolist())
+                pending = sorted(scratch.pending().ids.tolist())
         documents = _find_state(state, lambda d: "next_doc_id" in d)
         return pending, None if documents is None else int(documents["next_doc_id"])
 

@@ -223,10 +223,6 @@ class Packer(ABC):
         """Every document the packer still holds (carried, queued or planned)."""
         return DocPool.concat([getattr(self, p) for p in self._pools])
 
-    def pending_ids(self) -> np.ndarray:
-        """Ids of every document the packer still holds (the node keeps their tokens)."""
-        return self.pending().ids
-
     @abstractmethod
     def _plan(self, ids: np.ndarray, lens: np.ndarray, flush: bool) -> tuple[DocPool, np.ndarray]:
         """Place documents for the current step: the emitted documents and their micro-batch."""
