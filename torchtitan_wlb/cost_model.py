@@ -106,11 +106,7 @@ class CostModel:
         )
         linear_fwd = n_layers * per_layer + 2 * dim * vocab_size / tp
         attn_fwd = n_layers * 2 * dim / tp
-        return cls(
-            attn_coef=_FWD_BWD_FACTOR * attn_fwd / cp,
-            linear_coef=_FWD_BWD_FACTOR * linear_fwd / cp,
-            unit="flops",
-        )
+        return cls(_FWD_BWD_FACTOR * attn_fwd / cp, _FWD_BWD_FACTOR * linear_fwd / cp, "flops")
 
     @classmethod
     def from_profile(cls, path: str | Path) -> CostModel:
