@@ -160,17 +160,15 @@ def data_fingerprint(
     smax = wlb.micro_batch_max_len
     if cost_model is not None:  # resolved, so that spelling the default out is no change
         smax = build_packer(wlb.packing, packing_config_from_job(job_config, n), cost_model).cap
-    fp.update(
-        {
-            "[wlb] text_field": wlb.text_field,
-            "[wlb] max_doc_len": wlb.max_doc_len or training.seq_len,
-            "[wlb] long_doc_policy": wlb.long_doc_policy,
-            "[wlb] packing": wlb.packing,
-            "[wlb] micro_batch_max_len (S_max)": smax,
-            "[wlb] queue_thresholds": list(wlb.queue_thresholds),
-            **{f"[wlb] {k}": getattr(wlb, k) for k in (*WLB_KNOBS, "solver_node_limit")},
-        }
-    )
+    fp |= {
+        "[wlb] text_field": wlb.text_field,
+        "[wlb] max_doc_len": wlb.max_doc_len or training.seq_len,
+        "[wlb] long_doc_policy": wlb.long_doc_policy,
+        "[wlb] packing": wlb.packing,
+        "[wlb] micro_batch_max_len (S_max)": smax,
+        "[wlb] queue_thresholds": list(wlb.queue_thresholds),
+        **{f"[wlb] {k}": getattr(wlb, k) for k in (*WLB_KNOBS, "solver_node_limit")},
+    }
     if wlb.cost_model == "online":
         fits = ("warmup", "window", "holdout", "interval", "apply_lag")
         fp["[wlb] cost_model = online: fit_warmup/window/holdout/interval/apply_lag_steps"] = [

@@ -153,12 +153,8 @@ class WLBPackingNode(BaseNode[dict]):
         if parts:
             np.concatenate(parts, out=buf[: bounds[-1]])
         micro_batches = [
-            {
-                "tokens": buf[bounds[k] : bounds[k + 1]],
-                "doc_lens": lens[k],
-                "doc_ids": plan.doc_ids[j],
-            }
-            for k, j in enumerate(mine.tolist())
+            {"tokens": buf[lo:hi], "doc_lens": d, "doc_ids": plan.doc_ids[j]}
+            for lo, hi, d, j in zip(bounds[:-1], bounds[1:], lens, mine.tolist(), strict=True)
         ]
         self._prune(pulls)
         stats = {**plan.stats, "step": plan.step}
