@@ -167,16 +167,12 @@ class DocPool:
             setattr(self, f, getattr(self, f)[~sel])
         return out
 
-    @staticmethod
-    def concat(pools: list[DocPool]) -> DocPool:
+    @classmethod
+    def concat(cls, pools: list[DocPool]) -> DocPool:
         pools = [p for p in pools if p.ids.size]
         if len(pools) <= 1:  # columns are never changed in place, so they can be shared
-            return (
-                DocPool._of(*(getattr(pools[0], f) for f in DocPool.FIELDS)) if pools else DocPool()
-            )
-        return DocPool._of(
-            *(np.concatenate([getattr(p, f) for p in pools]) for f in DocPool.FIELDS)
-        )
+            return cls._of(*(getattr(pools[0], f) for f in cls.FIELDS)) if pools else cls()
+        return cls._of(*(np.concatenate([getattr(p, f) for p in pools]) for f in cls.FIELDS))
 
     def state(self) -> dict[str, list[int]]:
         return {f: getattr(self, f).tolist() for f in self.FIELDS}
@@ -261,8 +257,7 @@ class Packer(ABC):
         ids_sorted, lens_sorted = docs.ids[order], docs.lens[order]
         out_ids = [ids_sorted[i:j] for i, j in zip(bounds, bounds[1:], strict=False)]
         out_lens = [lens_sorted[i:j] for i, j in zip(bounds, bounds[1:], strict=False)]
-        stats = self._stats(docs, mb, pack_ms)
-        plan = PackedStep(step=self._step, doc_ids=out_ids, doc_lens=out_lens, stats=stats)
+        plan = PackedStep(self._step, out_ids, out_lens, self._stats(docs, mb, pack_ms))
         self._step += 1
         return plan
 

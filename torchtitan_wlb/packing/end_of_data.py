@@ -66,8 +66,7 @@ def _levelled(
     every micro-batch up to it (largest first, under the token cap). ``None`` as soon as the
     predicted time would exceed ``bound`` (the plan to beat): it only grows with more steps.
     """
-    step = np.full(costs.size, -1, np.int64)
-    mb = np.full(costs.size, -1, np.int64)
+    step, mb = np.full((2, costs.size), -1, np.int64)  # each document's final step, micro-batch
     left = np.argsort(-costs, kind="stable")
     predicted, k = 0.0, 0
     if costs.max() * n * -(-int(lens.sum()) // (n * cap)) <= costs.sum():
