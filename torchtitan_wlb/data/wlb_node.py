@@ -176,11 +176,10 @@ class WLBPackingNode(BaseNode[dict]):
             return _EMPTY, _EMPTY
         snapshot = self.source.state_dict()
         k, _ = take_until(budget, np.cumsum(self._ahead_lens), 0)
-        ids, lens = [self._ahead_ids[:k]], [self._ahead_lens[:k]]
+        head_ids, head_lens = self._ahead_ids[:k], self._ahead_lens[:k]
         self._ahead_ids, self._ahead_lens = self._ahead_ids[k:], self._ahead_lens[k:]
-        read_ids, read_lens, read = self._read(budget - int(lens[0].sum()))
-        ids.append(read_ids)
-        lens.append(read_lens)
+        read_ids, read_lens, read = self._read(budget - int(head_lens.sum()))
+        ids, lens = [head_ids, read_ids], [head_lens, read_lens]
         more_ids, more_lens, more = self._read(horizon - int(self._ahead_lens.sum()))
         self._ahead_ids = np.concatenate([self._ahead_ids, more_ids])
         self._ahead_lens = np.concatenate([self._ahead_lens, more_lens])
@@ -305,9 +304,7 @@ class WLBPackingNode(BaseNode[dict]):
         """Count the emitted documents (``pulls``: the serial of the pull that read each) out of
         their snapshots and drop the oldest snapshots that no longer hold any (one ``bincount``)."""
         if pulls.size:
-            self._held = self._held - np.bincount(
-                pulls - self._snap_base, minlength=self._held.size
-            )
+            self._held -= np.bincount(pulls - self._snap_base, minlength=self._held.size)
         live = np.flatnonzero(self._held)
         k = int(live[0]) if live.size else int(self._held.size)
         if k:
@@ -338,8 +335,7 @@ class WLBPackingNode(BaseNode[dict]):
                     self._snap_of[doc_id] = self._snap_base + serial
                     counts[-1] += 1
         self._held = np.asarray(counts, np.int64)
-        missing = set(held) - set(self._tokens)
-        if missing:
+        if missing := set(held) - set(self._tokens):
             raise RuntimeError(
                 f"{len(missing)} held documents (e.g. {min(missing)}) were not found when "
                 "replaying the source: the source is not deterministic"
