@@ -100,10 +100,8 @@ def _replay(records: list[dict[str, Any]]) -> _Timeline:
 
 
 def _same(records: list[dict], key: str, what: str) -> Any:
-    values = {repr(r[key]) for r in records}
-    if len(values) > 1:
-        ranks = sorted(int(r["rank"]) for r in records)
-        raise _Violation(f"ranks {ranks} disagree on {what}")
+    if len({repr(r[key]) for r in records}) > 1:
+        raise _Violation(f"ranks {sorted(int(r['rank']) for r in records)} disagree on {what}")
     return records[0][key]
 
 
@@ -199,8 +197,7 @@ def audit(output_dir: str) -> AuditReport:
     try:
         t = _replay(records)
         trained, where = _collect(t)
-        problem = _first_problem(trained, where, t)
-        if problem:
+        if problem := _first_problem(trained, where, t):
             raise _Violation(f"{problem}; steps 1-{t.last_step} audited")
     except _Violation as e:
         return AuditReport(ok=False, complete=False, message=f"NOT exactly once: {e}")
