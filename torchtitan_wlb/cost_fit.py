@@ -146,8 +146,7 @@ class Coefficients:
         """The per-document model the packers balance. ``c`` is left out: every micro-batch pays
         it once, so it moves no balance decision of a plan."""
         share = self.gathered_share
-        linear = (1.0 - share) * self.b + share * self.gathered
-        return CostModel(attn_coef=self.a, linear_coef=linear, unit=self.unit)
+        return CostModel(self.a, (1.0 - share) * self.b + share * self.gathered, self.unit)
 
     @classmethod
     def of(cls, model: CostModel) -> Coefficients:

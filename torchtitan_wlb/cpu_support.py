@@ -40,8 +40,7 @@ def _cpu_name(_device: Any = None) -> str:
 
 
 def _cpu_properties(_device: Any = None) -> _CpuProperties:
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return _CpuProperties(name=_cpu_name(), total_memory=total)
+    return _CpuProperties(_cpu_name(), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
 def _cpu_memory_stats(_device: Any = None) -> dict[str, int]:

@@ -141,10 +141,9 @@ class WLBTrainer(Trainer):
         latest = resume.latest_checkpoint_step(resume.checkpoint_folder(jc)) if ck.enable else -1
         where = f"latest checkpoint {resume.checkpoint_folder(jc)}/step-{latest}"
         where = where if latest >= 0 else "no checkpoint written"
-        seconds = time.perf_counter() - begin
         logger.info(
-            f"done: trained {_count(trained, 'step')} in {seconds:.0f}s, now at step "
-            f"{self.step}/{jc.training.steps}; {where}"
+            f"done: trained {_count(trained, 'step')} in {time.perf_counter() - begin:.0f}s, now at "
+            f"step {self.step}/{jc.training.steps}; {where}"
         )
 
     def _run_summary(self, start_step: int) -> list[str]:

@@ -24,8 +24,7 @@ def bucket_length(lengths: Tensor) -> Tensor:
     clamped = lengths.clamp(min=1).to(torch.int64)
     octave = torch.floor(torch.log2(clamped.to(torch.float64))).to(torch.int64)
     granule = torch.pow(2, (octave - STEPS_PER_OCTAVE_LOG2).clamp(min=0))
-    padded = (clamped + granule - 1) // granule * granule
-    return padded.clamp(min=MIN_BUCKET)
+    return ((clamped + granule - 1) // granule * granule).clamp(min=MIN_BUCKET)
 
 
 def cpu_document_attention(

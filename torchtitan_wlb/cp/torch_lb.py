@@ -81,8 +81,7 @@ def assignment_stats(
     one rank) under ``small`` tokens (``short_doc_len``: hybrid's threshold); docs/benchmarks_cp.md."""
     lens, c = a.doc_lens, a.cp_degree
     doc = np.repeat(np.arange(lens.size), lens)
-    starts = np.cumsum(lens) - lens
-    pos = np.arange(doc.size) - starts[doc]
+    pos = np.arange(doc.size) - (np.cumsum(lens) - lens)[doc]  # within its document
     flops = np.bincount(a.rank, weights=pos + 1.0, minlength=c)
     tokens = np.bincount(a.rank, minlength=c).astype(np.float64)
     new_run = np.ones(doc.size, dtype=bool)

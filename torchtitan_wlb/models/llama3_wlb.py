@@ -65,8 +65,7 @@ class WLBAttention(Attention):
         # [bs, seqlen, heads, dim] -> [bs * seqlen, heads, dim]: the varlen layout; the metadata's
         # cu_seqlens describe all rows back to back.
         q, k, v = (t.reshape(bs * seqlen, -1, self.head_dim) for t in (xq, xk, xv))
-        out = attention_from_metadata(q, k, v, attention_masks)
-        return self.wo(out.reshape(bs, seqlen, -1))
+        return self.wo(attention_from_metadata(q, k, v, attention_masks).reshape(bs, seqlen, -1))
 
 
 class WLBTransformer(Transformer):
