@@ -253,10 +253,7 @@ class ShardingDraft:
     @property
     def kv_len(self) -> np.ndarray:
         """Keys every segment sees (its document's prefix up to its end); shaped as ``q_len``."""
-        if self.strategy == "per_document":
-            sizes, starts = self.table
-            return starts + sizes
-        return self.table[1] + self.table[2]
+        return self.table[1] + self.q_len  # starts (both layouts) + queries
 
     @property
     def doc_gathered(self) -> np.ndarray:
