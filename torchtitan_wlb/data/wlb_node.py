@@ -314,15 +314,13 @@ class WLBPackingNode(BaseNode[dict]):
 
     def _replay(self, held: dict[int, int]) -> None:
         """Re-read the pulls since the oldest held document was read; keep the held documents."""
-        self._held = np.zeros(len(self._snapshots), np.int64)  # none held: dropped next step
+        self._held = np.zeros(len(self._snapshots), np.int64)  # per pull; none: dropped next step
         if not held:
             return
         if not self._snapshots:
             raise ValueError("checkpoint holds documents but no source snapshots")
         self.source.reset(self._snapshots[0][1])
-        counts = []
         for serial, (_, _, count) in enumerate(self._snapshots):
-            counts.append(0)
             for _ in range(count):
                 doc_id, tokens = self._unpack(next(self.source))
                 if doc_id in held:
@@ -333,8 +331,7 @@ class WLBPackingNode(BaseNode[dict]):
                         )
                     self._tokens[doc_id] = tokens
                     self._snap_of[doc_id] = self._snap_base + serial
-                    counts[-1] += 1
-        self._held = np.asarray(counts, np.int64)
+                    self._held[serial] += 1
         if missing := set(held) - set(self._tokens):
             raise RuntimeError(
                 f"{len(missing)} held documents (e.g. {min(missing)}) were not found when "
