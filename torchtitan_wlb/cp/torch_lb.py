@@ -173,8 +173,7 @@ def torch_assignment(
     if order.size != total or np.unique(order).size != total:
         raise AssertionError(f"{name} returned {order.size} indices for {total} tokens")
     piece = total // cp_degree  # every balancer above makes the total a multiple of c
-    rank = np.empty(total, dtype=np.int64)
-    rank[order] = np.arange(total) // piece
+    rank = np.argsort(order) // piece  # order is a permutation: its inverse, cut in c pieces
     pad = total - int(doc_lens.sum())
     rows = (cp_degree - 1) * piece
     return Assignment(lens, real, rank, cp_degree, rows, float(np.median(times)), pad)
