@@ -33,8 +33,7 @@ def _read_status_kib(field: str) -> int:
 
 
 def _cpu_name(_device: Any = None) -> str:
-    line = _proc_line("/proc/cpuinfo", "model name")
-    if line:
+    if line := _proc_line("/proc/cpuinfo", "model name"):
         return f"{line.split(':', 1)[1].strip()} x{os.cpu_count()}"
     return platform.processor() or platform.machine()
 

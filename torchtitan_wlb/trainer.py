@@ -185,9 +185,7 @@ class WLBTrainer(Trainer):
     def post_dataloading_process(
         self, input_dict: dict[str, Any], labels: Tensor
     ) -> tuple[Tensor, Tensor, dict[str, Tensor], dict[str, Any]]:
-        stats = input_dict.pop("wlb_stats", None)
-        if stats:
-            self.metrics_processor.record(stats)
+        self.metrics_processor.record(input_dict.pop("wlb_stats", None) or {})
         doc_ids = input_dict.pop("doc_ids", None)
         if doc_ids is not None:
             self.metrics_processor.keep("doc_ids", *doc_ids.tolist())

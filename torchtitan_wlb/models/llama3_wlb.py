@@ -163,8 +163,7 @@ def pipeline_llama_wlb(
 
     dp = parallel_dims.dp_replicate * parallel_dims.dp_shard
     n = job_config.training.global_batch_size
-    per_rank = (n if n > 0 else dp) // dp
     schedule_config = copy.deepcopy(job_config)
-    schedule_config.training.local_batch_size = per_rank
+    schedule_config.training.local_batch_size = (n if n > 0 else dp) // dp
     schedule_config.parallelism.pipeline_parallel_microbatch_size = 1
     return pipeline_llm(model, parallel_dims, schedule_config, *args)

@@ -85,8 +85,7 @@ def _replay(records: list[dict[str, Any]]) -> _Timeline:
                 f"launch {launch} ran with DP degree {degree}, an earlier one with {dp_degree}"
             )
         dp_degree = degree
-        later = sorted(s for s in kept["step"] if s > c)
-        if later:
+        if later := sorted(s for s in kept["step"] if s > c):
             superseded.append((later[0], later[-1]))
         kept = {
             event: {s: r for s, r in by_step.items() if s <= c} for event, by_step in kept.items()
