@@ -13,7 +13,7 @@ from torchtitan.models.llama3 import llama3_args
 from torchtitan.models.llama3.model.model import FeedForward
 
 from torchtitan_wlb.models.catalogue import DIM_FIELDS, MODELS, PAPER_MODELS, ModelSpec, get_model
-from torchtitan_wlb.models.llama3_wlb import FLAVORS, ffn_hidden_dim, llama3_wlb_args
+from torchtitan_wlb.models.llama3_wlb import FLAVORS, llama3_wlb_args
 from torchtitan_wlb.sim.reproduce import PAPER_TABLE1
 
 REPO = Path(__file__).resolve().parents[1]
@@ -25,6 +25,14 @@ def torchtitan_ffn(args) -> int:
     with torch.device("meta"):
         ffn = FeedForward(args.dim, 4 * args.dim, args.multiple_of, args.ffn_dim_multiplier)
     return ffn.w1.out_features
+
+
+def ffn_hidden_dim(args) -> int:
+    """The SwiGLU hidden size TorchTitan's FeedForward derives from the model args, by its formula."""
+    hidden = int(2 * (4 * args.dim) / 3)
+    if args.ffn_dim_multiplier is not None:
+        hidden = int(args.ffn_dim_multiplier * hidden)
+    return args.multiple_of * ((hidden + args.multiple_of - 1) // args.multiple_of)
 
 
 def test_catalogue_and_workloads_import_without_torch():

@@ -5,15 +5,11 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from test_catalogue import ffn_hidden_dim
 
 from torchtitan_wlb.attention.metadata import metadata_from_doc_lens
 from torchtitan_wlb.data.collate import collate_micro_batch
-from torchtitan_wlb.models.llama3_wlb import (
-    WLBTransformer,
-    cost_model_for_job,
-    ffn_hidden_dim,
-    llama3_wlb_args,
-)
+from torchtitan_wlb.models.llama3_wlb import WLBTransformer, cost_model_for_job, llama3_wlb_args
 
 
 def _model(seed=0):

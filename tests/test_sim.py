@@ -15,12 +15,17 @@ from torchtitan_wlb.sim.cli import main as sim_main
 from torchtitan_wlb.sim.config import MODES, SimConfig, epoch_steps
 from torchtitan_wlb.sim.engine import simulate_mode, speedup
 from torchtitan_wlb.sim.hardware import HardwareProfile, Layout, resolve_layout
-from torchtitan_wlb.sim.timeline import build_schedule, ideal_makespan, simulate_pipeline
+from torchtitan_wlb.sim.timeline import build_schedule, simulate_pipeline
 from torchtitan_wlb.sim.timing import causal_pairs, layer_costs, layers_per_vstage
 from torchtitan_wlb.workloads import cut_stream, load_lengths, split_long
 
 
 # ----------------------------------------------------------------------------------- timeline
+def ideal_makespan(pp: int, m: int, v: int, f: float, b: float) -> float:
+    """Equal micro-batches, no transfers (``f``, ``b``: one micro-batch on one physical stage)."""
+    return m * (f + b) + (pp - 1) * (f + b) / v
+
+
 @pytest.mark.parametrize("pp,m", [(1, 3), (2, 2), (4, 4), (4, 8), (3, 7)])
 def test_1f1b_equal_microbatches_matches_bubble_formula(pp, m):
     f, b = 1.0, 2.0

@@ -106,8 +106,7 @@ def read_audit_logs(output_dir: str) -> list[dict[str, Any]]:
                     f"{where}: not an audit record (expected an object with event one of "
                     f"{', '.join(EVENTS)})"
                 )
-            missing = [k for k in EVENTS[rec["event"]] if k not in rec]
-            if missing:
+            if missing := [k for k in EVENTS[rec["event"]] if k not in rec]:
                 raise AuditLogError(f"{where}: {rec['event']} record without {', '.join(missing)}")
             records.append(rec)
     return records

@@ -146,8 +146,7 @@ class Coefficients:
         """The per-document model the packers balance. ``c`` is left out: every micro-batch pays
         it once, so it moves no balance decision of a plan."""
         share = self.gathered_share
-        linear = (1.0 - share) * self.b + share * self.gathered
-        return CostModel(attn_coef=self.a, linear_coef=linear, unit=self.unit)
+        return CostModel(self.a, (1.0 - share) * self.b + share * self.gathered, self.unit)
 
     @classmethod
     def of(cls, model: CostModel) -> Coefficients:
@@ -204,14 +203,9 @@ def refit(fit_part: FitStats, holdout: FitStats, incumbent: Coefficients) -> Ref
     inc_err = holdout.rms_error(inc)
     if coef is None:
         return RefitResult(False, why, None, math.nan, inc_err)
-    gathered = bool(fit_part.gram[_GATHERED, _GATHERED] > 0)
-    cand = Coefficients(
-        float(coef[_ATTN]),
-        float(coef[_LOCAL]),
-        float(coef[_FIXED]),
-        g=float(coef[_GATHERED]) if gathered else None,
-        gathered_share=fit_part.gathered_share(),
-    )
+    a, b, g, c = (float(coef[k]) for k in (_ATTN, _LOCAL, _GATHERED, _FIXED))
+    g = g if fit_part.gram[_GATHERED, _GATHERED] > 0 else None  # no gathered token: as b
+    cand = Coefficients(a, b, c, g=g, gathered_share=fit_part.gathered_share())
     cand_err = holdout.rms_error(coef)
     why = f"refit predicts the held-out steps no better ({cand_err:.4f} vs {inc_err:.4f} RMS "
     why = "adopted" if cand_err < inc_err else why + "relative error)"

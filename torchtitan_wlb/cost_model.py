@@ -106,11 +106,7 @@ class CostModel:
         )
         linear_fwd = n_layers * per_layer + 2 * dim * vocab_size / tp
         attn_fwd = n_layers * 2 * dim / tp
-        return cls(
-            attn_coef=_FWD_BWD_FACTOR * attn_fwd / cp,
-            linear_coef=_FWD_BWD_FACTOR * linear_fwd / cp,
-            unit="flops",
-        )
+        return cls(_FWD_BWD_FACTOR * attn_fwd / cp, _FWD_BWD_FACTOR * linear_fwd / cp, "flops")
 
     @classmethod
     def from_profile(cls, path: str | Path) -> CostModel:
@@ -127,7 +123,7 @@ class CostModel:
                 f"cost profile {str(path)!r} must be a non-empty list of [length, seconds] pairs "
                 "or {'points': [...]}"
             )
-        lengths, seconds = [], []
+        rows = []
         for i, p in enumerate(points):
             if isinstance(p, dict):
                 if "length" not in p or "seconds" not in p:
@@ -141,11 +137,10 @@ class CostModel:
                 raise ValueError(
                     f"cost profile point {i}: length must be > 0 and seconds >= 0, got {p!r}"
                 )
-            lengths.append(float(d))
-            seconds.append(float(t))
-        if len(set(lengths)) < 2:
+            rows.append((float(d), float(t)))
+        d, t = np.asarray(rows).T
+        if np.unique(d).size < 2:
             raise ValueError(f"cost profile {str(path)!r} needs >= 2 distinct lengths")
-        d, t = np.asarray(lengths), np.asarray(seconds)
         # Rows weighted by 1 / t (relative error): short documents are fitted as well as long ones.
         w = 1.0 / t if np.all(t > 0) else np.ones_like(t)
         a, b = (float(c) for c in nnls(np.stack([d * d, d], axis=1) * w[:, None], t * w))

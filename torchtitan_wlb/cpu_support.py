@@ -33,15 +33,13 @@ def _read_status_kib(field: str) -> int:
 
 
 def _cpu_name(_device: Any = None) -> str:
-    line = _proc_line("/proc/cpuinfo", "model name")
-    if line:
+    if line := _proc_line("/proc/cpuinfo", "model name"):
         return f"{line.split(':', 1)[1].strip()} x{os.cpu_count()}"
     return platform.processor() or platform.machine()
 
 
 def _cpu_properties(_device: Any = None) -> _CpuProperties:
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return _CpuProperties(name=_cpu_name(), total_memory=total)
+    return _CpuProperties(_cpu_name(), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
 def _cpu_memory_stats(_device: Any = None) -> dict[str, int]:

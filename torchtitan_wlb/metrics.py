@@ -146,8 +146,7 @@ class WLBMetricsProcessor(MetricsProcessor):
         step_time = (time.perf_counter() - self.time_last_log) / interval
         self.last_logged_step = step
         extra = {**(extra_metrics or {}), **self.wlb_metrics, "wlb/step_time_s": step_time}
-        times = self.lists["micro_batch_times_s"]
-        if times:
+        if times := self.lists["micro_batch_times_s"]:
             extra["wlb/micro_batch_time_max_s"] = max(times)
             extra["wlb/micro_batch_time_mean_s"] = sum(times) / len(times)
         if self.jsonl_path is not None:

@@ -141,10 +141,9 @@ class WLBTrainer(Trainer):
         latest = resume.latest_checkpoint_step(resume.checkpoint_folder(jc)) if ck.enable else -1
         where = f"latest checkpoint {resume.checkpoint_folder(jc)}/step-{latest}"
         where = where if latest >= 0 else "no checkpoint written"
-        seconds = time.perf_counter() - begin
         logger.info(
-            f"done: trained {_count(trained, 'step')} in {seconds:.0f}s, now at step "
-            f"{self.step}/{jc.training.steps}; {where}"
+            f"done: trained {_count(trained, 'step')} in {time.perf_counter() - begin:.0f}s, now at "
+            f"step {self.step}/{jc.training.steps}; {where}"
         )
 
     def _run_summary(self, start_step: int) -> list[str]:
@@ -186,9 +185,7 @@ class WLBTrainer(Trainer):
     def post_dataloading_process(
         self, input_dict: dict[str, Any], labels: Tensor
     ) -> tuple[Tensor, Tensor, dict[str, Tensor], dict[str, Any]]:
-        stats = input_dict.pop("wlb_stats", None)
-        if stats:
-            self.metrics_processor.record(stats)
+        self.metrics_processor.record(input_dict.pop("wlb_stats", None) or {})
         doc_ids = input_dict.pop("doc_ids", None)
         if doc_ids is not None:
             self.metrics_processor.keep("doc_ids", *doc_ids.tolist())

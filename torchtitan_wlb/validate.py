@@ -98,8 +98,7 @@ def check_job_config(job_config: Any, world_size: int | None = None) -> dict[str
         )
     # Outlier queues above the longest document would never hold one: a typo, not a choice.
     longest, smax = wlb.max_doc_len or seq_len, wlb.micro_batch_max_len or int(1.25 * seq_len)
-    above = [t for t in wlb.queue_thresholds if t > longest]
-    if above:
+    if above := [t for t in wlb.queue_thresholds if t > longest]:
         raise ConfigError(
             f"[wlb] queue_thresholds = {list(wlb.queue_thresholds)} has {above[0]} above the "
             f"longest document piece, max_doc_len = {longest} (S_max = {smax}): a queue there "
@@ -274,8 +273,7 @@ def _unknown_fields(text: str) -> str:
     keys = [k.strip().strip("'\"") for k in m.group(2).split(",")]
     hint = ""
     if section == "wlb":
-        names = [f.name for f in dataclasses.fields(WLB)]
-        close = difflib.get_close_matches(keys[0], names, n=1)
+        close = difflib.get_close_matches(keys[0], [f.name for f in dataclasses.fields(WLB)], n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
     return (
         f"[{section}] has no field {', '.join(repr(k) for k in keys)}{hint} (fields: "

@@ -129,8 +129,7 @@ def split_long(lengths: np.ndarray, max_doc_len: int) -> np.ndarray:
     if (pieces == 1).all():
         return lengths
     out = np.full(int(pieces.sum()), max_doc_len, dtype=np.int64)
-    last = np.cumsum(pieces) - 1
-    out[last] = lengths - (pieces - 1) * max_doc_len
+    out[np.cumsum(pieces) - 1] = lengths - (pieces - 1) * max_doc_len  # each last piece
     return out
 
 
@@ -165,8 +164,7 @@ def cycle_to(
     """Enough documents for ``n_tokens`` tokens: the lengths in order, repeated (reshuffled with
     ``rng`` on each repeat when given) until the total reaches ``n_tokens``."""
     lengths = np.asarray(lengths, dtype=np.int64)
-    total = int(lengths.sum())
-    reps = max(1, -(-n_tokens // total))
+    reps = max(1, -(-n_tokens // int(lengths.sum())))
     again = [rng.permutation(lengths) if rng is not None else lengths for _ in range(reps - 1)]
     out = np.concatenate([lengths, *again])
     cut = int(np.searchsorted(np.cumsum(out), n_tokens)) + 1

@@ -24,8 +24,7 @@ def bucket_length(lengths: Tensor) -> Tensor:
     clamped = lengths.clamp(min=1).to(torch.int64)
     octave = torch.floor(torch.log2(clamped.to(torch.float64))).to(torch.int64)
     granule = torch.pow(2, (octave - STEPS_PER_OCTAVE_LOG2).clamp(min=0))
-    padded = (clamped + granule - 1) // granule * granule
-    return padded.clamp(min=MIN_BUCKET)
+    return ((clamped + granule - 1) // granule * granule).clamp(min=MIN_BUCKET)
 
 
 def cpu_document_attention(
@@ -68,17 +67,16 @@ def cpu_document_attention(
 
     gqa = n_heads != n_kv_heads
     parts: list[tuple[Tensor, Tensor]] = []  # (query rows written, their outputs) per call
-    start = 0
-    for group_key, count in zip(group_keys.tolist(), group_counts.tolist(), strict=True):
+    ends = torch.cumsum(group_counts, 0).tolist()  # each group's end in ``order``
+    for group_key, count, end in zip(group_keys.tolist(), group_counts.tolist(), ends, strict=True):
         p_q, p_k = divmod(group_key, stride_k)
         per_call = max(1, MAX_SCORE_ELEMENTS // (n_heads * p_q * p_k))
-        for sub in range(start, start + count, per_call):
-            blocks = order[sub : min(sub + per_call, start + count)]
+        for sub in range(end - count, end, per_call):
+            blocks = order[sub : min(sub + per_call, end)]
             parts.append(_dense_group(
                 q, k, v, blk_q0[blocks], blk_lq[blocks], blk_k0[blocks], blk_lk[blocks],
                 p_q, p_k, scale, gqa,
             ))  # fmt: skip
-        start += count
     dest, values = zip(*parts, strict=True)
     out = q.new_zeros((total_q, n_heads, out_dim))
     return out.index_copy(0, torch.cat(dest), torch.cat(values))

@@ -253,10 +253,7 @@ class ShardingDraft:
     @property
     def kv_len(self) -> np.ndarray:
         """Keys every segment sees (its document's prefix up to its end); shaped as ``q_len``."""
-        if self.strategy == "per_document":
-            sizes, starts = self.table
-            return starts + sizes
-        return self.table[1] + self.table[2]
+        return self.table[1] + self.q_len  # starts (both layouts) + queries
 
     @property
     def doc_gathered(self) -> np.ndarray:
@@ -397,8 +394,7 @@ def _per_document_chunks(lens: np.ndarray, c: int) -> tuple[np.ndarray, np.ndarr
 def _per_sequence(lens: np.ndarray, doc_cu: np.ndarray, c: int) -> tuple[np.ndarray, ...]:
     """Segment table of per-sequence (head-tail) sharding, slot-major (= global order)."""
     two_c = 2 * c
-    total = int(doc_cu[-1])
-    base, rem = divmod(total, two_c)
+    base, rem = divmod(int(doc_cu[-1]), two_c)
     bounds = np.zeros(two_c + 1, dtype=np.int64)
     np.cumsum(base + (np.arange(two_c) < rem), out=bounds[1:])
     nonempty = bounds[1:] > bounds[:-1]

@@ -130,8 +130,7 @@ class CPProfile:
     @classmethod
     def from_json(cls, text: str) -> CPProfile:
         data = json.loads(text)
-        missing = sorted({"lengths", "tflops", *_SCALAR_FIELDS} - set(data))
-        if missing:
+        if missing := sorted({"lengths", "tflops", *_SCALAR_FIELDS} - set(data)):
             raise ValueError(f"profile JSON lacks the fields {missing}")
         return cls(
             lengths=tuple(int(x) for x in data["lengths"]),

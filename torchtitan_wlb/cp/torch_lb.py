@@ -81,8 +81,7 @@ def assignment_stats(
     one rank) under ``small`` tokens (``short_doc_len``: hybrid's threshold); docs/benchmarks_cp.md."""
     lens, c = a.doc_lens, a.cp_degree
     doc = np.repeat(np.arange(lens.size), lens)
-    starts = np.cumsum(lens) - lens
-    pos = np.arange(doc.size) - starts[doc]
+    pos = np.arange(doc.size) - (np.cumsum(lens) - lens)[doc]  # within its document
     flops = np.bincount(a.rank, weights=pos + 1.0, minlength=c)
     tokens = np.bincount(a.rank, minlength=c).astype(np.float64)
     new_run = np.ones(doc.size, dtype=bool)
@@ -174,8 +173,7 @@ def torch_assignment(
     if order.size != total or np.unique(order).size != total:
         raise AssertionError(f"{name} returned {order.size} indices for {total} tokens")
     piece = total // cp_degree  # every balancer above makes the total a multiple of c
-    rank = np.empty(total, dtype=np.int64)
-    rank[order] = np.arange(total) // piece
+    rank = np.argsort(order) // piece  # order is a permutation: its inverse, cut in c pieces
     pad = total - int(doc_lens.sum())
     rows = (cp_degree - 1) * piece
     return Assignment(lens, real, rank, cp_degree, rows, float(np.median(times)), pad)

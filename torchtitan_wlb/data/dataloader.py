@@ -104,7 +104,7 @@ class WLBDataLoader(BaseDataLoader):
             if saved is not None:
                 scratch = build_packer(name, self._packer.config, self._packer.cost_model)
                 scratch.load_state_dict(saved)
-                pending = sorted(int(i) for i in scratch.pending_ids().tolist())
+                pending = sorted(scratch.pending().ids.tolist())
         documents = _find_state(state, lambda d: "next_doc_id" in d)
         return pending, None if documents is None else int(documents["next_doc_id"])
 
@@ -160,17 +160,15 @@ def data_fingerprint(
     smax = wlb.micro_batch_max_len
     if cost_model is not None:  # resolved, so that spelling the default out is no change
         smax = build_packer(wlb.packing, packing_config_from_job(job_config, n), cost_model).cap
-    fp.update(
-        {
-            "[wlb] text_field": wlb.text_field,
-            "[wlb] max_doc_len": wlb.max_doc_len or training.seq_len,
-            "[wlb] long_doc_policy": wlb.long_doc_policy,
-            "[wlb] packing": wlb.packing,
-            "[wlb] micro_batch_max_len (S_max)": smax,
-            "[wlb] queue_thresholds": list(wlb.queue_thresholds),
-            **{f"[wlb] {k}": getattr(wlb, k) for k in (*WLB_KNOBS, "solver_node_limit")},
-        }
-    )
+    fp |= {
+        "[wlb] text_field": wlb.text_field,
+        "[wlb] max_doc_len": wlb.max_doc_len or training.seq_len,
+        "[wlb] long_doc_policy": wlb.long_doc_policy,
+        "[wlb] packing": wlb.packing,
+        "[wlb] micro_batch_max_len (S_max)": smax,
+        "[wlb] queue_thresholds": list(wlb.queue_thresholds),
+        **{f"[wlb] {k}": getattr(wlb, k) for k in (*WLB_KNOBS, "solver_node_limit")},
+    }
     if wlb.cost_model == "online":
         fits = ("warmup", "window", "holdout", "interval", "apply_lag")
         fp["[wlb] cost_model = online: fit_warmup/window/holdout/interval/apply_lag_steps"] = [
@@ -228,18 +226,14 @@ def build_wlb_dataloader(
     job_config: JobConfig,
     cost_model: CostModel | None = None,
 ) -> BaseDataLoader:
-    """TrainSpec.build_dataloader_fn of ``llama3_wlb`` (``cost_model``: bound by the train spec)."""
+    """TrainSpec.build_dataloader_fn of ``llama3_wlb`` (``cost_model``: bound by the train spec);
+    the job passed ``validate.check_job_config`` (one packed sequence per micro-batch)."""
     wlb = job_config.wlb
     if wlb.loader == "torchtitan":
         from torchtitan.hf_datasets.text_datasets import build_text_dataloader
 
         return build_text_dataloader(
             dp_world_size=dp_world_size, dp_rank=dp_rank, tokenizer=tokenizer, job_config=job_config
-        )
-    if job_config.training.local_batch_size != 1:
-        raise ValueError(
-            f"[training] local_batch_size = {job_config.training.local_batch_size} must be 1 with "
-            "document packing (set the micro-batches per step with [training] global_batch_size)"
         )
     if cost_model is None:
         raise ValueError("build_wlb_dataloader needs the job's cost model for document packing")

@@ -153,12 +153,8 @@ class WLBPackingNode(BaseNode[dict]):
         if parts:
             np.concatenate(parts, out=buf[: bounds[-1]])
         micro_batches = [
-            {
-                "tokens": buf[bounds[k] : bounds[k + 1]],
-                "doc_lens": lens[k],
-                "doc_ids": plan.doc_ids[j],
-            }
-            for k, j in enumerate(mine.tolist())
+            {"tokens": buf[lo:hi], "doc_lens": d, "doc_ids": plan.doc_ids[j]}
+            for lo, hi, d, j in zip(bounds[:-1], bounds[1:], lens, mine.tolist(), strict=True)
         ]
         self._prune(pulls)
         stats = {**plan.stats, "step": plan.step}
@@ -180,11 +176,10 @@ class WLBPackingNode(BaseNode[dict]):
             return _EMPTY, _EMPTY
         snapshot = self.source.state_dict()
         k, _ = take_until(budget, np.cumsum(self._ahead_lens), 0)
-        ids, lens = [self._ahead_ids[:k]], [self._ahead_lens[:k]]
+        head_ids, head_lens = self._ahead_ids[:k], self._ahead_lens[:k]
         self._ahead_ids, self._ahead_lens = self._ahead_ids[k:], self._ahead_lens[k:]
-        read_ids, read_lens, read = self._read(budget - int(lens[0].sum()))
-        ids.append(read_ids)
-        lens.append(read_lens)
+        read_ids, read_lens, read = self._read(budget - int(head_lens.sum()))
+        ids, lens = [head_ids, read_ids], [head_lens, read_lens]
         more_ids, more_lens, more = self._read(horizon - int(self._ahead_lens.sum()))
         self._ahead_ids = np.concatenate([self._ahead_ids, more_ids])
         self._ahead_lens = np.concatenate([self._ahead_lens, more_lens])
@@ -309,9 +304,7 @@ class WLBPackingNode(BaseNode[dict]):
         """Count the emitted documents (``pulls``: the serial of the pull that read each) out of
         their snapshots and drop the oldest snapshots that no longer hold any (one ``bincount``)."""
         if pulls.size:
-            self._held = self._held - np.bincount(
-                pulls - self._snap_base, minlength=self._held.size
-            )
+            self._held -= np.bincount(pulls - self._snap_base, minlength=self._held.size)
         live = np.flatnonzero(self._held)
         k = int(live[0]) if live.size else int(self._held.size)
         if k:
@@ -321,15 +314,13 @@ class WLBPackingNode(BaseNode[dict]):
 
     def _replay(self, held: dict[int, int]) -> None:
         """Re-read the pulls since the oldest held document was read; keep the held documents."""
-        self._held = np.zeros(len(self._snapshots), np.int64)  # none held: dropped next step
+        self._held = np.zeros(len(self._snapshots), np.int64)  # per pull; none: dropped next step
         if not held:
             return
         if not self._snapshots:
             raise ValueError("checkpoint holds documents but no source snapshots")
         self.source.reset(self._snapshots[0][1])
-        counts = []
         for serial, (_, _, count) in enumerate(self._snapshots):
-            counts.append(0)
             for _ in range(count):
                 doc_id, tokens = self._unpack(next(self.source))
                 if doc_id in held:
@@ -340,10 +331,8 @@ class WLBPackingNode(BaseNode[dict]):
                         )
                     self._tokens[doc_id] = tokens
                     self._snap_of[doc_id] = self._snap_base + serial
-                    counts[-1] += 1
-        self._held = np.asarray(counts, np.int64)
-        missing = set(held) - set(self._tokens)
-        if missing:
+                    self._held[serial] += 1
+        if missing := set(held) - set(self._tokens):
             raise RuntimeError(
                 f"{len(missing)} held documents (e.g. {min(missing)}) were not found when "
                 "replaying the source: the source is not deterministic"

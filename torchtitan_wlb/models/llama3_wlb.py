@@ -65,8 +65,7 @@ class WLBAttention(Attention):
         # [bs, seqlen, heads, dim] -> [bs * seqlen, heads, dim]: the varlen layout; the metadata's
         # cu_seqlens describe all rows back to back.
         q, k, v = (t.reshape(bs * seqlen, -1, self.head_dim) for t in (xq, xk, xv))
-        out = attention_from_metadata(q, k, v, attention_masks)
-        return self.wo(out.reshape(bs, seqlen, -1))
+        return self.wo(attention_from_metadata(q, k, v, attention_masks).reshape(bs, seqlen, -1))
 
 
 class WLBTransformer(Transformer):
@@ -85,14 +84,6 @@ class WLBTransformer(Transformer):
             "llama3_wlb takes document metadata from the data pipeline "
             "(torchtitan_wlb.trainer.WLBTrainer builds it), not from EOS tokens"
         )
-
-
-def ffn_hidden_dim(args: TransformerModelArgs) -> int:
-    """The SwiGLU hidden size TorchTitan's FeedForward derives from the model args."""
-    hidden = int(2 * (4 * args.dim) / 3)
-    if args.ffn_dim_multiplier is not None:
-        hidden = int(args.ffn_dim_multiplier * hidden)
-    return args.multiple_of * ((hidden + args.multiple_of - 1) // args.multiple_of)
 
 
 def model_args(spec: ModelSpec) -> WLBModelArgs:
@@ -172,8 +163,7 @@ def pipeline_llama_wlb(
 
     dp = parallel_dims.dp_replicate * parallel_dims.dp_shard
     n = job_config.training.global_batch_size
-    per_rank = (n if n > 0 else dp) // dp
     schedule_config = copy.deepcopy(job_config)
-    schedule_config.training.local_batch_size = per_rank
+    schedule_config.training.local_batch_size = (n if n > 0 else dp) // dp
     schedule_config.parallelism.pipeline_parallel_microbatch_size = 1
     return pipeline_llm(model, parallel_dims, schedule_config, *args)

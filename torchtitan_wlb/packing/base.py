@@ -154,13 +154,7 @@ class DocPool:
         return pool
 
     def subset(self, index: np.ndarray) -> DocPool:
-        return DocPool._of(
-            self.ids[index],
-            self.lens[index],
-            self.arrival[index],
-            self.tag[index],
-            self.pulled[index],
-        )
+        return DocPool._of(*(getattr(self, f)[index] for f in self.FIELDS))
 
     def take(self, mask: np.ndarray) -> DocPool:
         """Remove the documents selected by ``mask`` (bool or index array) and return them."""
@@ -169,26 +163,16 @@ class DocPool:
         sel = np.zeros(len(self), bool)
         sel[mask] = True
         out = self.subset(sel)
-        keep = ~sel
-        self.ids, self.lens, self.arrival, self.tag, self.pulled = (
-            self.ids[keep],
-            self.lens[keep],
-            self.arrival[keep],
-            self.tag[keep],
-            self.pulled[keep],
-        )
+        for f in self.FIELDS:  # the rest stay
+            setattr(self, f, getattr(self, f)[~sel])
         return out
 
-    @staticmethod
-    def concat(pools: list[DocPool]) -> DocPool:
+    @classmethod
+    def concat(cls, pools: list[DocPool]) -> DocPool:
         pools = [p for p in pools if p.ids.size]
         if len(pools) <= 1:  # columns are never changed in place, so they can be shared
-            return (
-                DocPool._of(*(getattr(pools[0], f) for f in DocPool.FIELDS)) if pools else DocPool()
-            )
-        return DocPool._of(
-            *(np.concatenate([getattr(p, f) for p in pools]) for f in DocPool.FIELDS)
-        )
+            return cls._of(*(getattr(pools[0], f) for f in cls.FIELDS)) if pools else cls()
+        return cls._of(*(np.concatenate([getattr(p, f) for p in pools]) for f in cls.FIELDS))
 
     def state(self) -> dict[str, list[int]]:
         return {f: getattr(self, f).tolist() for f in self.FIELDS}
@@ -235,10 +219,6 @@ class Packer(ABC):
         """Every document the packer still holds (carried, queued or planned)."""
         return DocPool.concat([getattr(self, p) for p in self._pools])
 
-    def pending_ids(self) -> np.ndarray:
-        """Ids of every document the packer still holds (the node keeps their tokens)."""
-        return self.pending().ids
-
     @abstractmethod
     def _plan(self, ids: np.ndarray, lens: np.ndarray, flush: bool) -> tuple[DocPool, np.ndarray]:
         """Place documents for the current step: the emitted documents and their micro-batch."""
@@ -277,8 +257,7 @@ class Packer(ABC):
         ids_sorted, lens_sorted = docs.ids[order], docs.lens[order]
         out_ids = [ids_sorted[i:j] for i, j in zip(bounds, bounds[1:], strict=False)]
         out_lens = [lens_sorted[i:j] for i, j in zip(bounds, bounds[1:], strict=False)]
-        stats = self._stats(docs, mb, pack_ms)
-        plan = PackedStep(step=self._step, doc_ids=out_ids, doc_lens=out_lens, stats=stats)
+        plan = PackedStep(self._step, out_ids, out_lens, self._stats(docs, mb, pack_ms))
         self._step += 1
         return plan
 

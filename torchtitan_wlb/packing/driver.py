@@ -5,6 +5,7 @@ docs/packing.md).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
@@ -100,13 +101,11 @@ class LengthStream:
 def drive(packer: Packer, stream: LengthStream, steps: int | None = None) -> Iterator[PackedStep]:
     """The plans of ``packer`` over ``stream``: at most ``steps`` of them (None: to the end of the
     data, its final flush included), fewer if the stream and the packer run empty first."""
-    done = 0
-    while steps is None or done < steps:
+    for _ in itertools.count() if steps is None else range(steps):
         plan = next_plan(packer, stream)
         if plan is None:
             return
         yield plan
-        done += 1
 
 
 def drain(packer: Packer) -> Iterator[PackedStep]:

@@ -37,8 +37,7 @@ def _chunked(costs: np.ndarray, lens: np.ndarray, n: int, cap: int, steps: int) 
     bins = fill_rounds(loads, tokens, costs, lens, cap)
     if (bins < 0).any():
         return None
-    rank = np.empty(steps * n, np.int64)
-    rank[np.argsort(-loads, kind="stable")] = np.arange(steps * n)
+    rank = np.argsort(np.argsort(-loads, kind="stable"))  # 0: the heaviest micro-batch
     by_rank = rank[bins]
     predicted = float(np.sort(loads)[::-1].reshape(steps, n)[:, 0].sum())
     return DrainPlan(steps, by_rank // n, by_rank % n, predicted)
@@ -54,13 +53,10 @@ def _fill_densest_first(
     level = float(loads.max())
     free = int((cap - tokens)[loads < level].sum())
     k = int(np.cumsum(lens).searchsorted(free, side="right"))
-    bins = np.full(costs.size, -1, np.int64)
-    if 0 < k < costs.size:
-        bins[:k] = fill_rounds(loads, tokens, costs[:k], lens[:k], cap, level)
-        bins[k:] = fill_rounds(loads, tokens, costs[k:], lens[k:], cap, level)
-    else:
-        bins[:] = fill_rounds(loads, tokens, costs, lens, cap, level)
-    return bins
+    if not 0 < k < costs.size:
+        return fill_rounds(loads, tokens, costs, lens, cap, level)
+    first = fill_rounds(loads, tokens, costs[:k], lens[:k], cap, level)
+    return np.concatenate([first, fill_rounds(loads, tokens, costs[k:], lens[k:], cap, level)])
 
 
 def _levelled(
@@ -70,8 +66,7 @@ def _levelled(
     every micro-batch up to it (largest first, under the token cap). ``None`` as soon as the
     predicted time would exceed ``bound`` (the plan to beat): it only grows with more steps.
     """
-    step = np.full(costs.size, -1, np.int64)
-    mb = np.full(costs.size, -1, np.int64)
+    step, mb = np.full((2, costs.size), -1, np.int64)  # each document's final step, micro-batch
     left = np.argsort(-costs, kind="stable")
     predicted, k = 0.0, 0
     if costs.max() * n * -(-int(lens.sum()) // (n * cap)) <= costs.sum():

@@ -81,8 +81,7 @@ class FixedGreedyPacker(Packer):
             loads = np.bincount(
                 mb[placed], weights=self.cost_model.doc_cost(pool.lens[placed]), minlength=nb
             )
-            rank = np.empty(nb, np.int64)
-            rank[np.argsort(-loads, kind="stable")] = np.arange(nb)
+            rank = np.argsort(np.argsort(-loads, kind="stable"))  # 0: the heaviest micro-batch
             self.carry = pool.subset(np.flatnonzero(~placed))
             self.planned = pool.subset(np.flatnonzero(placed))
             self.planned.tag = rank[mb[placed]]

@@ -82,16 +82,13 @@ def fill_rounds(
         # subset's stable order).
         by_load = loads.argsort(kind="stable")
         sorted_loads = loads[by_load]
-        if n_open == loads.size:
-            level = min(_sorted_water_level(sorted_loads, float(cc[-1]), ranks), limit)
-            low = int(sorted_loads.searchsorted(level, side="left"))  # loads < level: a prefix
-            elig, elig_loads = by_load[:low], sorted_loads[:low]
-        else:
+        asc, asc_loads = by_load, sorted_loads  # the open bins, least-loaded first
+        if n_open < loads.size:
             open_sorted = open_bins[by_load]
-            s_open = sorted_loads[open_sorted]
-            level = min(_sorted_water_level(s_open, float(cc[-1]), ranks[:n_open]), limit)
-            pick = open_sorted & (sorted_loads < level)
-            elig, elig_loads = by_load[pick], sorted_loads[pick]
+            asc, asc_loads = by_load[open_sorted], sorted_loads[open_sorted]
+        level = min(_sorted_water_level(asc_loads, float(cc[-1]), ranks[:n_open]), limit)
+        low = int(asc_loads.searchsorted(level, side="left"))  # loads < level: a prefix
+        elig, elig_loads = asc[:low], asc_loads[:low]
         ok = np.zeros(rem.size, bool)
         if elig.size:
             bounds = (_RUN_FRACTION * (level - elig_loads)).cumsum()
@@ -111,10 +108,6 @@ def fill_rounds(
             # Documents larger than the deficits: one LPT round (the k largest documents to the
             # k least-loaded bins, where k counts the bins LPT would fill before the least-loaded
             # bin's next turn).
-            if n_open == loads.size:
-                asc, asc_loads = by_load, sorted_loads
-            else:
-                asc, asc_loads = by_load[open_sorted], s_open
             asc = asc[: int(asc_loads.searchsorted(asc_loads[0] + c[0], side="left"))][: rem.size]
             k = asc.size
             fit = (t[:k] <= room[asc]) & (loads[asc] + c[:k] <= limit)

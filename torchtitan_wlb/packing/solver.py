@@ -85,8 +85,7 @@ def solve_minmax(
         # i-th document then uses a bin <= i, so it satisfies the symmetry cut.
         first = dict.fromkeys(warm[order].tolist())
         first.update(dict.fromkeys(range(nb)))
-        relabel = np.empty(nb, np.int64)
-        relabel[list(first)] = np.arange(nb)
+        relabel = np.argsort(list(first))  # each bin's place in that order
         w = relabel[warm[order]]
         sol = highspy.HighsSolution()
         x = np.zeros(ncol)

@@ -222,8 +222,7 @@ def _empty_like_layout(shape: Sequence[int], ref: torch.Tensor) -> torch.Tensor:
     torch's buffer, so the new one keeps the memory layout the sender produces)."""
     order = sorted(range(ref.dim()), key=lambda d: (-ref.stride(d), d))
     permuted = torch.empty([shape[d] for d in order], dtype=ref.dtype, device=ref.device)
-    inverse = [order.index(d) for d in range(ref.dim())]
-    return permuted.permute(inverse)
+    return permuted.permute([order.index(d) for d in range(ref.dim())])  # back to ref's order
 
 
 class VarlenPipelineRunner:

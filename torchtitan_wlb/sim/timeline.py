@@ -130,8 +130,3 @@ def simulate_pipeline(
     busy = np.stack([dur[:, s.rank == r].sum(axis=1) for r in range(s.pp)], axis=1)
     bubble = 1.0 - busy.sum(axis=1) / (s.pp * makespan)
     return TimelineResult(makespan, busy, bubble, start, end)
-
-
-def ideal_makespan(pp: int, m: int, v: int, f: float, b: float) -> float:
-    """Equal micro-batches, no transfers (``f``, ``b``: one micro-batch on one physical stage)."""
-    return m * (f + b) + (pp - 1) * (f + b) / v

@@ -85,8 +85,7 @@ def _replay(records: list[dict[str, Any]]) -> _Timeline:
                 f"launch {launch} ran with DP degree {degree}, an earlier one with {dp_degree}"
             )
         dp_degree = degree
-        later = sorted(s for s in kept["step"] if s > c)
-        if later:
+        if later := sorted(s for s in kept["step"] if s > c):
             superseded.append((later[0], later[-1]))
         kept = {
             event: {s: r for s, r in by_step.items() if s <= c} for event, by_step in kept.items()
@@ -100,10 +99,8 @@ def _replay(records: list[dict[str, Any]]) -> _Timeline:
 
 
 def _same(records: list[dict], key: str, what: str) -> Any:
-    values = {repr(r[key]) for r in records}
-    if len(values) > 1:
-        ranks = sorted(int(r["rank"]) for r in records)
-        raise _Violation(f"ranks {ranks} disagree on {what}")
+    if len({repr(r[key]) for r in records}) > 1:
+        raise _Violation(f"ranks {sorted(int(r['rank']) for r in records)} disagree on {what}")
     return records[0][key]
 
 
@@ -199,8 +196,7 @@ def audit(output_dir: str) -> AuditReport:
     try:
         t = _replay(records)
         trained, where = _collect(t)
-        problem = _first_problem(trained, where, t)
-        if problem:
+        if problem := _first_problem(trained, where, t):
             raise _Violation(f"{problem}; steps 1-{t.last_step} audited")
     except _Violation as e:
         return AuditReport(ok=False, complete=False, message=f"NOT exactly once: {e}")

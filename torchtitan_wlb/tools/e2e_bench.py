@@ -196,11 +196,10 @@ def run_mode(
         out.update(refits=len(refits), refits_adopted=len(adopted))
     if adopted:
         last = adopted[-1]
-        coef = [last[f"wlb/cost_refit_{k}"] for k in "abc"]
-        out["fit_coefficients"] = dict(zip("abc", coef, strict=True))
-        if "wlb/cost_refit_g" in last:  # under CP: the per-gathered-token term
-            coef.append(last["wlb/cost_refit_g"])
-            out["fit_coefficients"]["g"] = coef[3]
+        terms = "abcg" if "wlb/cost_refit_g" in last else "abc"  # g: under CP, per gathered token
+        coef = [last[f"wlb/cost_refit_{k}"] for k in terms]
+        out["fit_coefficients"] = dict(zip(terms, coef, strict=True))
+        if "g" in terms:
             out["fit_coefficients"]["gathered_share"] = last["wlb/cost_refit_gathered_share"]
         cp = 2 if args.parallel == "cp2" else 1
         mbs = out["records"]["microbatches"]
