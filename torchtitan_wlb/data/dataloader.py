@@ -226,14 +226,18 @@ def build_wlb_dataloader(
     job_config: JobConfig,
     cost_model: CostModel | None = None,
 ) -> BaseDataLoader:
-    """TrainSpec.build_dataloader_fn of ``llama3_wlb`` (``cost_model``: bound by the train spec);
-    the job passed ``validate.check_job_config`` (one packed sequence per micro-batch)."""
+    """TrainSpec.build_dataloader_fn of ``llama3_wlb`` (``cost_model``: bound by the train spec)."""
     wlb = job_config.wlb
     if wlb.loader == "torchtitan":
         from torchtitan.hf_datasets.text_datasets import build_text_dataloader
 
         return build_text_dataloader(
             dp_world_size=dp_world_size, dp_rank=dp_rank, tokenizer=tokenizer, job_config=job_config
+        )
+    if job_config.training.local_batch_size != 1:
+        raise ValueError(
+            f"[training] local_batch_size = {job_config.training.local_batch_size} must be 1 with "
+            "document packing (set the micro-batches per step with [training] global_batch_size)"
         )
     if cost_model is None:
         raise ValueError("build_wlb_dataloader needs the job's cost model for document packing")
