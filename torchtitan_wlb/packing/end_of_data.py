@@ -13,6 +13,7 @@ from torchtitan_wlb.packing.placement import fill_rounds
 # A plan with more final steps must be predicted this much faster: each step adds delay to the
 # documents it holds (and a step's fixed cost in training) for a gain in the noise otherwise.
 _STEP_GAIN = 1e-3
+_EXTRA_STEPS = 2  # even splits tried beyond the fewest steps that hold the documents
 
 
 @dataclass(frozen=True)
@@ -175,11 +176,13 @@ def _better(plan: DrainPlan, best: DrainPlan) -> bool:
 
 
 def plan_drain(
-    costs: np.ndarray, lens: np.ndarray, n: int, cap: int, extra_steps: int = 2
+    costs: np.ndarray, lens: np.ndarray, n: int, cap: int, max_steps: int | None = None
 ) -> DrainPlan:
     """Final steps of ``n`` micro-batches (cap ``cap`` tokens) for the held documents: the even
-    split over the fewest feasible steps or up to ``extra_steps`` more, or the levelled plan,
-    whichever is predicted faster (more steps only for a gain of ``_STEP_GAIN``)."""
+    split over the fewest feasible steps or up to ``_EXTRA_STEPS`` more, or the levelled plan,
+    whichever is predicted faster (more steps only for a gain of ``_STEP_GAIN``). ``max_steps``:
+    the steps an earlier plan of these documents still has to come; a plan made again never adds
+    steps to it (only when fewer cannot hold them)."""
     costs = np.asarray(costs, np.float64)
     lens = np.asarray(lens, np.int64)
     if lens.size == 0:
@@ -190,13 +193,14 @@ def plan_drain(
     # More steps, unless the best is within _STEP_GAIN of what no plan beats: the mean micro-batch
     # workload of all the documents (each step's heaviest is at least its mean; margin: rounding).
     floor = float(costs.sum()) / n * (1 - 1e-9)
-    for steps in range(best.steps + 1, min(best.steps + extra_steps, lens.size) + 1):
+    limit = lens.size if max_steps is None else max(best.steps, max_steps)
+    for steps in range(best.steps + 1, min(best.steps + _EXTRA_STEPS, lens.size, limit) + 1):
         if best.predicted_time * (1 - _STEP_GAIN) <= floor:
             break
         trial = _chunked(costs, lens, n, cap, steps)
         if trial is not None and _better(trial, best):
             best = trial
     levelled = _levelled(costs, lens, n, cap, best.predicted_time)
-    if levelled is not None and _better(levelled, best):
+    if levelled is not None and levelled.steps <= limit and _better(levelled, best):
         best = levelled
     return _top_up_last(_absorb_last(best, costs, lens, n, cap), costs, lens, n, cap)

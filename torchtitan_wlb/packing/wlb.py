@@ -163,6 +163,9 @@ class WLBPacker(_QueuedPacker):
         # regular tokens add to a micro-batch, for the forced steps' pull (``tokens_wanted``).
         first = int(self.thresholds[0]) if self.thresholds.size else config.context_len
         self._regular_len = max(1, first // 2)
+        # Final steps the drain's last plan still has to come (-1: not draining): each drain step
+        # plans the held documents again, and never into more steps than that plan promised.
+        self.drain_left = -1
 
     def _wait_bound(self) -> int:
         return int(self.k_eff)
@@ -214,18 +217,22 @@ class WLBPacker(_QueuedPacker):
         return self._WAIT_STEP * min(self._MAX_RISE, spare / max(self.delay_ema, 1e-12))
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "k_eff": self.k_eff, "delay_ema": self.delay_ema}
+        extra = {"k_eff": self.k_eff, "delay_ema": self.delay_ema, "drain_left": self.drain_left}
+        return {**super().state_dict(), **extra}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.k_eff = float(state["k_eff"])
         self.delay_ema = float(state["delay_ema"])
+        self.drain_left = int(state.get("drain_left", -1))  # absent in states saved before it
 
     def _drain(self, regular: DocPool) -> tuple[DocPool, np.ndarray]:
         """End of the data: emit the heaviest of the balanced final steps, hold the rest."""
         held = DocPool.concat([self.queue, regular])  # tag: queue level, 0 for regular
         cost = self.cost_model.doc_cost(held.lens)
-        plan = plan_drain(cost, held.lens, self.n, self.cap)
+        promised = self.drain_left if self.drain_left > 0 else None
+        plan = plan_drain(cost, held.lens, self.n, self.cap, max_steps=promised)
+        self.drain_left = plan.steps - 1
         now, mb = plan.step == 0, plan.micro_batch.copy()
         # The wait bound holds through the drain: documents due now join this step if they fit.
         late = np.flatnonzero(~now & (self._step - held.arrival >= self._wait_bound()))
@@ -245,6 +252,7 @@ class WLBPacker(_QueuedPacker):
         regular = self._intake(ids, lens, flush)
         if flush:
             return self._drain(regular)
+        self.drain_left = -1
         loads = np.zeros(n)
         tokens = np.zeros(n, np.int64)
         q = self.queue
