@@ -116,3 +116,33 @@ def test_trainer_logs_the_share_of_each_chosen_strategy():
     assert logged == [{"cp_per_document_share": 0.25, "cp_hybrid_share": 0.5,
                        "cp_flops_imbalance": pytest.approx(1.2)}]  # fmt: skip
     assert trainer._cp_stats == []
+
+
+def _named(device: str) -> CPProfile:
+    return CPProfile(lengths=FLAT.lengths, tflops=FLAT.tflops, tile=128, device=device,
+                     backend="torch_varlen", n_heads=32, n_kv_heads=8, head_dim=128,
+                     dtype="bfloat16")  # fmt: skip
+
+
+def test_a_shipped_gpu_profile_is_found_by_device_name_then_family(monkeypatch):
+    from torchtitan_wlb.cp import profile as profile_mod
+
+    sxm, h200 = _named("NVIDIA H100 80GB HBM3"), _named("NVIDIA H200")
+    shipped = [profile_mod.default_profile(), h200, sxm]
+    monkeypatch.setattr(profile_mod, "packaged_profiles", lambda: shipped)
+    assert profile_mod.packaged_profile_for("NVIDIA H100 80GB HBM3") is sxm
+    assert profile_mod.packaged_profile_for("nvidia h200 ") is h200  # case, spaces
+    assert profile_mod.packaged_profile_for("NVIDIA H100 PCIe") is sxm  # same family
+    assert profile_mod.packaged_profile_for("NVIDIA A100-SXM4-80GB") is None
+    assert profile_mod.packaged_profile_for("cpu") is None  # the CPU table is never "found"
+    assert [profile_mod.gpu_family(n) for n in ("NVIDIA H100 PCIe", "NVIDIA A100-SXM4-80GB",
+                                                "cpu")] == ["H100", "A100", None]  # fmt: skip
+
+
+def test_every_shipped_profile_loads_and_the_cpu_default_is_among_them():
+    from torchtitan_wlb.cp.profile import default_profile, packaged_profile_for, packaged_profiles
+
+    shipped, cpu = packaged_profiles(), default_profile()
+    assert [(p.device, p.lengths) for p in shipped].count((cpu.device, cpu.lengths)) == 1
+    assert all(p.device for p in shipped)
+    assert packaged_profile_for("NVIDIA Z999 (no such GPU)") is None

@@ -201,7 +201,8 @@ class WLB:
     """Path of a measured cost profile (JSON) when cost_model = "profile"."""
 
     cp_profile: str = ""
-    """Attention throughput profile for adaptive CP sharding; empty: the shipped default."""
+    """Attention throughput profile for adaptive CP sharding; empty: the shipped table of this GPU
+    (``cp/profiles/*.json`` by device name, then family), else the packaged CPU table."""
 
     cp_bandwidth_gbps: float = DEFAULT_CP_BANDWIDTH_GBPS
     """"adaptive": per-GPU bandwidth of the CP collectives in GB/s, pricing each sharding's K/V

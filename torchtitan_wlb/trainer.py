@@ -91,15 +91,21 @@ class WLBTrainer(Trainer):
             self._pp_runner = VarlenPipelineRunner(self.pp_schedule, time_actions=timed)
         self._cp_profile = None
         if self.parallel_dims.cp_enabled and wlb.cp_sharding == "adaptive":
-            from torchtitan_wlb.cp.profile import resolve_profile
+            from torchtitan_wlb.cp.profile import packaged_profile_for, resolve_profile
 
             self._cp_profile = resolve_profile(wlb.cp_profile or None)
             if self.device.type == "cuda" and not wlb.cp_profile:
-                logger.warning(
-                    "adaptive CP sharding is choosing with the packaged CPU throughput profile; "
-                    "measure one for this GPU (python -m torchtitan_wlb.tools.cp_profile --device "
-                    "cuda --out FILE) and set [wlb] cp_profile = FILE"
-                )
+                name = torch.cuda.get_device_name(self.device)
+                if (shipped := packaged_profile_for(name)) is not None:
+                    self._cp_profile = shipped
+                    logger.info(f"adaptive CP sharding: the shipped profile of {shipped.device}")
+                else:
+                    logger.warning(
+                        f"adaptive CP sharding is choosing with the packaged CPU throughput "
+                        f"profile: none is shipped for {name}; measure one (python -m "
+                        "torchtitan_wlb.tools.cp_profile --device cuda --out FILE) and set "
+                        "[wlb] cp_profile = FILE"
+                    )
         self._cp_stats: list[tuple[str, float]] = []
         self._last_doc_lens: list[int] | None = None
         self._pp_doc_lens: list[list[int]] = []

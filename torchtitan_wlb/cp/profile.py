@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import time
 from dataclasses import asdict, dataclass
 from importlib import resources
@@ -154,6 +155,32 @@ def default_profile() -> CPProfile:
     """The packaged CPU table (measured on the development machine; see docs/context_parallel.md)."""
     text = resources.files("torchtitan_wlb.cp").joinpath("profiles/cpu_default.json").read_text()
     return CPProfile.from_json(text)
+
+
+def gpu_family(device_name: str) -> str | None:
+    """The accelerator family in a device name ("NVIDIA H100 80GB HBM3" -> "H100"): a letter and
+    two or three digits standing alone; None when the name holds none (e.g. "cpu")."""
+    match = re.search(r"\b([A-Z]\d{2,3})\b", device_name.upper())
+    return match[1] if match else None
+
+
+def packaged_profiles() -> list[CPProfile]:
+    """Every profile shipped in ``cp/profiles/`` (the CPU default and the measured GPU tables)."""
+    folder = resources.files("torchtitan_wlb.cp").joinpath("profiles")
+    files = sorted(f for f in folder.iterdir() if f.name.endswith(".json"))
+    return [CPProfile.from_json(f.read_text()) for f in files]
+
+
+def packaged_profile_for(device_name: str) -> CPProfile | None:
+    """The shipped profile measured on this accelerator: the same device name, else the same
+    family (an H100 PCIe takes an H100 SXM table before the CPU one); None when none was shipped,
+    so that the caller can say the CPU table is in use. Adding a measured ``cp/profiles/*.json``
+    is all it takes for a new GPU to get its own table."""
+    shipped = [p for p in packaged_profiles() if p.device != "cpu"]
+    exact = [p for p in shipped if p.device.strip().lower() == device_name.strip().lower()]
+    family = gpu_family(device_name)
+    same_family = [p for p in shipped if family is not None and gpu_family(p.device) == family]
+    return (exact or same_family or [None])[0]
 
 
 def resolve_profile(profile: CPProfile | str | Path | None) -> CPProfile:
