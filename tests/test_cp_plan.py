@@ -305,6 +305,29 @@ def test_cp_profile_cli_measures_a_complete_table(tmp_path, capsys):
     assert plan.strategy in (*FIXED, "hybrid")
 
 
+def test_cp_profile_caps_the_tokens_of_a_cell(monkeypatch, capsys):
+    """A GPU table's small cells would otherwise hold 2**30 pairs of 64-token segments (33M
+    tokens); with --max-tokens every cell's keys stay under the cap (one segment at least)."""
+    from torchtitan_wlb import attention
+    from torchtitan_wlb.cp import profile as profile_mod
+    from torchtitan_wlb.tools import cp_profile
+
+    keys = []
+    real = attention.document_attention
+
+    def counting(q, k, *args, **kwargs):
+        keys.append(k.shape[0])
+        return real(q, k, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "document_attention", counting)
+    monkeypatch.setattr(profile_mod, "CPProfile", lambda *a: a)  # the table is not the point
+    profile_mod.measure_profile([16, 64], pairs_per_cell=1 << 20, max_tokens=256, repeats=1)
+    assert keys and max(keys) <= 256 and min(keys) >= 64
+    with pytest.raises(SystemExit):
+        cp_profile.main(["--lengths", "16", "--max-tokens", "0", "--out", "unused.json"])
+    assert "--max-tokens must be >= 1; got 0" in capsys.readouterr().err
+
+
 def test_draft_takes_fixed_strategies_only():
     from torchtitan_wlb.cp.plan import draft_sharding
 

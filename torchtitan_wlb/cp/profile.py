@@ -197,10 +197,12 @@ def resolve_profile(profile: CPProfile | str | Path | None) -> CPProfile:
 def measure_profile(
     lengths: list[int], *, device: str = "cpu", backend: str = "auto", n_heads: int = 4,
     n_kv_heads: int = 2, head_dim: int = 32, dtype: str = "float32", tile: int | None = None,
-    pairs_per_cell: int = 1 << 19, repeats: int = 3, log=None,
+    pairs_per_cell: int = 1 << 19, max_tokens: int | None = None, repeats: int = 3, log=None,
 ) -> CPProfile:  # fmt: skip
     """Time forward + backward of ``document_attention`` for every (q_len <= kv_len) grid cell on
-    about ``pairs_per_cell`` (query, key) pairs of identical segments (as small chunks arrive)."""
+    about ``pairs_per_cell`` (query, key) pairs of identical segments (as small chunks arrive),
+    with at most ``max_tokens`` keys per cell (None: no cap). The cap is what keeps a GPU table
+    in memory: 2**30 pairs of 64-token segments are 33M tokens, 270 GB of bf16 q at 32 x 128."""
     import torch
 
     from torchtitan_wlb.attention import resolve_backend
@@ -217,6 +219,8 @@ def measure_profile(
         for j in range(i, n):
             kv_len = grid[j]
             m = max(1, pairs_per_cell // int(causal_pairs(q_len, kv_len)))
+            if max_tokens is not None:
+                m = max(1, min(m, max_tokens // kv_len))
             like = {"device": dev, "dtype": torch_dtype, "requires_grad": True}
             q = torch.randn(m * q_len, n_heads, head_dim, **like)
             k = torch.randn(m * kv_len, n_kv_heads, head_dim, **like)
