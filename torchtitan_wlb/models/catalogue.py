@@ -70,6 +70,7 @@ MODELS: dict[str, ModelSpec] = {
         ("70B", 8192, 80, 64, 16, 28672, LLAMA3_VOCAB),
         ("llama3_8B", 4096, 32, 32, 8, 14336, LLAMA3_VOCAB),
         ("llama3_70B", 8192, 80, 64, 8, 28672, LLAMA3_VOCAB),
+        ("byte_1B", 2048, 16, 32, 8, 8192, 264),
         ("debugmodel", 256, 4, 8, 4, 768, 264),
         ("tiny", 128, 2, 4, 2, 384, 264),
     )

@@ -99,6 +99,7 @@ def model_args(spec: ModelSpec) -> WLBModelArgs:
 FLAVORS: dict[str, str] = {
     "debugmodel": "debugmodel",
     "tiny": "tiny",
+    "byte_1B": "byte_1B",
     "8B": "llama3_8B",
     "70B": "llama3_70B",
     **{f"paper_{name}": name for name in PAPER_MODELS},
