@@ -116,6 +116,7 @@ for p in "${parts[@]}"; do
             --device "$DEVICE" "${HEADS[@]}" "${GRID[@]}" --out "$OUT/cp_profile_$DEVICE.json" ;;
         fig15) part fig15 "${CAPS[3]}" "$PY" -m torchtitan_wlb.tools.cp_bench --lengths "$WORKLOAD" \
             --cp 4 --packer wlb "${FIG[@]}" --measure --device "$DEVICE" "${HEADS[@]}" \
+            --adaptive-candidates per_sequence,per_document \
             --profile "$OUT/cp_profile_$DEVICE.json" --no-torch-balancers --json ;;
         train_debug) part train_debug "${CAPS[4]}" ./run_train.sh ;;
         train_modes) part train_modes "${CAPS[5]}" bash "$SELF" __train_modes ;;
