@@ -41,7 +41,8 @@ if [ "$REHEARSAL" = 1 ]; then  # the same commands at sizes a 2-core CPU runs in
     TRAIN=(--model.flavor tiny --training.seq_len 1024 --training.global_batch_size 2)
     SMAX=1280; STEPS=3; CAPS=(60 120 120 120 240 300)
 else
-    DEVICE=cuda; HEADS=(--heads 32 --kv-heads 8 --head-dim 128); GRID=(--repeats 2)
+    DEVICE=cuda; HEADS=(--heads 32 --kv-heads 8 --head-dim 128)
+    GRID=(--repeats 2 --pairs-per-cell 268435456)
     FIG=(--context-len 131072 --micro-batches 4 --measure-micro-batches 12 --measure-repeats 2)
     TRAIN=(--model.flavor byte_1B --training.seq_len 65536 --training.global_batch_size 2
            --activation_checkpoint.mode full)
@@ -117,7 +118,8 @@ for p in "${parts[@]}"; do
         fig15) part fig15 "${CAPS[3]}" "$PY" -m torchtitan_wlb.tools.cp_bench --lengths "$WORKLOAD" \
             --cp 4 --packer wlb "${FIG[@]}" --measure --device "$DEVICE" "${HEADS[@]}" \
             --adaptive-candidates per_sequence,per_document \
-            --profile "$OUT/cp_profile_$DEVICE.json" --no-torch-balancers --json ;;
+            $([ -f "$OUT/cp_profile_$DEVICE.json" ] && echo --profile "$OUT/cp_profile_$DEVICE.json") \
+            --no-torch-balancers --json ;;
         train_debug) part train_debug "${CAPS[4]}" ./run_train.sh ;;
         train_modes) part train_modes "${CAPS[5]}" bash "$SELF" __train_modes ;;
     esac
