@@ -32,7 +32,7 @@ def parser() -> ToolParser:
     p.add_argument("--tile", type=int, default=None, help="FLOP padding tile (cpu 16, cuda 128)")
     p.add_argument("--pairs-per-cell", type=int, default=None, help="(q, k) pairs per grid cell")
     p.add_argument(
-        "--max-tokens", type=int, default=None, help="keys per cell at most (cuda 2**20, cpu none)"
+        "--max-tokens", type=int, default=None, help="keys per cell at most (cuda 2**18, cpu none)"
     )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", required=True, help="output JSON path")
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             dtype=args.dtype or ("bfloat16" if cuda else "float32"),
             tile=args.tile,
             pairs_per_cell=args.pairs_per_cell or ((1 << 30) if cuda else (1 << 19)),
-            max_tokens=args.max_tokens or ((1 << 20) if cuda else None),
+            max_tokens=args.max_tokens or ((1 << 18) if cuda else None),
             repeats=args.repeats,
             log=lambda line: print(line, file=sys.stderr, flush=True),
         )
