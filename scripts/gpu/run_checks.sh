@@ -42,7 +42,7 @@ if [ "$REHEARSAL" = 1 ]; then  # the same commands at sizes a 2-core CPU runs in
     SMAX=1280; STEPS=3; CAPS=(60 120 120 120 240 300)
 else
     DEVICE=cuda; HEADS=(--heads 32 --kv-heads 8 --head-dim 128)
-    GRID=(--repeats 2 --pairs-per-cell 268435456)
+    GRID=(--repeats 2 --pairs-per-cell 268435456 --max-tokens 262144)
     FIG=(--context-len 131072 --micro-batches 4 --measure-micro-batches 12 --measure-repeats 2)
     TRAIN=(--model.flavor byte_1B --training.seq_len 65536 --training.global_batch_size 2
            --activation_checkpoint.mode full)

@@ -17,6 +17,7 @@ from typing import NamedTuple
 import numpy as np
 
 from torchtitan_wlb.cp.plan import ATTENTION_TILE
+from torchtitan_wlb.cp.profile import resolve_profile
 from torchtitan_wlb.models.catalogue import get_model
 from torchtitan_wlb.packing.paper import PAPER_T2_ORIGINAL
 from torchtitan_wlb.sim import engine as sim
@@ -62,12 +63,31 @@ THREE = ("plain_4d", "fixed_4d", "wlb")
 FIG13_CORE = ("plain_4d", "per_doc_cp", "adaptive_cp", "varlen_packing", "wlb")
 
 
+CP_PROFILE: str | None = None
+"""The measured attention table every figure times attention and adaptive CP with (``--cp-profile``,
+set once by ``main``); None: the hardware profile's simulated kernel."""
+
+
 def _cfg(model: str, ctx: int, layout: Layout, steps: int | None, lengths=None, **kw) -> SimConfig:
     """A figure's configuration; ``steps=None``: one pass over ``lengths`` (``epoch_steps``)."""
     if steps is None:
         steps = epoch_steps(int(np.sum(lengths)), layout.pp * layout.dp, ctx, WARMUP)
     return SimConfig(model=get_model(model), layout=layout, context_len=ctx, steps=steps,
-                     warmup_steps=WARMUP, **kw)  # fmt: skip
+                     warmup_steps=WARMUP, cp_profile=CP_PROFILE, **kw)  # fmt: skip
+
+
+def attention_source(hw_name: str) -> dict:
+    """What timed attention on this page, in the template's words: the measured table (its device
+    and backend) or the simulated kernel of the hardware profile."""
+    if CP_PROFILE is None:
+        return {"attn_source": f"the simulated {hw_name} kernel",
+                "attn_next": "A measured GPU table (`torchtitan_wlb.tools.cp_profile --device cuda`, "
+                             "then `--cp-profile FILE`) would replace the kernel model here."}  # fmt: skip
+    table = resolve_profile(CP_PROFILE)
+    return {"attn_source": f"the attention table measured on {table.device} ({table.backend}, "
+                           f"`{CP_PROFILE}`)",
+            "attn_next": "Attention time and adaptive CP's choices here come from that measured "
+                         "table, not from the kernel model."}  # fmt: skip
 
 
 def run_modes(lengths, cfg: SimConfig, modes: Iterable[str]) -> dict[str, ModeResult]:
@@ -423,13 +443,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window-steps", type=int, default=100)
     p.add_argument("--quick", action="store_true", help="fewer steps, short Table 2")
     p.add_argument("--skip-table2", action="store_true")
+    p.add_argument("--cp-profile", default=None, metavar="FILE",
+                   help="measured attention table (tools.cp_profile) instead of the kernel model")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    global CP_PROFILE
     parser = build_parser()
     args = parser.parse_args(argv)
     t_start = time.perf_counter()
+    CP_PROFILE = args.cp_profile
     steps = 8 if args.quick else (None if args.steps == "epoch" else args.steps)
     try:
         if args.windows < 0 or args.window_steps < 1:
@@ -437,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
                              f"{args.window_steps} >= 1")
         lengths = load_lengths(args.workload)
         v = fixed_values(lengths, _cfg(*MAIN, 8))
+        v |= attention_source(v["hw_name"])
         if not args.skip_table2:
             v |= table2(args.workload, args.quick, _cfg(*MAIN, 8))
         v |= fig12(lengths, steps)
@@ -461,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         " **Missed: " + "; ".join(verdict[0]) + ".**" if verdict[0] else "")
     v["cmd"] = " ".join([f".venv/bin/python -m torchtitan_wlb.sim.reproduce --workload {args.workload} --out "
                          f"{args.out} --figures {args.figures}", *["--quick"] * args.quick] + [
-        f"--{k.replace('_', '-')} {getattr(args, k)}" for k in ("steps", "windows", "window_steps")
+        f"--{k.replace('_', '-')} {getattr(args, k)}" for k in ("steps", "windows", "window_steps", "cp_profile")
         if getattr(args, k) != parser.get_default(k)])
     n13 = res13["plain_4d"].step_time_s.size
     v["steps_text"] = (
