@@ -371,3 +371,25 @@ def test_wlb_sim_runs_on_the_builtin_workload_by_default(capsys):
     assert sim_main([*argv, "--steps", "2", "--warmup-steps", "1", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["speedup_wlb_vs_plain"] > 0
+
+
+def test_reproduce_with_a_measured_table_says_so_and_rejects_a_missing_one(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from torchtitan_wlb.sim import reproduce
+
+    path = tmp_path / "lens.json"
+    path.write_text(json.dumps(_workload(3000).tolist()))
+    table = reproduce.__file__.replace("sim/reproduce.py", "cp/profiles/h100.json")
+    out = tmp_path / "r.md"
+    argv = ["--workload", str(path), "--out", str(out), "--figures", str(tmp_path / "f"),
+            "--quick", "--skip-table2", "--windows", "0"]  # fmt: skip
+    try:
+        assert reproduce.main([*argv, "--cp-profile", table]) == 0
+        page = out.read_text()
+        assert "timed with the attention table measured on NVIDIA H100" in page
+        assert f"--cp-profile {table}" in page  # the command that rewrites the page
+        assert "simulated" not in page.split("## Figure 15")[1].split("\n\n")[1]
+        assert reproduce.main([*argv, "--cp-profile", str(tmp_path / "none.json")]) == 2
+        assert "none.json" in capsys.readouterr().err
+    finally:
+        reproduce.CP_PROFILE = None  # main sets the module's table; later tests use the kernel
