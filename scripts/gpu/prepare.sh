@@ -11,8 +11,8 @@
 #
 # It writes GPU_DIR (default .gpu/, ignored by git):
 #   site/       the packages the GPU image lacks (pip --target, no dependencies resolved there)
-#   workloads/  dist_wlbllm.json from ../shared/workloads (public data of another project: carried,
-#               never committed)
+#   workloads/  the *.json length files of ../shared/workloads (public data of other projects:
+#               carried, never committed)
 # then: carry ".gpu" and run scripts/gpu/run_checks.sh there (docs/gpu.md).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -23,7 +23,7 @@ fi
 PYVER=${1:-3.12}
 PY=${PYTHON:-$ROOT/.venv/bin/python}
 GPU_DIR=${GPU_DIR:-$ROOT/.gpu}
-WORKLOAD=${WORKLOAD:-$ROOT/../shared/workloads/dist_wlbllm.json}
+WORKLOADS=${WORKLOADS:-$ROOT/../shared/workloads}
 # torchtitan 0.2.2's and this project's requirements that the GPU image does not ship (its package
 # list: the device tool's KINDS.md), pinned to the versions the CPU suite runs with.
 PACKAGES=(
@@ -31,8 +31,8 @@ PACKAGES=(
     tyro==1.0.17 typeguard==4.6.1 docstring-parser==0.18.0 highspy==1.16.0 tomli==2.5.0
     expecttest==0.3.0
 )
-if [ ! -f "$WORKLOAD" ]; then
-    echo "prepare.sh: the workload $WORKLOAD does not exist (set WORKLOAD=path)" >&2
+if [ ! -f "$WORKLOADS/dist_wlbllm.json" ]; then
+    echo "prepare.sh: $WORKLOADS has no dist_wlbllm.json (set WORKLOADS=folder)" >&2
     exit 2
 fi
 rm -rf "$GPU_DIR"
@@ -42,7 +42,7 @@ mkdir -p "$GPU_DIR/workloads"
     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux_2_28_x86_64 "${PACKAGES[@]}" 2> >(grep -v "is ignored: it is neither" >&2)
 rm -rf "$GPU_DIR/site/bin"  # console scripts written for this interpreter
-cp "$WORKLOAD" "$GPU_DIR/workloads/"
+cp "$WORKLOADS"/*.json "$GPU_DIR/workloads/"
 echo "built $GPU_DIR for Python $PYVER: $(du -sh "$GPU_DIR" | cut -f1)," \
     "$(find "$GPU_DIR/site" -maxdepth 1 -name '*.dist-info' | wc -l) packages," \
-    "workload $(basename "$WORKLOAD")"
+    "workloads: $(cd "$GPU_DIR/workloads" && echo *.json)"

@@ -16,6 +16,11 @@
 #   train_debug  ./run_train.sh as shipped (train_configs/debug_gpu.toml)
 #   train_modes  byte_1B at 64K context in plain_4d, fixed_4d and wlb: tokens/s, MFU, memory, and
 #                the metrics JSONL (measured micro-batch times) of each, as one archive
+#   online       the online cost model on the GPU: byte_1B at 32K, N = 8 micro-batches a step on
+#                dist_wlbllm, wlb with the analytic and with the online model, and the noise floor
+#                (identical micro-batches); metrics JSONL as one archive (scripts/gpu/online_report.py)
+#   overhead     the data node's whole step on one pinned core of the host: pack_bench, N = 32,
+#                128K, whole pass, every workload and generator, three rounds -> $OUT/overhead/
 set -uo pipefail  # not -e: a failing part is reported and the next one runs
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 if [[ " $* " == *" --help "* || " $* " == *" -h "* ]]; then  # the header above, as text
@@ -39,14 +44,17 @@ if [ "$REHEARSAL" = 1 ]; then  # the same commands at sizes a 2-core CPU runs in
     DEVICE=cpu; HEADS=(--heads 2 --kv-heads 1 --head-dim 16); GRID=(--lengths 16,64,256,1024)
     FIG=(--context-len 4096 --micro-batches 4 --measure-micro-batches 4 --measure-repeats 1)
     TRAIN=(--model.flavor tiny --training.seq_len 1024 --training.global_batch_size 2)
-    SMAX=1280; STEPS=3; CAPS=(60 120 120 120 240 300)
+    SMAX=1280; STEPS=3; CAPS=(60 120 120 120 240 300 300 300)
+    ONLINE=(--model.flavor tiny --training.seq_len 1024); ONLINE_CTX=1024; ONLINE_STEPS=8
 else
     DEVICE=cuda; HEADS=(--heads 32 --kv-heads 8 --head-dim 128)
     GRID=(--repeats 2 --pairs-per-cell 268435456 --max-tokens 262144)
     FIG=(--context-len 131072 --micro-batches 4 --measure-micro-batches 12 --measure-repeats 2)
     TRAIN=(--model.flavor byte_1B --training.seq_len 65536 --training.global_batch_size 2
            --activation_checkpoint.mode full)
-    SMAX=81920; STEPS=6; CAPS=(60 100 200 150 120 330)
+    SMAX=81920; STEPS=6; CAPS=(60 100 200 150 120 330 420 150)
+    ONLINE=(--model.flavor byte_1B --training.seq_len 32768 --activation_checkpoint.mode full)
+    ONLINE_CTX=32768; ONLINE_STEPS=14
 fi
 
 part() {  # part NAME CAP_SECONDS COMMAND...: output in $OUT/NAME.log, its tail in checks.log
@@ -93,12 +101,74 @@ train_modes() {
     return $rc
 }
 
+online() {  # N = 8 micro-batches a step, one GPU: their measured times are what DP or PP would wait on
+    local run rc=0 fit=(--wlb.fit_warmup_steps 1 --wlb.fit_window_steps 4 --wlb.fit_holdout_steps 1
+                        --wlb.fit_interval_steps 2 --wlb.fit_apply_lag_steps 1)
+    "$PY" - "$WORKLOAD" "$WORK/online" "$ONLINE_CTX" "$ONLINE_STEPS" <<'PYEOF' || return 1
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from torchtitan_wlb.tools.e2e_bench import floor_doc_len, write_jsonl
+from torchtitan_wlb.workloads import load_lengths
+
+workload, out, ctx, steps = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+out.mkdir(parents=True, exist_ok=True)
+lens = np.clip(np.rint(load_lengths(workload) * (ctx / 131072)).astype(np.int64), 3, ctx)
+need = 1.5 * steps * 8 * ctx  # tokens: the steps asked for, with room for the queues' look-ahead
+write_jsonl(lens[: int(np.searchsorted(np.cumsum(lens), need)) + 1], out / "docs.jsonl", 0)
+f = floor_doc_len(lens, ctx)
+write_jsonl(np.full(int(need // f) + 1, f), out / "floor.jsonl", 0)
+k = ctx // f  # S_max >= the context, with room for exactly k documents a micro-batch (e2e_bench)
+(out / "floor_smax").write_text(str(max(k * f, min(ctx * 5 // 4, (k + 1) * f - 1))))
+PYEOF
+    for run in floor analytic online; do
+        echo "=== $run"
+        local data=docs.jsonl steps=$ONLINE_STEPS flags=(--wlb.mode wlb --wlb.cost_model "$run"
+            --wlb.micro_batch_max_len $((ONLINE_CTX * 5 / 4)) "${fit[@]}")
+        if [ $run = floor ]; then
+            data=floor.jsonl steps=$((ONLINE_STEPS / 2))
+            flags=(--wlb.mode "" --wlb.packing original --wlb.cp_sharding per_document
+                   --wlb.micro_batch_max_len "$(cat "$WORK/online/floor_smax")")
+        fi
+        NGPU=1 ./run_train.sh "${ONLINE[@]}" --training.global_batch_size 8 "${flags[@]}" \
+            --training.dataset jsonl --training.dataset_path "$WORK/online/$data" \
+            --training.steps "$steps" --job.dump_folder "$WORK/online/$run" --checkpoint.no-enable \
+            --lr_scheduler.warmup_steps 1 --wlb.metrics_jsonl --metrics.log_freq 1 \
+            --metrics.disable_color_printing || rc=$?
+    done
+    tar -czf "$OUT/online_metrics.tar.gz" -C "$WORK/online" \
+        $(cd "$WORK/online" && find floor analytic online -name '*.jsonl' 2>/dev/null)
+    return $rc
+}
+
+overhead() {  # pack_bench's overhead_ms (docs/packing.md): a whole step of the data node
+    local round w src pin=()
+    lscpu 2>/dev/null | grep -E "Model name|^CPU\(s\)|MHz" || true
+    command -v taskset >/dev/null && pin=(taskset -c 1)
+    mkdir -p "$OUT/overhead"
+    for round in 1 2 3; do
+        for w in dist_wlbllm dist_prolong longtail pareto bimodal; do
+            src=(--generator "$w")
+            [ -f "$GPU_DIR/workloads/$w.json" ] && src=(--lengths "$GPU_DIR/workloads/$w.json")
+            OMP_NUM_THREADS=1 "${pin[@]}" "$PY" -m torchtitan_wlb.tools.pack_bench "${src[@]}" \
+                --micro-batches 32 --steps epoch --json >"$OUT/overhead/r${round}_$w.json" || return 1
+            "$PY" -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], sys.argv[3],
+    *(f'{k} {d[k]:.2f}' for k in ('overhead_ms', 'overhead_ms_p95', 'plan_ms')))" \
+                "$OUT/overhead/r${round}_$w.json" "$round" "$w"
+        done
+    done
+}
+
 case "${1:-}" in  # a part that is a function runs in its own process, under `timeout`
     __env) env_check; exit $? ;;
     __train_modes) train_modes; exit $? ;;
+    __online) online; exit $? ;;
+    __overhead) overhead; exit $? ;;
 esac
 export GPU_DIR OUT WORK REHEARSAL
-ALL=(env tests profile fig15 train_debug train_modes)
+ALL=(env tests profile fig15 train_debug train_modes online overhead)
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=("${ALL[@]}")
 for p in "${parts[@]}"; do
@@ -122,6 +192,8 @@ for p in "${parts[@]}"; do
             --no-torch-balancers --json ;;
         train_debug) part train_debug "${CAPS[4]}" ./run_train.sh ;;
         train_modes) part train_modes "${CAPS[5]}" bash "$SELF" __train_modes ;;
+        online) part online "${CAPS[6]}" bash "$SELF" __online ;;
+        overhead) part overhead "${CAPS[7]}" bash "$SELF" __overhead ;;
     esac
 done
 echo "== done $(date -u +%FT%TZ)" >>"$LOG"
