@@ -17,10 +17,20 @@ BatchT = tuple[dict[str, Any], torch.Tensor]
 
 
 def document_positions(doc_lens: np.ndarray) -> np.ndarray:
-    """Per-document positions 0..d-1 for every document, vectorised (no loop over documents)."""
+    """Per-document positions 0..d-1 for every document, vectorised (no loop over documents).
+
+    One array and one in-place cumulative sum: +1 per token, and at each document's first token
+    the step back to 0. Temporaries of the micro-batch's size (a repeated start per token, an
+    arange) cost more than the arithmetic: freed and allocated again every micro-batch, their
+    pages are faulted in anew, which made collating a 128K micro-batch ~10x slower.
+    """
     doc_lens = np.asarray(doc_lens, dtype=np.int64)
-    starts = np.repeat(np.cumsum(doc_lens) - doc_lens, doc_lens)
-    return np.arange(int(doc_lens.sum()), dtype=np.int64) - starts
+    doc_lens = doc_lens[doc_lens > 0]
+    positions = np.ones(int(doc_lens.sum()), dtype=np.int64)
+    if positions.size:
+        positions[0] = 0
+        positions[np.cumsum(doc_lens[:-1])] = 1 - doc_lens[:-1]
+    return np.cumsum(positions, out=positions)
 
 
 def collate_micro_batch(
