@@ -161,6 +161,7 @@ def test_whole_pass_scores_every_step_and_the_drain(packer, capsys):
     assert out["imbalance_worst_step"] >= out["imbalance_p95"] >= 1.0
     assert out["overhead_ms_max"] >= out["overhead_ms_p95"] > 0
     assert out["plan_ms_p95"] >= 0 and out["plan_ms"] >= 0
+    assert out["collate_ms"] > 0 and out["collate_ms_p95"] >= 0  # the training thread's share
     # A partial window is labelled as such and never reaches the end of the data.
     assert pack_bench.main(args + ["--steps", "3"]) == 0
     part = last_json(capsys.readouterr().out)

@@ -24,6 +24,7 @@ from torchdata.nodes import BaseNode
 
 from torchtitan_wlb import workloads
 from torchtitan_wlb.cost_model import CostModel
+from torchtitan_wlb.data.collate import collate_micro_batch
 from torchtitan_wlb.data.wlb_node import TOKEN_DTYPE, WLBPackingNode
 from torchtitan_wlb.models.catalogue import MODELS, get_model
 from torchtitan_wlb.packing import (
@@ -89,20 +90,29 @@ class _TokenSource(BaseNode[dict]):
         return {"pos": self._pos}
 
 
-def node_step_ms(packer: Packer, lengths: np.ndarray, steps: int, dp: int) -> tuple[list, list]:
-    """Wall and thread CPU milliseconds of every step of the data node on DP rank 0 of ``dp``."""
+def node_step_ms(
+    packer: Packer, lengths: np.ndarray, steps: int, dp: int
+) -> tuple[list, list, list]:
+    """Wall and thread CPU milliseconds of every step of the data node on DP rank 0 of ``dp``, and
+    the thread CPU milliseconds of collating that step's micro-batches into the model's tensors
+    (what the training thread then pays, outside the node's step)."""
     arena = 4 * packer.config.micro_batches * packer.config.context_len  # four global batches
     node = WLBPackingNode(_TokenSource(lengths, arena), packer, dp_rank=0, dp_degree=dp)
     node.reset()
     wall: list[float] = []
     cpu: list[float] = []
+    collate: list[float] = []
     for _ in range(steps):
         start, start_cpu = time.perf_counter(), time.thread_time()
-        if next(node, None) is None:
+        if (step := next(node, None)) is None:
             break
         cpu.append((time.thread_time() - start_cpu) * 1e3)
         wall.append((time.perf_counter() - start) * 1e3)
-    return wall, cpu
+        start_cpu = time.thread_time()
+        for mb in step["micro_batches"]:
+            collate_micro_batch(mb["tokens"], mb["doc_lens"])
+        collate.append((time.thread_time() - start_cpu) * 1e3)
+    return wall, cpu, collate
 
 
 def run(
@@ -131,7 +141,7 @@ def run(
         g = config.window  # one plan per window of G steps: amortise it over the window
         plan_ms = [sum(plan_ms[i : i + g]) / g for i in range(0, len(plan_ms), g)]
     fresh = build_packer(packer_name, config, cost_model)
-    node_ms, node_cpu_ms = node_step_ms(fresh, lengths, len(scored), dp)
+    node_ms, node_cpu_ms, collate_ms = node_step_ms(fresh, lengths, len(scored), dp)
     ratio = np.array([s["imbalance"] for s in per_step]) if per_step else np.ones(1)
     top = np.array([s["max_workload"] for s in per_step])
     mean = np.array([s["mean_workload"] for s in per_step])
@@ -150,6 +160,7 @@ def run(
         "drain_steps": int(sum(ended)) if whole else 0,
         **_spread("overhead_ms", node_ms, with_max=True),
         **_spread("overhead_cpu_ms", node_cpu_ms),
+        **_spread("collate_ms", collate_ms),
         **_spread("plan_ms", plan_ms),
         "dp": dp,
         "avg_delay_iters": float(delay / n_tok) if n_tok else 0.0,
