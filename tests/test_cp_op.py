@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import socket
 import traceback
 
 import numpy as np
@@ -175,10 +174,12 @@ def _run_shard_helper(cp, mesh, rank_in_group):
             "dq": 0.0, "dk": 0.0, "dv": 0.0}  # fmt: skip
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    # A file store, not a TCP one on a port probed beforehand: another process may take that port
+    # between the probe and the bind.
+    init = f"file://{os.path.join(out_dir, 'store')}"
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
     varlen_kernels.install(pytest.MonkeyPatch())  # this process only; "cpu" cases unaffected
     results: dict[str, dict] = {}
     try:
@@ -218,12 +219,6 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out_dir = str(tmp_path_factory.mktemp("cp_op"))
@@ -232,9 +227,7 @@ def results(tmp_path_factory):
     multiprocessing.set_forkserver_preload(
         ["torch", "torch.distributed.tensor", "torchtitan_wlb.attention", "torchtitan_wlb.cp.local"]
     )
-    mp.start_processes(
-        _worker, args=(_free_port(), out_dir), nprocs=WORLD, join=True, start_method="forkserver"
-    )
+    mp.start_processes(_worker, args=(out_dir,), nprocs=WORLD, join=True, start_method="forkserver")
     merged = {}
     for rank in range(WORLD):
         with open(os.path.join(out_dir, f"rank{rank}.json")) as f:

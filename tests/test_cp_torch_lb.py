@@ -143,7 +143,7 @@ def _adapter_case(name: str, rank: int, mesh) -> dict:
     return {"shard_matches_plan": bool(ok), "round_trip": bool(torch.equal(restored, tokens))}
 
 
-def _adapter_worker(rank: int, port: int, out_dir: str) -> None:
+def _adapter_worker(rank: int, out_dir: str) -> None:
     import os
     import traceback
 
@@ -151,9 +151,11 @@ def _adapter_worker(rank: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    # A file store: a TCP store on a port probed beforehand can lose it to another process
+    # between the probe and the bind (the likeliest cause of a rank 0 abort seen once in a suite).
+    init = f"file://{os.path.join(out_dir, 'store')}"
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
     results: dict[str, dict] = {}
     try:
         mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("cp",))
@@ -172,15 +174,11 @@ def _adapter_worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def adapter_results(tmp_path_factory):
     import os
-    import socket
 
     import torch.multiprocessing as mp
 
     out_dir = str(tmp_path_factory.mktemp("torch_lb"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_adapter_worker, args=(port, out_dir), nprocs=WORLD, join=True)
+    mp.spawn(_adapter_worker, args=(out_dir,), nprocs=WORLD, join=True)
     out = []
     for rank in range(WORLD):
         with open(os.path.join(out_dir, f"rank{rank}.json")) as f:

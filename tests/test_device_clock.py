@@ -115,16 +115,16 @@ def test_trainer_fits_device_times_and_records_both(one_thread, monkeypatch):
     assert BURN <= kw["device_seconds"] < SLEEP
 
 
-def _sum_worker(rank: int, port: int, out_dir: str) -> None:
+def _sum_worker(rank: int, out_dir: str) -> None:
     import os
 
     import torch.distributed as dist
 
     from torchtitan_wlb.trainer import sum_over_group
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    init = f"file://{os.path.join(out_dir, 'store')}"  # a file store: no port to lose
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:
         values = np.array([0.1, 0.2, 0.3]) * (rank + 1) + 1e-17 * rank  # stage times per rank
         total = sum_over_group(values, None, torch.device("cpu"))
@@ -136,15 +136,10 @@ def _sum_worker(rank: int, port: int, out_dir: str) -> None:
 def test_pipeline_rows_are_summed_over_the_stages_identically_on_every_rank(tmp_path):
     """Under PP the online fit's row is a micro-batch's time through every stage: each rank's
     stage times, summed over the group in rank order, the same bits on both ranks."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     # fork: the children inherit the imported trainer (spawning re-imports torchtitan, ~10 s)
-    mp.start_processes(_sum_worker, (port, str(tmp_path)), nprocs=2, start_method="fork")
+    mp.start_processes(_sum_worker, (str(tmp_path),), nprocs=2, start_method="fork")
     ranks = [np.load(tmp_path / f"rank{r}.npy") for r in (0, 1)]
     reference = np.array([0.1, 0.2, 0.3]) + (np.array([0.1, 0.2, 0.3]) * 2 + 1e-17)
     assert ranks[0].tobytes() == ranks[1].tobytes()
