@@ -24,7 +24,6 @@ from torchdata.nodes import BaseNode
 
 from torchtitan_wlb import workloads
 from torchtitan_wlb.cost_model import CostModel
-from torchtitan_wlb.data.collate import collate_micro_batch
 from torchtitan_wlb.data.wlb_node import TOKEN_DTYPE, WLBPackingNode
 from torchtitan_wlb.models.catalogue import MODELS, get_model
 from torchtitan_wlb.packing import (
@@ -96,6 +95,9 @@ def node_step_ms(
     """Wall and thread CPU milliseconds of every step of the data node on DP rank 0 of ``dp``, and
     the thread CPU milliseconds of collating that step's micro-batches into the model's tensors
     (what the training thread then pays, outside the node's step)."""
+    # Imported here: collate imports TorchTitan (seconds), which nothing else in this tool needs.
+    from torchtitan_wlb.data.collate import collate_micro_batch
+
     arena = 4 * packer.config.micro_batches * packer.config.context_len  # four global batches
     node = WLBPackingNode(_TokenSource(lengths, arena), packer, dp_rank=0, dp_degree=dp)
     node.reset()
