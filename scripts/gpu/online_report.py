@@ -39,7 +39,10 @@ def main() -> None:
     p.add_argument("archive")
     p.add_argument("--after", type=int, default=None, help="score the steps after this one")
     args = p.parse_args()
-    runs = read(args.archive)
+    try:
+        runs = read(args.archive)
+    except (OSError, tarfile.TarError, KeyError) as exc:  # not the online part's archive
+        p.error(f"{args.archive}: not an archive of run_checks.sh's online part ({exc})")
     adopted = [r for r in runs["online"].values() if r.get("wlb/cost_refit_adopted")]
     after = (
         args.after
