@@ -12,6 +12,7 @@ Options, ``--steps epoch`` versus a partial window, and every JSON key: docs/pac
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -89,32 +90,42 @@ class _TokenSource(BaseNode[dict]):
         return {"pos": self._pos}
 
 
-def node_step_ms(
-    packer: Packer, lengths: np.ndarray, steps: int, dp: int
-) -> tuple[list, list, list]:
-    """Wall and thread CPU milliseconds of every step of the data node on DP rank 0 of ``dp``, and
-    the thread CPU milliseconds of collating that step's micro-batches into the model's tensors
-    (what the training thread then pays, outside the node's step)."""
-    # Imported here: collate imports TorchTitan (seconds), which nothing else in this tool needs.
-    from torchtitan_wlb.data.collate import collate_micro_batch
-
-    arena = 4 * packer.config.micro_batches * packer.config.context_len  # four global batches
+def _node(packer: Packer, lengths: np.ndarray, dp: int) -> WLBPackingNode:
+    """The data node on DP rank 0 of ``dp``, fed from an arena of four global batches."""
+    arena = 4 * packer.config.micro_batches * packer.config.context_len
     node = WLBPackingNode(_TokenSource(lengths, arena), packer, dp_rank=0, dp_degree=dp)
     node.reset()
+    return node
+
+
+def node_step_ms(packer: Packer, lengths: np.ndarray, steps: int, dp: int) -> tuple[list, list]:
+    """Wall and thread CPU milliseconds of every step of the data node on DP rank 0 of ``dp``."""
+    node = _node(packer, lengths, dp)
     wall: list[float] = []
     cpu: list[float] = []
-    collate: list[float] = []
     for _ in range(steps):
         start, start_cpu = time.perf_counter(), time.thread_time()
-        if (step := next(node, None)) is None:
+        if next(node, None) is None:
             break
         cpu.append((time.thread_time() - start_cpu) * 1e3)
         wall.append((time.perf_counter() - start) * 1e3)
-        start_cpu = time.thread_time()
+    return wall, cpu
+
+
+def collate_step_ms(packer: Packer, lengths: np.ndarray, steps: int, dp: int) -> list[float]:
+    """Thread CPU milliseconds of collating each step's micro-batches into the model's tensors
+    (what the training thread pays after the node's step), on a pass of its own so that
+    ``node_step_ms`` times the node's steps back to back as before."""
+    # Imported here: collate imports TorchTitan (seconds), which nothing else in this tool needs.
+    from torchtitan_wlb.data.collate import collate_micro_batch
+
+    out: list[float] = []
+    for step in itertools.islice(_node(packer, lengths, dp), steps):
+        start = time.thread_time()
         for mb in step["micro_batches"]:
             collate_micro_batch(mb["tokens"], mb["doc_lens"])
-        collate.append((time.thread_time() - start_cpu) * 1e3)
-    return wall, cpu, collate
+        out.append((time.thread_time() - start) * 1e3)
+    return out
 
 
 def run(
@@ -143,7 +154,10 @@ def run(
         g = config.window  # one plan per window of G steps: amortise it over the window
         plan_ms = [sum(plan_ms[i : i + g]) / g for i in range(0, len(plan_ms), g)]
     fresh = build_packer(packer_name, config, cost_model)
-    node_ms, node_cpu_ms, collate_ms = node_step_ms(fresh, lengths, len(scored), dp)
+    node_ms, node_cpu_ms = node_step_ms(fresh, lengths, len(scored), dp)
+    collate_ms = collate_step_ms(
+        build_packer(packer_name, config, cost_model), lengths, len(scored), dp
+    )
     ratio = np.array([s["imbalance"] for s in per_step]) if per_step else np.ones(1)
     top = np.array([s["max_workload"] for s in per_step])
     mean = np.array([s["mean_workload"] for s in per_step])
