@@ -21,8 +21,9 @@ def document_positions(doc_lens: np.ndarray) -> np.ndarray:
 
     One array and one in-place cumulative sum: +1 per token, and at each document's first token
     the step back to 0. Temporaries of the micro-batch's size (a repeated start per token, an
-    arange) cost more than the arithmetic: freed and allocated again every micro-batch, their
-    pages are faulted in anew, which made collating a 128K micro-batch ~10x slower.
+    arange) cost more than the arithmetic where the allocator returns freed pages between
+    micro-batches: faulted in anew each time, they made collating a step up to 3-4x slower
+    (docs/data.md; with a warm allocator the difference is ~5 %).
     """
     doc_lens = np.asarray(doc_lens, dtype=np.int64)
     doc_lens = doc_lens[doc_lens > 0]
