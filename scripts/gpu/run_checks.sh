@@ -106,11 +106,12 @@ online() {  # N = 8 micro-batches a step, one GPU: their measured times are what
                         --wlb.fit_interval_steps 2 --wlb.fit_apply_lag_steps 1)
     "$PY" - "$WORKLOAD" "$WORK/online" "$ONLINE_CTX" "$ONLINE_STEPS" <<'PYEOF' || return 1
 import sys
+from argparse import Namespace
 from pathlib import Path
 
 import numpy as np
 
-from torchtitan_wlb.tools.e2e_bench import floor_doc_len, write_jsonl
+from torchtitan_wlb.tools.e2e_bench import FLOOR, floor_doc_len, micro_batch_max_len, write_jsonl
 from torchtitan_wlb.workloads import load_lengths
 
 workload, out, ctx, steps = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
@@ -120,8 +121,8 @@ need = 1.5 * steps * 8 * ctx  # tokens: the steps asked for, with room for the q
 write_jsonl(lens[: int(np.searchsorted(np.cumsum(lens), need)) + 1], out / "docs.jsonl", 0)
 f = floor_doc_len(lens, ctx)
 write_jsonl(np.full(int(need // f) + 1, f), out / "floor.jsonl", 0)
-k = ctx // f  # S_max >= the context, with room for exactly k documents a micro-batch (e2e_bench)
-(out / "floor_smax").write_text(str(max(k * f, min(ctx * 5 // 4, (k + 1) * f - 1))))
+smax = micro_batch_max_len(FLOOR, Namespace(context_len=ctx, smax_factor=1.25), f)
+(out / "floor_smax").write_text(str(smax))  # room for exactly ctx // f documents, as e2e_bench
 PYEOF
     for run in floor analytic online; do
         echo "=== $run"
