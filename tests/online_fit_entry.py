@@ -5,7 +5,10 @@ uninterrupted one after the resume. This entry replaces every micro-batch's meas
 forward+backward time, just before the step's statistics are gathered, with a known
 ``t = a * sum(d^2) + b * sum(d) + c`` (attention far dearer than the analytic FLOP model says),
 times a deterministic factor that differs per rank and micro-batch (the ranks are fed different
-timings). Run by torchrun as a script, so the package needs no test hooks.
+timings). Run by torchrun as a script, so the package needs no test hooks. With
+``--synthetic-gather-cost`` (a context-parallel run) a token whose K/V are all-gathered costs ``G``,
+a fifth of a local one: not physical, but it makes the fitted model choose other CP shardings than
+the throughput profile does.
 
 With ``--synthetic-stage-times`` (a pipeline-parallel run) it replaces the per-stage action times
 the pipeline runner records instead: stage ``s`` of ``p`` takes the share ``STAGE_SHARES[s]`` of
@@ -22,19 +25,23 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STAGE_TIMES = "--synthetic-stage-times" in sys.argv
 if STAGE_TIMES:
     sys.argv.remove("--synthetic-stage-times")
+GATHER_COST = "--synthetic-gather-cost" in sys.argv
+if GATHER_COST:
+    sys.argv.remove("--synthetic-gather-cost")
 
 from torchtitan_wlb import train  # noqa: E402  (activates CPU support first)
 from torchtitan_wlb.trainer import WLBTrainer  # noqa: E402
 
 A, B, C = 1e-7, 1e-5, 1e-3
+G = B / 5 if GATHER_COST else B  # per all-gathered token (CP)
 STAGE_SHARES = (0.3, 0.7)  # of a micro-batch's time, per pipeline stage (PP = 2)
 RANK = int(os.environ.get("RANK", "0"))
 
 
-def _seconds(step: int, i: int, sq: float, lin: float) -> float:
+def _seconds(step: int, i: int, sq: float, lin: float, gathered: float = 0.0) -> float:
     """The synthetic truth for micro-batch ``i`` of ``step`` on this rank, within 1 % noise."""
     noise = 1.0 + 0.01 * (((step * 7 + RANK * 3 + i * 5) % 11) - 5) / 5
-    return (A * sq + B * lin + C) * noise
+    return (A * sq + B * lin + G * gathered + C) * noise
 
 
 def install() -> None:
@@ -43,7 +50,7 @@ def install() -> None:
     def _maybe_refit(self):
         rows = self._fit_rows
         for i, (sq, lin, gathered, _) in enumerate(rows):
-            rows[i] = (sq, lin, gathered, _seconds(self.step, i, sq, lin + gathered))
+            rows[i] = (sq, lin, gathered, _seconds(self.step, i, sq, lin, gathered))
         return original(self)
 
     WLBTrainer._maybe_refit = _maybe_refit

@@ -44,7 +44,7 @@ def test_synthetic_timings_recover_the_coefficients_within_2_percent():
     assert np.array_equal(round_trip.to_vector(), total.to_vector())
 
 
-def test_gathered_tokens_get_their_own_coefficient_and_mix_into_the_packers_cost():
+def test_gathered_tokens_get_their_own_coefficient_in_the_packers_cost():
     """Under CP the plan mixes tokens whose K/V are gathered (dearer) with ones kept local, per
     micro-batch: the fit recovers both per-token costs, and hands the packer their mix."""
     rng = np.random.default_rng(5)
@@ -63,8 +63,17 @@ def test_gathered_tokens_get_their_own_coefficient_and_mix_into_the_packers_cost
     assert result.adopted and result.candidate.g == pytest.approx(5.0e-6, rel=0.02)
     share = result.candidate.gathered_share
     assert 0.3 < share < 0.7
-    model = result.candidate.cost_model()
-    assert model.linear_coef == pytest.approx((1 - share) * coef[1] + share * coef[2])
+    # The packer prices documents the plan keeps whole (<= whole_max_len) at b, longer ones at g.
+    model = result.candidate.cost_model(whole_max_len=512)
+    assert model.linear_coef == pytest.approx(coef[1]) and model.gathered_coef == coef[2]
+    np.testing.assert_allclose(
+        model.doc_cost(np.array([512, 513])),
+        [coef[0] * 512**2 + coef[1] * 512, coef[0] * 513**2 + coef[2] * 513],
+    )
+    # Sharding that gathers every document (whole_max_len 0): every token at g.
+    assert result.candidate.cost_model().doc_cost(np.array([100]))[0] == pytest.approx(
+        coef[0] * 100**2 + coef[2] * 100
+    )
     # Every document split (per_document sharding: no local tokens) or no CP (no gathered
     # tokens): the absent kind's term drops out instead of making the window degenerate.
     only_gathered = FitStats.from_samples(sq, np.zeros_like(lin), truth.predict(sq, 0, lin), lin)

@@ -81,6 +81,10 @@ def test_vectorised_costs_and_microbatch():
     assert cm.microbatch_cost(lens) == 249.0
     assert cm.break_even_length == 1.5
     assert CostModel.from_coefficients(0.0, 1.0).break_even_length == math.inf
+    # Under CP, documents longer than whole_max_len are gathered and pay gathered_coef a token.
+    cp = CostModel(2.0, 3.0, "seconds", gathered_coef=5.0, whole_max_len=2)
+    assert np.array_equal(cp.linear_cost(lens), [3.0, 6.0, 50.0])
+    assert np.array_equal(cp.doc_cost(lens), [5.0, 14.0, 250.0])
 
 
 def test_from_profile_recovers_coefficients(tmp_path):
@@ -132,6 +136,8 @@ def test_missing_profile(tmp_path):
         (dict(attn_coef=1.0, linear_coef=float("nan")), "linear_coef"),
         (dict(attn_coef=0.0, linear_coef=0.0), "both 0"),
         (dict(attn_coef=1.0, linear_coef=1.0, unit="ms"), "unit"),
+        (dict(attn_coef=1.0, linear_coef=1.0, gathered_coef=-2.0), "gathered_coef"),
+        (dict(attn_coef=1.0, linear_coef=1.0, whole_max_len=-1), r"whole_max_len must be an int"),
     ],
 )
 def test_invalid_coefficients(kwargs, match):

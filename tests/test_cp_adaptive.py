@@ -17,6 +17,7 @@ from torchtitan_wlb.cp.adaptive import (
     predicted_seconds,
 )
 from torchtitan_wlb.cp.plan import draft_sharding
+from torchtitan_wlb.trainer import cp_fit_features
 
 GRID = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 FAST = 1e9  # GB/s: communication costs nothing
@@ -82,6 +83,25 @@ def test_prediction_is_the_built_plans_compute_plus_its_gather(name):
     plan = draft.plan()
     assert compute == pytest.approx(FLAT.estimate_plan_seconds(plan), rel=1e-12)
     assert comm == pytest.approx(3 * plan.kv_gather_bytes(2, 32, 2) / 2e9, rel=1e-12)
+
+
+def test_fitted_coefficients_choose_by_the_ranks_measured_costs():
+    # The online fit's per-rank model (a, b, g): the estimate of each candidate is its slowest
+    # rank's a * Σd² * (share of the pairs) + b * local + g * gathered tokens, the features the
+    # trainer fits, and the cheapest candidate wins whatever the profile would say.
+    lens = np.array([400, 500, 100, 500, 30, 30])
+    dear_gather = (1e-7, 1e-5, 1e-3)  # gathering a token costs 100x keeping it
+    plan = build_cp_plan(lens, 2, "adaptive", TILE_HUNGRY, hybrid_max_len=512,
+                         coefficients=dear_gather)  # fmt: skip
+    for name, seconds in plan.estimated_seconds.items():
+        built = draft_sharding(lens, 2, name, max_len=512).plan()
+        ranks = [np.dot(cp_fit_features(built, r), dear_gather) for r in range(2)]
+        assert seconds == pytest.approx(max(ranks), rel=1e-12)
+    assert plan.strategy == "hybrid" and plan.gathered_len == 0
+    cheap_gather = (1e-7, 1e-3, 1e-5)  # the other way round: the balanced all-gathered plan
+    plan = build_cp_plan(lens, 2, "adaptive", TILE_HUNGRY, hybrid_max_len=512,
+                         coefficients=cheap_gather)  # fmt: skip
+    assert plan.strategy == "per_document"
 
 
 def test_bad_bandwidth_is_one_clear_error():

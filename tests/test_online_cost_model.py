@@ -96,3 +96,41 @@ def test_online_refit_under_pipeline_parallelism(tmp_path):
     share on each stage and different noise on each rank), summed over the pipeline group."""
     args = ("--parallelism.pipeline_parallel_degree", "2", "--checkpoint.no-enable")
     _check_refit(_train(tmp_path, *args, "--synthetic-stage-times"), tmp_path)
+
+
+def test_online_refit_under_context_parallelism_chooses_the_cp_plans(tmp_path):
+    """CP = 2, adaptive sharding: the fit prices local and all-gathered tokens apart, and from the
+    step the refit packs, both CP ranks choose every micro-batch's sharding by it instead of by
+    the throughput profile. A slow link makes the profile pick hybrid where it gathers least
+    (documents over 64 tokens are split, shorter ones stay local), and the synthetic gathered token
+    costs a fifth of a local one, so the fitted model picks the balanced all-gathered plan."""
+    import numpy as np
+
+    from torchtitan_wlb.cp.adaptive import build_cp_plan
+    from torchtitan_wlb.tools.e2e_bench import write_jsonl
+
+    data = tmp_path / "docs.jsonl"  # several documents a micro-batch, on both sides of 64 tokens
+    write_jsonl(np.random.default_rng(0).integers(10, 150, 600), data, seed=0)
+    cp = {"hybrid_max_len": 64, "bandwidth_gbps": 1e-3}
+    args = ("--parallelism.context_parallel_degree", "2", "--wlb.cp_sharding", "adaptive",
+            "--wlb.cp_hybrid_max_len", "64", "--wlb.cp_bandwidth_gbps", "0.001",
+            "--training.dataset", "jsonl", "--training.dataset_path", str(data),
+            "--checkpoint.no-enable", "--synthetic-gather-cost")  # fmt: skip
+    runs = _check_refit(_train(tmp_path, *args), tmp_path)
+    refit = runs[0][4]
+    a, b, g = (refit[f"wlb/cost_refit_{k}"] for k in "abg")
+    assert b == pytest.approx(1e-5, rel=0.05) and g == pytest.approx(b / 5, rel=0.05)
+    chosen = {}
+    for step, coefficients in ((5, None), (6, (a, b, g))):
+        lens = [np.array(d) for d in runs[0][step]["micro_batch_doc_lens"]]
+        chosen[step] = [
+            build_cp_plan(d, 2, "adaptive", coefficients=coefficients, **cp).strategy for d in lens
+        ]
+        for recs in runs:
+            assert recs[step]["micro_batch_cp_strategy"] == chosen[step], step
+            share = recs[step]["wlb/cp_hybrid_share"]
+            assert share == pytest.approx(chosen[step].count("hybrid") / len(lens))
+    # Step 6 under the profile would have run other plans: the fitted model made the choice.
+    lens = [np.array(d) for d in runs[0][6]["micro_batch_doc_lens"]]
+    profile = [build_cp_plan(d, 2, "adaptive", **cp).strategy for d in lens]
+    assert profile != chosen[6] and set(chosen[6]) == {"per_document"}

@@ -126,8 +126,7 @@ class Coefficients:
     g: float | None = None
     """Per token whose K/V are all-gathered over CP; None: the same as ``b`` (no CP seen)."""
     gathered_share: float = 0.0
-    """The fitted window's share of gathered tokens: how the packer, not knowing which documents
-    the CP plan will keep whole, mixes ``b`` and ``g`` into one per-token cost."""
+    """The fitted window's share of gathered tokens (a record of what the fit saw)."""
     unit: str = "seconds"
 
     @property
@@ -142,11 +141,17 @@ class Coefficients:
         sq, lin, gath = (np.asarray(v, float) for v in (sum_sq, sum_lin, sum_gathered))
         return self.a * sq + self.b * lin + self.gathered * gath + self.c
 
-    def cost_model(self) -> CostModel:
-        """The per-document model the packers balance. ``c`` is left out: every micro-batch pays
-        it once, so it moves no balance decision of a plan."""
-        share = self.gathered_share
-        return CostModel(self.a, (1.0 - share) * self.b + share * self.gathered, self.unit)
+    def cost_model(self, whole_max_len: int = 0) -> CostModel:
+        """The per-document model the packers balance: under CP (``g`` fitted) a document longer
+        than ``whole_max_len`` pays ``g`` per token, for the plan gathers it, a shorter one ``b``
+        (0: every document gathered). ``c`` is left out: every micro-batch pays it once, so it
+        moves no balance decision of a plan. A token kind the window never saw has no fitted
+        cost (0): then every token pays the kind it did see."""
+        if self.g is None or self.gathered_share <= 0.0:
+            return CostModel(self.a, self.b, self.unit)
+        if self.gathered_share >= 1.0 or whole_max_len <= 0:
+            return CostModel(self.a, self.gathered, self.unit)
+        return CostModel(self.a, self.b, self.unit, self.g, int(whole_max_len))
 
     @classmethod
     def of(cls, model: CostModel) -> Coefficients:
@@ -291,8 +296,9 @@ class CostModelSchedule:
 class OnlineFitter:
     """The trainer's side: a window of rank-summed step statistics, the refits and their history."""
 
-    def __init__(self, schedule: CostModelSchedule) -> None:
+    def __init__(self, schedule: CostModelSchedule, whole_max_len: int = 0) -> None:
         self.schedule = schedule
+        self.whole_max_len = whole_max_len  # under CP: what Coefficients.cost_model needs
         self.config = schedule.config
         self._window: deque[tuple[int, np.ndarray]] = deque(maxlen=self.config.window_steps)
         self.incumbent = Coefficients.of(schedule.initial)
@@ -310,7 +316,7 @@ class OnlineFitter:
         fit_part, holdout = sum(window[:k], FitStats.zeros()), sum(window[k:], FitStats.zeros())
         result = refit(fit_part, holdout, self.incumbent)
         effective = self.schedule.decide(
-            step, result.candidate.cost_model() if result.adopted else None
+            step, result.candidate.cost_model(self.whole_max_len) if result.adopted else None
         )
         record = {"step": step, **asdict(result)}
         record["effective_step"] = effective if result.adopted else None
@@ -335,7 +341,10 @@ class OnlineFitter:
         self.incumbent = Coefficients(**state["incumbent"])
         self.history = list(state["history"])
         adoptions = [
-            (int(r["effective_step"]), Coefficients(**r["candidate"]).cost_model())
+            (
+                int(r["effective_step"]),
+                Coefficients(**r["candidate"]).cost_model(self.whole_max_len),
+            )
             for r in self.history
         ]
         self.schedule.restore(adoptions, int(state["decided_through"]))

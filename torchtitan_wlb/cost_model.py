@@ -18,7 +18,8 @@ _FWD_BWD_FACTOR = 3.0
 @dataclass(frozen=True)
 class CostModel:
     """``W(d) = attn_coef * d**2 + linear_coef * d`` per document; a micro-batch costs the sum
-    over its documents (document masking: no cross-document work)."""
+    over its documents (document masking: no cross-document work). Under CP, the online fit can
+    price the tokens of documents the plan all-gathers apart (``gathered_coef``)."""
 
     attn_coef: float
     """Cost of causal attention per squared token (``W_a(d) = attn_coef * d**2``); >= 0."""
@@ -26,16 +27,35 @@ class CostModel:
     """Cost of everything else per token (``W_l(d) = linear_coef * d``); >= 0."""
     unit: str = "flops"
     """Unit of the costs: ``"flops"`` (analytic) or ``"seconds"`` (measured / given)."""
+    gathered_coef: float | None = None
+    """Under CP, the cost per token of a document whose K/V the CP plan all-gathers (one longer
+    than ``whole_max_len``), as the online fit measures it; None: ``linear_coef`` for all tokens."""
+    whole_max_len: int = 0
+    """Under CP with ``gathered_coef``: documents up to this length stay whole on one rank (hybrid
+    sharding keeps them local) and pay ``linear_coef`` per token; 0: every document is gathered."""
 
     def __post_init__(self) -> None:
-        for name in ("attn_coef", "linear_coef"):
+        for name in ("attn_coef", "linear_coef", "gathered_coef"):
             value = getattr(self, name)
+            if value is None and name == "gathered_coef":
+                continue
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"CostModel.{name} must be a finite number >= 0, got {value!r}")
         if self.attn_coef == 0 and self.linear_coef == 0:
             raise ValueError("CostModel needs attn_coef > 0 or linear_coef > 0, got both 0")
         if self.unit not in ("flops", "seconds"):
             raise ValueError(f"CostModel.unit must be 'flops' or 'seconds', got {self.unit!r}")
+        whole = self.whole_max_len
+        if isinstance(whole, bool) or not isinstance(whole, int) or whole < 0:
+            raise ValueError(
+                f"CostModel.whole_max_len must be an int >= 0, got {self.whole_max_len!r}"
+            )
+
+    def _per_token(self, d: np.ndarray) -> np.ndarray | float:
+        """Linear cost per token of each document: ``gathered_coef`` above ``whole_max_len``."""
+        if self.gathered_coef is None:
+            return self.linear_coef
+        return np.where(d > self.whole_max_len, self.gathered_coef, self.linear_coef)
 
     def attention_cost(self, lengths: np.ndarray) -> np.ndarray:
         """``W_a(d)`` for every length in ``lengths`` (float64 array of the same shape)."""
@@ -44,12 +64,13 @@ class CostModel:
 
     def linear_cost(self, lengths: np.ndarray) -> np.ndarray:
         """``W_l(d)`` for every length in ``lengths``."""
-        return self.linear_coef * np.asarray(lengths, dtype=np.float64)
+        d = np.asarray(lengths, dtype=np.float64)
+        return self._per_token(d) * d
 
     def doc_cost(self, lengths: np.ndarray) -> np.ndarray:
         """``W(d) = W_a(d) + W_l(d)`` for every length in ``lengths``."""
         d = np.asarray(lengths, dtype=np.float64)
-        return d * (self.attn_coef * d + self.linear_coef)
+        return d * (self.attn_coef * d + self._per_token(d))
 
     def microbatch_cost(self, doc_lens: np.ndarray) -> float:
         """Cost of one packed micro-batch: the sum of its documents' costs."""

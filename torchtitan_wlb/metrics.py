@@ -21,8 +21,10 @@ _LISTS = (
     "micro_batch_times_s", "micro_batch_device_times_s", "doc_ids", "micro_batch_doc_lens",
     "pp_actions",  # written only under PP
     "micro_batch_fit_features",  # written only under CP with the online cost model
+    "micro_batch_cp_strategy",  # written only under CP: the sharding each micro-batch ran
 )  # fmt: skip
-_OPTIONAL_LISTS = ("pp_actions", "micro_batch_fit_features")  # left out of a record when empty
+# Left out of a record when empty.
+_OPTIONAL_LISTS = ("pp_actions", "micro_batch_fit_features", "micro_batch_cp_strategy")
 # The parts of the wlb console line: (the figure that must be there, the part).
 _WLB_LINE = (
     ("wlb/step_time_s", "step_time: {wlb/step_time_s:.3f}s"),

@@ -111,7 +111,9 @@ class WLBTrainer(Trainer):
         self._pp_doc_lens: list[list[int]] = []
         self._cost_model = cost_model_for_job(job_config) if wlb.loader == "documents" else None
         schedule = getattr(self.dataloader, "cost_schedule", None)
-        self._fitter = OnlineFitter(schedule) if schedule is not None else None
+        self._fitter = None
+        if schedule is not None:
+            self._fitter = OnlineFitter(schedule, whole_max_len=self._whole_max_len())
         self._clock = DeviceClock(self.device)
         self.metrics_processor.device_clock = self._clock.kind
         # The online fit's rows: (Σd², local tokens, gathered tokens, seconds) per micro-batch.
@@ -237,6 +239,27 @@ class WLBTrainer(Trainer):
         doc_lens = torch.cat([doc_lens, torch.tensor([pad], dtype=doc_lens.dtype)])
         return inputs, labels, positions, doc_lens
 
+    def _whole_max_len(self) -> int:
+        """Under hybrid or adaptive CP, the length up to which the plan keeps a document whole
+        (hybrid's threshold or its floor): the online model prices longer ones as gathered."""
+        wlb, pd = self.job_config.wlb, self.parallel_dims
+        if not pd.cp_enabled or wlb.cp_sharding not in ("hybrid", "adaptive"):
+            return 0
+        from torchtitan_wlb.cp.plan import default_hybrid_max_len
+
+        return wlb.cp_hybrid_max_len or default_hybrid_max_len(pd.cp)
+
+    def _fitted_cp_coefficients(self) -> tuple[float, float, float] | None:
+        """The online model packing this step, as adaptive CP's per-rank ``(a, b, g)`` once a fit
+        has priced local and gathered tokens apart: the same on every rank (all-reduced fit,
+        adopted at a step fixed in advance), so every CP rank picks the same plan."""
+        if self._fitter is None or self.job_config.wlb.cp_sharding != "adaptive":
+            return None
+        model = self._fitter.schedule.model_for_step(self.step)
+        if model.gathered_coef is None:
+            return None
+        return model.attn_coef, model.linear_coef, model.gathered_coef
+
     def _shard_for_cp(
         self, inputs: Tensor, labels: Tensor, positions: Tensor, doc_lens: np.ndarray, backend: str
     ) -> tuple[Tensor, Tensor, Tensor, DocumentAttentionMetadata]:
@@ -255,8 +278,10 @@ class WLBTrainer(Trainer):
             hybrid_max_len=wlb.cp_hybrid_max_len,
             bandwidth_gbps=wlb.cp_bandwidth_gbps,
             candidates=adaptive_candidates(self.parallel_dims.tp_enabled),
+            coefficients=self._fitted_cp_coefficients(),
         )
         self._cp_stats.append((plan.strategy, plan.flops_imbalance()))
+        self.metrics_processor.keep("micro_batch_cp_strategy", plan.strategy)
         if self._fitter is not None:
             self._fit_features = cp_fit_features(plan, rank)
             self.metrics_processor.keep("micro_batch_fit_features", list(self._fit_features))
@@ -292,7 +317,8 @@ class WLBTrainer(Trainer):
         if self._pp_runner is None and self._fit_features is not None:
             self._fit_rows.append((*self._fit_features, device))
         self._fit_features = None
-        self._flush_cp_stats()
+        if self._micro_batches_done >= self.gradient_accumulation_steps:
+            self._flush_cp_stats()  # the step's every micro-batch, not its last alone
         self._maybe_refit()
         return loss
 

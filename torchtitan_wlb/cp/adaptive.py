@@ -13,6 +13,7 @@ from torchtitan_wlb.cp.plan import (
     FIXED_STRATEGIES,
     CPPlan,
     ShardingDraft,
+    causal_pairs,
     draft_sharding,
     validate_doc_lens,
 )
@@ -56,6 +57,23 @@ def predicted_seconds(
     return compute, _TRANSFERS_PER_LAYER * gathered / (bandwidth_gbps * 1e9)
 
 
+def fitted_seconds(draft: ShardingDraft, coefficients: tuple[float, float, float]) -> float:
+    """The slowest rank's time under ``draft`` by the online fit's per-rank model ``(a, b, g)``:
+    ``a * Σd² * (its share of the attention pairs) + b * local tokens + g * gathered tokens`` (the
+    trainer's fit features, docs/cost_model.md; the fixed cost per micro-batch is the same for
+    every candidate and left out)."""
+    a, b, g = coefficients
+    q_len = draft.q_len
+    pairs = draft.rank_totals(causal_pairs(q_len, draft.kv_len))
+    tokens = draft.rank_totals(q_len)
+    gathered = tokens
+    if draft.strategy == "hybrid":
+        gathered = draft.rank_totals(np.where(draft.doc_gathered[draft.table[0]], q_len, 0))
+    d = draft.doc_lens.astype(np.float64)
+    share = pairs / max(float(pairs.sum()), 1.0)
+    return float((a * float(d @ d) * share + b * (tokens - gathered) + g * gathered).max())
+
+
 def build_cp_plan(
     doc_lens: np.ndarray,
     cp_degree: int,
@@ -66,10 +84,13 @@ def build_cp_plan(
     hybrid_max_len: int = 0,
     bandwidth_gbps: float = DEFAULT_CP_BANDWIDTH_GBPS,
     candidates: tuple[str, ...] = ADAPTIVE_CANDIDATES,
+    coefficients: tuple[float, float, float] | None = None,
 ) -> CPPlan:
     """The CP plan of one packed micro-batch of ``doc_lens`` by ``strategy`` (``[wlb] cp_*``
     fields). ``"adaptive"`` picks among ``candidates`` by their predicted seconds on ``profile``
-    (None: the packaged CPU table), kept in the plan's ``estimated_seconds``; ties: the earlier."""
+    (None: the packaged CPU table), or, given the online fit's per-rank ``coefficients`` ``(a,
+    b, g)``, by :func:`fitted_seconds` (the machine's measured costs, linear layers and gathers
+    included); kept in the plan's ``estimated_seconds``; ties: the earlier."""
     if strategy not in STRATEGIES:
         raise ValueError(f"CP strategy {strategy!r} is not one of {STRATEGIES}")
     lens = validate_doc_lens(doc_lens, cp_degree, seq_len)
@@ -79,13 +100,16 @@ def build_cp_plan(
         raise ValueError(f"bandwidth_gbps must be a number > 0 (GB/s); got {bandwidth_gbps!r}")
     if not candidates or any(name not in FIXED_STRATEGIES for name in candidates):
         raise ValueError(f"adaptive candidates {candidates!r} must be among {FIXED_STRATEGIES}")
-    table = resolve_profile(profile)
     drafts = {
         name: draft_sharding(lens, cp_degree, name, max_len=hybrid_max_len) for name in candidates
     }
-    estimates = {
-        name: sum(predicted_seconds(d, table, bandwidth_gbps)) for name, d in drafts.items()
-    }
+    if coefficients is not None:
+        estimates = {name: fitted_seconds(d, coefficients) for name, d in drafts.items()}
+    else:
+        table = resolve_profile(profile)
+        estimates = {
+            name: sum(predicted_seconds(d, table, bandwidth_gbps)) for name, d in drafts.items()
+        }
     chosen = drafts[min(estimates, key=estimates.get)].plan(requested=strategy)
     chosen.estimated_seconds.update(estimates)
     return chosen
