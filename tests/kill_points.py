@@ -63,4 +63,4 @@ def install(spec: str) -> None:
 if __name__ == "__main__":
     if os.environ.get("WLB_TEST_KILL"):
         install(os.environ["WLB_TEST_KILL"])
-    sys.exit(train.main())
+    train.exit_now(train.main())

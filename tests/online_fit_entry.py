@@ -92,4 +92,4 @@ if __name__ == "__main__":
         install_stage_times()
     else:
         install()
-    sys.exit(train.main())
+    train.exit_now(train.main())

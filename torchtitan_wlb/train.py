@@ -3,7 +3,11 @@ Bad input ends with one line and exit status 2, not a traceback."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
 import sys
+from typing import NoReturn
 from unittest import mock
 
 from torchtitan_wlb import cpu_support, log_filter, parent_watch
@@ -50,5 +54,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def exit_now(code: int) -> NoReturn:
+    """End the rank process without interpreter finalization, once ``main`` has returned.
+
+    A gloo worker thread can still be releasing the last collective's work when the interpreter
+    finalizes: the work's tensors take the GIL to drop their Python objects, finalization makes
+    that thread exit through C++ frames that may not unwind, and the process aborts (SIGABRT, exit
+    -6) after a run that finished (torch 2.13: ProcessGroupGloo::runLoop -> ~AsyncWork -> decref ->
+    PyThread_exit_thread -> std::terminate; ~1 launch in 15 on the CPU tests and benchmarks).
+    Nothing is left to finalize: ``trainer.close()`` has closed the checkpointer and the metric
+    writers, and the JSONL and audit logs are written and closed per record; logging and the
+    standard streams are flushed here."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # closed or broken: nothing to write
+            stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())
