@@ -70,6 +70,10 @@ def test_gathered_tokens_get_their_own_coefficient_in_the_packers_cost():
         model.doc_cost(np.array([512, 513])),
         [coef[0] * 512**2 + coef[1] * 512, coef[0] * 513**2 + coef[2] * 513],
     )
+    # A seen kind fitted at 0 (here local tokens, on a model with no attention term): one mixed
+    # cost, no split pricing, so adaptive CP keeps choosing by the profile.
+    zero_b = Coefficients(a=0.0, b=0.0, c=1e-3, g=4e-6, gathered_share=0.25).cost_model(512)
+    assert zero_b.gathered_coef is None and zero_b.linear_coef == pytest.approx(1e-6)
     # Sharding that gathers every document (whole_max_len 0): every token at g.
     assert result.candidate.cost_model().doc_cost(np.array([100]))[0] == pytest.approx(
         coef[0] * 100**2 + coef[2] * 100

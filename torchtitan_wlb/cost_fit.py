@@ -146,11 +146,16 @@ class Coefficients:
         than ``whole_max_len`` pays ``g`` per token, for the plan gathers it, a shorter one ``b``
         (0: every document gathered). ``c`` is left out: every micro-batch pays it once, so it
         moves no balance decision of a plan. A token kind the window never saw has no fitted
-        cost (0): then every token pays the kind it did see."""
-        if self.g is None or self.gathered_share <= 0.0:
+        cost (0): then every token pays the kind it did see. A fit that prices one kind it saw
+        at 0 (timing noise on a model whose tokens cost little) does not tell the kinds apart:
+        one cost, the two mixed by the window's gathered share, as if no CP were seen."""
+        share = self.gathered_share
+        if self.g is None or share <= 0.0:
             return CostModel(self.a, self.b, self.unit)
-        if self.gathered_share >= 1.0 or whole_max_len <= 0:
+        if share >= 1.0 or whole_max_len <= 0:
             return CostModel(self.a, self.gathered, self.unit)
+        if self.b <= 0.0 or self.g <= 0.0:
+            return CostModel(self.a, (1.0 - share) * self.b + share * self.g, self.unit)
         return CostModel(self.a, self.b, self.unit, self.g, int(whole_max_len))
 
     @classmethod
