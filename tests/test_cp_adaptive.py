@@ -104,6 +104,13 @@ def test_fitted_coefficients_choose_by_the_ranks_measured_costs():
     assert plan.strategy == "per_document"
 
 
+@pytest.mark.parametrize("bad", [(1e-7, 1e-5), (1e-7, -1e-5, 1e-5), (1e-7, float("nan"), 1.0),
+                                 "abc", (True, 1.0, 1.0)])  # fmt: skip
+def test_bad_fitted_coefficients_are_one_clear_error(bad):
+    with pytest.raises(ValueError, match=r"coefficients must be three finite numbers >= 0"):
+        build_cp_plan(np.array([10, 20]), 2, "adaptive", coefficients=bad)
+
+
 def test_bad_bandwidth_is_one_clear_error():
     with pytest.raises(ValueError, match=r"bandwidth_gbps must be a number > 0 \(GB/s\); got 0"):
         _choose([10, 20], 2, FLAT, 0)

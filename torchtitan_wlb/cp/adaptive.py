@@ -57,6 +57,13 @@ def predicted_seconds(
     return compute, _TRANSFERS_PER_LAYER * gathered / (bandwidth_gbps * 1e9)
 
 
+def _numbers(values: object) -> bool:
+    """Whether ``values`` is a sequence of real numbers (bools excluded)."""
+    if not isinstance(values, (tuple, list)):
+        return False
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+
+
 def fitted_seconds(draft: ShardingDraft, coefficients: tuple[float, float, float]) -> float:
     """The slowest rank's time under ``draft`` by the online fit's per-rank model ``(a, b, g)``:
     ``a * Σd² * (its share of the attention pairs) + b * local tokens + g * gathered tokens`` (the
@@ -98,6 +105,13 @@ def build_cp_plan(
         return draft_sharding(lens, cp_degree, strategy, max_len=hybrid_max_len).plan()
     if isinstance(bandwidth_gbps, bool) or not bandwidth_gbps > 0:
         raise ValueError(f"bandwidth_gbps must be a number > 0 (GB/s); got {bandwidth_gbps!r}")
+    if coefficients is not None:
+        coef = np.asarray(coefficients, dtype=np.float64) if _numbers(coefficients) else None
+        if coef is None or coef.shape != (3,) or not np.all(np.isfinite(coef) & (coef >= 0)):
+            raise ValueError(
+                f"coefficients must be three finite numbers >= 0, (a, b, g) in seconds; got "
+                f"{coefficients!r}"
+            )
     if not candidates or any(name not in FIXED_STRATEGIES for name in candidates):
         raise ValueError(f"adaptive candidates {candidates!r} must be among {FIXED_STRATEGIES}")
     drafts = {
