@@ -143,11 +143,12 @@ def test_modes_and_the_floor_run_set_the_trainer_flags():
 
 
 @pytest.mark.slow
-def test_whole_pass_trains_every_document_once(capsys):
-    # wlb with the online cost model: the whole pass, and refits on the way.
+def test_whole_pass_trains_every_document_once(capsys, tmp_path):
+    # wlb with the online cost model: the whole pass, and refits on the way; a short floor first.
     args = ["--parallel", "cp2", "--modes", "wlb_online", "--context-len", "512"]
     args += ["--micro-batches", "4", "--num-docs", "120", "--scale-from", "8192", "--json"]
-    args += ["--floor-steps", "0", "--fit-warmup", "1", "--fit-window", "2", "--fit-interval", "1"]
+    args += ["--floor-steps", "3", "--fit-warmup", "1", "--fit-window", "2", "--fit-interval", "1"]
+    args += ["--records-out", str(tmp_path)]
     assert e2e_bench.main(args) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     wlb = out["modes"]["wlb_online"]
@@ -160,6 +161,14 @@ def test_whole_pass_trains_every_document_once(capsys):
     # adaptive CP: the shares of micro-batches planned per-document and hybrid
     assert 0.0 <= wlb["cp_per_document_share"] <= 1.0 and 0.0 <= wlb["cp_hybrid_share"] <= 1.0
     assert wlb["cp_per_document_share"] + wlb["cp_hybrid_share"] <= 1.0
+    assert 1.0 <= out["measured_imbalance_floor"] < 2.0
+    # --records-out: the mode's measured micro-batches, and the floor's identical ones.
+    mode_records = json.loads((tmp_path / "records_wlb_online.json").read_text())
+    assert len(mode_records["microbatches"]) >= 2 * 4 and mode_records["layout"]["cp"] == 2
+    floor = json.loads((tmp_path / "records_floor.json").read_text())["microbatches"]
+    floor_len = int(out["floor_doc_len"])
+    assert {tuple(mb["doc_lens"]) for mb in floor} == {(floor_len,) * (512 // floor_len)}
+    assert len(floor) == 2 * 4 * (3 - 2)  # two CP ranks, 4 micro-batches, the steps past warm-up
 
 
 def test_cp_sharding_speedups_compare_against_the_first_sharding():

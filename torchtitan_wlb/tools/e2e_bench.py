@@ -445,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
             write_jsonl(np.full(n_docs, floor_len, np.int64), floor_data, args.seed)
             jobs.insert(0, (FLOOR, "", floor_data))
         bar = progress(desc="e2e_bench", unit="step")
+        floor_records: dict[int, dict[str, Any]] = {}
         for run in range(args.runs):
             results, rundir = {}, workdir / f"run{run}"
             for mode, sharding, docs in jobs:
@@ -461,6 +462,9 @@ def main(argv: list[str] | None = None) -> int:
                 )
             floor_key = {}
             if floor := results.pop(FLOOR, None):
+                # Kept for --records-out: identical micro-batches' own timing noise, to set beside
+                # the modes' fit residuals (docs/benchmarks.md).
+                floor_records[run] = floor.pop("records")
                 floor_key["floor_doc_len"] = floor_len
                 floor_key["measured_imbalance_floor"] = floor["measured_imbalance"]
                 floor_key["measured_imbalance_floor_device"] = floor["measured_imbalance_device"]
@@ -470,7 +474,10 @@ def main(argv: list[str] | None = None) -> int:
     records = [{mode: res.pop("records") for mode, res in run["modes"].items()} for run in runs]
     last = runs[-1]["modes"]
     if args.records_out:
-        write_records(Path(args.records_out), records[-1], args.parallel, args.model)
+        last_records = records[-1]
+        if floor_records:
+            last_records[FLOOR] = floor_records[len(runs) - 1]
+        write_records(Path(args.records_out), last_records, args.parallel, args.model)
     shown = ("parallel", "model", "context_len", "micro_batches", "steps", "warmup")
     summary: dict[str, Any] = {
         **{key: getattr(args, key) for key in shown},
