@@ -94,7 +94,7 @@ def test_fitted_coefficients_choose_by_the_ranks_measured_costs():
     plan = build_cp_plan(lens, 2, "adaptive", TILE_HUNGRY, hybrid_max_len=512,
                          coefficients=dear_gather)  # fmt: skip
     for name, seconds in plan.estimated_seconds.items():
-        built = draft_sharding(lens, 2, name, max_len=512).plan()
+        built = draft_sharding(lens, 2, name, max_len=512, costs=dear_gather).plan()
         ranks = [np.dot(cp_fit_features(built, r), dear_gather) for r in range(2)]
         assert seconds == pytest.approx(max(ranks), rel=1e-12)
     assert plan.strategy == "hybrid" and plan.gathered_len == 0
@@ -106,9 +106,10 @@ def test_fitted_coefficients_choose_by_the_ranks_measured_costs():
 
 @pytest.mark.parametrize("bad", [(1e-7, 1e-5), (1e-7, -1e-5, 1e-5), (1e-7, float("nan"), 1.0),
                                  "abc", (True, 1.0, 1.0)])  # fmt: skip
-def test_bad_fitted_coefficients_are_one_clear_error(bad):
+@pytest.mark.parametrize("strategy", ["adaptive", "hybrid"])  # hybrid balances by them too
+def test_bad_fitted_coefficients_are_one_clear_error(bad, strategy):
     with pytest.raises(ValueError, match=r"coefficients must be three finite numbers >= 0"):
-        build_cp_plan(np.array([10, 20]), 2, "adaptive", coefficients=bad)
+        build_cp_plan(np.array([10, 20]), 2, strategy, coefficients=bad)
 
 
 def test_bad_bandwidth_is_one_clear_error():

@@ -336,11 +336,11 @@ def test_draft_takes_fixed_strategies_only():
 
 
 # --------------------------------------------------------------------------------- hybrid
-def _check_hybrid(doc_lens, cp, max_len=0):
+def _check_hybrid(doc_lens, cp, max_len=0, costs=None):
     """Hybrid invariants: every token once, per-document positions, whole documents uncut and
     local, the gathered tokens a prefix of every rank, key segments = document prefixes."""
     doc_lens = np.asarray(doc_lens, dtype=np.int64)
-    plan = build_cp_plan(doc_lens, cp, "hybrid", hybrid_max_len=max_len)
+    plan = build_cp_plan(doc_lens, cp, "hybrid", hybrid_max_len=max_len, coefficients=costs)
     total = int(doc_lens.sum())
     doc_of, pos_of = _global_positions(doc_lens)
     # Keys of the split halves are the gathered documents' tokens in packed order.
@@ -409,11 +409,43 @@ def test_hybrid_plan_properties(doc_lens, max_len, cp):
     doc_lens=st.lists(st.integers(1, 400), min_size=1, max_size=30),
     cp=st.sampled_from([2, 3, 4, 8]),
     max_len=st.sampled_from([0, 1, 8, 50, 200]),
+    costs=st.sampled_from([None, (1e-8, 5e-5, 6e-5), (0.0, 1e-5, 4e-5), (1e-8, 0.0, 0.0)]),
 )
-def test_hybrid_plan_properties_random(doc_lens, cp, max_len):
+def test_hybrid_plan_properties_random(doc_lens, cp, max_len, costs):
     if sum(doc_lens) < cp:
         return
-    _check_hybrid(doc_lens, cp, max_len)
+    _check_hybrid(doc_lens, cp, max_len, costs)
+
+
+def _fitted_rank_costs(plan, costs):
+    """Each rank's seconds by the online fit's per-rank model (docs/cost_model.md)."""
+    a, b, g = costs
+    pairs = plan.rank_attention_pairs()
+    d = plan.doc_lens.astype(np.float64)
+    local = plan.local_lens - plan.gather_lens
+    return a * float(d @ d) * pairs / pairs.sum() + b * local + g * plan.gather_lens
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_hybrid_balances_the_ranks_by_the_fitted_costs(cp):
+    # The CPU runs' fit prices a gathered token 1.27x a local one (the all-gather, the longer key
+    # rows): hybrid's even token counts left the rank holding more whole documents cheaper, the
+    # ranks' predicted costs 2.8 % apart on average at CP = 2. Balanced by the fit, no micro-batch
+    # gets worse and the slowest ranks' total (what the step waits for) falls by over 1 %.
+    from torchtitan_wlb.tools.cp_bench import pack_micro_batches
+    from torchtitan_wlb.workloads import generate
+
+    costs, context = (5e-8, 5.2e-5, 6.6e-5), 1024 * cp
+    lens = np.rint(generate("longtail", 6000, 8192, seed=5) * (context / 8192)).astype(np.int64)
+    top = {None: 0.0, costs: 0.0}
+    for doc_lens in pack_micro_batches(np.clip(lens, 3, context), context, 40):
+        spread = {}
+        for coef in top:
+            ranks = _fitted_rank_costs(_check_hybrid(doc_lens, cp, 0, coef), costs)
+            spread[coef] = ranks.max() / ranks.mean()
+            top[coef] += ranks.max()
+        assert spread[costs] <= spread[None] + 1e-3
+    assert top[costs] < top[None] * 0.99
 
 
 def test_hybrid_extremes():
@@ -444,6 +476,9 @@ def test_hybrid_with_nothing_split_evens_tokens_and_work_together():
     plan = build_cp_plan(lens, 2, "hybrid")
     assert plan.gathered_len == 0
     assert plan.token_imbalance() <= 1.07 and plan.flops_imbalance() <= 1.07
+    # Given the fit, the deal evens its per-rank costs (here: tokens priced, attention work free).
+    fitted = build_cp_plan(lens, 2, "hybrid", coefficients=(0.0, 1e-5, 2e-5))
+    assert fitted.gathered_len == 0 and fitted.token_imbalance() <= 1.01
 
 
 def test_hybrid_keeps_short_documents_whole_and_gathers_less():

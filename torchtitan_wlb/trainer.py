@@ -250,10 +250,11 @@ class WLBTrainer(Trainer):
         return wlb.cp_hybrid_max_len or default_hybrid_max_len(pd.cp)
 
     def _fitted_cp_coefficients(self) -> tuple[float, float, float] | None:
-        """The online model packing this step, as adaptive CP's per-rank ``(a, b, g)`` once a fit
-        has priced local and gathered tokens apart: the same on every rank (all-reduced fit,
-        adopted at a step fixed in advance), so every CP rank picks the same plan."""
-        if self._fitter is None or self.job_config.wlb.cp_sharding != "adaptive":
+        """The online model packing this step, as CP's per-rank ``(a, b, g)`` once a fit has
+        priced local and gathered tokens apart (adaptive sharding chooses by it, hybrid balances
+        its ranks by it): the same on every rank (all-reduced fit, adopted at a step fixed in
+        advance), so every CP rank builds the same plan."""
+        if self._fitter is None or self.job_config.wlb.cp_sharding not in ("adaptive", "hybrid"):
             return None
         model = self._fitter.schedule.model_for_step(self.step)
         if model.gathered_coef is None:

@@ -97,14 +97,11 @@ def build_cp_plan(
     fields). ``"adaptive"`` picks among ``candidates`` by their predicted seconds on ``profile``
     (None: the packaged CPU table), or, given the online fit's per-rank ``coefficients`` ``(a,
     b, g)``, by :func:`fitted_seconds` (the machine's measured costs, linear layers and gathers
-    included); kept in the plan's ``estimated_seconds``; ties: the earlier."""
+    included); kept in the plan's ``estimated_seconds``; ties: the earlier. Hybrid plans, chosen
+    or fixed, balance the ranks by ``coefficients`` when given (:func:`draft_sharding`)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"CP strategy {strategy!r} is not one of {STRATEGIES}")
     lens = validate_doc_lens(doc_lens, cp_degree, seq_len)
-    if strategy != "adaptive":
-        return draft_sharding(lens, cp_degree, strategy, max_len=hybrid_max_len).plan()
-    if isinstance(bandwidth_gbps, bool) or not bandwidth_gbps > 0:
-        raise ValueError(f"bandwidth_gbps must be a number > 0 (GB/s); got {bandwidth_gbps!r}")
     if coefficients is not None:
         coef = np.asarray(coefficients, dtype=np.float64) if _numbers(coefficients) else None
         if coef is None or coef.shape != (3,) or not np.all(np.isfinite(coef) & (coef >= 0)):
@@ -112,10 +109,18 @@ def build_cp_plan(
                 f"coefficients must be three finite numbers >= 0, (a, b, g) in seconds; got "
                 f"{coefficients!r}"
             )
+    if strategy != "adaptive":
+        fixed = draft_sharding(
+            lens, cp_degree, strategy, max_len=hybrid_max_len, costs=coefficients
+        )
+        return fixed.plan()
+    if isinstance(bandwidth_gbps, bool) or not bandwidth_gbps > 0:
+        raise ValueError(f"bandwidth_gbps must be a number > 0 (GB/s); got {bandwidth_gbps!r}")
     if not candidates or any(name not in FIXED_STRATEGIES for name in candidates):
         raise ValueError(f"adaptive candidates {candidates!r} must be among {FIXED_STRATEGIES}")
     drafts = {
-        name: draft_sharding(lens, cp_degree, name, max_len=hybrid_max_len) for name in candidates
+        name: draft_sharding(lens, cp_degree, name, max_len=hybrid_max_len, costs=coefficients)
+        for name in candidates
     }
     if coefficients is not None:
         estimates = {name: fitted_seconds(d, coefficients) for name, d in drafts.items()}

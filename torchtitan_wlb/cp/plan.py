@@ -324,10 +324,17 @@ class ShardingDraft:
 
 
 def draft_sharding(
-    lens: np.ndarray, cp_degree: int, strategy: str, *, max_len: int = 0
+    lens: np.ndarray,
+    cp_degree: int,
+    strategy: str,
+    *,
+    max_len: int = 0,
+    costs: tuple[float, float, float] | None = None,
 ) -> ShardingDraft:
     """The segments of a fixed ``strategy`` for lengths checked by :func:`validate_doc_lens`
-    (``.plan()`` is the plan); ``max_len``: hybrid's threshold, 0 = chosen per micro-batch."""
+    (``.plan()`` is the plan); ``max_len``: hybrid's threshold, 0 = chosen per micro-batch;
+    ``costs``: the online fit's per-rank ``(a, b, g)`` (checked by the caller), by which hybrid
+    evens out the ranks' measured costs instead of their tokens and work alone."""
     if strategy not in FIXED_STRATEGIES:
         raise ValueError(
             f"fixed CP strategy {strategy!r} is not one of {FIXED_STRATEGIES} (adaptive selection "
@@ -342,7 +349,7 @@ def draft_sharding(
     doc_cu = np.zeros(len(lens) + 1, dtype=np.int64)
     np.cumsum(lens, out=doc_cu[1:])
     if strategy == "hybrid":
-        table, max_len = _hybrid(lens, cp_degree, int(max_len))
+        table, max_len = _hybrid(lens, cp_degree, int(max_len), costs)
     elif strategy == "per_document":
         table, max_len = _per_document_chunks(lens, cp_degree), 0
     else:
@@ -502,14 +509,20 @@ def _deal_whole(desc: np.ndarray, pairs: np.ndarray, first: np.ndarray, c: int) 
     return rank.reshape(k, width)[:, :n], wq
 
 
-def _balance(wq: np.ndarray, s: np.ndarray, quad: np.ndarray, c: int) -> tuple:
+def _balance(
+    wq: np.ndarray, s: np.ndarray, quad: np.ndarray, c: int, whole_token_weight: float = 1.0
+) -> tuple:
     """Common chunk boundaries ``[K, 2c + 1]`` (fractions of a document) of the split documents
     that give each rank the tokens and attention work its whole ones lack, for ``K`` placements
     (``wq``: ``[2, K, c]`` whole tokens and work; ``s``, ``quad``: ``[K, 1]`` split tokens and
     sum of squared split lengths); and, predicted, ``[K]`` work and token max/mean, the most
     gathered rows on a rank and whether both balances are within :data:`HYBRID_TOLERANCE`. Closed
-    form; an unreachable target is approached as far as no chunk turns negative."""
-    (w, q), (w_total, q_total) = wq, wq.sum(axis=2, keepdims=True)
+    form; an unreachable target is approached as far as no chunk turns negative. A whole (local)
+    token counts ``whole_token_weight`` of a split (gathered) one: the fit's ``b / g``, so that
+    equal token loads are equal measured costs."""
+    (w, q), q_total = wq, wq[1].sum(axis=1, keepdims=True)
+    w = w * whole_token_weight
+    w_total = w.sum(axis=1, keepdims=True)
     a = np.maximum((w_total + s) / c - w, 0.0)
     a /= np.maximum(a.sum(axis=1, keepdims=True), 1e-12)
     b = ((q_total + (quad + s) / 2) / c - q - s * a / 2) / np.maximum(quad, 1)
@@ -557,9 +570,33 @@ def _candidates(desc: np.ndarray, cum: np.ndarray, c: int, max_len: int) -> tupl
     return thresholds, first
 
 
-def _hybrid(lens: np.ndarray, c: int, max_len: int) -> tuple[tuple[np.ndarray, ...], int]:
+def _whole_token_weight(costs: tuple[float, float, float] | None) -> float:
+    """A whole (local) token's cost in split (gathered) tokens: the fit's ``b / g`` when it priced
+    both, else 1 (tokens counted alike)."""
+    if costs is None or not (costs[1] > 0 and costs[2] > 0):
+        return 1.0
+    return float(costs[1]) / float(costs[2])
+
+
+def _whole_weight(
+    desc: np.ndarray, pairs: np.ndarray, tokens: int, costs: tuple[float, float, float] | None
+) -> np.ndarray:
+    """What each whole document weighs when nothing is split: by the fit's per-rank model, ``b``
+    per token and ``a * Σd² / Σpairs`` per attention pair (a rank's share of ``Σd²`` goes by its
+    share of the pairs); without a fit (or a fit pricing neither), its share of the tokens plus
+    its share of the attention work (no split chunk can even out either)."""
+    if costs is not None and (costs[0] > 0 or costs[1] > 0):
+        d = desc.astype(np.float64)
+        return costs[1] * d + costs[0] * float(d @ d) / float(pairs.sum()) * pairs
+    return desc / tokens + pairs / pairs.sum()
+
+
+def _hybrid(
+    lens: np.ndarray, c: int, max_len: int, costs: tuple[float, float, float] | None = None
+) -> tuple[tuple[np.ndarray, ...], int]:
     """Segment table of hybrid sharding (document-major, then ``doc_gathered``) and its threshold
-    (``max_len``, or if 0 the balanced candidate that gathers the fewest K/V rows)."""
+    (``max_len``, or if 0 the balanced candidate that gathers the fewest K/V rows). ``costs``: the
+    fit's per-rank ``(a, b, g)`` (:func:`draft_sharding`)."""
     two_c, n = 2 * c, len(lens)
     order = (-lens).argsort(kind="stable")
     desc = lens[order]
@@ -572,12 +609,13 @@ def _hybrid(lens: np.ndarray, c: int, max_len: int) -> tuple[tuple[np.ndarray, .
         dealt, wq = _deal_whole(desc, pairs, first, c)
         # The likeliest winner (the highest threshold whose whole documents fit the ranks' token
         # shares) is also evaluated with its deal refined, on tokens; if nothing is split, on
-        # tokens and work together (their shares summed): no split chunk can even out either, and
-        # refining on work alone left tokens, the linear layers' work, 20-30 % apart.
+        # tokens and work together (their shares summed, or the fit's cost of both): no split
+        # chunk can even out either, and refining on work alone left tokens, the linear layers'
+        # work, 20-30 % apart.
         g = int((wq[0].max(axis=1) * c <= cum[-1]).argmax())
         f = int(first[g])
         part = dealt[g, f:]
-        weight = desc / cum[-1] + pairs / pairs.sum() if f == 0 else desc[f:]
+        weight = _whole_weight(desc, pairs, cum[-1], costs) if f == 0 else desc[f:]
         row = _refine(desc[f:], part, weight, c) if f < n else part
         if row is not part:
             take = np.concatenate((np.arange(len(first)), [g]))
@@ -585,7 +623,7 @@ def _hybrid(lens: np.ndarray, c: int, max_len: int) -> tuple[tuple[np.ndarray, .
             wq[:, -1] = np.bincount(row, desc[f:], c), np.bincount(row, pairs[f:], c)
         squares = np.concatenate(([0], desc * desc)).cumsum()  # exact in int64 and float64
         s, quad = (x[first].astype(np.float64)[:, None] for x in (cum, squares))
-        stats = _balance(wq, s, quad, c)
+        stats = _balance(wq, s, quad, c, _whole_token_weight(costs))
         pick = int(np.lexsort((-thresholds, np.where(stats[4], stats[3], stats[1]), ~stats[4]))[0])
     n_split = int(first[pick])
     split = np.zeros(n, dtype=bool)
