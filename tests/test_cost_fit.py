@@ -151,7 +151,6 @@ def test_stage_sums_give_each_whole_micro_batch_once_in_key_order():
 def test_schedule_is_deterministic_whatever_the_reader_timing():
     cfg = OnlineFitConfig(warmup_steps=1, window_steps=4, holdout_steps=1, interval_steps=2,
                           apply_lag_steps=2)  # fmt: skip
-    assert [s for s in range(1, 12) if cfg.is_refit_step(s)] == [5, 7, 9, 11]
     initial = CostModel(1e-3, 1.0, "flops")
     schedule = CostModelSchedule(initial, cfg)
     fitter = OnlineFitter(schedule)
@@ -172,6 +171,8 @@ def test_schedule_is_deterministic_whatever_the_reader_timing():
         records[step] = fitter.observe(step, vec)
     reader.join(timeout=30)
     assert not reader.is_alive()
+    # 8 rows a step: the fitted steps never hold FIRST_FIT_ROWS before the window is full (step 5).
+    assert [s for s, r in records.items() if r is not None] == [5, 7, 9, 11]
     assert records[5]["adopted"] and records[5]["effective_step"] == 7
     assert all(got[s] is initial for s in range(1, 7))
     adopted = got[7]
@@ -184,6 +185,47 @@ def test_schedule_is_deterministic_whatever_the_reader_timing():
     again.load_state_dict(state)
     for step in range(1, 12):
         assert again.schedule.model_for_step(step) == got[step]
+
+
+def test_first_refit_comes_once_the_fitted_steps_hold_enough_rows():
+    # 20 micro-batch rows a step (e.g. 10 micro-batches on 2 CP ranks): the fitted part holds
+    # FIRST_FIT_ROWS = 32 after 2 steps past the warm-up, so the first refit follows step
+    # 2 + 2 + 1 = 5 (not the full window's 2 + 8 = 10), then every 3 steps; a fitter restored from
+    # any step's checkpoint keeps the same refit steps.
+    from torchtitan_wlb.cost_fit import FIRST_FIT_ROWS
+
+    assert FIRST_FIT_ROWS == 32
+    cfg = OnlineFitConfig(warmup_steps=2, window_steps=8, holdout_steps=1, interval_steps=3,
+                          apply_lag_steps=2)  # fmt: skip
+    truth = Coefficients(a=5e-9, b=1e-6, c=1e-3)
+    rng = np.random.default_rng(7)
+    vectors = []
+    for _ in range(16):
+        sq, lin = _micro_batches(rng, 20)
+        vectors.append(FitStats.from_samples(sq, lin, truth.predict(sq, lin)).to_vector())
+
+    def refits(fitter, steps):
+        return [s for s in steps if fitter.observe(s, vectors[s - 1]) is not None]
+
+    initial = CostModel(1e-3, 1.0, "flops")
+    fitter = OnlineFitter(CostModelSchedule(initial, cfg))
+    assert refits(fitter, range(1, 17)) == [5, 8, 11, 14]
+    assert fitter.first_refit == 5
+    for cut in (3, 5, 6):
+        before = OnlineFitter(CostModelSchedule(initial, cfg))
+        refits(before, range(1, cut + 1))
+        again = OnlineFitter(CostModelSchedule(initial, cfg))
+        again.load_state_dict(before.state_dict())
+        assert refits(again, range(cut + 1, 17)) == [s for s in (5, 8, 11, 14) if s > cut]
+    # A checkpoint written before the first refit could come early (no "first_refit" saved)
+    # keeps the full window's rule it was written under.
+    old = OnlineFitter(CostModelSchedule(initial, cfg))
+    refits(old, range(1, 12))
+    state = old.state_dict()
+    del state["first_refit"]
+    again = OnlineFitter(CostModelSchedule(initial, cfg))
+    again.load_state_dict(state)
+    assert again.first_refit == 10 and refits(again, range(12, 17)) == [13, 16]
 
 
 def test_cp_fit_features_split_each_ranks_tokens_by_sharding():

@@ -178,14 +178,17 @@ class WLB:
     """"online": the first steps' times are not used (allocator and kernel warm-up)."""
 
     fit_window_steps: int = 8
-    """"online": a refit uses the micro-batches of the last this many steps."""
+    """"online": a refit uses the micro-batches of the last this many steps (fewer before that
+    many have run since the warm-up)."""
 
     fit_holdout_steps: int = 2
     """"online": the window's newest steps, held out; a refit is adopted only if it predicts them
     better than the model in use. In [1, fit_window_steps)."""
 
     fit_interval_steps: int = 4
-    """"online": steps between refits (the first after fit_warmup_steps + fit_window_steps)."""
+    """"online": steps between refits. The first comes once the window's fitted steps hold 32
+    micro-batch rows (8 per coefficient), at the latest after fit_warmup_steps +
+    fit_window_steps."""
 
     fit_apply_lag_steps: int = 3
     """"online": a refit decided after step s packs step s + this onwards (>= 1), the same step on

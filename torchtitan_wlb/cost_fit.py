@@ -22,6 +22,9 @@ STATS_SIZE = N_TERMS * N_TERMS + N_TERMS + 2
 # Smallest accepted eigenvalue of the normalised normal matrix (unit diagonal): below it the terms
 # are (nearly) collinear in this window and the fit would be noise.
 _MIN_EIGEN = 1e-9
+# The first refit needs no full window: it comes once the window's fitted steps hold this many
+# micro-batch rows (8 per coefficient), at the latest once the window is full.
+FIRST_FIT_ROWS = 8 * N_TERMS
 
 
 @dataclass(frozen=True)
@@ -247,14 +250,16 @@ class OnlineFitConfig:
                 f"{self.holdout_steps} with window_steps = {self.window_steps}"
             )
 
-    def is_refit_step(self, step: int) -> bool:
-        """Whether a refit is decided after ``step`` (deterministic: the same on every rank)."""
-        return step > 0 and self.last_refit_step_before(step) == step
-
-    def last_refit_step_before(self, step: int) -> int:
-        """The last refit step ``<= step`` (0 when none)."""
-        first = self.warmup_steps + self.window_steps
-        return 0 if step < first else step - (step - first) % self.interval_steps
+    def is_refit_step(self, step: int, first_refit: int | None, fit_rows: float) -> bool:
+        """Whether a refit is decided after ``step``, given the first refit's step (None: none
+        yet) and the rows the window's fitted steps hold: the first once they hold
+        :data:`FIRST_FIT_ROWS` (at the latest once the window is full), then every
+        ``interval_steps``. The rows are all-reduced, so every rank decides alike."""
+        if first_refit is not None:
+            return step > first_refit and (step - first_refit) % self.interval_steps == 0
+        if step < self.warmup_steps + self.holdout_steps + 1:  # a step to fit, and the held-out
+            return False
+        return fit_rows >= FIRST_FIT_ROWS or step >= self.warmup_steps + self.window_steps
 
 
 class CostModelSchedule:
@@ -269,8 +274,10 @@ class CostModelSchedule:
         self._cond = threading.Condition()
 
     def model_for_step(self, step: int) -> CostModel:
-        """The model packing training step ``step`` (1-based), waiting for pending decisions."""
-        needed = self.config.last_refit_step_before(step - self.config.apply_lag_steps)
+        """The model packing training step ``step`` (1-based), waiting until step ``step - lag``
+        is decided (whether a step refits can depend on its data: :meth:`OnlineFitConfig.
+        is_refit_step`; the lag exceeds the node's read-ahead, so it seldom waits)."""
+        needed = step - self.config.apply_lag_steps
         with self._cond:
             self._cond.wait_for(lambda: self._decided_through >= needed or self._closed)
             return next((m for e, m in reversed(self._adoptions) if e <= step), self.initial)
@@ -308,17 +315,20 @@ class OnlineFitter:
         self._window: deque[tuple[int, np.ndarray]] = deque(maxlen=self.config.window_steps)
         self.incumbent = Coefficients.of(schedule.initial)
         self.history: list[dict[str, Any]] = []
+        self.first_refit: int | None = None  # the step of the first refit, once decided
 
     def observe(self, step: int, vector: np.ndarray) -> dict[str, Any] | None:
         """Add step ``step``'s rank-summed statistics; at a refit step, refit and return its record."""
         if step > self.config.warmup_steps:
             self._window.append((step, np.asarray(vector, np.float64).copy()))
-        if not self.config.is_refit_step(step):
-            self.schedule.decide(step, None)
-            return None
         window = [FitStats.from_vector(v) for _, v in self._window]
         k = max(0, len(window) - self.config.holdout_steps)
         fit_part, holdout = sum(window[:k], FitStats.zeros()), sum(window[k:], FitStats.zeros())
+        if not self.config.is_refit_step(step, self.first_refit, fit_part.count):
+            self.schedule.decide(step, None)
+            return None
+        if self.first_refit is None:
+            self.first_refit = step
         result = refit(fit_part, holdout, self.incumbent)
         effective = self.schedule.decide(
             step, result.candidate.cost_model(self.whole_max_len) if result.adopted else None
@@ -336,6 +346,7 @@ class OnlineFitter:
             "incumbent": asdict(self.incumbent),
             "history": list(self.history),
             "decided_through": self.schedule._decided_through,
+            "first_refit": self.first_refit,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -345,6 +356,12 @@ class OnlineFitter:
         )
         self.incumbent = Coefficients(**state["incumbent"])
         self.history = list(state["history"])
+        decided = int(state["decided_through"])
+        if "first_refit" in state:
+            self.first_refit = state["first_refit"]
+        else:  # a checkpoint from before the first refit could come early: the full window's
+            full = self.config.warmup_steps + self.config.window_steps
+            self.first_refit = full if decided >= full else None
         adoptions = [
             (
                 int(r["effective_step"]),
@@ -352,4 +369,4 @@ class OnlineFitter:
             )
             for r in self.history
         ]
-        self.schedule.restore(adoptions, int(state["decided_through"]))
+        self.schedule.restore(adoptions, decided)
