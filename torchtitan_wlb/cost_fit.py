@@ -359,7 +359,7 @@ class OnlineFitter:
         decided = int(state["decided_through"])
         if "first_refit" in state:
             self.first_refit = state["first_refit"]
-        else:  # a checkpoint from before the first refit could come early: the full window's
+        else:  # saved by a version whose first refit always followed a full window: keep it
             full = self.config.warmup_steps + self.config.window_steps
             self.first_refit = full if decided >= full else None
         adoptions = [
