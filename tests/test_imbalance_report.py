@@ -100,3 +100,13 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
         imbalance_report.main(argv)
     err = capsys.readouterr().err.strip()
     assert exc.value.code == 2 and len(err.splitlines()) == 1 and message in err
+
+
+def test_dp_ranks_micro_batches_are_their_own():
+    # DP = 2: each rank trains its own micro-batches; a step's imbalance pools them (as
+    # e2e_bench's measured_imbalance does), never a max over ranks.
+    times = {0: [1.0, 2.0], 1: [3.0, 2.0]}
+    mbs = [{"doc_lens": [10 * (i + 1)], "device_s": t, "seconds": t, "step": 3, "rank": r}
+           for r, ts in times.items() for i, t in enumerate(ts)]  # fmt: skip
+    out = imbalance_report.floor_report({"microbatches": mbs, "layout": {"dp": 2}})
+    assert out["micro_batches"] == 4 and out["measured"] == pytest.approx(3.0 / 2.0)
