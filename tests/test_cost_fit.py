@@ -171,7 +171,8 @@ def test_schedule_is_deterministic_whatever_the_reader_timing():
         records[step] = fitter.observe(step, vec)
     reader.join(timeout=30)
     assert not reader.is_alive()
-    # 8 rows a step: the fitted steps never hold FIRST_FIT_ROWS before the window is full (step 5).
+    # 8 rows a step, 3 coefficients seen (no gathered tokens): the fitted steps never hold 8 rows
+    # per coefficient before the window is full (step 5).
     assert [s for s, r in records.items() if r is not None] == [5, 7, 9, 11]
     assert records[5]["adopted"] and records[5]["effective_step"] == 7
     assert all(got[s] is initial for s in range(1, 7))
@@ -188,15 +189,19 @@ def test_schedule_is_deterministic_whatever_the_reader_timing():
 
 
 def test_first_refit_comes_once_the_fitted_steps_hold_enough_rows():
-    # 20 micro-batch rows a step (e.g. 10 micro-batches on 2 CP ranks): the fitted part holds
-    # FIRST_FIT_ROWS = 32 after 2 steps past the warm-up, so the first refit follows step
-    # 2 + 2 + 1 = 5 (not the full window's 2 + 8 = 10), then every 3 steps; a fitter restored from
-    # any step's checkpoint keeps the same refit steps.
-    from torchtitan_wlb.cost_fit import FIRST_FIT_ROWS
+    # 20 micro-batch rows a step (e.g. 10 micro-batches on 2 CP ranks), 3 coefficients seen: the
+    # fitted part holds 8 rows per coefficient after 2 steps past the warm-up, so the first refit
+    # follows step 2 + 2 + 1 = 5 (not the full window's 2 + 8 = 10), then every 3 steps; a fitter
+    # restored from any step's checkpoint keeps the same refit steps.
+    from torchtitan_wlb.cost_fit import FIRST_FIT_ROWS_PER_TERM
 
-    assert FIRST_FIT_ROWS == 32
+    assert FIRST_FIT_ROWS_PER_TERM == 8
     cfg = OnlineFitConfig(warmup_steps=2, window_steps=8, holdout_steps=1, interval_steps=3,
                           apply_lag_steps=2)  # fmt: skip
+    # The rows needed scale with the coefficients the window can see: 24 for a, b, c; 32 once
+    # gathered tokens (CP) add g.
+    assert cfg.is_refit_step(5, None, 24, terms=3) and not cfg.is_refit_step(5, None, 24, terms=4)
+    assert cfg.is_refit_step(5, None, 32, terms=4) and not cfg.is_refit_step(3, None, 99, terms=3)
     truth = Coefficients(a=5e-9, b=1e-6, c=1e-3)
     rng = np.random.default_rng(7)
     vectors = []

@@ -543,3 +543,25 @@ def test_forced_step_pull_follows_the_cost_model_in_use():
     wanted = packer.tokens_wanted()
     packer.cost_model = CostModel(COST.attn_coef * 2.0**-50, COST.linear_coef * 2.0**-50, "seconds")
     assert packer.tokens_wanted() == wanted
+
+
+@pytest.mark.parametrize("name", ["wlb", "wlb_paper"])
+def test_derived_queue_thresholds_follow_the_cost_model_in_use(name):
+    """Thresholds left to the cost model are the current model's (the online refit prices
+    attention apart from the initial model; docs/cost_model.md), so a packer handed a new model
+    queues exactly as one built with it; configured thresholds stay as configured."""
+    pricier = CostModel(COST.attn_coef * 1.5, COST.linear_coef, "flops")
+    lens = _skewed(2000, 3)
+    swapped = make(name, 8)
+    built = build_packer(name, swapped.config, pricier)
+    assert not np.array_equal(swapped.thresholds, built.thresholds)
+    swapped.cost_model = pricier
+    assert np.array_equal(swapped.thresholds, built.thresholds)
+    got = [p.doc_ids for p in run(swapped, lens)]
+    want = [p.doc_ids for p in run(built, lens)]
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+    fixed = make(name, 8, queues=(10, 30))
+    fixed.cost_model = pricier
+    assert fixed.thresholds.tolist() == [10, 30]

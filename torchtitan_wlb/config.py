@@ -186,13 +186,14 @@ class WLB:
     better than the model in use. In [1, fit_window_steps)."""
 
     fit_interval_steps: int = 4
-    """"online": steps between refits. The first comes once the window's fitted steps hold 32
-    micro-batch rows (8 per coefficient), at the latest after fit_warmup_steps +
+    """"online": steps between refits. The first comes once the window's fitted steps hold 8
+    micro-batch rows per coefficient (32 under CP, else 24), at the latest after fit_warmup_steps +
     fit_window_steps."""
 
-    fit_apply_lag_steps: int = 3
+    fit_apply_lag_steps: int = 2
     """"online": a refit decided after step s packs step s + this onwards (>= 1), the same step on
-    every DP rank and after a resume."""
+    every DP rank and after a resume. 2 packs step s + 2 while step s + 1 trains; 1 puts packing
+    on the critical path."""
 
     attn_coef: float = 0.0
     """W_a(d) = attn_coef * d^2 when cost_model = "coefficients"."""

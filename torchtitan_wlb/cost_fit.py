@@ -23,8 +23,9 @@ STATS_SIZE = N_TERMS * N_TERMS + N_TERMS + 2
 # are (nearly) collinear in this window and the fit would be noise.
 _MIN_EIGEN = 1e-9
 # The first refit needs no full window: it comes once the window's fitted steps hold this many
-# micro-batch rows (8 per coefficient), at the latest once the window is full.
-FIRST_FIT_ROWS = 8 * N_TERMS
+# micro-batch rows per coefficient the window can see (4 under CP with local and gathered tokens,
+# else 3), at the latest once the window is full.
+FIRST_FIT_ROWS_PER_TERM = 8
 
 
 @dataclass(frozen=True)
@@ -234,9 +235,9 @@ class OnlineFitConfig:
     window_steps: int = 8
     holdout_steps: int = 2
     interval_steps: int = 4
-    apply_lag_steps: int = 3
-    """A refit decided after step s packs step s + lag onwards (>= 1; larger than the packing
-    node's read-ahead, so the node seldom waits for a decision)."""
+    apply_lag_steps: int = 2
+    """A refit decided after step s packs step s + lag onwards (>= 1). With 2 the node packs step
+    s + 2 while step s + 1 trains, off the critical path; 1 would make step s + 1 wait for it."""
 
     def __post_init__(self) -> None:
         lowest = {"warmup_steps": 0, "window_steps": 0, "holdout_steps": 0, "interval_steps": 1}
@@ -250,16 +251,20 @@ class OnlineFitConfig:
                 f"{self.holdout_steps} with window_steps = {self.window_steps}"
             )
 
-    def is_refit_step(self, step: int, first_refit: int | None, fit_rows: float) -> bool:
+    def is_refit_step(
+        self, step: int, first_refit: int | None, fit_rows: float, terms: int = N_TERMS
+    ) -> bool:
         """Whether a refit is decided after ``step``, given the first refit's step (None: none
-        yet) and the rows the window's fitted steps hold: the first once they hold
-        :data:`FIRST_FIT_ROWS` (at the latest once the window is full), then every
-        ``interval_steps``. The rows are all-reduced, so every rank decides alike."""
+        yet), the rows the window's fitted steps hold and the coefficients they can see: the
+        first once they hold :data:`FIRST_FIT_ROWS_PER_TERM` rows per coefficient (at the latest
+        once the window is full), then every ``interval_steps``. Rows and terms come from the
+        all-reduced statistics, so every rank decides alike."""
         if first_refit is not None:
             return step > first_refit and (step - first_refit) % self.interval_steps == 0
         if step < self.warmup_steps + self.holdout_steps + 1:  # a step to fit, and the held-out
             return False
-        return fit_rows >= FIRST_FIT_ROWS or step >= self.warmup_steps + self.window_steps
+        enough = fit_rows >= FIRST_FIT_ROWS_PER_TERM * terms
+        return enough or step >= self.warmup_steps + self.window_steps
 
 
 class CostModelSchedule:
@@ -324,7 +329,8 @@ class OnlineFitter:
         window = [FitStats.from_vector(v) for _, v in self._window]
         k = max(0, len(window) - self.config.holdout_steps)
         fit_part, holdout = sum(window[:k], FitStats.zeros()), sum(window[k:], FitStats.zeros())
-        if not self.config.is_refit_step(step, self.first_refit, fit_part.count):
+        terms = int(np.count_nonzero(np.diag(fit_part.gram) > 0))  # those fit_nnls would fit
+        if not self.config.is_refit_step(step, self.first_refit, fit_part.count, terms):
             self.schedule.decide(step, None)
             return None
         if self.first_refit is None:

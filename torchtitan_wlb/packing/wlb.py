@@ -48,12 +48,24 @@ class _QueuedPacker(Packer):
     def __init__(self, config: PackingConfig, cost_model: CostModel) -> None:
         super().__init__(config, cost_model)
         self.cap = config.smax if config.smax is not None else int(1.25 * config.context_len)
-        th = config.queue_thresholds
-        if th is None:
-            th = default_thresholds(cost_model, config.context_len)
-        self.thresholds = np.asarray(th, np.int64)
         self.queue = DocPool()
         self.backlog = DocPool()
+
+    @property
+    def cost_model(self) -> CostModel:
+        return self._cost_model
+
+    @cost_model.setter
+    def cost_model(self, model: CostModel) -> None:
+        """Thresholds not set in the config follow the model in use: the online cost model swaps
+        it between steps (always the same model for the same step, resumed or not), and the
+        thresholds of the initial model would queue the wrong documents once the machine's
+        attention price is known (docs/cost_model.md, "What a refit changes")."""
+        self._cost_model = model
+        th = self.config.queue_thresholds
+        if th is None:
+            th = default_thresholds(model, self.config.context_len)
+        self.thresholds = np.asarray(th, np.int64)
 
     def tokens_wanted(self) -> int:
         held = int(self.carry.lens.sum()) + int(self.backlog.lens.sum())
@@ -159,13 +171,16 @@ class WLBPacker(_QueuedPacker):
         super().__init__(config, cost_model)
         self.k_eff = float(config.max_wait)
         self.delay_ema = float(config.delay_target)
-        # A typical regular document (half the first queue threshold): its cost per token is what
-        # regular tokens add to a micro-batch, for the forced steps' pull (``tokens_wanted``).
-        first = int(self.thresholds[0]) if self.thresholds.size else config.context_len
-        self._regular_len = max(1, first // 2)
         # Final steps the drain's last plan still has to come (-1: not draining): each drain step
         # plans the held documents again, and never into more steps than that plan promised.
         self.drain_left = -1
+
+    @property
+    def _regular_len(self) -> int:
+        """A typical regular document (half the first queue threshold): its cost per token is what
+        regular tokens add to a micro-batch, for the forced steps' pull (``tokens_wanted``)."""
+        first = int(self.thresholds[0]) if self.thresholds.size else self.config.context_len
+        return max(1, first // 2)
 
     def _wait_bound(self) -> int:
         return int(self.k_eff)
