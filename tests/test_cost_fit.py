@@ -215,22 +215,48 @@ def test_first_refit_comes_once_the_fitted_steps_hold_enough_rows():
     initial = CostModel(1e-3, 1.0, "flops")
     fitter = OnlineFitter(CostModelSchedule(initial, cfg))
     assert refits(fitter, range(1, 17)) == [5, 8, 11, 14]
-    assert fitter.first_refit == 5
+    assert fitter.first_adopted == 5
     for cut in (3, 5, 6):
         before = OnlineFitter(CostModelSchedule(initial, cfg))
         refits(before, range(1, cut + 1))
         again = OnlineFitter(CostModelSchedule(initial, cfg))
         again.load_state_dict(before.state_dict())
         assert refits(again, range(cut + 1, 17)) == [s for s in (5, 8, 11, 14) if s > cut]
-    # A checkpoint written before the first refit could come early (no "first_refit" saved)
-    # keeps the full window's rule it was written under.
+    # Checkpoints of earlier versions keep the rule they were written under: refits counted from
+    # the first refit, adopted or not (saved as "first_refit"), or before that, from a full window.
     old = OnlineFitter(CostModelSchedule(initial, cfg))
     refits(old, range(1, 12))
     state = old.state_dict()
-    del state["first_refit"]
+    del state["first_adopted"]
+    again = OnlineFitter(CostModelSchedule(initial, cfg))
+    again.load_state_dict({**state, "first_refit": 6})
+    assert again.first_adopted == 6 and refits(again, range(12, 17)) == [12, 15]
     again = OnlineFitter(CostModelSchedule(initial, cfg))
     again.load_state_dict(state)
-    assert again.first_refit == 10 and refits(again, range(12, 17)) == [13, 16]
+    assert again.first_adopted == 10 and refits(again, range(12, 17)) == [13, 16]
+
+
+def test_a_rejected_first_refit_is_tried_again_every_step_until_the_window_is_full():
+    """The initial model is a guess: until a refit is adopted, every step refits with one more
+    step of rows; if none is adopted while the window fills, refits follow every interval_steps
+    from the full window. Here every micro-batch is the same (timing noise only), so each refit
+    is rejected as degenerate."""
+    cfg = OnlineFitConfig(warmup_steps=2, window_steps=8, holdout_steps=1, interval_steps=3,
+                          apply_lag_steps=2)  # fmt: skip
+    assert [s for s in range(1, 20) if cfg.is_refit_step(s, None, 99)] == [*range(4, 11), 13, 16, 19]
+    initial = CostModel(1e-3, 1.0, "flops")
+    rng = np.random.default_rng(3)
+    fitter = OnlineFitter(CostModelSchedule(initial, cfg))
+    records = {}
+    sq, lin = np.full(20, 1024.0**2), np.full(20, 1024.0)
+    for step in range(1, 17):
+        noisy = 0.01 * rng.normal(1.0, 0.05, sq.size)
+        records[step] = fitter.observe(step, FitStats.from_samples(sq, lin, noisy).to_vector())
+    tried = {s: r for s, r in records.items() if r is not None}
+    assert list(tried) == [5, 6, 7, 8, 9, 10, 13, 16]
+    assert all("degenerate" in r["reason"] for r in tried.values())
+    assert not any(r["adopted"] for r in tried.values()) and fitter.first_adopted is None
+    assert all(fitter.schedule.model_for_step(s) is initial for s in range(1, 19))
 
 
 def test_cp_fit_features_split_each_ranks_tokens_by_sharding():

@@ -186,9 +186,10 @@ class WLB:
     better than the model in use. In [1, fit_window_steps)."""
 
     fit_interval_steps: int = 4
-    """"online": steps between refits. The first comes once the window's fitted steps hold 8
-    micro-batch rows per coefficient (32 under CP, else 24), at the latest after fit_warmup_steps +
-    fit_window_steps."""
+    """"online": steps between refits, counted from the first adopted one. The first comes once
+    the window's fitted steps hold 8 micro-batch rows per coefficient (32 under CP, else 24), at
+    the latest after fit_warmup_steps + fit_window_steps; until one is adopted, every step tries
+    again."""
 
     fit_apply_lag_steps: int = 2
     """"online": a refit decided after step s packs step s + this onwards (>= 1), the same step on

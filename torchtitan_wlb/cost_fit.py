@@ -252,19 +252,24 @@ class OnlineFitConfig:
             )
 
     def is_refit_step(
-        self, step: int, first_refit: int | None, fit_rows: float, terms: int = N_TERMS
+        self, step: int, anchor: int | None, fit_rows: float, terms: int = N_TERMS
     ) -> bool:
-        """Whether a refit is decided after ``step``, given the first refit's step (None: none
-        yet), the rows the window's fitted steps hold and the coefficients they can see: the
-        first once they hold :data:`FIRST_FIT_ROWS_PER_TERM` rows per coefficient (at the latest
-        once the window is full), then every ``interval_steps``. Rows and terms come from the
-        all-reduced statistics, so every rank decides alike."""
-        if first_refit is not None:
-            return step > first_refit and (step - first_refit) % self.interval_steps == 0
+        """Whether a refit is decided after ``step``, given ``anchor``, the step later refits are
+        counted from (the first adopted refit; None: none adopted yet), the rows the window's
+        fitted steps hold and the coefficients they can see. The first refit comes once they hold
+        :data:`FIRST_FIT_ROWS_PER_TERM` rows per coefficient (at the latest once the window is
+        full); until one is adopted, every step tries again (the initial model is a guess, and a
+        rejected fit from a few steps usually missed a kind of micro-batch the next step adds);
+        then every ``interval_steps``, counted from the full window if none was adopted by then.
+        Rows and terms come from the all-reduced statistics, so every rank decides alike."""
+        full = self.warmup_steps + self.window_steps
+        if anchor is None and step > full:
+            anchor = full
+        if anchor is not None:
+            return step > anchor and (step - anchor) % self.interval_steps == 0
         if step < self.warmup_steps + self.holdout_steps + 1:  # a step to fit, and the held-out
             return False
-        enough = fit_rows >= FIRST_FIT_ROWS_PER_TERM * terms
-        return enough or step >= self.warmup_steps + self.window_steps
+        return fit_rows >= FIRST_FIT_ROWS_PER_TERM * terms or step >= full
 
 
 class CostModelSchedule:
@@ -320,7 +325,7 @@ class OnlineFitter:
         self._window: deque[tuple[int, np.ndarray]] = deque(maxlen=self.config.window_steps)
         self.incumbent = Coefficients.of(schedule.initial)
         self.history: list[dict[str, Any]] = []
-        self.first_refit: int | None = None  # the step of the first refit, once decided
+        self.first_adopted: int | None = None  # the step of the first adopted refit
 
     def observe(self, step: int, vector: np.ndarray) -> dict[str, Any] | None:
         """Add step ``step``'s rank-summed statistics; at a refit step, refit and return its record."""
@@ -330,12 +335,12 @@ class OnlineFitter:
         k = max(0, len(window) - self.config.holdout_steps)
         fit_part, holdout = sum(window[:k], FitStats.zeros()), sum(window[k:], FitStats.zeros())
         terms = int(np.count_nonzero(np.diag(fit_part.gram) > 0))  # those fit_nnls would fit
-        if not self.config.is_refit_step(step, self.first_refit, fit_part.count, terms):
+        if not self.config.is_refit_step(step, self.first_adopted, fit_part.count, terms):
             self.schedule.decide(step, None)
             return None
-        if self.first_refit is None:
-            self.first_refit = step
         result = refit(fit_part, holdout, self.incumbent)
+        if result.adopted and self.first_adopted is None:
+            self.first_adopted = step
         effective = self.schedule.decide(
             step, result.candidate.cost_model(self.whole_max_len) if result.adopted else None
         )
@@ -352,7 +357,7 @@ class OnlineFitter:
             "incumbent": asdict(self.incumbent),
             "history": list(self.history),
             "decided_through": self.schedule._decided_through,
-            "first_refit": self.first_refit,
+            "first_adopted": self.first_adopted,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -363,11 +368,15 @@ class OnlineFitter:
         self.incumbent = Coefficients(**state["incumbent"])
         self.history = list(state["history"])
         decided = int(state["decided_through"])
-        if "first_refit" in state:
-            self.first_refit = state["first_refit"]
-        else:  # saved by a version whose first refit always followed a full window: keep it
-            full = self.config.warmup_steps + self.config.window_steps
-            self.first_refit = full if decided >= full else None
+        # Checkpoints of earlier versions keep the rule they were written under: refits counted
+        # from the first refit, adopted or not ("first_refit"), or before that, from a full window.
+        full = self.config.warmup_steps + self.config.window_steps
+        if "first_adopted" in state:
+            self.first_adopted = state["first_adopted"]
+        elif "first_refit" in state:
+            self.first_adopted = state["first_refit"]
+        else:
+            self.first_adopted = full if decided >= full else None
         adoptions = [
             (
                 int(r["effective_step"]),
