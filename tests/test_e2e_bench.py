@@ -153,6 +153,8 @@ def test_whole_pass_trains_every_document_once(capsys, tmp_path):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     wlb = out["modes"]["wlb_online"]
     assert wlb["refits"] >= 1
+    assert len(wlb["refits_effective_steps"]) == wlb["refits_adopted"]
+    assert all(s > 1 for s in wlb["refits_effective_steps"])
     assert out["steps"] == "epoch" and out["documents"]["count"] == 120
     assert wlb["docs_trained"] == 120 and wlb["docs_repeated"] == 0
     assert wlb["steps"] >= 3 and wlb["time_to_train_s"] == pytest.approx(sum(wlb["step_times_s"]))

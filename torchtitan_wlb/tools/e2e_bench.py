@@ -194,6 +194,8 @@ def run_mode(
     adopted = [rec for rec in refits if rec["wlb/cost_refit_adopted"]]
     if refits:
         out.update(refits=len(refits), refits_adopted=len(adopted))
+        # When each adopted model took effect: the steps packed by the initial model before it.
+        out["refits_effective_steps"] = [int(r["wlb/cost_refit_effective_step"]) for r in adopted]
     if adopted:
         last = adopted[-1]
         terms = "abcg" if "wlb/cost_refit_g" in last else "abc"  # g: under CP, per gathered token
