@@ -60,7 +60,7 @@ class _QueuedPacker(Packer):
         """Thresholds not set in the config follow the model in use: the online cost model swaps
         it between steps (always the same model for the same step, resumed or not), and the
         thresholds of the initial model would queue the wrong documents once the machine's
-        attention price is known (docs/cost_model.md, "What a refit changes")."""
+        attention price is known (docs/cost_model.md, "What a refit changes in packing")."""
         self._cost_model = model
         th = self.config.queue_thresholds
         if th is None:
