@@ -102,7 +102,7 @@ OUT_OF_RANGE = {
     "attn_coef": "-1.0", "linear_coef": "-1.0", "cost_profile": '"/no/such.json"',
     "cp_profile": '"/no/such.json"', "cp_bandwidth_gbps": "0.0", "text_field": '""', "loader": '"mine"', "epochs": "-1",
     "fit_warmup_steps": "-1", "fit_window_steps": "1", "fit_holdout_steps": "0",
-    "fit_interval_steps": "0", "fit_apply_lag_steps": "0",
+    "fit_interval_steps": "0", "fit_apply_lag_steps": "0", "fit_initial_attn_scale": "0.0",
 }  # fmt: skip
 NO_RANGE = {"reset_positions", "metrics_jsonl"}  # booleans: only the type can be wrong
 EXTRA = {"cost_profile": 'cost_model = "profile"\n'}
@@ -207,6 +207,15 @@ def test_resume_refuses_a_change_of_data_settings(tmp_path, data, capsys, change
     _checkpoint(tmp_path, data)
     ngpu = "1" if "DP degree was 2" in expected else "2"
     _fails(capsys, _args(tmp_path, data, *changed), "resume refused: ", expected, ngpu=ngpu)
+
+
+def test_resume_refuses_another_starting_model_of_the_online_fit(tmp_path, data, capsys):
+    """The online fit's starting model decides the first steps' plans: a resume under another
+    ``fit_initial_attn_scale`` is refused, naming it."""
+    online = ["--wlb.cost_model", "online"]
+    _checkpoint(tmp_path, data, *online)
+    changed = _args(tmp_path, data, *online, "--wlb.fit_initial_attn_scale", "1.0")
+    _fails(capsys, changed, "resume refused: ", "[wlb] fit_initial_attn_scale was 1.5")
 
 
 def test_resume_refuses_another_dataset(tmp_path, data, capsys):

@@ -45,6 +45,9 @@ def test_defaults_and_mode_presets():
         ({"cost_model": "profile"}, "needs cost_profile"),
         ({"fit_holdout_steps": 8}, "fit_holdout_steps = 8 must be >= 1 and less than"),
         ({"fit_apply_lag_steps": 0}, "fit_apply_lag_steps = 0 is out of range"),
+        ({"fit_initial_attn_scale": 0.0}, "fit_initial_attn_scale = 0.0 is out of range"),
+        ({"fit_initial_attn_scale": float("inf")}, "fit_initial_attn_scale = inf must be a finite"),
+        ({"fit_initial_attn_scale": float("nan")}, "fit_initial_attn_scale = nan must be a finite"),
         ({"loader": "hf"}, "loader = 'hf' is not accepted"),
     ],
 )

@@ -8,6 +8,7 @@ import torch
 from test_catalogue import ffn_hidden_dim
 
 from torchtitan_wlb.attention.metadata import metadata_from_doc_lens
+from torchtitan_wlb.config import WLB
 from torchtitan_wlb.data.collate import collate_micro_batch
 from torchtitan_wlb.models.llama3_wlb import WLBTransformer, cost_model_for_job, llama3_wlb_args
 
@@ -124,10 +125,11 @@ def test_position_check_fails_when_positions_are_not_reset(monkeypatch, position
         _check_positions_reset(_model(), monkeypatch, positions_of)
 
 
-def test_cost_model_follows_flavor_dims():
-    class _Cfg:
-        pass
+class _Cfg:
+    pass
 
+
+def test_cost_model_follows_flavor_dims():
     cfg = _Cfg()
     cfg.wlb = type("W", (), {"cost_model": "analytic"})()
     cfg.model = type("M", (), {"flavor": "8B"})()
@@ -139,3 +141,19 @@ def test_cost_model_follows_flavor_dims():
     assert cm.attn_coef == 3 * 2 * args.dim * args.n_layers
     # the break-even length of an 8B model is tens of thousands of tokens (~64K in the paper)
     assert 20_000 < cm.break_even_length < 100_000
+
+
+@pytest.mark.parametrize("scale", [1.0, 1.5, 2.25])
+def test_online_starts_from_the_analytic_model_with_attention_priced_up(scale):
+    """ "online" starts from the FLOP model with its attention coefficient times
+    ``fit_initial_attn_scale``; the linear one and the other cost models are left as they are."""
+    cfg = _Cfg()
+    cfg.model = type("M", (), {"flavor": "tiny"})()
+    cfg.parallelism = type("P", (), {"tensor_parallel_degree": 1, "context_parallel_degree": 2})()
+    cfg.wlb = WLB(cost_model="analytic", fit_initial_attn_scale=scale)
+    flops = cost_model_for_job(cfg)
+    cfg.wlb = WLB(cost_model="online", fit_initial_attn_scale=scale)
+    online = cost_model_for_job(cfg)
+    assert online.attn_coef == pytest.approx(scale * flops.attn_coef, rel=1e-12)
+    assert online.linear_coef == flops.linear_coef and online.unit == flops.unit == "flops"
+    assert cost_model_for_job(cfg) == online  # the same model every call (every rank, resumes)

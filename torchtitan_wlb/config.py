@@ -1,6 +1,7 @@
 """The ``[wlb]`` TOML section (``[job] custom_config_module``), checked in ``__post_init__``; its
 field docs are docs/configuration.md. No ``from __future__ import annotations``: tyro reads them."""
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Annotated, Any, Literal, get_args, get_origin
 
@@ -85,7 +86,8 @@ _LOWEST: dict[str, tuple[str, float, str]] = {
                     (">=", 0, "")),
     **dict.fromkeys(("max_delay_steps", "delay_target", "packing_window", "solver_node_limit",
                      "solver_time_limit_s", "cp_bandwidth_gbps", "fit_interval_steps",
-                     "fit_apply_lag_steps", "read_ahead_steps"), (">", 0, "")),
+                     "fit_apply_lag_steps", "read_ahead_steps", "fit_initial_attn_scale"),
+                    (">", 0, "")),
     "balance_target": (">=", 1.0, ""),
     "fit_window_steps": (">=", 2, " (at least one step fitted and one held out)"),
 }  # fmt: skip
@@ -196,6 +198,12 @@ class WLB:
     every DP rank and after a resume. 2 packs step s + 2 while step s + 1 trains; 1 puts packing
     on the critical path."""
 
+    fit_initial_attn_scale: float = 1.5
+    """"online" without `cost_profile`: until a refit is adopted, the analytic model prices
+    attention at this multiple of its FLOPs. Attention kernels run below the matmuls' throughput:
+    fits measured 1.3-1.8 times the FLOP ratio on the CPU and an H100 (docs/cost_model.md, "The
+    starting model"); 1.0: the FLOP count as is."""
+
     attn_coef: float = 0.0
     """W_a(d) = attn_coef * d^2 when cost_model = "coefficients"."""
 
@@ -265,6 +273,11 @@ class WLB:
             raise ConfigError(
                 f"[wlb] fit_holdout_steps = {self.fit_holdout_steps} must be >= 1 and less than "
                 f"fit_window_steps = {self.fit_window_steps} (the rest of the window is fitted)"
+            )
+        if not math.isfinite(self.fit_initial_attn_scale):
+            raise ConfigError(
+                f"[wlb] fit_initial_attn_scale = {self.fit_initial_attn_scale!r} must be a finite "
+                "number > 0"
             )
         if self.cost_model == "profile" and not self.cost_profile:
             raise ConfigError('[wlb] cost_model = "profile" needs cost_profile = "<path.json>"')

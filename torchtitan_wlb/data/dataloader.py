@@ -174,6 +174,9 @@ def data_fingerprint(
         fp["[wlb] cost_model = online: fit_warmup/window/holdout/interval/apply_lag_steps"] = [
             getattr(wlb, f"fit_{k}_steps") for k in fits
         ]
+    if wlb.cost_model == "online" and not wlb.cost_profile:
+        # Before the cost model's line, so that a refusal names the setting (in checkpoints since).
+        fp["[wlb] fit_initial_attn_scale"] = wlb.fit_initial_attn_scale
     if cost_model is not None:
         fp["cost model W(d) = a*d^2 + b*d (model flavor, TP, CP, [wlb] cost_model)"] = (
             f"a={cost_model.attn_coef:.9g}, b={cost_model.linear_coef:.9g}"

@@ -136,7 +136,8 @@ def parallelize_llama_wlb(model: nn.Module, parallel_dims: Any, job_config: JobC
 
 def cost_model_for_job(job_config: JobConfig) -> CostModel:
     """The workload model W(d) of this job by ``[wlb] cost_model`` (docs/configuration.md);
-    "online" starts from the profile if one is given, else from the analytic (per-rank) model."""
+    "online" starts from the profile if one is given, else from the analytic (per-rank) model
+    with attention priced at ``fit_initial_attn_scale`` times its FLOPs (docs/cost_model.md)."""
     wlb = job_config.wlb
     if wlb.cost_model == "coefficients":
         return CostModel.from_coefficients(wlb.attn_coef, wlb.linear_coef)
@@ -148,11 +149,14 @@ def cost_model_for_job(job_config: JobConfig) -> CostModel:
             f"[model] flavor = {flavor!r} is not a llama3_wlb flavor; use one of "
             f"{', '.join(repr(k) for k in FLAVORS)}"
         )
-    return CostModel.from_model_dims(
+    model = CostModel.from_model_dims(
         **get_model(FLAVORS[flavor]).dims(),
         tp=job_config.parallelism.tensor_parallel_degree,
         cp=job_config.parallelism.context_parallel_degree,
     )
+    if wlb.cost_model == "online":  # the starting model: attention priced above its FLOPs
+        model = dataclasses.replace(model, attn_coef=model.attn_coef * wlb.fit_initial_attn_scale)
+    return model
 
 
 def pipeline_llama_wlb(
