@@ -87,6 +87,22 @@ def test_balance_loss_is_measured_time_over_the_balanced_pipeline():
     )
 
 
+def test_predicted_imbalance_weighs_each_step_by_its_time_not_its_units():
+    """Under the online cost model the first steps are priced in FLOPs and the later ones in
+    seconds: each step's own max/mean counts by its measured time, so the FLOP-priced steps (10^9
+    times larger) do not stand for the pass."""
+    flops = {"wlb/max_workload": 1.10e12, "wlb/mean_workload": 1.0e12}  # 1.10 apart
+    seconds = {"wlb/max_workload": 0.102, "wlb/mean_workload": 0.1}  # 1.02 apart
+    got = e2e_bench.predicted_imbalance([flops, seconds, seconds, seconds], [1.0, 1.0, 1.0, 1.0])
+    assert got == pytest.approx((1.10 + 3 * 1.02) / 4)
+    assert e2e_bench.predicted_imbalance([flops, seconds], [1.0, 3.0]) == pytest.approx(
+        (1.10 + 3 * 1.02) / 4
+    )
+    # Steps without a plan's workloads (a loader that does not pack) are left out.
+    assert e2e_bench.predicted_imbalance([{}, seconds], [5.0, 1.0]) == pytest.approx(1.02)
+    assert e2e_bench.predicted_imbalance([{}], [1.0]) == 1.0
+
+
 def test_short_whole_passes_are_flagged():
     results = {"plain_4d": {"steps": 45}, "wlb": {"steps": 39}}
     (line,) = e2e_bench.short_passes(results)

@@ -164,8 +164,6 @@ def run_mode(
     dp_ranks = per_rank if args.parallel == "dp2" else per_rank[:1]
     trained = [i for r in dp_ranks for s in steps_done for i in r[s].get("doc_ids", [])]
     first = [per_rank[0][s] for s in steps_done]
-    top = sum(rec.get("wlb/max_workload", 0.0) for rec in first)
-    mean = sum(rec.get("wlb/mean_workload", 0.0) for rec in first)
     out = {
         "time_to_train_s": sum(step_times),
         "tokens_per_s": tokens / sum(step_times),
@@ -174,7 +172,7 @@ def run_mode(
         "step_times_s": step_times,
         "peak_mem_mb": max(r[s]["peak_mem_gib"] for r in per_rank for s in steps_done) * 1024,
         "imbalance": float(np.mean([rec["wlb/imbalance"] for rec in first])),
-        "predicted_imbalance": top / mean if mean else 1.0,
+        "predicted_imbalance": predicted_imbalance(first, [step_time[s] for s in steps_done]),
         "measured_imbalance": measured_imbalance(per_rank, timed, args.parallel),
         "measured_imbalance_device": measured_imbalance(per_rank, timed, args.parallel, True),
         "device_clock": per_rank[0][steps_done[0]].get("device_clock", "wall"),
@@ -215,6 +213,22 @@ def run_mode(
         out["fit_mean_abs_error"] = fit_error(mbs, coef, cp, key="device_s")
         out["fit_mean_abs_error_wall"] = fit_error(mbs, coef, cp)
     return out
+
+
+def predicted_imbalance(plans: list[dict[str, Any]], step_times: list[float]) -> float:
+    """The packer's own max/mean micro-batch workload of each step, weighted by the step's
+    measured time. Not Σ max / Σ mean: a step's workloads are in the units of the model that
+    packed it, and under the online cost model that changes (FLOPs before the first refit,
+    seconds after), so the sums would be those of the FLOP-priced steps alone."""
+    pairs = [
+        (rec["wlb/max_workload"] / rec["wlb/mean_workload"], t)
+        for rec, t in zip(plans, step_times, strict=True)
+        if rec.get("wlb/mean_workload", 0.0) > 0
+    ]
+    if not pairs:
+        return 1.0
+    ratios, weights = np.asarray(pairs, np.float64).T
+    return float(ratios @ weights / weights.sum()) if weights.sum() > 0 else 1.0
 
 
 def fit_error(
