@@ -43,6 +43,36 @@ def test_exact_times_leave_no_residual_and_the_plan_imbalance_is_measured():
     assert out["measured"] == pytest.approx(max(slowest) / np.mean(slowest), rel=1e-9)
 
 
+def test_fitted_whole_prices_micro_batches_as_the_packer_does():
+    """``fitted_whole``: the run's fit on whole micro-batches, ranks even, documents local up to
+    hybrid's 512-token floor (CP = 2) and gathered beyond; all gathered when no rank held a local
+    token. Exact times on independent features: the fit is A, B, G, C."""
+    lens = [[300, 400 + 100 * i] for i in range(4)]  # 400, 500 local; 600, 700 gathered
+
+    def records(local_of):
+        mbs = []
+        for rank, i in ((r, i) for r in (0, 1) for i in range(4)):
+            sq, local, gathered = 1e5 * (1 + i), local_of(rank, i), 200.0 + 30 * i * i + 40 * rank
+            t = A * sq + B * local + G * gathered + C
+            mbs.append({"doc_lens": lens[i], "seconds": t, "device_s": t, "step": 3,
+                        "rank": rank, "fit_features": [sq, local, gathered]})  # fmt: skip
+        return {"microbatches": mbs, "steps": [], "layout": {"cp": 2}}
+
+    def whole(d, local_max):
+        d = np.asarray(d, float)
+        local = d[d <= local_max].sum()
+        return (A * d @ d + B * local + G * (d.sum() - local)) / 2 + C
+
+    out = imbalance_report.report(records(lambda rank, i: 100.0 + 50 * rank + 20 * i * i))
+    costs = [whole(d, 512) for d in lens]
+    assert out["fitted_whole"] == pytest.approx(max(costs) / np.mean(costs), rel=1e-6)
+    assert out["fitted"] != pytest.approx(out["fitted_whole"], rel=1e-3)  # the CP plans' part
+    # Per-document sharding: no local token anywhere, every document priced as gathered.
+    out = imbalance_report.report(records(lambda rank, i: 0.0))
+    costs = [whole(d, 0) for d in lens]
+    assert out["fitted_whole"] == pytest.approx(max(costs) / np.mean(costs), rel=1e-6)
+
+
 def test_noise_shows_as_residual_spread():
     # 5 % noise on each rank's time; a micro-batch takes its slower rank's, so a little less.
     out = imbalance_report.report(_cp_records(noise=0.05, steps=range(3, 40)))

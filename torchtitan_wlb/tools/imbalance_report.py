@@ -15,7 +15,10 @@ For each ``records_<mode>.json`` of a directory (``e2e_bench --records-out``, th
   slow-down taken out), the noise left on top of the plan; for the floor, whose micro-batches are
   identical, the spread of their times within a step;
 - under CP with the trainer's features, ``rank_spread_mean`` / ``_p95``: the fitted max / mean
-  over a micro-batch's ranks.
+  over a micro-batch's ranks; and ``fitted_whole``: the same fit with every micro-batch priced as
+  the packer prices it, its ranks even and its documents local up to hybrid's floor and gathered
+  beyond (all gathered where the run saw no local token): what the packing leaves, ``fitted``
+  above it being the CP plans' part.
 
 A mode whose ``fitted`` is near 1 and whose ``residual_spread`` is the floor's cannot be balanced
 better by packing; docs/benchmarks.md, "Online cost model", reads these for the CPU runs.
@@ -32,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from torchtitan_wlb.cost_model import nnls
+from torchtitan_wlb.cp.plan import default_hybrid_max_len
 from torchtitan_wlb.tools.cli import ToolParser
 
 FLOOR = "floor"
@@ -111,6 +115,27 @@ def report(records: dict[str, Any], from_step: int = 0) -> dict[str, Any]:
     if per_rank and spread:
         out["rank_spread_mean"] = float(np.mean(spread))
         out["rank_spread_p95"] = float(np.percentile(spread, 95))
+        out["fitted_whole"] = _imbalance(_whole_costs(groups, coef, _cp(records)))
+    return out
+
+
+def _whole_costs(
+    groups: dict[tuple[int, int], list[list[dict]]], coef: dict[int, np.ndarray], cp: int
+) -> list[np.ndarray]:
+    """Per step, each micro-batch's cost by the per-rank fit ``(a, b, g, c)`` as the packer sees
+    it: ``(a Σd² + b Σ local d + g Σ gathered d) / cp + c``, a document local up to hybrid's floor
+    (the packer's ``whole_max_len``), or gathered whatever its length when no rank held a local
+    token (per-document sharding)."""
+    local_seen = any(m["fit_features"][1] > 0 for mb in groups.values() for r in mb for m in r)
+    whole_max = default_hybrid_max_len(cp) if local_seen else 0
+    out = []
+    for (_, unit), mb in groups.items():
+        rows = []
+        for recs in mb:
+            d = np.asarray(recs[0]["doc_lens"], np.float64)
+            local = float(d[d <= whole_max].sum())
+            rows.append([float(d @ d) / cp, local / cp, (float(d.sum()) - local) / cp, 1.0])
+        out.append(np.asarray(rows) @ coef[unit])
     return out
 
 
@@ -163,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         line += f"residual spread {100 * r['residual_spread']:.2f} %"
         if "rank_spread_mean" in r:
             line += f"  ranks {r['rank_spread_mean']:.4f} (p95 {r['rank_spread_p95']:.4f})"
+            line += f"  whole {r['fitted_whole']:.3f}"
         print(line)
     return 0
 
