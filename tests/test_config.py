@@ -48,6 +48,8 @@ def test_defaults_and_mode_presets():
         ({"fit_initial_attn_scale": 0.0}, "fit_initial_attn_scale = 0.0 is out of range"),
         ({"fit_initial_attn_scale": float("inf")}, "fit_initial_attn_scale = inf must be a finite"),
         ({"fit_initial_attn_scale": float("nan")}, "fit_initial_attn_scale = nan must be a finite"),
+        ({"delay_target": float("nan")}, "delay_target = nan must be a finite number > 0"),
+        ({"cp_bandwidth_gbps": float("inf")}, "cp_bandwidth_gbps = inf must be a finite number"),
         ({"loader": "hf"}, "loader = 'hf' is not accepted"),
     ],
 )

@@ -248,6 +248,10 @@ class WLB:
             self.packing, self.cp_sharding = MODE_PRESETS[self.mode]
         for name, (op, low, note) in _LOWEST.items():
             value = getattr(self, name)
+            if not math.isfinite(value):  # TOML has nan and inf; no range check catches nan
+                raise ConfigError(
+                    f"[wlb] {name} = {value!r} must be a finite number {op} {low}{note}"
+                )
             if value < low or (value == low and op == ">"):
                 raise ConfigError(
                     f"[wlb] {name} = {value!r} is out of range; it must be {op} {low}{note}"
@@ -273,11 +277,6 @@ class WLB:
             raise ConfigError(
                 f"[wlb] fit_holdout_steps = {self.fit_holdout_steps} must be >= 1 and less than "
                 f"fit_window_steps = {self.fit_window_steps} (the rest of the window is fitted)"
-            )
-        if not math.isfinite(self.fit_initial_attn_scale):
-            raise ConfigError(
-                f"[wlb] fit_initial_attn_scale = {self.fit_initial_attn_scale!r} must be a finite "
-                "number > 0"
             )
         if self.cost_model == "profile" and not self.cost_profile:
             raise ConfigError('[wlb] cost_model = "profile" needs cost_profile = "<path.json>"')
