@@ -24,6 +24,20 @@ def test_measured_imbalance_is_time_weighted_per_layout():
     assert e2e_bench.measured_imbalance(pp, [1], "pp2") == pytest.approx(6 / 4)
 
 
+def test_floor_half_gap_compares_the_two_halves_of_the_timed_steps():
+    """Steps 1-2 balanced, 3-4 at 2 / 1.5: the gap is 1/3 whichever half is worse; the device
+    clock's variant reads the device times; an odd count puts the middle step in the later half."""
+    even = {"micro_batch_times_s": [1.0, 1.0], "micro_batch_device_times_s": [2.0, 2.0]}
+    odd = {"micro_batch_times_s": [1.0, 2.0], "micro_batch_device_times_s": [2.0, 2.0]}
+    logs = [{1: even, 2: even, 3: odd, 4: odd}]
+    assert e2e_bench.half_gap(logs, [1, 2, 3, 4], "dp2") == pytest.approx(1 / 3)
+    assert e2e_bench.half_gap(logs, [3, 4, 1, 2], "dp2") == pytest.approx(1 / 3)
+    assert e2e_bench.half_gap(logs, [1, 2, 3, 4], "dp2", device=True) == pytest.approx(0.0)
+    # [1] against [2, 3]: 1.0 against (1 + 2) / (1 + 1.5)
+    assert e2e_bench.half_gap(logs, [1, 2, 3], "dp2") == pytest.approx(3 / 2.5 - 1.0)
+    assert e2e_bench.half_gap(logs, [1], "dp2") is None
+
+
 def test_device_clock_figures_read_the_device_times():
     """The device-clock variants read the device times, the existing keys the wall times."""
     rec = {"micro_batch_times_s": [1.0, 3.0], "micro_batch_device_times_s": [1.0, 1.0],
@@ -187,6 +201,7 @@ def test_whole_pass_trains_every_document_once(capsys, tmp_path):
     floor_len = int(out["floor_doc_len"])
     assert {tuple(mb["doc_lens"]) for mb in floor} == {(floor_len,) * (512 // floor_len)}
     assert len(floor) == 2 * 4 * (3 - 2)  # two CP ranks, 4 micro-batches, the steps past warm-up
+    assert "floor_half_gap" not in out  # one timed floor step: no halves to compare
 
 
 def test_cp_sharding_speedups_compare_against_the_first_sharding():

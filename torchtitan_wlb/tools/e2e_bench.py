@@ -184,6 +184,9 @@ def run_mode(
     }
     if args.parallel == "pp2":
         out["balance_loss"] = pipeline_balance_loss(out["records"])
+    if mode == FLOOR and (gap := half_gap(per_rank, timed, args.parallel)) is not None:
+        out["half_gap"] = gap
+        out["half_gap_device"] = half_gap(per_rank, timed, args.parallel, True)
     for key in ("cp_per_document_share", "cp_hybrid_share"):
         shares = [v for rec in first if (v := rec.get(f"wlb/{key}")) is not None]
         if shares:
@@ -280,6 +283,22 @@ def measured_imbalance(
                 top += float(times.max())
                 total += float(times.mean())
     return top / total if total else 1.0
+
+
+def half_gap(
+    per_rank: list[dict[int, dict]], steps: list[int], parallel: str, device: bool = False
+) -> float | None:
+    """|measured imbalance of the later half of ``steps`` - that of the earlier half|: on the
+    noise floor's identical micro-batches, how far two windows of one run land apart, a perfectly
+    balanced plan's own spread, to read ``measured_imbalance - floor`` against. None under 2 steps.
+    """
+    if len(steps) < 2:
+        return None
+    h = len(steps) // 2
+    halves = [
+        measured_imbalance(per_rank, part, parallel, device) for part in (steps[:h], steps[h:])
+    ]
+    return abs(halves[1] - halves[0])
 
 
 def pipeline_balance_loss(records: dict[str, Any], pp: int = 2) -> float:
@@ -484,6 +503,9 @@ def main(argv: list[str] | None = None) -> int:
                 floor_key["floor_doc_len"] = floor_len
                 floor_key["measured_imbalance_floor"] = floor["measured_imbalance"]
                 floor_key["measured_imbalance_floor_device"] = floor["measured_imbalance_device"]
+                if "half_gap" in floor:
+                    floor_key["floor_half_gap"] = floor["half_gap"]
+                    floor_key["floor_half_gap_device"] = floor["half_gap_device"]
             extra = sharding_speedups(results, modes, shardings) if shardings else {}
             runs.append({"modes": results, **speedups(results), **floor_key, **extra})
         bar.close()
