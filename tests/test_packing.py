@@ -206,7 +206,8 @@ def test_unknown_packer():
         build_packer("lpt", PackingConfig(micro_batches=1, context_len=4), COST)
 
 
-def test_water_level_and_fill_rounds_balance():
+@pytest.mark.parametrize("deal", [False, True])
+def test_water_level_and_fill_rounds_balance(deal):
     assert water_level(np.array([0.0, 0.0]), 10.0) == 5.0
     assert water_level(np.array([0.0, 8.0]), 4.0) == 4.0
     assert water_level(np.array([0.0, 2.0]), 4.0) == 3.0
@@ -214,15 +215,34 @@ def test_water_level_and_fill_rounds_balance():
     lens = rng.integers(1, 30, 500)
     costs = COST.doc_cost(lens)
     loads, tokens = np.zeros(8), np.zeros(8, np.int64)
-    out = fill_rounds(loads, tokens, costs, lens, cap=10_000)
+    out = fill_rounds(loads, tokens, costs, lens, cap=10_000, deal=deal)
     assert (out >= 0).all()
     assert np.allclose(np.bincount(out, weights=costs, minlength=8), loads)
+    assert np.array_equal(np.bincount(out, weights=lens, minlength=8), tokens)
     assert loads.max() / loads.mean() < 1.01
     # Token cap and workload limit are respected; what does not fit stays unplaced.
     loads, tokens = np.zeros(3), np.zeros(3, np.int64)
-    out = fill_rounds(loads, tokens, costs, lens, cap=100, limit=150.0)
+    out = fill_rounds(loads, tokens, costs, lens, cap=100, limit=150.0, deal=deal)
     assert tokens.max() <= 100 and loads.max() <= 150.0
     assert (out < 0).any()
+    placed = out >= 0
+    assert np.array_equal(np.bincount(out[placed], weights=lens[placed], minlength=3), tokens)
+
+
+def test_fill_rounds_deals_the_largest_documents_one_per_micro_batch():
+    """Four long documents among many short ones: runs of neighbours give one micro-batch three
+    of them (under CP, whole documents that cannot be split evenly over the ranks); dealt, each
+    micro-batch gets one. Both balance the loads exactly."""
+    lens = np.array([400] * 4 + [50] * 64)
+    costs = lens.astype(np.float64)
+    per_bin = {}
+    for deal in (False, True):
+        loads, tokens = np.zeros(4), np.zeros(4, np.int64)
+        out = fill_rounds(loads, tokens, costs, lens, cap=10_000, deal=deal)
+        assert (out >= 0).all() and np.allclose(loads, 1200.0)
+        per_bin[deal] = np.bincount(out[:4], minlength=4)
+    assert per_bin[False].max() == 3
+    assert per_bin[True].tolist() == [1, 1, 1, 1]
 
 
 def test_solver_is_optimal_on_small_instance():

@@ -44,6 +44,26 @@ def lpt_place(
     return out
 
 
+def _dealt(costs: np.ndarray, lens: np.ndarray, k: int) -> tuple[np.ndarray, ...]:
+    """Documents (largest first) dealt like cards over ``k`` bins (bin ``0``: the least-loaded),
+    in snake order: the ``k`` largest one per bin, the next ``k`` back, and so on. A run of
+    neighbours would give one micro-batch several of the largest documents; under CP, a few long
+    documents kept whole cannot be split evenly over the ranks (docs/packing.md). Returns each
+    document's bin and the running cost and tokens of that bin up to and including it."""
+    n = costs.size
+    deal = np.arange(-(-n // k) * k).reshape(-1, k)  # [turn, bin]: the document dealt there
+    deal[1::2] = deal[1::2, ::-1]
+    dealt = deal < n
+    pos = deal[dealt]
+    grid = np.zeros((2, *deal.shape))
+    grid[:, dealt] = costs[pos], lens[pos]
+    grid.cumsum(axis=1, out=grid)  # each bin's running cost and tokens, turn by turn
+    slot, run = np.empty(n, np.int64), np.empty((2, n))
+    slot[pos] = np.broadcast_to(np.arange(k), deal.shape)[dealt]
+    run[:, pos] = grid[:, dealt]
+    return slot, run[0], run[1]
+
+
 def fill_rounds(
     loads: np.ndarray,
     tokens: np.ndarray,
@@ -51,10 +71,14 @@ def fill_rounds(
     lens: np.ndarray,
     cap: int,
     limit: float = np.inf,
+    deal: bool = False,
 ) -> np.ndarray:
     """Place documents (largest cost first) in vectorised rounds (docs/packing.md, "Vectorised
     placement"); ``loads`` (float) and ``tokens`` (int), the bins' workload and token count, are
-    updated in place. ``-1``: the document fits nowhere (token cap, or ``limit``)."""
+    updated in place. ``-1``: the document fits nowhere (token cap, or ``limit``). ``deal``: the
+    first round, which places the largest documents (70 % of the deficits), deals them over the
+    bins (:func:`_dealt`) instead of cutting them into runs of neighbours. Runs keep stream order
+    together, which the final steps' split relies on (end_of_data.py)."""
     out = np.full(costs.size, -1, np.int64)
     rem = np.arange(costs.size)
     if np.isfinite(limit):  # the rounds' first filter (below), before sorting: often most go
@@ -94,14 +118,18 @@ def fill_rounds(
             bounds = (_RUN_FRACTION * (level - elig_loads)).cumsum()
             start = cc - c
             n_in = int(start.searchsorted(bounds[-1], side="left"))  # a prefix: start grows
-            slot = bounds.searchsorted(start[:n_in], side="right")  # run of each document
-            first = slot.searchsorted(slot, side="left")
-            ct = t[:n_in].cumsum()
-            run_cost = cc[:n_in] - start[first]
-            run_tok = ct - (ct - t[:n_in])[first]
+            if deal:
+                slot, run_cost, run_tok = _dealt(c[:n_in], t[:n_in], elig.size)
+            else:
+                slot = bounds.searchsorted(start[:n_in], side="right")  # run of each document
+                first = slot.searchsorted(slot, side="left")
+                ct = t[:n_in].cumsum()
+                run_cost = cc[:n_in] - start[first]
+                run_tok = ct - (ct - t[:n_in])[first]
+            deal = False  # the later rounds' small documents cannot cluster harmfully
             bins = elig[slot]
-            # Each run keeps its prefix under both bounds: a prefix already, as costs are >= 0
-            # (a run's cost and tokens only grow along it).
+            # Each bin keeps a prefix of its documents under both bounds, as costs are >= 0 (its
+            # running cost and tokens only grow along them).
             good = (loads[bins] + run_cost <= level) & (run_tok <= room[bins])
             ok[:n_in] = good
         if not ok.any():

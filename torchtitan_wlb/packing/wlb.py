@@ -314,8 +314,9 @@ class WLBPacker(_QueuedPacker):
         loads, tokens, admitted = chosen
         q_bin[waiting] = admitted
 
-        # 4. Regular documents fill the micro-batches, vectorised; what does not fit under the cap
-        #    (or under the level an outlier set) is carried. Carried documents go first; past K
+        # 4. Regular documents fill the micro-batches, vectorised and dealt (each gets every size:
+        #    docs/packing.md, "Vectorised placement"); what does not fit under the cap (or under
+        #    the level an outlier set) is carried. Carried documents go first; past K
         #    steps they ignore the level. Fresh ones are offered as a stream prefix (``_offer``).
         carried = np.flatnonzero(regular.arrival < self._step)
         fresh = np.flatnonzero(regular.arrival == self._step)
@@ -325,15 +326,19 @@ class WLBPacker(_QueuedPacker):
             carried, fresh = np.concatenate([carried, fresh]), fresh[:0]
         if carried.size:
             r_bin[carried] = fill_rounds(
-                loads, tokens, r_cost[carried], r_lens[carried], cap, limit
+                loads, tokens, r_cost[carried], r_lens[carried], cap, limit, deal=True
             )
         back = fresh[:0]
         if fresh.size:
             fresh, back = self._offer(fresh, r_cost, regular, loads, tokens, limit)
-            r_bin[fresh] = fill_rounds(loads, tokens, r_cost[fresh], r_lens[fresh], cap, limit)
+            r_bin[fresh] = fill_rounds(
+                loads, tokens, r_cost[fresh], r_lens[fresh], cap, limit, deal=True
+            )
         overdue = np.flatnonzero((r_bin < 0) & (self._step - regular.arrival >= self._wait_bound()))
         if overdue.size and np.isfinite(limit):
-            r_bin[overdue] = fill_rounds(loads, tokens, r_cost[overdue], r_lens[overdue], cap)
+            r_bin[overdue] = fill_rounds(
+                loads, tokens, r_cost[overdue], r_lens[overdue], cap, deal=True
+            )
 
         self.backlog = regular.subset(back)
         r_bin[back] = -2  # neither placed nor carried
