@@ -126,7 +126,7 @@ def fill_rounds(
                 ct = t[:n_in].cumsum()
                 run_cost = cc[:n_in] - start[first]
                 run_tok = ct - (ct - t[:n_in])[first]
-            deal = False  # the later rounds' small documents cannot cluster harmfully
+            deal = False  # later rounds: the smaller rest, in runs
             bins = elig[slot]
             # Each bin keeps a prefix of its documents under both bounds, as costs are >= 0 (its
             # running cost and tokens only grow along them).
