@@ -9,6 +9,7 @@ losses, the same refit after step 6. Under pipeline parallelism (PP = 2) the sam
 from the per-stage action times of each micro-batch, summed over the pipeline group.
 """
 
+import itertools
 import json
 import os
 import shutil
@@ -24,9 +25,9 @@ ENTRY = os.path.join(ROOT, "tests", "online_fit_entry.py")
 pytestmark = pytest.mark.slow
 
 
-def _train(dump, *extra, steps=6):
+def _train(dump, *extra, steps=6, nproc=2):
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
         "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", "--role", "rank", ENTRY,
         "--job.config_file", DEBUG_CPU, "--job.dump_folder", str(dump), "--model.flavor", "tiny",
         "--training.seq_len", "256", "--wlb.micro_batch_max_len", "320",
@@ -50,19 +51,19 @@ def _records(dump, rank):
 REFIT_KEYS = ("wlb/cost_refit_a", "wlb/cost_refit_b", "wlb/cost_refit_c", "wlb/cost_refit_error")
 
 
-def _check_refit(log, dump, steps=6):
-    """The refit after step 4 adopted for step 6: the same coefficients on both ranks, bit for
-    bit, the synthetic attention coefficient recovered, packing with it from step 6 on both."""
+def _check_refit(log, dump, steps=6, nproc=2):
+    """The refit after step 4 adopted for step 6: the same coefficients on every rank, bit for
+    bit, the synthetic attention coefficient recovered, packing with it from step 6 on all."""
     assert "online cost model refit after step 4" in log and "adopted for step 6" in log
-    runs = [_records(dump, rank) for rank in (0, 1)]
+    runs = [_records(dump, rank) for rank in range(nproc)]
     for recs in runs:
         assert sorted(recs) == list(range(1, steps + 1))
         assert recs[4]["wlb/cost_refit_adopted"] == 1.0
         assert recs[4]["wlb/cost_refit_effective_step"] == 6.0
         assert "wlb/cost_refit_adopted" in recs[6] and "wlb/cost_refit_adopted" not in recs[5]
     # Different timings on the two ranks (see the entry), the same coefficients bit for bit.
-    for step in (4, 6):
-        assert [runs[0][step][k] for k in REFIT_KEYS] == [runs[1][step][k] for k in REFIT_KEYS]
+    for step, recs in itertools.product((4, 6), runs[1:]):
+        assert [runs[0][step][k] for k in REFIT_KEYS] == [recs[step][k] for k in REFIT_KEYS]
     rank0 = runs[0]
     a = rank0[4]["wlb/cost_refit_a"]
     assert a == pytest.approx(1e-7, rel=0.05)  # the synthetic truth, through the real pipeline
@@ -91,11 +92,16 @@ def test_online_refit_is_identical_on_every_rank_and_resumes_exactly(tmp_path):
         assert [again[6][k] for k in REFIT_KEYS] == [full[6][k] for k in REFIT_KEYS]
 
 
-def test_online_refit_under_pipeline_parallelism(tmp_path):
+@pytest.mark.parametrize("dp", [1, 2])
+def test_online_refit_under_pipeline_parallelism(tmp_path, dp):
     """PP = 2: one fit row per micro-batch from the per-stage action times (synthetic, a different
-    share on each stage and different noise on each rank), summed over the pipeline group."""
-    args = ("--parallelism.pipeline_parallel_degree", "2", "--checkpoint.no-enable")
-    _check_refit(_train(tmp_path, *args, "--synthetic-stage-times"), tmp_path)
+    share on each stage and different noise on each rank), summed over the pipeline group. With
+    one pipeline that is the whole exchange; with two (DP = 2, four ranks) each stage then sums
+    the two pipelines' statistics over its own ranks, and all four ranks must agree bit for bit."""
+    args = ("--parallelism.pipeline_parallel_degree", "2", "--checkpoint.no-enable",
+            "--parallelism.data_parallel_shard_degree", str(dp))  # fmt: skip
+    log = _train(tmp_path, *args, "--synthetic-stage-times", nproc=2 * dp)
+    _check_refit(log, tmp_path, nproc=2 * dp)
 
 
 def test_online_refit_under_context_parallelism_chooses_the_cp_plans(tmp_path):

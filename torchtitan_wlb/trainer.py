@@ -114,6 +114,7 @@ class WLBTrainer(Trainer):
         self._fitter = None
         if schedule is not None:
             self._fitter = OnlineFitter(schedule, whole_max_len=self._whole_max_len())
+        self._fit_rows_here, self._fit_sum = self._fit_reduction()
         self._clock = DeviceClock(self.device)
         self.metrics_processor.device_clock = self._clock.kind
         # The online fit's rows: (Σd², local tokens, gathered tokens, seconds) per micro-batch.
@@ -239,6 +240,24 @@ class WLBTrainer(Trainer):
         doc_lens = torch.cat([doc_lens, torch.tensor([pad], dtype=doc_lens.dtype)])
         return inputs, labels, positions, doc_lens
 
+    def _fit_reduction(self) -> tuple[bool, tuple[Any] | None]:
+        """Whether this rank adds fit rows, and the group the step's statistics are summed over
+        (``(None,)``: the world; None: no exchange), so that every rank holds the same sum.
+
+        Without PP every rank timed its own micro-batches (or CP shards): the world. Under PP the
+        stages exchange their action times first, after which every stage holds its pipeline's
+        rows, bit for bit; the sum then runs over one stage's ranks, the pipelines (``loss``:
+        batch x cp), and not at all with one pipeline: one collective a step, not two (each is
+        a synchronisation of every rank; about 1.5 ms a step on the CPU runs). With TP the ranks
+        of a stage time its micro-batches apart, so the world sums the first stage's rows."""
+        pd = self.parallel_dims
+        if not pd.pp_enabled:
+            return True, (None,)
+        if pd.tp_enabled:
+            return pd.get_mesh("pp").get_local_rank() == 0, (None,)
+        pipelines = pd.get_optional_mesh("loss")
+        return True, None if pipelines is None else (pipelines.get_group(),)
+
     def _whole_max_len(self) -> int:
         """Under hybrid or adaptive CP, the length up to which the plan keeps a document whole
         (hybrid's threshold or its floor): the online model prices longer ones as gathered."""
@@ -336,8 +355,9 @@ class WLBTrainer(Trainer):
         sq, lin, gathered, seconds = np.asarray(rows, np.float64).reshape(-1, 4).T
         local = FitStats.from_samples(sq, lin, seconds, sum_gathered=gathered)
         vector = local.to_vector()
-        if self.job_config.comm.mode not in resume.FAKE_COMM_MODES and _multi_process():
-            vector = sum_over_group(vector, None, self.device)  # the same on every rank
+        real = self.job_config.comm.mode not in resume.FAKE_COMM_MODES and _multi_process()
+        if real and self._fit_sum is not None:
+            vector = sum_over_group(vector, self._fit_sum[0], self.device)  # alike on every rank
         record = self._fitter.observe(self.step, vector)
         if record is None:
             return
@@ -416,7 +436,7 @@ class WLBTrainer(Trainer):
             pp_mesh = self.parallel_dims.get_mesh("pp")
             if self.job_config.comm.mode not in resume.FAKE_COMM_MODES and _multi_process():
                 per_mb = sum_over_group(per_mb, pp_mesh.get_group(), self.device)
-            if pp_mesh.get_local_rank() == 0:  # each micro-batch once per pipeline
+            if self._fit_rows_here:  # each micro-batch once a pipeline in the sum
                 for lens, seconds in zip(step_doc_lens, per_mb.tolist(), strict=True):
                     d = np.asarray(lens, np.float64)
                     self._fit_rows.append((float(d @ d), float(d.sum()), 0.0, seconds))
