@@ -188,6 +188,28 @@ def test_schedule_is_deterministic_whatever_the_reader_timing():
         assert again.schedule.model_for_step(step) == got[step]
 
 
+def test_a_decision_held_back_reaches_the_node_only_when_released():
+    """The trainer decides at a step's end and releases at the next step's forward: until then
+    the node waits, whatever was decided; a restored schedule has released what it decided."""
+    cfg = OnlineFitConfig(warmup_steps=1, window_steps=4, holdout_steps=1, interval_steps=2,
+                          apply_lag_steps=2)  # fmt: skip
+    initial, fitted = CostModel(1e-3, 1.0, "flops"), CostModel(2e-3, 1.0, "seconds")
+    schedule = CostModelSchedule(initial, cfg)
+    got: list[CostModel] = []
+    node = threading.Thread(target=lambda: got.append(schedule.model_for_step(5)))  # needs 3
+    node.start()
+    assert schedule.decide(2, None, release=False) == 4
+    assert schedule.decide(3, fitted, release=False) == 5
+    node.join(timeout=0.3)
+    assert node.is_alive() and not got  # decided through step 3, nothing released
+    schedule.release()
+    node.join(timeout=30)
+    assert not node.is_alive() and got == [fitted]
+    again = CostModelSchedule(initial, cfg)
+    again.restore([(5, fitted)], decided_through=3)
+    assert again.model_for_step(5) is fitted  # would wait for ever were it not released
+
+
 def test_first_refit_comes_once_the_fitted_steps_hold_enough_rows():
     # 20 micro-batch rows a step (e.g. 10 micro-batches on 2 CP ranks), 3 coefficients seen: the
     # fitted part holds 8 rows per coefficient after 2 steps past the warm-up, so the first refit

@@ -274,38 +274,53 @@ class OnlineFitConfig:
 
 class CostModelSchedule:
     """Which cost model packs which step; written by the trainer, read by the packing node, which
-    waits for the decisions, so its answer never depends on how far ahead it prefetches."""
+    waits for the decisions, so its answer never depends on how far ahead it prefetches.
+
+    A decision reaches the node when it is released (at once, unless ``decide`` is told
+    otherwise): the trainer decides at the end of a step and releases at the start of the next
+    step's forward, so that the node packs while the model computes rather than beside the
+    optimizer step (docs/cost_model.md, "When the node packs")."""
 
     def __init__(self, initial: CostModel, config: OnlineFitConfig) -> None:
         self.initial, self.config = initial, config
         self._adoptions: list[tuple[int, CostModel]] = []
         self._decided_through = 0
+        self._released_through = 0
         self._closed = False
         self._cond = threading.Condition()
 
     def model_for_step(self, step: int) -> CostModel:
         """The model packing training step ``step`` (1-based), waiting until step ``step - lag``
-        is decided (whether a step refits can depend on its data: :meth:`OnlineFitConfig.
-        is_refit_step`; the lag exceeds the node's read-ahead, so it seldom waits)."""
+        is decided and released (whether a step refits can depend on its data:
+        :meth:`OnlineFitConfig.is_refit_step`)."""
         needed = step - self.config.apply_lag_steps
         with self._cond:
-            self._cond.wait_for(lambda: self._decided_through >= needed or self._closed)
+            self._cond.wait_for(lambda: self._released_through >= needed or self._closed)
             return next((m for e, m in reversed(self._adoptions) if e <= step), self.initial)
 
-    def decide(self, step: int, model: CostModel | None) -> int:
-        """Decide every step through ``step``; ``model``, if given, packs from the returned step."""
+    def decide(self, step: int, model: CostModel | None, release: bool = True) -> int:
+        """Decide every step through ``step``; ``model``, if given, packs from the returned step.
+        ``release=False``: the node sees it at the next :meth:`release` (or later ``decide``)."""
         effective = step + self.config.apply_lag_steps
         with self._cond:
             if model is not None:
                 self._adoptions.append((effective, model))
             self._decided_through = max(self._decided_through, step)
-            self._cond.notify_all()
+        if release:
+            self.release()
         return effective
+
+    def release(self) -> None:
+        """Let the node pack every step the decisions so far settle."""
+        with self._cond:
+            if self._released_through < self._decided_through:
+                self._released_through = self._decided_through
+                self._cond.notify_all()
 
     def restore(self, adoptions: list[tuple[int, CostModel]], decided_through: int) -> None:
         with self._cond:
             self._adoptions = sorted(adoptions, key=lambda p: p[0])
-            self._decided_through = decided_through
+            self._decided_through = self._released_through = decided_through
             self._cond.notify_all()
 
     def close(self) -> None:
@@ -327,8 +342,11 @@ class OnlineFitter:
         self.history: list[dict[str, Any]] = []
         self.first_adopted: int | None = None  # the step of the first adopted refit
 
-    def observe(self, step: int, vector: np.ndarray) -> dict[str, Any] | None:
-        """Add step ``step``'s rank-summed statistics; at a refit step, refit and return its record."""
+    def observe(
+        self, step: int, vector: np.ndarray, release: bool = True
+    ) -> dict[str, Any] | None:
+        """Add step ``step``'s rank-summed statistics; at a refit step, refit and return its record.
+        ``release``: as :meth:`CostModelSchedule.decide`'s."""
         if step > self.config.warmup_steps:
             self._window.append((step, np.asarray(vector, np.float64).copy()))
         window = [FitStats.from_vector(v) for _, v in self._window]
@@ -336,13 +354,14 @@ class OnlineFitter:
         fit_part, holdout = sum(window[:k], FitStats.zeros()), sum(window[k:], FitStats.zeros())
         terms = int(np.count_nonzero(np.diag(fit_part.gram) > 0))  # those fit_nnls would fit
         if not self.config.is_refit_step(step, self.first_adopted, fit_part.count, terms):
-            self.schedule.decide(step, None)
+            self.schedule.decide(step, None, release)
             return None
         result = refit(fit_part, holdout, self.incumbent)
         if result.adopted and self.first_adopted is None:
             self.first_adopted = step
         effective = self.schedule.decide(
-            step, result.candidate.cost_model(self.whole_max_len) if result.adopted else None
+            step, result.candidate.cost_model(self.whole_max_len) if result.adopted else None,
+            release,
         )
         record = {"step": step, **asdict(result)}
         record["effective_step"] = effective if result.adopted else None

@@ -316,10 +316,21 @@ class WLBTrainer(Trainer):
         )
         return inputs, labels, positions, meta
 
+    def _release_decisions(self) -> None:
+        """The online model's decisions so far, to the packing node, as the step's model compute
+        starts. Decided at the end of the step before, they would wake the node beside the
+        optimizer step and the logging, CPU work on every rank's critical path; during the
+        compute the node's CPU time overlaps the model (on a GPU) or the ranks' waits for each
+        other (on the CPU runs; docs/cost_model.md, "When the node packs")."""
+        if self._fitter is not None:
+            self._fitter.schedule.release()
+
     def forward_backward_step(
         self, *, input_dict: dict[str, Any], labels: Tensor, global_valid_tokens: Tensor
     ) -> Tensor:
         self._micro_batches_done += 1
+        if self._pp_runner is None and self._micro_batches_done == 1:
+            self._release_decisions()
         start = self._clock.read()
         if self._pp_runner is None:
             loss = super().forward_backward_step(
@@ -358,7 +369,8 @@ class WLBTrainer(Trainer):
         real = self.job_config.comm.mode not in resume.FAKE_COMM_MODES and _multi_process()
         if real and self._fit_sum is not None:
             vector = sum_over_group(vector, self._fit_sum[0], self.device)  # alike on every rank
-        record = self._fitter.observe(self.step, vector)
+        # Released when the next step's forward starts (_release_decisions), not now.
+        record = self._fitter.observe(self.step, vector, release=False)
         if record is None:
             return
         c = record["candidate"]
@@ -420,6 +432,7 @@ class WLBTrainer(Trainer):
             bubble = float(stalls / (costs.sum() + stalls))
             self.metrics_processor.record({"pp_bubble_estimate": bubble})
         losses: list[Tensor] | None = [] if self.pp_has_last_stage else None
+        self._release_decisions()
         with self.train_context():
             runner.step(
                 [p[0] for p in pending] if self.pp_has_first_stage else None,
@@ -494,7 +507,7 @@ class WLBTrainer(Trainer):
         self._last_completed_step = self.step - 1
         if self._fitter is not None:
             # Steps before this launch are decided: the packing node must not wait for them.
-            self._fitter.schedule.decide(self.step - 1, None)
+            self._fitter.schedule.decide(self.step - 1, None, release=False)
         super().train_step(data_iterator)
         self._last_completed_step = self.step
         if self._audit is not None:
