@@ -342,9 +342,7 @@ class OnlineFitter:
         self.history: list[dict[str, Any]] = []
         self.first_adopted: int | None = None  # the step of the first adopted refit
 
-    def observe(
-        self, step: int, vector: np.ndarray, release: bool = True
-    ) -> dict[str, Any] | None:
+    def observe(self, step: int, vector: np.ndarray, release: bool = True) -> dict[str, Any] | None:
         """Add step ``step``'s rank-summed statistics; at a refit step, refit and return its record.
         ``release``: as :meth:`CostModelSchedule.decide`'s."""
         if step > self.config.warmup_steps:
@@ -359,10 +357,8 @@ class OnlineFitter:
         result = refit(fit_part, holdout, self.incumbent)
         if result.adopted and self.first_adopted is None:
             self.first_adopted = step
-        effective = self.schedule.decide(
-            step, result.candidate.cost_model(self.whole_max_len) if result.adopted else None,
-            release,
-        )
+        adopted = result.candidate.cost_model(self.whole_max_len) if result.adopted else None
+        effective = self.schedule.decide(step, adopted, release)
         record = {"step": step, **asdict(result)}
         record["effective_step"] = effective if result.adopted else None
         if result.adopted:
