@@ -506,7 +506,8 @@ class WLBTrainer(Trainer):
             self._audit.begin_step()
         self._last_completed_step = self.step - 1
         if self._fitter is not None:
-            # Steps before this launch are decided: the packing node must not wait for them.
+            # Steps before this launch are decided (released with this step's forward, as every
+            # decision is): the packing node must not wait for them beyond that.
             self._fitter.schedule.decide(self.step - 1, None, release=False)
         super().train_step(data_iterator)
         self._last_completed_step = self.step
