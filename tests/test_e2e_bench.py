@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -163,6 +164,27 @@ def test_fit_error_is_mean_absolute_relative_error():
     assert e2e_bench.fit_error(cp_mb, [0.1, 0.2, 0.5], cp=2) == pytest.approx(0.05)
 
 
+def test_in_use_error_judges_each_step_by_the_model_that_packed_it():
+    mbs = [{"step": s, "doc_lens": [4], "seconds": t} for s, t in ((2, 9.0), (3, 1.0), (5, 2.0))]
+    # The model adopted for step 3 predicts 1.0 (c = 1), the one for step 5 on 2.0 (b = 0.5):
+    # exact where each packed; the starting model's step 2 is left out.
+    adoptions = [(3, [0.0, 0.0, 1.0]), (5, [0.0, 0.5, 0.0])]
+    assert e2e_bench.in_use_error(mbs, adoptions, cp=1) == 0.0
+    # The last model alone misses step 3 by 100 % (and step 2 by 7/9).
+    assert e2e_bench.fit_error(mbs[1:], [0.0, 0.5, 0.0], cp=1) == pytest.approx(0.5)
+    # Weighted by micro-batches: step 3's 100 % error over three micro-batches of which one is off.
+    adoptions = [(3, [0.0, 0.5, 0.0])]
+    two = mbs + [{"step": 4, "doc_lens": [4], "seconds": 2.0}]
+    assert e2e_bench.in_use_error(two, adoptions, cp=1) == pytest.approx(1 / 3)
+    assert math.isnan(e2e_bench.in_use_error(mbs[:1], adoptions, cp=1))
+    # Under PP the stage totals keep their step.
+    act = {"stages": [0], "fwd_s": [[1.0]], "bwd_s": [[1.0]], "doc_lens": [[2]],
+           "fwd_device_s": [[1.0]], "bwd_device_s": [[1.0]]}  # fmt: skip
+    pp = [{7: {"pp_actions": [act], "wlb/step_time_s": 3.0}}]
+    [total] = e2e_bench.stage_totals(e2e_bench.calibration_records(pp, [7])["microbatches"])
+    assert total["step"] == 7
+
+
 def test_modes_and_the_floor_run_set_the_trainer_flags():
     args = e2e_bench.parser().parse_args(["--cost-model", "online", "--fit-window", "4"])
     assert e2e_bench.mode_args("wlb", args)[:4] == [
@@ -185,6 +207,8 @@ def test_whole_pass_trains_every_document_once(capsys, tmp_path):
     assert wlb["refits"] >= 1
     assert len(wlb["refits_effective_steps"]) == wlb["refits_adopted"]
     assert all(s > 1 for s in wlb["refits_effective_steps"])
+    # Each step after the first adoption is predicted by the model that packed it.
+    assert wlb["refits_adopted"] >= 1 and 0.0 <= wlb["fit_mean_abs_error_in_use"] < 10.0
     assert out["steps"] == "epoch" and out["documents"]["count"] == 120
     assert wlb["docs_trained"] == 120 and wlb["docs_repeated"] == 0
     assert wlb["steps"] >= 3 and wlb["time_to_train_s"] == pytest.approx(sum(wlb["step_times_s"]))

@@ -200,7 +200,7 @@ def run_mode(
     if adopted:
         last = adopted[-1]
         terms = "abcg" if "wlb/cost_refit_g" in last else "abc"  # g: under CP, per gathered token
-        coef = [last[f"wlb/cost_refit_{k}"] for k in terms]
+        coef = refit_coefficients(last)
         out["fit_coefficients"] = dict(zip(terms, coef, strict=True))
         if "g" in terms:
             out["fit_coefficients"]["gathered_share"] = last["wlb/cost_refit_gathered_share"]
@@ -215,7 +215,14 @@ def run_mode(
         # On the clock the fit used (the device clock), and on the wall clock beside it.
         out["fit_mean_abs_error"] = fit_error(mbs, coef, cp, key="device_s")
         out["fit_mean_abs_error_wall"] = fit_error(mbs, coef, cp)
+        in_use = [(int(r["wlb/cost_refit_effective_step"]), refit_coefficients(r)) for r in adopted]
+        out["fit_mean_abs_error_in_use"] = in_use_error(mbs, in_use, cp, key="device_s")
     return out
+
+
+def refit_coefficients(rec: dict[str, Any]) -> list[float]:
+    """An adopted refit's ``(a, b, c[, g])`` from its metrics record (``g``: under CP)."""
+    return [rec[f"wlb/cost_refit_{k}"] for k in "abcg" if f"wlb/cost_refit_{k}" in rec]
 
 
 def predicted_imbalance(plans: list[dict[str, Any]], step_times: list[float]) -> float:
@@ -251,13 +258,36 @@ def fit_error(
     return float(np.mean(np.abs(model.predict(*np.asarray(rows).T) - t) / t))
 
 
+def in_use_error(
+    micro_batches: list[dict[str, Any]],
+    adoptions: list[tuple[int, list[float]]],
+    cp: int,
+    key: str = "seconds",
+) -> float:
+    """:func:`fit_error` of the online model as the packer used it: each micro-batch predicted by
+    the adopted model that packed its step (``adoptions``: ``(first step, coefficients)`` in step
+    order), fitted on steps that ran before it, so this is a prediction, not a fit. The last
+    model alone (``fit_error``) is judged on steps it was fitted on and on steps long before it,
+    whose machine may have run faster or slower. Steps the starting model packed are left out: it
+    predicts FLOPs, not seconds."""
+    first = np.asarray([step for step, _ in adoptions], np.int64)
+    groups: dict[int, list[dict[str, Any]]] = collections.defaultdict(list)
+    for m in micro_batches:
+        if (i := int(np.searchsorted(first, m["step"], side="right")) - 1) >= 0:
+            groups[i].append(m)
+    n = sum(map(len, groups.values()))
+    if not n:
+        return float("nan")
+    return sum(fit_error(ms, adoptions[i][1], cp, key) * len(ms) for i, ms in groups.items()) / n
+
+
 def stage_totals(micro_batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """PP records summed over the stages: one per micro-batch, as the online fit has them."""
     keys = [(m["step"], m["mb"], tuple(m["doc_lens"])) for m in micro_batches]
     stages = [m["stage"] for m in micro_batches]
     done, sums = stage_sums(keys, stages, [(m["seconds"], m["device_s"]) for m in micro_batches])
     return [
-        {"doc_lens": list(key[2]), "seconds": sec, "device_s": dev}
+        {"step": key[0], "doc_lens": list(key[2]), "seconds": sec, "device_s": dev}
         for key, (sec, dev) in zip(done, sums.tolist(), strict=True)
     ]
 
