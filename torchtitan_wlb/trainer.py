@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -48,6 +49,19 @@ def _count(n: int, noun: str) -> str:
 
 def _multi_process() -> bool:
     return torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+
+
+@dataclass(frozen=True)
+class FitReduction:
+    """How a rank's online-fit statistics become the sum every rank holds (``_fit_reduction``)."""
+
+    rows_here: bool
+    """Whether this rank adds fit rows (under PP with TP: the first stage's ranks alone)."""
+    exchange: bool
+    """Whether the step's statistics are summed over ``group``: False where this rank already
+    holds every row (one pipeline, after the stages exchanged their action times)."""
+    group: Any = None
+    """The process group of the sum; None: the world."""
 
 
 def sum_over_group(values: np.ndarray, group: Any, device: torch.device) -> np.ndarray:
@@ -114,7 +128,7 @@ class WLBTrainer(Trainer):
         self._fitter = None
         if schedule is not None:
             self._fitter = OnlineFitter(schedule, whole_max_len=self._whole_max_len())
-        self._fit_rows_here, self._fit_sum = self._fit_reduction()
+        self._fit_reduction = self._plan_fit_reduction()
         self._clock = DeviceClock(self.device)
         self.metrics_processor.device_clock = self._clock.kind
         # The online fit's rows: (Σd², local tokens, gathered tokens, seconds) per micro-batch.
@@ -240,9 +254,9 @@ class WLBTrainer(Trainer):
         doc_lens = torch.cat([doc_lens, torch.tensor([pad], dtype=doc_lens.dtype)])
         return inputs, labels, positions, doc_lens
 
-    def _fit_reduction(self) -> tuple[bool, tuple[Any] | None]:
-        """Whether this rank adds fit rows, and the group the step's statistics are summed over
-        (``(None,)``: the world; None: no exchange), so that every rank holds the same sum.
+    def _plan_fit_reduction(self) -> FitReduction:
+        """Whether this rank adds fit rows, and the group the step's statistics are summed over,
+        so that every rank holds the same sum.
 
         Without PP every rank timed its own micro-batches (or CP shards): the world. Under PP the
         stages exchange their action times first, after which every stage holds its pipeline's
@@ -252,11 +266,13 @@ class WLBTrainer(Trainer):
         of a stage time its micro-batches apart, so the world sums the first stage's rows."""
         pd = self.parallel_dims
         if not pd.pp_enabled:
-            return True, (None,)
+            return FitReduction(rows_here=True, exchange=True)
         if pd.tp_enabled:
-            return pd.get_mesh("pp").get_local_rank() == 0, (None,)
+            return FitReduction(rows_here=pd.get_mesh("pp").get_local_rank() == 0, exchange=True)
         pipelines = pd.get_optional_mesh("loss")
-        return True, None if pipelines is None else (pipelines.get_group(),)
+        if pipelines is None:
+            return FitReduction(rows_here=True, exchange=False)
+        return FitReduction(rows_here=True, exchange=True, group=pipelines.get_group())
 
     def _whole_max_len(self) -> int:
         """Under hybrid or adaptive CP, the length up to which the plan keeps a document whole
@@ -367,8 +383,8 @@ class WLBTrainer(Trainer):
         local = FitStats.from_samples(sq, lin, seconds, sum_gathered=gathered)
         vector = local.to_vector()
         real = self.job_config.comm.mode not in resume.FAKE_COMM_MODES and _multi_process()
-        if real and self._fit_sum is not None:
-            vector = sum_over_group(vector, self._fit_sum[0], self.device)  # alike on every rank
+        if real and self._fit_reduction.exchange:  # alike on every rank
+            vector = sum_over_group(vector, self._fit_reduction.group, self.device)
         # Released when the next step's forward starts (_release_decisions), not now.
         record = self._fitter.observe(self.step, vector, release=False)
         if record is None:
@@ -449,7 +465,7 @@ class WLBTrainer(Trainer):
             pp_mesh = self.parallel_dims.get_mesh("pp")
             if self.job_config.comm.mode not in resume.FAKE_COMM_MODES and _multi_process():
                 per_mb = sum_over_group(per_mb, pp_mesh.get_group(), self.device)
-            if self._fit_rows_here:  # each micro-batch once a pipeline in the sum
+            if self._fit_reduction.rows_here:  # each micro-batch once a pipeline in the sum
                 for lens, seconds in zip(step_doc_lens, per_mb.tolist(), strict=True):
                     d = np.asarray(lens, np.float64)
                     self._fit_rows.append((float(d @ d), float(d.sum()), 0.0, seconds))
