@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -183,6 +184,18 @@ def test_in_use_error_judges_each_step_by_the_model_that_packed_it():
     pp = [{7: {"pp_actions": [act], "wlb/step_time_s": 3.0}}]
     [total] = e2e_bench.stage_totals(e2e_bench.calibration_records(pp, [7])["microbatches"])
     assert total["step"] == 7
+
+
+def test_runs_alternate_the_modes_order_after_the_floor():
+    data = Path("docs.jsonl")
+    jobs = [(e2e_bench.FLOOR, "", data), ("wlb", "", data), ("wlb_online", "", data)]
+    first, second, third = (e2e_bench.run_order(jobs, run) for run in range(3))
+    assert [j[0] for j in first] == [j[0] for j in third] == ["floor", "wlb", "wlb_online"]
+    assert [j[0] for j in second] == ["floor", "wlb_online", "wlb"]
+    shardings = [("wlb", "hybrid", data), ("wlb", "per_document", data)]
+    assert [e2e_bench.label_of(j) for j in e2e_bench.run_order(shardings, 1)] == [
+        "wlb+per_document", "wlb+hybrid"
+    ]  # fmt: skip
 
 
 def test_modes_and_the_floor_run_set_the_trainer_flags():

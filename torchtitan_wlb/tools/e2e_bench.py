@@ -400,7 +400,10 @@ def parser() -> ToolParser:
     p.add_argument("--micro-batches", type=int, default=8, help="N per optimizer step")
     p.add_argument("--steps", type=steps_arg, default="epoch", help="'epoch' or a step count")
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the median step")
-    p.add_argument("--runs", type=int, default=1, help="repeat every mode this many times")
+    p.add_argument(
+        "--runs", type=int, default=1,
+        help="repeat every mode this many times (the modes' order reversed every other run)",
+    )  # fmt: skip
     p.add_argument("--smax-factor", type=float, default=1.25, help="S_max / context (wlb)")
     p.add_argument("--lengths", default="", help="JSON / .npy / text file of document lengths")
     p.add_argument("--generator", choices=list(GENERATORS), default="longtail")
@@ -489,6 +492,22 @@ def _check(p: ToolParser, args: argparse.Namespace) -> tuple[list[str], list[str
     return modes, shardings
 
 
+def label_of(job: tuple[str, str, Path]) -> str:
+    """A job's key in the results: its mode, and its CP sharding where several are compared."""
+    mode, sharding, _ = job
+    return f"{mode}+{sharding}" if sharding else mode
+
+
+def run_order(jobs: list[tuple[str, str, Path]], run: int) -> list[tuple[str, str, Path]]:
+    """The jobs of run ``run`` (0-based) in the order they train: the noise floor first, then the
+    modes as ``--modes`` lists them, reversed every other run. The machine's speed drifts within
+    a run by a few per cent; one fixed order would hand that drift to the same mode every run,
+    alternating splits it between them over an even number of runs."""
+    floor = [job for job in jobs if job[0] == FLOOR]
+    modes = [job for job in jobs if job[0] != FLOOR]
+    return floor + (modes[::-1] if run % 2 else modes)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
@@ -513,8 +532,8 @@ def main(argv: list[str] | None = None) -> int:
         floor_records: dict[int, dict[str, Any]] = {}
         for run in range(args.runs):
             results, rundir = {}, workdir / f"run{run}"
-            for mode, sharding, docs in jobs:
-                label = f"{mode}+{sharding}" if sharding else mode
+            for mode, sharding, docs in run_order(jobs, run):
+                label = label_of((mode, sharding, docs))
                 res = run_mode(mode, args, docs, rundir, bar, sharding, floor_len)
                 results[label] = res
                 bar.write(
@@ -525,6 +544,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{res['measured_imbalance_device']:.3f})  peak {res['peak_mem_mb']:.0f} MB",
                     file=sys.stderr,
                 )
+            results = {label_of(job): results[label_of(job)] for job in jobs}  # as asked
             floor_key = {}
             if floor := results.pop(FLOOR, None):
                 # Kept for --records-out: identical micro-batches' own timing noise, to set beside
