@@ -53,7 +53,7 @@ def _multi_process() -> bool:
 
 @dataclass(frozen=True)
 class FitReduction:
-    """How a rank's online-fit statistics become the sum every rank holds (``_fit_reduction``)."""
+    """How a rank's online-fit statistics become the sum every rank holds (chosen once, at init)."""
 
     rows_here: bool
     """Whether this rank adds fit rows (under PP with TP: the first stage's ranks alone)."""
