@@ -199,8 +199,8 @@ def run_mode(
         out["refits_effective_steps"] = [int(r["wlb/cost_refit_effective_step"]) for r in adopted]
     if adopted:
         last = adopted[-1]
-        terms = "abcg" if "wlb/cost_refit_g" in last else "abc"  # g: under CP, per gathered token
         coef = refit_coefficients(last)
+        terms = "abcg"[: len(coef)]  # g: under CP, per gathered token
         out["fit_coefficients"] = dict(zip(terms, coef, strict=True))
         if "g" in terms:
             out["fit_coefficients"]["gathered_share"] = last["wlb/cost_refit_gathered_share"]
