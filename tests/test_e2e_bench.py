@@ -198,6 +198,41 @@ def test_runs_alternate_the_modes_order_after_the_floor():
     ]  # fmt: skip
 
 
+def test_imbalance_over_floor_per_mode_and_clock():
+    floor = {"measured_imbalance": 1.05, "measured_imbalance_device": 1.02}
+    res = {
+        "wlb": {"measured_imbalance": 1.10, "measured_imbalance_device": 1.07},
+        "wlb_online": {"measured_imbalance": 1.06, "measured_imbalance_device": 1.035},
+    }
+    assert e2e_bench.over_floor(res, floor) == pytest.approx({
+        "imbalance_over_floor_wlb": 0.05, "imbalance_over_floor_device_wlb": 0.05,
+        "imbalance_over_floor_wlb_online": 0.01, "imbalance_over_floor_device_wlb_online": 0.015,
+    })  # fmt: skip
+
+
+def test_across_runs_gives_the_mean_and_its_t_interval():
+    runs = [{"modes": {}, "x": v, "k": 7} for v in (1.0, 2.0, 3.0)]
+    out = e2e_bench.across_runs(runs)
+    half = 4.303 * 1.0 / math.sqrt(3)  # t(2 df) x sample sd / sqrt(n)
+    assert out["x"] == 2.0 and (out["x_min"], out["x_max"]) == (1.0, 3.0)
+    assert (out["x_ci95_low"], out["x_ci95_high"]) == pytest.approx((2.0 - half, 2.0 + half))
+    assert (out["k_ci95_low"], out["k_ci95_high"]) == (7.0, 7.0)
+    assert "modes" not in out
+    # One run: the figure alone, no spread to show.
+    assert e2e_bench.across_runs(runs[:1]) == {"x": 1.0, "k": 7.0}
+
+
+@pytest.mark.parametrize("df, exact", [(1, 12.706), (10, 2.228), (30, 2.042), (40, 2.021),
+                                       (60, 2.000), (120, 1.980)])  # fmt: skip
+def test_t95_matches_the_tables(df, exact):
+    assert e2e_bench.t95(df) == pytest.approx(exact, abs=1e-3)
+
+
+def test_t95_rejects_no_degrees_of_freedom():
+    with pytest.raises(ValueError, match="degrees of freedom must be >= 1, got 0"):
+        e2e_bench.t95(0)
+
+
 def test_modes_and_the_floor_run_set_the_trainer_flags():
     args = e2e_bench.parser().parse_args(["--cost-model", "online", "--fit-window", "4"])
     assert e2e_bench.mode_args("wlb", args)[:4] == [
@@ -231,6 +266,10 @@ def test_whole_pass_trains_every_document_once(capsys, tmp_path):
     assert 0.0 <= wlb["cp_per_document_share"] <= 1.0 and 0.0 <= wlb["cp_hybrid_share"] <= 1.0
     assert wlb["cp_per_document_share"] + wlb["cp_hybrid_share"] <= 1.0
     assert 1.0 <= out["measured_imbalance_floor"] < 2.0
+    for clock in ("", "_device"):
+        assert out[f"imbalance_over_floor{clock}_wlb_online"] == pytest.approx(
+            wlb[f"measured_imbalance{clock}"] - out[f"measured_imbalance_floor{clock}"]
+        )
     # --records-out: the mode's measured micro-batches, and the floor's identical ones.
     mode_records = json.loads((tmp_path / "records_wlb_online.json").read_text())
     assert len(mode_records["microbatches"]) >= 2 * 4 and mode_records["layout"]["cp"] == 2
