@@ -222,6 +222,31 @@ def test_across_runs_gives_the_mean_and_its_t_interval():
     assert e2e_bench.across_runs(runs[:1]) == {"x": 1.0, "k": 7.0}
 
 
+def test_per_run_figures_name_each_mode():
+    res = {
+        "wlb": {"time_to_train_s": 30.0, "docs_trained": 9, "docs_repeated": 0, "steps": 4},
+        "wlb_online": {"time_to_train_s": 28.0, "fit_mean_abs_error_in_use": 0.03},
+    }
+    assert e2e_bench.per_run_figures(res) == {
+        "time_to_train_s_wlb": 30.0, "docs_trained_wlb": 9.0, "docs_repeated_wlb": 0.0,
+        "time_to_train_s_wlb_online": 28.0, "fit_mean_abs_error_in_use_wlb_online": 0.03,
+    }  # fmt: skip
+
+
+def test_every_run_is_checked_for_exactly_once():
+    ok = {"docs_trained": 5, "docs_repeated": 0}
+    runs = [
+        {"modes": {"wlb": ok, "wlb_online": ok}},
+        {"modes": {"wlb": {"docs_trained": 4, "docs_repeated": 0}, "wlb_online": ok}},
+        {"modes": {"wlb": ok, "wlb_online": {"docs_trained": 5, "docs_repeated": 1}}},
+    ]
+    assert e2e_bench.not_exactly_once(runs, 5) == [
+        "error: run 2: wlb trained 4 of 5 documents, 0 repeated",
+        "error: run 3: wlb_online trained 5 of 5 documents, 1 repeated",
+    ]
+    assert e2e_bench.not_exactly_once(runs[:1], 5) == []
+
+
 @pytest.mark.parametrize("df, exact", [(1, 12.706), (10, 2.228), (30, 2.042), (40, 2.021),
                                        (60, 2.000), (120, 1.980)])  # fmt: skip
 def test_t95_matches_the_tables(df, exact):
@@ -266,6 +291,8 @@ def test_whole_pass_trains_every_document_once(capsys, tmp_path):
     assert 0.0 <= wlb["cp_per_document_share"] <= 1.0 and 0.0 <= wlb["cp_hybrid_share"] <= 1.0
     assert wlb["cp_per_document_share"] + wlb["cp_hybrid_share"] <= 1.0
     assert 1.0 <= out["measured_imbalance_floor"] < 2.0
+    assert out["docs_trained_wlb_online"] == 120 and out["docs_repeated_wlb_online"] == 0
+    assert out["time_to_train_s_wlb_online"] == pytest.approx(wlb["time_to_train_s"])
     for clock in ("", "_device"):
         assert out[f"imbalance_over_floor{clock}_wlb_online"] == pytest.approx(
             wlb[f"measured_imbalance{clock}"] - out[f"measured_imbalance_floor{clock}"]

@@ -443,6 +443,36 @@ def speedups(results: dict[str, dict[str, Any]]) -> dict[str, float]:
     return out
 
 
+# Each mode's figures a run reports as ``<figure>_<mode>`` beside its speedups, so that --runs
+# gives their mean and interval (the whole ``modes`` block is the last run's alone).
+PER_RUN_FIGURES = (
+    "time_to_train_s", "measured_imbalance", "measured_imbalance_device", "fit_mean_abs_error",
+    "fit_mean_abs_error_in_use", "docs_trained", "docs_repeated",
+)  # fmt: skip
+
+
+def per_run_figures(results: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """``<figure>_<mode>`` for each of :data:`PER_RUN_FIGURES` a mode reports."""
+    return {
+        f"{key}_{label}": float(res[key])
+        for label, res in results.items()
+        for key in PER_RUN_FIGURES
+        if key in res
+    }
+
+
+def not_exactly_once(runs: list[dict[str, Any]], count: int) -> list[str]:
+    """An error line for each mode of each run that did not train the ``count`` documents exactly
+    once (a whole pass, ``--steps epoch``): every run is checked, not the last alone."""
+    return [
+        f"error: run {i + 1}: {mode} trained {res['docs_trained']} of {count} documents, "
+        f"{res['docs_repeated']} repeated"
+        for i, run in enumerate(runs)
+        for mode, res in run["modes"].items()
+        if res["docs_trained"] != count or res["docs_repeated"]
+    ]
+
+
 def over_floor(results: dict[str, dict[str, Any]], floor: dict[str, Any]) -> dict[str, float]:
     """Each mode's ``measured_imbalance`` less the noise floor's of the same run, on the wall clock
     and on the device's: what the online cost model's target is stated in (docs/cost_model.md)."""
@@ -603,7 +633,8 @@ def main(argv: list[str] | None = None) -> int:
                     floor_key["floor_half_gap_device"] = floor["half_gap_device"]
                 floor_key.update(over_floor(results, floor))
             extra = sharding_speedups(results, modes, shardings) if shardings else {}
-            runs.append({"modes": results, **speedups(results), **floor_key, **extra})
+            figures = per_run_figures(results)
+            runs.append({"modes": results, **speedups(results), **floor_key, **extra, **figures})
         bar.close()
     records = [{mode: res.pop("records") for mode, res in run["modes"].items()} for run in runs]
     last = runs[-1]["modes"]
@@ -620,11 +651,9 @@ def main(argv: list[str] | None = None) -> int:
         "runs": [{k: v for k, v in run.items() if k != "modes"} for run in runs],
     }
     summary.update(across_runs(runs))
-    for mode, res in last.items() if args.steps == "epoch" else ():
-        if res["docs_trained"] != lengths.size:
-            err = f"error: {mode} trained {res['docs_trained']} of {lengths.size} documents"
-            print(err, file=sys.stderr)
-            return 1
+    if args.steps == "epoch" and (errors := not_exactly_once(runs, int(lengths.size))):
+        print("\n".join(errors), file=sys.stderr)
+        return 1
     for line in short_passes(last) if args.steps == "epoch" else ():
         print(line, file=sys.stderr)
     print(json.dumps(summary) if args.json else json.dumps(summary, indent=2))
