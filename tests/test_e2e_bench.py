@@ -220,6 +220,11 @@ def test_across_runs_gives_the_mean_and_its_t_interval():
     assert "modes" not in out
     # One run: the figure alone, no spread to show.
     assert e2e_bench.across_runs(runs[:1]) == {"x": 1.0, "k": 7.0}
+    # A figure only some runs report (no refit adopted in the others): over those, counted.
+    runs[1]["fit"] = 0.03
+    out = e2e_bench.across_runs(runs)
+    assert out["fit"] == 0.03 and out["fit_runs"] == 1 and "fit_ci95_low" not in out
+    assert "x_runs" not in out
 
 
 def test_per_run_figures_name_each_mode():

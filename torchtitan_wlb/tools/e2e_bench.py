@@ -505,11 +505,14 @@ def across_runs(runs: list[dict[str, Any]]) -> dict[str, float]:
     """Every per-run figure over ``--runs``: its mean, and from two runs its min, max and the 95 %
     interval of the mean (``_ci95_low`` / ``_ci95_high``, Student's t). Machine noise moves one
     run's figures by about as much as the effects measured (docs/benchmarks.md), so a target is
-    read on the interval, not on one run."""
+    read on the interval, not on one run. A figure some runs lack (a fit error where no refit was
+    adopted) is taken over the runs that have it, and ``_runs`` says how many those were."""
     out: dict[str, float] = {}
-    for key in (k for k in runs[0] if k != "modes"):
-        values = np.asarray([run[key] for run in runs], np.float64)
+    for key in dict.fromkeys(k for run in runs for k in run if k != "modes"):
+        values = np.asarray([run[key] for run in runs if key in run], np.float64)
         out[key] = float(values.mean())
+        if values.size < len(runs):
+            out[f"{key}_runs"] = values.size
         if values.size > 1:
             half = t95(values.size - 1) * float(values.std(ddof=1)) / math.sqrt(values.size)
             out[f"{key}_min"], out[f"{key}_max"] = float(values.min()), float(values.max())
