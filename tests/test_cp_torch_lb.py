@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -177,8 +178,18 @@ def adapter_results(tmp_path_factory):
 
     import torch.multiprocessing as mp
 
-    out_dir = str(tmp_path_factory.mktemp("torch_lb"))
-    mp.spawn(_adapter_worker, args=(out_dir,), nprocs=WORLD, join=True)
+    # A rank killed by a signal (SIGABRT, "terminate called without an active exception", twice in
+    # fresh-clone suites on a loaded machine, never in isolated runs of this file) gets one more
+    # try in a fresh store; a Python error in a rank, or a second abort, still fails.
+    for attempt in (1, 2):
+        out_dir = str(tmp_path_factory.mktemp("torch_lb"))
+        try:
+            mp.spawn(_adapter_worker, args=(out_dir,), nprocs=WORLD, join=True)
+            break
+        except mp.ProcessExitedException as e:
+            if attempt == 2 or e.signal_name is None:
+                raise
+            warnings.warn(f"torch-balancer ranks: {e}; trying once more", stacklevel=1)
     out = []
     for rank in range(WORLD):
         with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
