@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from pathlib import Path
@@ -186,6 +187,50 @@ def test_in_use_error_judges_each_step_by_the_model_that_packed_it():
     assert total["step"] == 7
 
 
+def test_best_constant_error_is_the_least_any_one_prediction_attains():
+    assert e2e_bench.best_constant_error(np.full(5, 0.3)) == 0.0
+    # [1, 2]: m = 1 errs (0 + 1/2) / 2 = 0.25, m = 2 errs (1 + 0) / 2 = 0.5.
+    assert e2e_bench.best_constant_error(np.array([2.0, 1.0])) == pytest.approx(0.25)
+    t = np.random.default_rng(0).lognormal(0.0, 0.2, 101)
+    best = e2e_bench.best_constant_error(t)
+    grid = np.linspace(t.min(), t.max(), 4001)
+    assert best == pytest.approx(min(np.mean(np.abs(m - t) / t) for m in grid), rel=1e-3)
+    assert math.isnan(e2e_bench.best_constant_error(np.array([])))
+
+
+def test_window_constant_error_predicts_each_step_from_the_window_before():
+    # Steps 1..6, every micro-batch of step s takes s seconds (two a step); window 2, lag 1:
+    # step 3 is predicted from steps 1-2 by Σ(1/t) / Σ(1/t²) = (2 + 1) / (2 + 1/2) = 1.2.
+    steps = np.repeat(np.arange(1, 7), 2)
+    t = steps.astype(float)
+    err = e2e_bench.window_constant_error(t, steps, window=2, lag=1)
+    expect = [abs((1 / a + 1 / b) / (1 / a**2 + 1 / b**2) - s) / s
+              for s, a, b in ((3, 1, 2), (4, 2, 3), (5, 3, 4), (6, 4, 5))]  # fmt: skip
+    assert err == pytest.approx(np.mean(expect))
+    # Identical times: a constant predicts them exactly; no step with a full window: NaN.
+    assert e2e_bench.window_constant_error(np.ones(12), steps, window=2, lag=2) == 0.0
+    assert math.isnan(e2e_bench.window_constant_error(t, steps, window=6, lag=1))
+
+
+def test_fit_error_floor_reads_the_floor_as_the_fit_has_its_rows():
+    args = argparse.Namespace(parallel="cp2", fit_window=2)
+    rows = [{"step": s, "device_s": 1.0 + 0.1 * (i % 2), "seconds": 2.0, "doc_lens": [8]}
+            for s in range(3, 8) for i in range(4)]  # fmt: skip
+    out = e2e_bench.fit_error_floor(rows, args)
+    assert out["fit_error_floor_wall"] == 0.0
+    assert out["fit_error_floor"] == pytest.approx(e2e_bench.best_constant_error(
+        np.array([r["device_s"] for r in rows])))  # fmt: skip
+    assert 0.0 < out["fit_error_floor_in_use"] < 0.1
+    # Under PP a row is a micro-batch's time summed over its stages.
+    pp = [{"step": 3, "mb": mb, "stage": st, "device_s": 1.0 + mb, "seconds": 1.0,
+           "doc_lens": [8]} for mb in range(2) for st in range(2)]  # fmt: skip
+    out = e2e_bench.fit_error_floor(pp, argparse.Namespace(parallel="pp2", fit_window=2))
+    assert out["fit_error_floor"] == pytest.approx(
+        e2e_bench.best_constant_error(np.array([2.0, 4.0]))
+    )
+    assert e2e_bench.fit_error_floor([], args) == {}
+
+
 def test_runs_alternate_the_modes_order_after_the_floor():
     data = Path("docs.jsonl")
     jobs = [(e2e_bench.FLOOR, "", data), ("wlb", "", data), ("wlb_online", "", data)]
@@ -310,6 +355,10 @@ def test_whole_pass_trains_every_document_once(capsys, tmp_path):
     assert {tuple(mb["doc_lens"]) for mb in floor} == {(floor_len,) * (512 // floor_len)}
     assert len(floor) == 2 * 4 * (3 - 2)  # two CP ranks, 4 micro-batches, the steps past warm-up
     assert "floor_half_gap" not in out  # one timed floor step: no halves to compare
+    # The fit error's floor: the floor's identical micro-batches predicted by one constant (one
+    # timed step: no window before it to predict from).
+    assert 0.0 <= out["fit_error_floor"] < 1.0 and 0.0 <= out["fit_error_floor_wall"] < 1.0
+    assert math.isnan(out["fit_error_floor_in_use"])
 
 
 def test_cp_sharding_speedups_compare_against_the_first_sharding():

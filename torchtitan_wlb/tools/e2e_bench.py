@@ -188,6 +188,8 @@ def run_mode(
     if mode == FLOOR and (gap := half_gap(per_rank, timed, args.parallel)) is not None:
         out["half_gap"] = gap
         out["half_gap_device"] = half_gap(per_rank, timed, args.parallel, True)
+    if mode == FLOOR:
+        out.update(fit_error_floor(out["records"]["microbatches"], args))
     for key in ("cp_per_document_share", "cp_hybrid_share"):
         shares = [v for rec in first if (v := rec.get(f"wlb/{key}")) is not None]
         if shares:
@@ -257,6 +259,55 @@ def fit_error(
         rows.append(m.get("fit_features") or (float(d @ d) / cp, float(d.sum()) / cp, 0.0))
     t = np.asarray([m[key] for m in micro_batches], float)
     return float(np.mean(np.abs(model.predict(*np.asarray(rows).T) - t) / t))
+
+
+def best_constant_error(times: np.ndarray) -> float:
+    """The least mean absolute relative error any single prediction ``m`` of ``times`` attains,
+    ``min_m mean(|m - t| / t)``: at the median of ``t`` weighted by ``1 / t``."""
+    t = np.sort(np.asarray(times, np.float64))
+    if not t.size:
+        return float("nan")
+    w = 1.0 / t
+    m = t[int(np.searchsorted(np.cumsum(w), 0.5 * w.sum()))]
+    return float(np.mean(np.abs(m - t) / t))
+
+
+def window_constant_error(times: np.ndarray, steps: np.ndarray, window: int, lag: int) -> float:
+    """Mean absolute relative error of predicting each step's ``times`` by the online fit's
+    estimate of a constant, ``Σ(1/t) / Σ(1/t²)`` (least squares in relative error, as the trainer
+    weighs its rows), over the ``window`` steps that end ``lag`` steps before it, the freshest
+    rows a refit that packs the step can have seen. Steps without a full window are left out."""
+    t, steps = np.asarray(times, np.float64), np.asarray(steps, np.int64)
+    errors = []
+    for s in np.unique(steps):
+        before = (steps > s - lag - window) & (steps <= s - lag)
+        if np.unique(steps[before]).size < window:
+            continue
+        past = t[before]
+        m = (1.0 / past).sum() / (1.0 / past**2).sum()
+        errors.append(np.abs(m - t[steps == s]) / t[steps == s])
+    return float(np.mean(np.concatenate(errors))) if errors else float("nan")
+
+
+def fit_error_floor(micro_batches: list[dict[str, Any]], args: argparse.Namespace) -> dict:
+    """The noise floor of the online model's fit error: the floor's micro-batches are identical,
+    so a model that knew their cost exactly still errs by their timing noise. ``fit_error_floor``
+    (device clock; ``_wall`` on the wall's) is the least error of one prediction for the whole
+    pass, the bound for ``fit_mean_abs_error`` (one model judged on every step);
+    ``fit_error_floor_in_use`` predicts each step from the window before it, as refits do, the
+    bound for ``fit_mean_abs_error_in_use`` (docs/benchmarks.md). Rows as the fit has them: per
+    rank, under PP one per micro-batch summed over its stages."""
+    rows = stage_totals(micro_batches) if args.parallel == "pp2" else micro_batches
+    if not rows:
+        return {}
+    dev = np.asarray([m["device_s"] for m in rows], np.float64)
+    steps = np.asarray([m["step"] for m in rows], np.int64)
+    lag = WLB().fit_apply_lag_steps  # the trainer's default, which e2e_bench does not change
+    return {
+        "fit_error_floor": best_constant_error(dev),
+        "fit_error_floor_wall": best_constant_error([m["seconds"] for m in rows]),
+        "fit_error_floor_in_use": window_constant_error(dev, steps, args.fit_window, lag),
+    }
 
 
 def in_use_error(
@@ -634,6 +685,7 @@ def main(argv: list[str] | None = None) -> int:
                 if "half_gap" in floor:
                     floor_key["floor_half_gap"] = floor["half_gap"]
                     floor_key["floor_half_gap_device"] = floor["half_gap_device"]
+                floor_key.update({k: v for k, v in floor.items() if k.startswith("fit_error_fl")})
                 floor_key.update(over_floor(results, floor))
             extra = sharding_speedups(results, modes, shardings) if shardings else {}
             figures = per_run_figures(results)
