@@ -2,13 +2,15 @@
 one-line errors with exit status 2, the same generator names."""
 
 import importlib
+import json
 import pkgutil
 import shlex
 
+import numpy as np
 import pytest
 
 import torchtitan_wlb.tools as tools_pkg
-from torchtitan_wlb.tools.cli import examples
+from torchtitan_wlb.tools.cli import examples, json_text
 from torchtitan_wlb.workloads import GENERATORS
 
 TOOLS = sorted(
@@ -72,3 +74,11 @@ def test_e2e_bench_checks_the_fit_flags_before_any_job_starts(capsys):
     assert exc.value.code == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "--fit-window 0" in line and "fit_window_steps = 0 is out of range" in line
+
+
+def test_json_output_is_strict_json_with_null_for_figures_not_computed():
+    out = {"a": float("nan"), "b": [1.5, float("inf"), {"c": np.float64("nan")}], "d": 2}
+    text = json_text(out)
+    assert "NaN" not in text and "Infinity" not in text
+    assert json.loads(text) == {"a": None, "b": [1.5, None, {"c": None}], "d": 2}
+    assert json.loads(json_text((1.0, -float("inf")), indent=2)) == [1.0, None]

@@ -5,6 +5,8 @@ from the module docstring (a test parses each), range checks, a progress bar onl
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import re
 import sys
 from collections.abc import Iterable
@@ -53,3 +55,20 @@ def progress(iterable: Iterable[Any] | None = None, **kwargs: Any) -> tqdm:
     # disable=None: tqdm's "off when the stream is not a TTY"
     defaults = {"file": sys.stderr, "disable": None, "leave": False, "dynamic_ncols": True}
     return tqdm(iterable, **{**defaults, **kwargs})
+
+
+def json_text(obj: Any, indent: int | None = None) -> str:
+    """``obj`` as strict JSON: a figure that could not be computed (NaN, an infinity) is ``null``.
+    ``json.dumps`` would write ``NaN``, which is not JSON and which ``jq`` and most parsers
+    outside Python refuse."""
+    return json.dumps(_finite_or_none(obj), indent=indent, allow_nan=False)
+
+
+def _finite_or_none(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {key: _finite_or_none(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite_or_none(value) for value in obj]
+    return obj

@@ -17,7 +17,6 @@ What is measured and every JSON key: docs/benchmarks_cp.md.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 import sys
@@ -34,7 +33,7 @@ from torchtitan_wlb.cp.profile import CPProfile, resolve_profile
 from torchtitan_wlb.models.catalogue import MODELS, get_model
 from torchtitan_wlb.packing import OriginalPacker, PackingConfig, build_packer, packing_config
 from torchtitan_wlb.packing.driver import LengthStream, drive, next_plan
-from torchtitan_wlb.tools.cli import ToolParser, require_at_least
+from torchtitan_wlb.tools.cli import ToolParser, json_text, require_at_least
 from torchtitan_wlb.workloads import GENERATORS, generate, load_lengths, split_long
 
 STRATEGY_NAMES = ("per_sequence", "per_document", "hybrid", "adaptive")
@@ -515,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
             shown = " ".join(f"{key}={r[key]:{f}}" for key, f in SHOWN.items() if key in r)
             print(f"{name:18s} {shown}", file=sys.stderr if args.json else sys.stdout)
     if args.json:
-        print(json.dumps(results))
+        print(json_text(results))
     return 0
 
 

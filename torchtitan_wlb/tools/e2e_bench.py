@@ -32,7 +32,7 @@ import numpy as np
 from torchtitan_wlb.config import MODE_PRESETS, WLB, ConfigError
 from torchtitan_wlb.cost_fit import Coefficients, stage_sums
 from torchtitan_wlb.cp.adaptive import STRATEGIES as CP_STRATEGIES
-from torchtitan_wlb.tools.cli import ToolParser, progress, require_at_least
+from torchtitan_wlb.tools.cli import ToolParser, json_text, progress, require_at_least
 from torchtitan_wlb.workloads import GENERATORS, generate, load_lengths, steps_arg
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -711,7 +711,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     for line in short_passes(last) if args.steps == "epoch" else ():
         print(line, file=sys.stderr)
-    print(json.dumps(summary) if args.json else json.dumps(summary, indent=2))
+    print(json_text(summary, indent=None if args.json else 2))
     return 0
 
 

@@ -36,7 +36,7 @@ import numpy as np
 
 from torchtitan_wlb.cost_model import nnls
 from torchtitan_wlb.cp.plan import default_hybrid_max_len
-from torchtitan_wlb.tools.cli import ToolParser
+from torchtitan_wlb.tools.cli import ToolParser, json_text
 
 FLOOR = "floor"
 
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, KeyError, TypeError) as e:
             p.error(f"{path}: {type(e).__name__}: {e}")
     if args.json:
-        print(json.dumps(out))
+        print(json_text(out))
         return 0
     for mode, r in out.items():
         line = f"{mode:12s} measured {r['measured']:.3f}  "

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -40,7 +39,7 @@ from torchtitan_wlb.packing import (
 from torchtitan_wlb.packing.driver import take_until
 from torchtitan_wlb.packing.paper import PAPER_TABLE2
 from torchtitan_wlb.packing.tuning import DELAY_BUDGET, tune_queues
-from torchtitan_wlb.tools.cli import ToolParser, progress
+from torchtitan_wlb.tools.cli import ToolParser, json_text, progress
 
 
 def build_cost_model(args: argparse.Namespace) -> CostModel:
@@ -391,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.table2:
             rows = table2(args, cost_model)
             if args.json:
-                print(json.dumps({"table2": rows}))
+                print(json_text({"table2": rows}))
             return 0
         config = _config(args, args.packer)
         lengths, n_split = _prepare(args, build_packer(args.packer, config, cost_model).cap)
@@ -419,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.json:
         for k, v in res.items():
             print(f"{k:28s} {v}")
-    print(json.dumps(res))
+    print(json_text(res))
     return 0 if res["tokens_in"] == res["tokens_out"] else 1
 
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from torchtitan_wlb.tools.cli import ToolParser, require_at_least
+from torchtitan_wlb.tools.cli import ToolParser, json_text, require_at_least
 
 
 def _build_pipeline(args: argparse.Namespace, mesh: Any) -> Any:
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             results = json.load(f)
     results["config"] = {k: v for k, v in vars(args).items() if k != "json"}
     results["torch"] = torch.__version__
-    print(json.dumps(results) if args.json else json.dumps(results, indent=2))
+    print(json_text(results, indent=None if args.json else 2))
     return results
 
 
