@@ -289,6 +289,9 @@ def window_constant_error(times: np.ndarray, steps: np.ndarray, window: int, lag
     return float(np.mean(np.concatenate(errors))) if errors else float("nan")
 
 
+FIT_ERROR_FLOOR_KEYS = ("fit_error_floor", "fit_error_floor_wall", "fit_error_floor_in_use")
+
+
 def fit_error_floor(micro_batches: list[dict[str, Any]], args: argparse.Namespace) -> dict:
     """The noise floor of the online model's fit error: the floor's micro-batches are identical,
     so a model that knew their cost exactly still errs by their timing noise. ``fit_error_floor``
@@ -303,11 +306,9 @@ def fit_error_floor(micro_batches: list[dict[str, Any]], args: argparse.Namespac
     dev = np.asarray([m["device_s"] for m in rows], np.float64)
     steps = np.asarray([m["step"] for m in rows], np.int64)
     lag = WLB().fit_apply_lag_steps  # the trainer's default, which e2e_bench does not change
-    return {
-        "fit_error_floor": best_constant_error(dev),
-        "fit_error_floor_wall": best_constant_error([m["seconds"] for m in rows]),
-        "fit_error_floor_in_use": window_constant_error(dev, steps, args.fit_window, lag),
-    }
+    whole, wall = best_constant_error(dev), best_constant_error([m["seconds"] for m in rows])
+    in_use = window_constant_error(dev, steps, args.fit_window, lag)
+    return dict(zip(FIT_ERROR_FLOOR_KEYS, (whole, wall, in_use), strict=True))
 
 
 def in_use_error(
@@ -685,7 +686,7 @@ def main(argv: list[str] | None = None) -> int:
                 if "half_gap" in floor:
                     floor_key["floor_half_gap"] = floor["half_gap"]
                     floor_key["floor_half_gap_device"] = floor["half_gap_device"]
-                floor_key.update({k: v for k, v in floor.items() if k.startswith("fit_error_fl")})
+                floor_key.update({k: floor[k] for k in FIT_ERROR_FLOOR_KEYS if k in floor})
                 floor_key.update(over_floor(results, floor))
             extra = sharding_speedups(results, modes, shardings) if shardings else {}
             figures = per_run_figures(results)
