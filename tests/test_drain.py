@@ -199,8 +199,8 @@ def test_wlb_drains_a_full_queue_over_balanced_steps_not_at_once(seed):
         micro_batches=4,
         context_len=64,
         queue_thresholds=(40,),
-        max_wait=50,
-        adaptive_max_wait=0,
+        max_delay_steps=50,
+        adaptive_max_delay_steps=0,
         balance_target=1.0001,
         release_slack=0.0,
     )
@@ -273,7 +273,7 @@ def test_node_ends_every_packer_with_few_documents():
     for name in ("original", "fixed_greedy", "solver", "wlb", "wlb_paper"):
         for lens in ([5], [3, 7, 2], [64, 64]):
             smax = 64 if name in ("original", "fixed_greedy", "solver") else None
-            cfg = PackingConfig(micro_batches=4, context_len=64, smax=smax, solver_time_limit=2.0)
+            cfg = PackingConfig(micro_batches=4, context_len=64, smax=smax, solver_time_limit_s=2.0)
             items = [{"doc_id": i, "tokens": np.full(n, i)} for i, n in enumerate(lens)]
             node = WLBPackingNode(IterableWrapper(items), build_packer(name, cfg, COST))
             steps = list(node)

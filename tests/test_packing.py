@@ -32,17 +32,19 @@ SETTINGS = settings(
 )
 
 
-def make(name: str, n: int, *, smax=None, window=1, max_wait=2, queues=None, **kw) -> object:
+def make(
+    name: str, n: int, *, smax=None, packing_window=1, max_delay_steps=2, queues=None, **kw
+) -> object:
     if smax is None and name in ("original", "fixed_greedy", "solver"):
         smax = CTX
     cfg = PackingConfig(
         micro_batches=n,
         context_len=CTX,
         smax=smax,
-        window=window,
-        max_wait=max_wait,
+        packing_window=packing_window,
+        max_delay_steps=max_delay_steps,
         queue_thresholds=queues,
-        solver_time_limit=2.0,
+        solver_time_limit_s=2.0,
         **kw,
     )
     return build_packer(name, cfg, COST)
@@ -73,9 +75,14 @@ lengths_st = st.lists(st.integers(1, CTX), min_size=0, max_size=120).map(
 
 
 @SETTINGS
-@given(name=st.sampled_from(FAST), lens=lengths_st, n=st.integers(1, 5), window=st.integers(1, 3))
-def test_exactly_once_and_cap(name, lens, n, window):
-    packer = make(name, n, window=window)
+@given(
+    name=st.sampled_from(FAST),
+    lens=lengths_st,
+    n=st.integers(1, 5),
+    packing_window=st.integers(1, 3),
+)
+def test_exactly_once_and_cap(name, lens, n, packing_window):
+    packer = make(name, n, packing_window=packing_window)
     plans = run(packer, lens)
     emitted = np.concatenate([np.concatenate(p.doc_ids) for p in plans] or [np.zeros(0, int)])
     assert np.array_equal(np.sort(emitted), np.arange(lens.size))
@@ -91,18 +98,18 @@ def test_exactly_once_and_cap(name, lens, n, window):
 @SETTINGS
 @given(name=st.sampled_from(FAST), lens=lengths_st, n=st.integers(1, 4), data=st.data())
 def test_deterministic_and_resume_from_any_step(name, lens, n, data):
-    window = 2 if name == "fixed_greedy" else 1
-    ref = run(make(name, n, window=window), lens)
-    again = run(make(name, n, window=window), lens)
+    packing_window = 2 if name == "fixed_greedy" else 1
+    ref = run(make(name, n, packing_window=packing_window), lens)
+    again = run(make(name, n, packing_window=packing_window), lens)
     _assert_same(ref, again)
     if not ref:
         return
     k = data.draw(st.integers(0, len(ref) - 1))
     # Run k steps, save (through JSON: the state must be plain data), restore into a new packer.
-    first = make(name, n, window=window)
+    first = make(name, n, packing_window=packing_window)
     first_plans, rest = head(first, lens, k)
     state = json.loads(json.dumps(first.state_dict()))
-    resumed = make(name, n, window=window)
+    resumed = make(name, n, packing_window=packing_window)
     resumed.load_state_dict(state)
     tail = run(resumed, rest)
     _assert_same(ref, first_plans + tail)
@@ -130,7 +137,12 @@ def test_bounded_delay(name, lens, n, k):
     documents that exceed a step's capacity wait for the next step, oldest first.)
     """
     packer = make(
-        name, n, max_wait=k, smax=4 * CTX, queues=(CTX // 8, CTX // 4), adaptive_max_wait=0
+        name,
+        n,
+        max_delay_steps=k,
+        smax=4 * CTX,
+        queues=(CTX // 8, CTX // 4),
+        adaptive_max_delay_steps=0,
     )
     plans = run(packer, lens)
     for p in plans:
@@ -144,7 +156,7 @@ def test_wlb_balances_a_skewed_batch_better_than_original():
     )
     res = {}
     for name in ("original", "wlb"):
-        plans = run(make(name, 4, max_wait=8), lens)
+        plans = run(make(name, 4, max_delay_steps=8), lens)
         res[name] = np.mean([p.stats["imbalance"] for p in plans[:-3]])
     assert res["wlb"] < res["original"]
     assert res["wlb"] < 1.1
@@ -152,7 +164,7 @@ def test_wlb_balances_a_skewed_batch_better_than_original():
 
 def test_queue_levels_and_flush():
     # Two long documents (queue level 1) and short ones; N = 4 so the queue never fills.
-    packer = make("wlb_paper", 4, queues=(40,), max_wait=10)
+    packer = make("wlb_paper", 4, queues=(40,), max_delay_steps=10)
     lens = np.array([50, 3, 3, 50, 3, 3], np.int64)
     plan = packer.step(np.arange(6), lens)
     assert packer.queue_depths() == [2]
@@ -164,7 +176,7 @@ def test_queue_levels_and_flush():
 
 
 def test_wlb_paper_full_queue_releases_one_per_microbatch():
-    packer = make("wlb_paper", 2, queues=(40,), max_wait=10)
+    packer = make("wlb_paper", 2, queues=(40,), max_delay_steps=10)
     plan = packer.step(np.arange(4), np.array([50, 60, 5, 5], np.int64))
     longs = [sorted(ls[ls >= 40].tolist()) for ls in plan.doc_lens]
     assert sorted(longs) == [[50], [60]]
@@ -177,12 +189,15 @@ def test_wlb_paper_full_queue_releases_one_per_microbatch():
         (dict(micro_batches=2, context_len=8, smax=4), "below context_len"),
         (dict(micro_batches=2, context_len=8, queue_thresholds=(5, 5)), "strictly increasing"),
         (dict(micro_batches=2, context_len=8, queue_thresholds=(6, 3)), "strictly increasing"),
-        (dict(micro_batches=2, context_len=8, max_wait=-1), "max_wait"),
-        (dict(micro_batches=2, context_len=8, window=0), "window"),
+        (dict(micro_batches=2, context_len=8, max_delay_steps=-1), "max_delay_steps"),
+        (dict(micro_batches=2, context_len=8, packing_window=0), "packing_window"),
         (dict(micro_batches=2, context_len=8, balance_target=0.5), "balance_target"),
         (dict(micro_batches=2, context_len=8, release_slack=-0.1), "release_slack"),
         (dict(micro_batches=2, context_len=8, delay_target=0.0), "delay_target"),
-        (dict(micro_batches=2, context_len=8, adaptive_max_wait=-1), "adaptive_max_wait"),
+        (
+            dict(micro_batches=2, context_len=8, adaptive_max_delay_steps=-1),
+            "adaptive_max_delay_steps",
+        ),
     ],
 )
 def test_config_validation(kwargs, match):
@@ -262,7 +277,7 @@ def test_solver_is_optimal_on_small_instance():
 def test_solver_packer_exactly_once():
     rng = np.random.default_rng(2)
     lens = rng.integers(1, CTX + 1, 40)
-    plans = run(make("solver", 2, window=2), lens)
+    plans = run(make("solver", 2, packing_window=2), lens)
     emitted = np.sort(np.concatenate([np.concatenate(p.doc_ids) for p in plans]))
     assert np.array_equal(emitted, np.arange(lens.size))
 
@@ -290,7 +305,7 @@ def test_tune_queues_picks_the_most_balanced_within_budget():
     for k_levels in levels:
         th = default_thresholds(COST, CTX, k_levels)
         for k in waits:
-            c = replace(cfg, queue_thresholds=th, max_wait=k)
+            c = replace(cfg, queue_thresholds=th, max_delay_steps=k)
             run = run_sample("wlb", lens, c, COST, steps)
             table[(th, k)] = (run.imbalance, run.mean_delay)
     budget = float(np.median([d for _, d in table.values()]))
@@ -309,19 +324,19 @@ def test_tune_queues_picks_the_most_balanced_within_budget():
 
 
 def test_adaptive_wait_grows_when_delay_is_low_and_bounds_the_wait():
-    """Rare outliers: the delay stays low, so K grows from max_wait towards adaptive_max_wait
-    (and never past it); without adaptivity K stays put."""
+    """Rare outliers: the delay stays low, so K grows from max_delay_steps towards
+    adaptive_max_delay_steps (and never past it); without adaptivity K stays put."""
     rng = np.random.default_rng(4)
     n_docs = 6000
     lens = np.where(
         rng.random(n_docs) < 0.01, rng.integers(48, CTX + 1, n_docs), rng.integers(1, 6, n_docs)
     )
-    adaptive = make("wlb", 4, max_wait=2, adaptive_max_wait=10)
+    adaptive = make("wlb", 4, max_delay_steps=2, adaptive_max_delay_steps=10)
     plans = run(adaptive, lens)
     assert 2 < max(p.stats["max_delay"] for p in plans) <= 10
     state = adaptive.state_dict()
     assert 2 <= state["k_eff"] <= 10
-    fixed = make("wlb", 4, max_wait=2, adaptive_max_wait=0)
+    fixed = make("wlb", 4, max_delay_steps=2, adaptive_max_delay_steps=0)
     plans = run(fixed, lens)
     assert max(p.stats["max_delay"] for p in plans) <= 2
     assert fixed.state_dict()["k_eff"] == 2
@@ -331,7 +346,7 @@ def test_adaptive_wait_spends_large_delay_headroom_faster():
     """While the running delay is under half its target (nothing held is being paid for), K
     rises faster than one ``_WAIT_STEP`` a step, up to ``_MAX_RISE`` of them; with the running
     delay above half the target the rise is the plain ``_WAIT_STEP``."""
-    packer = make("wlb", 4, max_wait=2, adaptive_max_wait=60)
+    packer = make("wlb", 4, max_delay_steps=2, adaptive_max_delay_steps=60)
     step, most = packer._WAIT_STEP, packer._WAIT_STEP * packer._MAX_RISE
     stream = LengthStream(np.full(2000, 4, np.int64), end_of_data=False)  # regular: no delay
     ks = [packer.k_eff]
@@ -343,7 +358,7 @@ def test_adaptive_wait_spends_large_delay_headroom_faster():
     assert rises.max() > step  # faster than the linear ramp once the delay is far under target
     assert len(ks) == 21 and ks[-1] > 2 + step * 20
     # Above half the target: the plain step.
-    slow = make("wlb", 4, max_wait=2, adaptive_max_wait=60)
+    slow = make("wlb", 4, max_delay_steps=2, adaptive_max_delay_steps=60)
     slow.delay_ema = 0.8 * slow.config.delay_target
     before = slow.k_eff
     list(drive(slow, LengthStream(np.full(40, 4, np.int64), end_of_data=False), 1))
@@ -362,7 +377,7 @@ def test_back_pressure_hands_back_a_stream_suffix_of_regular_documents():
     are handed back as a suffix of the stream: no regular document emitted or carried at that
     step comes after a handed-back one, and the handed-back ones are offered first next step."""
     lens = _skewed(3000, 5)
-    packer = make("wlb", 8, max_wait=6)
+    packer = make("wlb", 8, max_delay_steps=6)
     threshold = int(packer.thresholds[0])
     stream = LengthStream(lens)
     handed_back_steps = 0
@@ -387,16 +402,16 @@ def test_back_pressure_hands_back_a_stream_suffix_of_regular_documents():
 
 def test_back_pressure_keeps_exact_resume_and_old_states_load():
     lens = _skewed(1500, 6)
-    ref = run(make("wlb", 8, max_wait=6), lens)
+    ref = run(make("wlb", 8, max_delay_steps=6), lens)
     # Resume at every step whose state holds handed-back documents.
     checked = 0
     for k in range(1, len(ref)):
-        packer = make("wlb", 8, max_wait=6)
+        packer = make("wlb", 8, max_delay_steps=6)
         first_plans, rest = head(packer, lens, k)
         if len(packer.backlog) == 0:
             continue
         state = json.loads(json.dumps(packer.state_dict()))
-        resumed = make("wlb", 8, max_wait=6)
+        resumed = make("wlb", 8, max_delay_steps=6)
         resumed.load_state_dict(state)
         tail = run(resumed, rest)
         _assert_same(ref, first_plans + tail)
@@ -405,13 +420,13 @@ def test_back_pressure_keeps_exact_resume_and_old_states_load():
             break
     assert checked > 0
     # A state written before hand-back existed (no "backlog", no "pulled") still loads.
-    packer = make("wlb", 8, max_wait=6)
+    packer = make("wlb", 8, max_delay_steps=6)
     head(packer, lens, 3)
     state = packer.state_dict()
     state.pop("backlog")
     for pool in ("carry", "queue"):
         state[pool].pop("pulled")
-    legacy = make("wlb", 8, max_wait=6)
+    legacy = make("wlb", 8, max_delay_steps=6)
     legacy.load_state_dict(state)
     assert np.array_equal(legacy.carry.pulled, legacy.carry.arrival)
     assert len(legacy.backlog) == 0
@@ -456,7 +471,7 @@ def test_pull_until_matches_take_until():
 def test_driver_pulls_nothing_when_the_budget_is_zero():
     """fixed_greedy with G = 2 plans two steps at once; the second asks for 0 tokens."""
     lens = np.full(40, 16, np.int64)
-    packer = make("fixed_greedy", 2, window=2)
+    packer = make("fixed_greedy", 2, packing_window=2)
     stream = LengthStream(lens)
     assert next_plan(packer, stream) is not None
     pos = stream.pos
@@ -482,7 +497,7 @@ def test_driver_flushes_from_the_end_of_the_data():
             flushes.append(flush)
             return self.packer.step(ids, lens, flush=flush)
 
-    packer = Spy(make("wlb_paper", 4, queues=(40,), max_wait=20, adaptive_max_wait=0))
+    packer = Spy(make("wlb_paper", 4, queues=(40,), max_delay_steps=20, adaptive_max_delay_steps=0))
     stream = LengthStream(lens)
     plans = run(packer, stream)
     assert stream.exhausted and flushes[-1] and not packer.has_pending()
@@ -492,7 +507,7 @@ def test_driver_flushes_from_the_end_of_the_data():
     assert np.array_equal(emitted, np.arange(lens.size))
     # A sample: no flush, the queued outliers stay queued once the sample is used up.
     flushes.clear()
-    sample = Spy(make("wlb_paper", 4, queues=(40,), max_wait=20, adaptive_max_wait=0))
+    sample = Spy(make("wlb_paper", 4, queues=(40,), max_delay_steps=20, adaptive_max_delay_steps=0))
     for _ in drive(sample, LengthStream(lens, end_of_data=False), 3):
         pass
     assert not any(flushes) and sample.has_pending()
@@ -503,8 +518,8 @@ def test_driver_flushes_from_the_end_of_the_data():
 
 def test_drive_stops_after_steps_and_resumes():
     lens = _skewed(400, 7)
-    whole = run(make("wlb", 4, max_wait=3), lens)
-    packer = make("wlb", 4, max_wait=3)
+    whole = run(make("wlb", 4, max_delay_steps=3), lens)
+    packer = make("wlb", 4, max_delay_steps=3)
     stream = LengthStream(lens)
     first = list(drive(packer, stream, 5))
     assert len(first) == 5
@@ -526,7 +541,7 @@ def test_forced_step_pulls_enough_to_balance_its_outlier():
                 return plan, stream
         raise AssertionError("the outlier was never emitted")
 
-    packer = make("wlb", 4, smax=2 * CTX, adaptive_max_wait=0)
+    packer = make("wlb", 4, smax=2 * CTX, adaptive_max_delay_steps=0)
     stream = LengthStream(lens)
     next_plan(packer, stream)
     next_plan(packer, stream)  # the outlier is due at the next step
@@ -535,19 +550,19 @@ def test_forced_step_pulls_enough_to_balance_its_outlier():
     assert packer.tokens_wanted() > 4 * CTX - held
     assert packer.tokens_wanted() <= 0.98 * 4 * packer.cap - CTX
 
-    plan, _ = forced_step(make("wlb", 4, smax=2 * CTX, adaptive_max_wait=0))
+    plan, _ = forced_step(make("wlb", 4, smax=2 * CTX, adaptive_max_delay_steps=0))
 
     class BaseRule(WLBPacker):
         tokens_wanted = _QueuedPacker.tokens_wanted
 
     base_plan, _ = forced_step(
-        BaseRule(make("wlb", 4, smax=2 * CTX, adaptive_max_wait=0).config, COST)
+        BaseRule(make("wlb", 4, smax=2 * CTX, adaptive_max_delay_steps=0).config, COST)
     )
     assert plan.stats["tokens"] > base_plan.stats["tokens"]
     assert plan.stats["imbalance"] < base_plan.stats["imbalance"]
     assert plan.stats["max_tokens"] <= packer.cap
     # Exactly once to the end of the data, the forced steps' surplus handed back, not lost.
-    plans = run(make("wlb", 4, smax=2 * CTX, adaptive_max_wait=0), lens)
+    plans = run(make("wlb", 4, smax=2 * CTX, adaptive_max_delay_steps=0), lens)
     ids = np.sort(np.concatenate([np.concatenate(p.doc_ids) for p in plans]))
     assert np.array_equal(ids, np.arange(lens.size))
 
@@ -556,7 +571,7 @@ def test_forced_step_pull_follows_the_cost_model_in_use():
     """The online cost model swaps the packer's model between steps (seconds, not FLOPs): the
     forced step's pull must be the same under any rescaled model, not mix two models' units."""
     lens = np.concatenate([[CTX], np.full(1000, 2)]).astype(np.int64)
-    packer = make("wlb", 4, smax=2 * CTX, adaptive_max_wait=0)
+    packer = make("wlb", 4, smax=2 * CTX, adaptive_max_delay_steps=0)
     stream = LengthStream(lens)
     next_plan(packer, stream)
     next_plan(packer, stream)  # the outlier is due at the next step

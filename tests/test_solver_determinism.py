@@ -28,8 +28,8 @@ def _plans(node_limit, time_limit=60.0):
     config = PackingConfig(
         micro_batches=4,
         context_len=CTX,
-        window=1,
-        solver_time_limit=time_limit,
+        packing_window=1,
+        solver_time_limit_s=time_limit,
         solver_node_limit=node_limit,
     )
     packer = build_packer("solver", config, COST)

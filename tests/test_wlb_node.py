@@ -62,7 +62,7 @@ def _same(a, b):
 @pytest.mark.parametrize("name", ["original", "fixed_greedy", "wlb", "wlb_paper"])
 def test_every_document_once_with_its_tokens(name):
     items = docs(skewed_lengths(300, 0))
-    steps = collect(node_for(items, name, window=2, max_wait=3))
+    steps = collect(node_for(items, name, packing_window=2, max_delay_steps=3))
     seen = {}
     for s in steps:
         assert len(s["micro_batches"]) == 4
@@ -125,12 +125,12 @@ def test_dp_dealing_balances_rank_workloads():
 )
 def test_resume_from_any_step_equals_uninterrupted(name, seed, data):
     items = docs(skewed_lengths(120, seed))
-    ref = collect(node_for(items, name, window=2, max_wait=3))
+    ref = collect(node_for(items, name, packing_window=2, max_delay_steps=3))
     k = data.draw(st.integers(0, len(ref)))
-    node = node_for(items, name, window=2, max_wait=3)
+    node = node_for(items, name, packing_window=2, max_delay_steps=3)
     head = [next(node) for _ in range(k)]
     state = pickle.loads(pickle.dumps(node.state_dict()))
-    restored = node_for(items, name, window=2, max_wait=3)
+    restored = node_for(items, name, packing_window=2, max_delay_steps=3)
     restored.reset(copy.deepcopy(state))
     tail = collect(restored)
     _same(ref, head + tail)
@@ -138,7 +138,7 @@ def test_resume_from_any_step_equals_uninterrupted(name, seed, data):
 
 def test_state_holds_no_tokens_and_few_snapshots():
     items = docs(skewed_lengths(400, 3))
-    node = node_for(items, max_wait=2)
+    node = node_for(items, max_delay_steps=2)
     for _ in range(10):
         next(node)
         state = node.state_dict()
@@ -159,14 +159,14 @@ def test_second_epoch_after_reset_repeats():
 
 def test_replay_detects_a_nondeterministic_source():
     items = docs(skewed_lengths(100, 5))
-    node = node_for(items, max_wait=5)
+    node = node_for(items, max_delay_steps=5)
     for _ in range(3):
         next(node)
     state = node.state_dict()
     if len(node.packer.pending()) == 0:
         pytest.skip("nothing pending at this step")
     changed = [dict(d, tokens=d["tokens"][:1]) if d["tokens"].size > 1 else d for d in items]
-    other = node_for(changed, max_wait=5)
+    other = node_for(changed, max_delay_steps=5)
     with pytest.raises(RuntimeError, match="not deterministic"):
         other.reset(state)
 
@@ -220,8 +220,8 @@ def test_resume_with_documents_handed_back_by_back_pressure():
         rng.random(n_docs) < 0.08, rng.integers(40, CTX + 1, n_docs), rng.integers(1, 10, n_docs)
     )
     items = docs(lens.tolist())
-    ref = collect(node_for(items, "wlb", n=8, max_wait=6))
-    node = node_for(items, "wlb", n=8, max_wait=6)
+    ref = collect(node_for(items, "wlb", n=8, max_delay_steps=6))
+    node = node_for(items, "wlb", n=8, max_delay_steps=6)
     head, checked = [], 0
     while len(head) < len(ref):
         head.append(next(node))
@@ -229,7 +229,7 @@ def test_resume_with_documents_handed_back_by_back_pressure():
         if not len(pending) or pending.pulled.min() >= pending.arrival.min():
             continue
         state = pickle.loads(pickle.dumps(node.state_dict()))
-        restored = node_for(items, "wlb", n=8, max_wait=6)
+        restored = node_for(items, "wlb", n=8, max_delay_steps=6)
         restored.reset(copy.deepcopy(state))
         _same(ref, head + collect(restored))
         checked += 1
@@ -248,12 +248,12 @@ def test_resume_with_documents_handed_back_by_back_pressure():
 def test_node_and_array_driver_plan_alike(name, lens):
     """The node (over a torchdata source, with tokens) and the in-memory driver (over lengths)
     follow the same budget and flush rules: the same documents in the same steps."""
-    node = node_for(docs(lens), name, window=2, max_wait=3)
+    node = node_for(docs(lens), name, packing_window=2, max_delay_steps=3)
     from_node = [
         (s["stats"]["step"], sorted(tuple(mb["doc_ids"] - 1000) for mb in s["micro_batches"]))
         for s in collect(node)
     ]
-    packer = node_for(docs(lens), name, window=2, max_wait=3).packer
+    packer = node_for(docs(lens), name, packing_window=2, max_delay_steps=3).packer
     from_array = [
         (p.step, sorted(tuple(ids) for ids in p.doc_ids))
         for p in drive(packer, LengthStream(np.asarray(lens)))
@@ -282,8 +282,8 @@ def test_batched_source_reads_plan_and_resume_alike():
     """A source read in batches gives the same steps as one read item by item, int32 tokens,
     and a resume from a mid-run state (replayed one item at a time) continues identically."""
     items = docs(skewed_lengths(300, 6))
-    ref = collect(node_for(items, max_wait=3))
-    config = PackingConfig(micro_batches=4, context_len=CTX, max_wait=3)
+    ref = collect(node_for(items, max_delay_steps=3))
+    config = PackingConfig(micro_batches=4, context_len=CTX, max_delay_steps=3)
 
     def batched():
         packer = build_packer("wlb", config, COST)
@@ -303,7 +303,7 @@ def test_kept_steps_keep_their_tokens_and_buffers_are_reused():
     """Output buffers are reused only once nothing refers to them: a step a consumer keeps (as
     the prefetch queue does) never changes under it; dropped steps' buffers are reused."""
     items = docs(skewed_lengths(600, 2))
-    node = node_for(items, max_wait=3)
+    node = node_for(items, max_delay_steps=3)
     kept = next(node)
     copies = [mb["tokens"].copy() for mb in kept["micro_batches"]]
     steps = 0
@@ -318,7 +318,7 @@ def test_kept_steps_keep_their_tokens_and_buffers_are_reused():
 def test_first_output_buffer_is_built_with_the_node_and_serves_the_first_step():
     """The node allocates and touches one full step's buffer when it is built (setup), so the
     first step writes into it instead of faulting in fresh pages."""
-    node = node_for(docs(skewed_lengths(200, 4)), max_wait=3)
+    node = node_for(docs(skewed_lengths(200, 4)), max_delay_steps=3)
     assert len(node._buffers) == 1
     assert node._buffers[0].size >= node.packer.n * node.packer.cap
     built = id(node._buffers[0])  # not a reference: that would make the buffer look in use
@@ -366,8 +366,8 @@ def test_resume_inside_the_read_ahead_window_equals_uninterrupted():
     to the last (read-ahead documents, the early end and the drain in the state) continues as
     the uninterrupted run, and the node plans as the in-memory driver."""
     items = docs(skewed_lengths(160, 7))
-    ref = collect(node_for(items, max_wait=3, read_ahead_steps=3))
-    packer = node_for(items, max_wait=3, read_ahead_steps=3).packer
+    ref = collect(node_for(items, max_delay_steps=3, read_ahead_steps=3))
+    packer = node_for(items, max_delay_steps=3, read_ahead_steps=3).packer
     stream = LengthStream(np.asarray([len(d["tokens"]) for d in items]))
     ended = [stream.exhausted for _ in drive(packer, stream)]
     first_flush = ended.index(True)
@@ -375,11 +375,11 @@ def test_resume_inside_the_read_ahead_window_equals_uninterrupted():
     assert len(ended) - first_flush >= 3
     saw_ahead = False
     for k in range(max(0, first_flush - 3), len(ref) + 1):
-        node = node_for(items, max_wait=3, read_ahead_steps=3)
+        node = node_for(items, max_delay_steps=3, read_ahead_steps=3)
         head = [next(node) for _ in range(k)]
         state = pickle.loads(pickle.dumps(node.state_dict()))
         saw_ahead |= bool(state["ahead"])
-        restored = node_for(items, max_wait=3, read_ahead_steps=3)
+        restored = node_for(items, max_delay_steps=3, read_ahead_steps=3)
         restored.reset(copy.deepcopy(state))
         _same(ref, head + collect(restored))
     assert saw_ahead  # some restores happened with documents read ahead, not yet packed

@@ -29,11 +29,11 @@ class PackingConfig:
     queue_thresholds: tuple[int, ...] | None = None
     """Outlier-queue thresholds L_1 < ... < L_n in tokens (``wlb``, ``wlb_paper``); ``None``:
     derived from the cost model."""
-    max_wait: int = 12
+    max_delay_steps: int = 12
     """K: a queued document waits at most this many steps, then is forced out (>= 0)."""
-    window: int = 1
+    packing_window: int = 1
     """G: global batches packed together by ``fixed_greedy`` and ``solver`` (>= 1)."""
-    solver_time_limit: float = 10.0
+    solver_time_limit_s: float = 60.0
     """``solver``: seconds HiGHS may spend per window; load-dependent, so with
     ``solver_node_limit`` set, reaching it is an error."""
     solver_node_limit: int | None = None
@@ -42,15 +42,15 @@ class PackingConfig:
     balance_target: float = 1.01
     """``wlb``: a queued outlier group is released only if the predicted max/mean workload of the
     step stays within this factor (>= 1)..."""
-    adaptive_max_wait: int = 32
+    adaptive_max_delay_steps: int = 32
     """``wlb``: K may grow up to this while the running mean delay stays under 90 % of
-    ``delay_target`` (<= max_wait: K stays fixed)."""
+    ``delay_target`` (<= max_delay_steps: K stays fixed)."""
     delay_target: float = 0.38
     """``wlb``: running mean delay (steps per token) above which the adaptive K shrinks (> 0);
     the whole-pass delay ends 0.05-0.12 above it (docs/packing.md), under 0.5 steps."""
     release_slack: float = 0.25
-    """``wlb``: ...plus ``release_slack * age / max_wait`` for a group led by an outlier that has
-    waited ``age`` steps (>= 0)."""
+    """``wlb``: ...plus ``release_slack * age / max_delay_steps`` for a group led by an outlier
+    that has waited ``age`` steps (>= 0)."""
     read_ahead_steps: int = 2
     """``wlb``: global batches of documents read ahead of the packer (>= 1). The end of the data
     is seen when fewer than this many are left; they are all handed over then and the drain
@@ -66,15 +66,17 @@ class PackingConfig:
                     f"smax={self.smax} is below context_len={self.context_len}; "
                     "S_max must be >= the context length"
                 )
-        check_int("max_wait", self.max_wait, 0)
-        check_int("window", self.window, 1)
-        if not self.solver_time_limit > 0:
-            raise ValueError(f"solver_time_limit must be > 0 seconds, got {self.solver_time_limit}")
+        check_int("max_delay_steps", self.max_delay_steps, 0)
+        check_int("packing_window", self.packing_window, 1)
+        if not self.solver_time_limit_s > 0:
+            raise ValueError(
+                f"solver_time_limit_s must be > 0 seconds, got {self.solver_time_limit_s}"
+            )
         if self.solver_node_limit is not None:
             check_int("solver_node_limit", self.solver_node_limit, 1)
         if not self.balance_target >= 1.0:
             raise ValueError(f"balance_target must be >= 1.0, got {self.balance_target}")
-        check_int("adaptive_max_wait", self.adaptive_max_wait, 0)
+        check_int("adaptive_max_delay_steps", self.adaptive_max_delay_steps, 0)
         if not self.delay_target > 0.0:
             raise ValueError(f"delay_target must be > 0 steps, got {self.delay_target}")
         if not self.release_slack >= 0.0:

@@ -49,7 +49,7 @@ class FixedGreedyPacker(Packer):
 
     def __init__(self, config, cost_model) -> None:
         super().__init__(config, cost_model)
-        self.g = config.window
+        self.g = config.packing_window
         self.planned = DocPool()
         self.window_pos = 0  # steps of the current window already emitted (G once it is empty)
 
@@ -119,14 +119,14 @@ class SolverPacker(FixedGreedyPacker):
                 self.g * self.n,
                 self.cap,
                 self.cost_model,
-                cfg.solver_time_limit,
+                cfg.solver_time_limit_s,
                 warm_start=greedy[placed],
                 node_limit=cfg.solver_node_limit,
             )
             if res.time_limited and cfg.solver_node_limit is not None:
                 raise RuntimeError(
                     f"solver: packing window {self._step // self.g} ({placed.size} documents) hit "
-                    f"the time limit solver_time_limit_s = {cfg.solver_time_limit} before "
+                    f"the time limit solver_time_limit_s = {cfg.solver_time_limit_s} before "
                     f"the node limit solver_node_limit = {cfg.solver_node_limit}; a plan cut by "
                     "time depends on this machine's load and other ranks could train other "
                     "documents. Lower [wlb] solver_node_limit or raise [wlb] solver_time_limit_s"

@@ -96,7 +96,7 @@ def tune_trials(
     for th, smax, k in itertools.product(
         sorted(candidates), sorted(set(smaxes or [config.smax])), waits
     ):
-        cfg = replace(config, queue_thresholds=th, max_wait=k, smax=smax)
+        cfg = replace(config, queue_thresholds=th, max_delay_steps=k, smax=smax)
         run = run_sample(packer, lengths, cfg, cost_model, steps)
         trials.append(TuneResult(th, k, run.imbalance, run.mean_delay, run.packer.cap, run.steps))
     return trials

@@ -134,7 +134,7 @@ class WLBPaperPacker(_QueuedPacker):
                 if not fit.all():
                     break
         # Documents past their max wait (or everything, at the end) join the regular ones.
-        due = self._step - self.queue.arrival >= self.config.max_wait
+        due = self._step - self.queue.arrival >= self.config.max_delay_steps
         forced = self.queue.take(np.flatnonzero(due | flush))
         rest = DocPool.concat([regular, forced])
         order = np.argsort(-rest.lens, kind="stable")  # carry first among equal lengths
@@ -169,7 +169,7 @@ class WLBPacker(_QueuedPacker):
 
     def __init__(self, config: PackingConfig, cost_model: CostModel) -> None:
         super().__init__(config, cost_model)
-        self.k_eff = float(config.max_wait)
+        self.k_eff = float(config.max_delay_steps)
         self.delay_ema = float(config.delay_target)
         # Final steps the drain's last plan still has to come (-1: not draining): each drain step
         # plans the held documents again, and never into more steps than that plan promised.
@@ -212,15 +212,15 @@ class WLBPacker(_QueuedPacker):
         """Adaptive K (docs/packing.md): rare long documents afford long waits, which buy
         balance; the running token-weighted delay moves K between its bounds."""
         cfg = self.config
-        if cfg.adaptive_max_wait <= cfg.max_wait:
+        if cfg.adaptive_max_delay_steps <= cfg.max_delay_steps:
             return
         tokens = int(docs.lens.sum())
         delay = float(((self._step - docs.arrival) * docs.lens).sum() / tokens) if tokens else 0.0
         self.delay_ema = (1 - self._EMA) * self.delay_ema + self._EMA * delay
         if self.delay_ema > cfg.delay_target:
-            self.k_eff = max(float(cfg.max_wait), self.k_eff - self._WAIT_STEP)
+            self.k_eff = max(float(cfg.max_delay_steps), self.k_eff - self._WAIT_STEP)
         elif self.delay_ema < 0.9 * cfg.delay_target:
-            self.k_eff = min(float(cfg.adaptive_max_wait), self.k_eff + self._rise())
+            self.k_eff = min(float(cfg.adaptive_max_delay_steps), self.k_eff + self._rise())
 
     def _rise(self) -> float:
         """K's rise this step: ``_WAIT_STEP``, or while the running delay is under ``_HEADROOM`` of
