@@ -46,8 +46,7 @@ class DocumentNode(BaseNode[dict]):
         self._set_counters(None)
 
     def _set_counters(self, state: dict | None) -> None:
-        # truncated_docs is missing from states saved before it was counted.
-        state = dict.fromkeys(_STATE, 0) if state is None else {"truncated_docs": 0, **state}
+        state = dict.fromkeys(_STATE, 0) if state is None else state
         for key in _STATE:
             setattr(self, key, int(state[key]))
 

@@ -108,10 +108,9 @@ class WLBPackingNode(BaseNode[dict]):
             return
         self.packer.load_state_dict(initial_state["packer"])
         self._exhausted = bool(initial_state["exhausted"])
-        # States written before the read-ahead: the source ended exactly when the data did.
-        self._source_done = bool(initial_state.get("source_done", self._exhausted))
+        self._source_done = bool(initial_state["source_done"])
         self._snapshots = [(int(s), st, int(k)) for s, st, k in initial_state["snapshots"]]
-        ahead = np.asarray(initial_state.get("ahead", []), np.int64).reshape(-1, 2)
+        ahead = np.asarray(initial_state["ahead"], np.int64).reshape(-1, 2)
         self._ahead_ids, self._ahead_lens = ahead[:, 0].copy(), ahead[:, 1].copy()
         pending = self.packer.pending()
         held = dict(zip(pending.ids.tolist(), pending.lens.tolist(), strict=True))

@@ -181,9 +181,7 @@ class DocPool:
 
     @classmethod
     def from_state(cls, state: dict[str, list[int]]) -> DocPool:
-        # States written before ``pulled`` existed: every document was pulled on arrival.
-        cols = [state[f] for f in cls.FIELDS[:-1]] + [state.get("pulled", state["arrival"])]
-        return cls(*(np.asarray(c, np.int64).reshape(-1) for c in cols))
+        return cls(*(np.asarray(state[f], np.int64).reshape(-1) for f in cls.FIELDS))
 
 
 class Packer(ABC):

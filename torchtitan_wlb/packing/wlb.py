@@ -74,10 +74,6 @@ class _QueuedPacker(Packer):
     def queue_depths(self) -> list[int]:
         return np.bincount(self.queue.tag - 1, minlength=self.thresholds.size).tolist()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        # States written before back-pressure existed have no backlog.
-        super().load_state_dict({"backlog": DocPool().state(), **state})
-
     def _intake(self, ids: np.ndarray, lens: np.ndarray, flush: bool = False) -> DocPool:
         """Queue the new outliers; return the regular documents: carry, then those handed back
         last step (they precede this pull in the stream and enter the packing order now), then new.
@@ -239,7 +235,7 @@ class WLBPacker(_QueuedPacker):
         super().load_state_dict(state)
         self.k_eff = float(state["k_eff"])
         self.delay_ema = float(state["delay_ema"])
-        self.drain_left = int(state.get("drain_left", -1))  # absent in states saved before it
+        self.drain_left = int(state["drain_left"])
 
     def _drain(self, regular: DocPool) -> tuple[DocPool, np.ndarray]:
         """End of the data: emit the heaviest of the balanced final steps, hold the rest."""
