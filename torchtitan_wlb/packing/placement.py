@@ -105,88 +105,139 @@ def fill_rounds(
         # the eligible bins, least-loaded first (a stable order restricted to a subset is that
         # subset's stable order).
         by_load = loads.argsort(kind="stable")
-        sorted_loads = loads[by_load]
-        asc, asc_loads = by_load, sorted_loads  # the open bins, least-loaded first
-        if n_open < loads.size:
-            open_sorted = open_bins[by_load]
-            asc, asc_loads = by_load[open_sorted], sorted_loads[open_sorted]
+        asc = by_load if n_open == loads.size else by_load[open_bins[by_load]]
+        asc_loads = loads[asc]  # the open bins, least-loaded first
         level = min(_sorted_water_level(asc_loads, float(cc[-1]), ranks[:n_open]), limit)
         low = int(asc_loads.searchsorted(level, side="left"))  # loads < level: a prefix
-        elig, elig_loads = asc[:low], asc_loads[:low]
         ok = np.zeros(rem.size, bool)
-        if elig.size:
-            bounds = (_RUN_FRACTION * (level - elig_loads)).cumsum()
-            start = cc - c
-            n_in = int(start.searchsorted(bounds[-1], side="left"))  # a prefix: start grows
-            if deal:
-                slot, run_cost, run_tok = _dealt(c[:n_in], t[:n_in], elig.size)
-            else:
-                slot = bounds.searchsorted(start[:n_in], side="right")  # run of each document
-                first = slot.searchsorted(slot, side="left")
-                ct = t[:n_in].cumsum()
-                run_cost = cc[:n_in] - start[first]
-                run_tok = ct - (ct - t[:n_in])[first]
+        if low:
+            ok, dest = _water_round(loads, room, c, t, cc, level, asc[:low], deal)
             deal = False  # later rounds: the smaller rest, in runs
-            bins = elig[slot]
-            # Each bin keeps a prefix of its documents under both bounds, as costs are >= 0 (its
-            # running cost and tokens only grow along them).
-            good = (loads[bins] + run_cost <= level) & (run_tok <= room[bins])
-            ok[:n_in] = good
-        if not ok.any():
-            # Documents larger than the deficits: one LPT round (the k largest documents to the
-            # k least-loaded bins, where k counts the bins LPT would fill before the least-loaded
-            # bin's next turn).
-            asc = asc[: int(asc_loads.searchsorted(asc_loads[0] + c[0], side="left"))][: rem.size]
-            k = asc.size
-            fit = (t[:k] <= room[asc]) & (loads[asc] + c[:k] <= limit)
-            if fit.any():
-                sel = np.flatnonzero(fit)
-                out[rem[sel]] = asc[sel]
-                loads[asc[sel]] += c[sel]
-                tokens[asc[sel]] += t[sel]
-                rem = np.concatenate([rem[:k][~fit], rem[k:]])
-                continue
-            # Constrained bins (token cap or ``limit``): every document that still fits somewhere
-            # proposes a bin (the k-th least-loaded for the k-th document, else its least-loaded
-            # fitting bin); each bin takes its largest proposer. Documents that fit nowhere now
-            # never will (bins only fill up) and are dropped. A document's least-loaded bin with
-            # room is the least-loaded of a prefix of the bins sorted by room: a running minimum
-            # of the bins' places in the load order (ties: the lower bin), not a documents x N
-            # table.
-            nb = loads.size
-            by_room = np.argsort(-room, kind="stable")
-            place = np.empty(nb, np.int64)
-            place[by_load] = ranks
-            least = by_load[np.minimum.accumulate(place[by_room]) - 1]
-            with_room = nb - room[by_room][::-1].searchsorted(t, side="left")
-            best = least[np.maximum(with_room - 1, 0)]
-            placeable = (with_room > 0) & (loads[best] + c <= limit)
-            rem, c, t, best = rem[placeable], c[placeable], t[placeable], best[placeable]
-            if rem.size == 0:
-                break
-            prop = by_load[np.arange(rem.size) % nb]  # the loads have not changed this round
-            fits_prop = (t <= room[prop]) & (loads[prop] + c <= limit)
-            choice = np.where(fits_prop, prop, best)
-            order = np.argsort(choice, kind="stable")  # each bin's first proposer:
-            by_bin = choice[order]
-            head = np.empty(by_bin.size, bool)
-            head[0] = True
-            np.not_equal(by_bin[1:], by_bin[:-1], out=head[1:])
-            first = order[head]
-            out[rem[first]] = choice[first]
-            loads[choice[first]] += c[first]
-            tokens[choice[first]] += t[first]
-            taken = np.zeros(rem.size, bool)
-            taken[first] = True
-            rem = rem[~taken]
+        if ok.any():
+            placed = rem[ok]
+            out[placed] = dest
+            loads += np.bincount(dest, weights=costs[placed], minlength=loads.size)
+            np.add.at(tokens, dest, lens[placed])  # integers: the order of the adds does not matter
+            rem = rem[~ok]
             continue
-        placed = rem[ok]
-        dest = bins[good]
-        out[placed] = dest
-        loads += np.bincount(dest, weights=costs[placed], minlength=loads.size)
-        np.add.at(tokens, dest, lens[placed])  # integers: the order of the adds does not matter
-        rem = rem[~ok]
+        left = _lpt_round(out, loads, tokens, rem, room, asc, limit, costs, lens)
+        if left is None:
+            left = _proposal_round(out, loads, tokens, rem, room, by_load, limit, costs, lens)
+        rem = left
     return out
+
+
+def _water_round(
+    loads: np.ndarray,
+    room: np.ndarray,
+    c: np.ndarray,
+    t: np.ndarray,
+    cc: np.ndarray,
+    level: float,
+    elig: np.ndarray,
+    deal: bool,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The common round of :func:`fill_rounds`: the eligible bins ``elig`` (loads under ``level``,
+    least-loaded first) take the largest remaining documents (costs ``c``, descending, running
+    sum ``cc``; lengths ``t``), each bin ``_RUN_FRACTION`` of its deficit, as a run of neighbours
+    or dealt (``deal``). Each bin keeps the prefix of its documents that stays under the level and
+    within its ``room``: checking prefixes only is exact, as costs are >= 0 (a bin's running cost
+    and tokens only grow along them). Returns which documents are placed and their bins."""
+    elig_loads = loads[elig]
+    ok = np.zeros(c.size, bool)
+    bounds = (_RUN_FRACTION * (level - elig_loads)).cumsum()
+    start = cc - c
+    n_in = int(start.searchsorted(bounds[-1], side="left"))  # a prefix: start grows
+    if deal:
+        slot, run_cost, run_tok = _dealt(c[:n_in], t[:n_in], elig.size)
+    else:
+        slot = bounds.searchsorted(start[:n_in], side="right")  # run of each document
+        first = slot.searchsorted(slot, side="left")
+        ct = t[:n_in].cumsum()
+        run_cost = cc[:n_in] - start[first]
+        run_tok = ct - (ct - t[:n_in])[first]
+    bins = elig[slot]
+    good = (loads[bins] + run_cost <= level) & (run_tok <= room[bins])
+    ok[:n_in] = good
+    return ok, bins[good]
+
+
+def _lpt_round(
+    out: np.ndarray,
+    loads: np.ndarray,
+    tokens: np.ndarray,
+    rem: np.ndarray,
+    room: np.ndarray,
+    asc: np.ndarray,
+    limit: float,
+    costs: np.ndarray,
+    lens: np.ndarray,
+) -> np.ndarray | None:
+    """When the remaining documents ``rem`` (largest first) are larger than the deficits, one LPT
+    round: the ``k`` largest to the ``k`` least-loaded open bins ``asc``, where ``k`` counts the
+    bins LPT would fill before the least-loaded bin's next turn. Places into ``out``, ``loads``
+    and ``tokens``; returns the documents left, or ``None`` when none of the ``k`` fits (the bins
+    are constrained: :func:`_proposal_round`)."""
+    c, t = costs[rem], lens[rem]
+    asc_loads = loads[asc]
+    asc = asc[: int(asc_loads.searchsorted(asc_loads[0] + c[0], side="left"))][: rem.size]
+    k = asc.size
+    fit = (t[:k] <= room[asc]) & (loads[asc] + c[:k] <= limit)
+    if not fit.any():
+        return None
+    sel = np.flatnonzero(fit)
+    out[rem[sel]] = asc[sel]
+    loads[asc[sel]] += c[sel]
+    tokens[asc[sel]] += t[sel]
+    return np.concatenate([rem[:k][~fit], rem[k:]])
+
+
+def _proposal_round(
+    out: np.ndarray,
+    loads: np.ndarray,
+    tokens: np.ndarray,
+    rem: np.ndarray,
+    room: np.ndarray,
+    by_load: np.ndarray,
+    limit: float,
+    costs: np.ndarray,
+    lens: np.ndarray,
+) -> np.ndarray:
+    """The round for constrained bins (token cap or ``limit``), where neither of the other rounds
+    places a document: every remaining document that still fits somewhere proposes a bin (the
+    k-th least-loaded for the k-th document, else its least-loaded fitting bin); each bin takes its
+    largest proposer. Documents that fit nowhere now never will (bins only fill up) and are
+    dropped. A document's least-loaded bin with room is the least-loaded of a prefix of the bins
+    sorted by room: a running minimum of the bins' places in the load order (ties: the lower bin),
+    not a documents x N table. Places into ``out``, ``loads`` and ``tokens``; returns the
+    documents left."""
+    c, t = costs[rem], lens[rem]
+    nb = loads.size
+    by_room = np.argsort(-room, kind="stable")
+    place = np.empty(nb, np.int64)
+    place[by_load] = np.arange(1, nb + 1)
+    least = by_load[np.minimum.accumulate(place[by_room]) - 1]
+    with_room = nb - room[by_room][::-1].searchsorted(t, side="left")
+    best = least[np.maximum(with_room - 1, 0)]
+    placeable = (with_room > 0) & (loads[best] + c <= limit)
+    rem, c, t, best = rem[placeable], c[placeable], t[placeable], best[placeable]
+    if rem.size == 0:
+        return rem
+    prop = by_load[np.arange(rem.size) % nb]  # the loads have not changed this round
+    fits_prop = (t <= room[prop]) & (loads[prop] + c <= limit)
+    choice = np.where(fits_prop, prop, best)
+    order = np.argsort(choice, kind="stable")  # each bin's first proposer:
+    by_bin = choice[order]
+    head = np.empty(by_bin.size, bool)
+    head[0] = True
+    np.not_equal(by_bin[1:], by_bin[:-1], out=head[1:])
+    first = order[head]
+    out[rem[first]] = choice[first]
+    loads[choice[first]] += c[first]
+    tokens[choice[first]] += t[first]
+    taken = np.zeros(rem.size, bool)
+    taken[first] = True
+    return rem[~taken]
 
 
 def dp_order(loads: np.ndarray, dp: int, balanced: bool = True) -> np.ndarray:
