@@ -259,7 +259,7 @@ class WLBPacker(_QueuedPacker):
         return held.subset(np.flatnonzero(now)), mb[now]
 
     def _plan(self, ids, lens, flush):
-        n, cap, cm = self.n, self.cap, self.cost_model
+        n, cm = self.n, self.cost_model
         regular = self._intake(ids, lens, flush)
         if flush:
             return self._drain(regular)
@@ -274,16 +274,41 @@ class WLBPacker(_QueuedPacker):
         #    starvation when the forced work exceeds a step), largest first among equals.
         forced = np.flatnonzero(self._step - q.arrival >= self._wait_bound())
         forced = forced[np.lexsort((-q_cost[forced], q.arrival[forced]))]
-        q_bin[forced] = lpt_place(loads, tokens, q_cost[forced], q.lens[forced], cap)
+        q_bin[forced] = lpt_place(loads, tokens, q_cost[forced], q.lens[forced], self.cap)
 
         # 2. Regular documents (carried ones included) are placed after the outliers.
-        r_cost, r_lens = cm.doc_cost(regular.lens), regular.lens
-        r_bin = np.full(len(regular), -1, np.int64)
-        new_cost = float(r_cost.sum())
-        new_tokens = int(r_lens.sum())
+        r_cost = cm.doc_cost(regular.lens)
 
-        # 3. Waiting outliers: release a group at a higher level when it balances, then admit
-        #    whatever fits under the step's level.
+        # 3. Waiting outliers: release a group at a higher level, or admit those under the level.
+        loads, tokens, limit = self._place_waiting(loads, tokens, q_cost, q_bin, r_cost, regular)
+
+        # 4. Regular documents fill the micro-batches; what does not fit is carried or handed back.
+        r_bin, back = self._place_regular(regular, r_cost, loads, tokens, limit)
+        self.backlog = regular.subset(back)
+        r_bin[back] = -2  # neither placed nor carried
+        self.carry = regular.subset(np.flatnonzero(r_bin == -1))
+        released = self.queue.take(np.flatnonzero(q_bin >= 0))
+        docs = DocPool.concat([released, regular.subset(np.flatnonzero(r_bin >= 0))])
+        self._adapt_wait(docs)
+        return docs, np.concatenate([q_bin[q_bin >= 0], r_bin[r_bin >= 0]])
+
+    def _place_waiting(
+        self,
+        loads: np.ndarray,
+        tokens: np.ndarray,
+        q_cost: np.ndarray,
+        q_bin: np.ndarray,
+        r_cost: np.ndarray,
+        regular: DocPool,
+    ) -> tuple[np.ndarray, np.ndarray, float]:
+        """Step 3 of :meth:`_plan`: the waiting outliers (those ``q_bin`` has not placed, largest
+        first) are released as a group at a higher level when that step still balances (up to
+        ``max_release_attempts`` tries), else admitted where they fit under the step's level.
+        Fills ``q_bin``; returns the new loads and tokens and the level the regular documents must
+        stay under (``inf``: none, no outlier fixes the step's maximum)."""
+        n, q = self.n, self.queue
+        new_cost = float(r_cost.sum())
+        new_tokens = int(regular.lens.sum())
         waiting = np.flatnonzero(q_bin < 0)
         waiting = waiting[np.argsort(-q_cost[waiting], kind="stable")]
         w_cost, w_lens = q_cost[waiting], q.lens[waiting]
@@ -309,11 +334,24 @@ class WLBPacker(_QueuedPacker):
             chosen = self._admit(loads, tokens, w_cost, w_lens, level0, new_cost, tok, None)
         loads, tokens, admitted = chosen
         q_bin[waiting] = admitted
+        return loads, tokens, limit
 
-        # 4. Regular documents fill the micro-batches, vectorised and dealt (each gets every size:
-        #    docs/packing.md, "Vectorised placement"); what does not fit under the cap (or under
-        #    the level an outlier set) is carried. Carried documents go first; past K
-        #    steps they ignore the level. Fresh ones are offered as a stream prefix (``_offer``).
+    def _place_regular(
+        self,
+        regular: DocPool,
+        r_cost: np.ndarray,
+        loads: np.ndarray,
+        tokens: np.ndarray,
+        limit: float,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Step 4 of :meth:`_plan`: regular documents fill the micro-batches, vectorised and dealt
+        (each gets every size: docs/packing.md, "Vectorised placement"); what does not fit under
+        the cap (or under the ``limit`` an outlier set) is carried. Carried documents go first;
+        past K steps they ignore the level. Fresh ones are offered as a stream prefix
+        (:meth:`_offer`). Returns each document's micro-batch (-1: carried) and the documents
+        handed back."""
+        n, cap, r_lens = self.n, self.cap, regular.lens
+        r_bin = np.full(len(regular), -1, np.int64)
         carried = np.flatnonzero(regular.arrival < self._step)
         fresh = np.flatnonzero(regular.arrival == self._step)
         fits = int(r_lens.sum()) + int(tokens.sum()) <= n * cap
@@ -335,14 +373,7 @@ class WLBPacker(_QueuedPacker):
             r_bin[overdue] = fill_rounds(
                 loads, tokens, r_cost[overdue], r_lens[overdue], cap, deal=True
             )
-
-        self.backlog = regular.subset(back)
-        r_bin[back] = -2  # neither placed nor carried
-        self.carry = regular.subset(np.flatnonzero(r_bin == -1))
-        released = self.queue.take(np.flatnonzero(q_bin >= 0))
-        docs = DocPool.concat([released, regular.subset(np.flatnonzero(r_bin >= 0))])
-        self._adapt_wait(docs)
-        return docs, np.concatenate([q_bin[q_bin >= 0], r_bin[r_bin >= 0]])
+        return r_bin, back
 
     def _offer(
         self,
