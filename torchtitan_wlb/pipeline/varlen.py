@@ -313,6 +313,62 @@ class VarlenPipelineRunner:
     ) -> VarlenStepStats:
         """Forward and backward of one step's micro-batches, each loss divided by
         ``global_valid_tokens`` (None: the raw loss); the arguments: docs/pipeline.md."""
+        lens, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs = self._step_args(
+            microbatch_inputs, microbatch_kwargs, targets, seq_lens, loss_kwargs
+        )
+        if self.verify_seq_lens:
+            self._verify_same_seq_lens(lens)
+        schedule = self.schedule
+        if schedule._has_backward and not torch.is_grad_enabled():
+            raise RuntimeError("VarlenPipelineRunner.step() needs gradients enabled")
+        original_loss_fn = schedule._loss_fn
+        if global_valid_tokens is not None and original_loss_fn is not None:
+            schedule._loss_fn = token_mean_loss(original_loss_fn, global_valid_tokens)
+        saved_validate = [getattr(s, "_runtime_validate", None) for s in self.stages]
+        shadowed: list[tuple[Any, str]] = []
+        timer = None
+        if self.time_actions:
+            timer = _ActionTimer(schedule, self.stages, self.n_microbatches)
+        try:
+            self._prepare_stages(shadowed)
+            self._ensure_initialized(arg_mbs, kwarg_mbs, target_mbs, loss_kwargs)
+            stats = self._resize_recv_buffers(lens)
+            step_kwargs = {"loss_kwargs": loss_kwargs} if self._step_takes_loss_kwargs else {}
+            if timer is not None:
+                timer.install()
+            schedule._step_microbatches(
+                arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs=False, **step_kwargs
+            )
+            if timer is not None:
+                self.last_action_times = timer.result()
+        finally:
+            if timer is not None:
+                timer.remove()
+            schedule._loss_fn = original_loss_fn
+            for stage, name in shadowed:
+                delattr(stage, name)
+            for stage, flag in zip(self.stages, saved_validate, strict=True):
+                if flag is not None:
+                    stage._runtime_validate = flag
+        return stats
+
+    def _step_args(
+        self,
+        microbatch_inputs: Sequence[torch.Tensor] | None,
+        microbatch_kwargs: Sequence[Mapping[str, Any]] | None,
+        targets: Sequence[torch.Tensor] | None,
+        seq_lens: Sequence[int],
+        loss_kwargs: Mapping[str, Any] | None,
+    ) -> tuple[
+        list[int],
+        list[tuple[Any, ...]] | None,
+        list[dict[str, Any]],
+        list[torch.Tensor] | None,
+        dict[str, Any] | None,
+    ]:
+        """:meth:`step`'s arguments checked (one entry per micro-batch, where this rank's stages
+        need them) and in the form the schedule takes: the lengths as ints, inputs as tuples,
+        kwargs as dicts. Errors name the argument, before any stage state is touched."""
         n = self.n_microbatches
         lens = [int(x) for x in seq_lens]
         if len(lens) != n:
@@ -342,51 +398,23 @@ class VarlenPipelineRunner:
                 f"loss_kwargs is not supported by {type(self.schedule).__name__} in torch "
                 f"{torch.__version__}; pass loss_kwargs=None"
             )
-        loss_kwargs = dict(loss_kwargs) if loss_kwargs else None
+        return lens, arg_mbs, kwarg_mbs, target_mbs, dict(loss_kwargs) if loss_kwargs else None
 
-        if self.verify_seq_lens:
-            self._verify_same_seq_lens(lens)
-        schedule = self.schedule
-        if schedule._has_backward and not torch.is_grad_enabled():
-            raise RuntimeError("VarlenPipelineRunner.step() needs gradients enabled")
-        original_loss_fn = schedule._loss_fn
-        if global_valid_tokens is not None and original_loss_fn is not None:
-            schedule._loss_fn = token_mean_loss(original_loss_fn, global_valid_tokens)
-        saved_validate = [getattr(s, "_runtime_validate", None) for s in self.stages]
-        shadowed: list[tuple[Any, str]] = []
-        timer = _ActionTimer(schedule, self.stages, n) if self.time_actions else None
-        try:
-            for stage in self.stages:
-                stage.has_backward = schedule._has_backward
-                stage.clear_runtime_states()
-                # Shape validation compares every micro-batch with micro-batch 0's shapes (torch
-                # 2.13 under TORCH_DISTRIBUTED_DEBUG=DETAIL only, older releases always).
-                if hasattr(stage, "_runtime_validate"):
-                    stage._runtime_validate = False
-                for name in _SHAPE_VALIDATORS:
-                    if hasattr(stage, name) and name not in vars(stage):
-                        setattr(stage, name, lambda *args, **kwargs: None)
-                        shadowed.append((stage, name))
-            self._ensure_initialized(arg_mbs, kwarg_mbs, target_mbs, loss_kwargs)
-            stats = self._resize_recv_buffers(lens)
-            step_kwargs = {"loss_kwargs": loss_kwargs} if self._step_takes_loss_kwargs else {}
-            if timer is not None:
-                timer.install()
-            schedule._step_microbatches(
-                arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs=False, **step_kwargs
-            )
-            if timer is not None:
-                self.last_action_times = timer.result()
-        finally:
-            if timer is not None:
-                timer.remove()
-            schedule._loss_fn = original_loss_fn
-            for stage, name in shadowed:
-                delattr(stage, name)
-            for stage, flag in zip(self.stages, saved_validate, strict=True):
-                if flag is not None:
-                    stage._runtime_validate = flag
-        return stats
+    def _prepare_stages(self, shadowed: list[tuple[Any, str]]) -> None:
+        """Clear the stages' per-step state and turn off their shape validation, which compares
+        every micro-batch with micro-batch 0's shapes (torch 2.13 under
+        TORCH_DISTRIBUTED_DEBUG=DETAIL only, older releases always) and so rejects variable
+        lengths. Each validator shadowed is appended to ``shadowed`` as it is, so that
+        :meth:`step` removes exactly those even if this stops part-way."""
+        for stage in self.stages:
+            stage.has_backward = self.schedule._has_backward
+            stage.clear_runtime_states()
+            if hasattr(stage, "_runtime_validate"):
+                stage._runtime_validate = False
+            for name in _SHAPE_VALIDATORS:
+                if hasattr(stage, name) and name not in vars(stage):
+                    setattr(stage, name, lambda *args, **kwargs: None)
+                    shadowed.append((stage, name))
 
     def _verify_same_seq_lens(self, lens: list[int]) -> None:
         """Raise on every rank if the ranks of the pipeline passed different ``seq_lens``."""
