@@ -79,9 +79,14 @@ def _build_model() -> torch.nn.Module:
             return self.wo(out.transpose(1, 2).reshape(bs, seq_len, -1))
 
     args = TransformerModelArgs(
-        dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, multiple_of=32,
+        dim=64,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=VOCAB,
+        multiple_of=32,
         max_seq_len=128,
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     model = Transformer(args)
     with torch.no_grad():
@@ -131,9 +136,12 @@ def _pp_worker(rank: int, world_size: int, init_file: str, schedule_name: str, d
 
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
         timeout=timedelta(seconds=120),
-    )  # fmt: skip
+    )
     try:
         pp = world_size // dp
         stages_per_rank = 1 if VARLEN_SCHEDULES[schedule_name] == "single" else 2
@@ -235,9 +243,12 @@ def _pp_worker(rank: int, world_size: int, init_file: str, schedule_name: str, d
                 for name, param in part.named_parameters():
                     assert param.grad is not None, f"step {step}: no grad for {name}"
                     torch.testing.assert_close(
-                        param.grad, ref_params[name].grad, rtol=1e-5, atol=1e-6,
+                        param.grad,
+                        ref_params[name].grad,
+                        rtol=1e-5,
+                        atol=1e-6,
                         msg=lambda m, n=name, s=step: f"step {s} rank {rank} {n}: {m}",
-                    )  # fmt: skip
+                    )
                     n_checked += 1
             assert n_checked > 0
             pp_opt.step()

@@ -333,8 +333,9 @@ def test_online_schedule_switches_the_packers_model_at_its_step_and_on_restore()
     def build():
         config = PackingConfig(micro_batches=4, context_len=CTX)
         packer = build_packer("wlb", config, COST)
-        cfg = OnlineFitConfig(warmup_steps=0, window_steps=2, holdout_steps=1, interval_steps=2,
-                              apply_lag_steps=2)  # fmt: skip
+        cfg = OnlineFitConfig(
+            warmup_steps=0, window_steps=2, holdout_steps=1, interval_steps=2, apply_lag_steps=2
+        )
         schedule = CostModelSchedule(COST, cfg)
         items = docs(skewed_lengths(300, 5))
         return WLBPackingNode(IterableWrapper(items), packer, schedule=schedule), schedule
