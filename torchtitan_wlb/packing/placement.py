@@ -78,7 +78,9 @@ def fill_rounds(
     updated in place. ``-1``: the document fits nowhere (token cap, or ``limit``). ``deal``: the
     first round, which places the largest documents (70 % of the deficits), deals them over the
     bins (:func:`_dealt`) instead of cutting them into runs of neighbours. Runs keep stream order
-    together, which the final steps' split relies on (end_of_data.py)."""
+    together, which the final steps' split relies on (end_of_data.py). A round fills the bins
+    under the water level (:func:`_water_round`); when it places nothing, the documents are larger
+    than the deficits (:func:`_lpt_round`) or the bins constrained (:func:`_proposal_round`)."""
     out = np.full(costs.size, -1, np.int64)
     rem = np.arange(costs.size)
     if np.isfinite(limit):  # the rounds' first filter (below), before sorting: often most go
