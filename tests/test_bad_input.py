@@ -7,7 +7,6 @@ checkpoint written with the loader's real state (no training needed); one case g
 ``run_train.sh`` to show that no rank starts.
 """
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -17,7 +16,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from torchtitan_wlb.config import WLB
+from torchtitan_wlb.config import TABLES, settings
 from torchtitan_wlb.validate import main, parse_job_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,6 +78,8 @@ def test_good_config_passes(tmp_path, data, capsys):
         (["--wlb.queue_thresholds", "200"], ["[wlb] queue_thresholds = [200]", "max_doc_len = 128"]),
         (["--training.steps", "x"], ["--training.steps", "'x'", "INT"]),
         (["--wlb.nosuch", "1"], ["unrecognized options: --wlb.nosuch"]),
+        (["--wlb.fit_window_steps", "3"], ["unrecognized options: --wlb.fit_window_steps",
+                                           "did you mean --wlb.online.window_steps?"]),
     ],
 )  # fmt: skip
 def test_config_errors(tmp_path, data, capsys, extra, expected):
@@ -90,7 +91,8 @@ def test_more_processes_than_the_layout_allows(tmp_path, data, capsys):
     _fails(capsys, _args(tmp_path, data, *fixed), "= 2 processes, but 4 were launched", ngpu="4")
 
 
-# One value of the wrong type and (where the field has a range) one out of range, per [wlb] field.
+# One value of the wrong type and (where the field has a range) one out of range, per setting of
+# [wlb] and its tables [wlb.online] and [wlb.advanced] (a name is in one table only).
 WRONG_TYPE = {bool: '"yes"', int: '"12"', float: '"x"', str: "5", list: "5"}
 OUT_OF_RANGE = {
     "mode": '"fast"', "packing": '"best"', "cp_sharding": '"rows"', "attention_backend": '"x"',
@@ -101,11 +103,12 @@ OUT_OF_RANGE = {
     "packing_window": "0", "solver_node_limit": "0", "solver_time_limit_s": "0", "cost_model": '"x"',
     "attn_coef": "-1.0", "linear_coef": "-1.0", "cost_profile": '"/no/such.json"',
     "cp_profile": '"/no/such.json"', "cp_bandwidth_gbps": "0.0", "text_field": '""', "loader": '"mine"', "epochs": "-1",
-    "fit_warmup_steps": "-1", "fit_window_steps": "1", "fit_holdout_steps": "0",
-    "fit_interval_steps": "0", "fit_apply_lag_steps": "0", "fit_initial_attn_scale": "0.0",
+    "warmup_steps": "-1", "window_steps": "1", "holdout_steps": "0",
+    "interval_steps": "0", "apply_lag_steps": "0", "initial_attn_scale": "0.0",
 }  # fmt: skip
 NO_RANGE = {"reset_positions", "metrics_jsonl"}  # booleans: only the type can be wrong
 EXTRA = {"cost_profile": 'cost_model = "profile"\n'}
+SETTINGS = {f.name: (table.TOML_TABLE, f) for table in TABLES for f in settings(table)}
 
 
 def _base_type(f):
@@ -115,36 +118,56 @@ def _base_type(f):
 
 
 def test_every_wlb_field_has_cases():
-    names = {f.name for f in dataclasses.fields(WLB)}
-    assert names == set(OUT_OF_RANGE) | NO_RANGE
+    names = [f.name for table in TABLES for f in settings(table)]
+    assert len(names) == len(SETTINGS) and set(names) == set(OUT_OF_RANGE) | NO_RANGE
 
 
-def _toml(tmp_path, line):
+def _toml(tmp_path, line, table="wlb"):
+    """debug_cpu.toml with its [wlb] section replaced by ``line`` in the table ``table``."""
     with open(DEBUG_CPU) as f:
         text = f.read().split("\n[wlb]\n")[0]
     path = tmp_path / "bad.toml"
-    path.write_text(text + "[wlb]\n" + line + "\n")
+    path.write_text(text + f"[{table}]\n" + line + "\n")
     return path
 
 
-@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(WLB)])
+@pytest.mark.parametrize("field", list(SETTINGS))
 def test_wlb_field_of_the_wrong_type(tmp_path, data, capsys, field):
-    f = next(f for f in dataclasses.fields(WLB) if f.name == field)
+    table, f = SETTINGS[field]
     bad = WRONG_TYPE[_base_type(f)]
-    config = _toml(tmp_path, EXTRA.get(field, "") + f"{field} = {bad}")
-    _fails(capsys, _args(tmp_path, data, config=config), f"[wlb] {field} = ")
+    config = _toml(tmp_path, EXTRA.get(field, "") + f"{field} = {bad}", table)
+    _fails(capsys, _args(tmp_path, data, config=config), f"[{table}] {field} = ")
 
 
 @pytest.mark.parametrize("field", sorted(OUT_OF_RANGE))
 def test_wlb_field_out_of_range(tmp_path, data, capsys, field):
-    config = _toml(tmp_path, EXTRA.get(field, "") + f"{field} = {OUT_OF_RANGE[field]}")
-    _fails(capsys, _args(tmp_path, data, config=config), f"[wlb] {field} = ")
+    table = SETTINGS[field][0]
+    config = _toml(tmp_path, EXTRA.get(field, "") + f"{field} = {OUT_OF_RANGE[field]}", table)
+    _fails(capsys, _args(tmp_path, data, config=config), f"[{table}] {field} = ")
 
 
-def test_unknown_wlb_key_in_toml(tmp_path, data, capsys):
-    config = _toml(tmp_path, "delay_targt = 0.2")
-    _fails(capsys, _args(tmp_path, data, config=config), "[wlb] has no field 'delay_targt'",
-           "did you mean 'delay_target'")  # fmt: skip
+@pytest.mark.parametrize("table", ["online", "advanced"])
+def test_wlb_table_of_the_wrong_type(tmp_path, data, capsys, table):
+    config = _toml(tmp_path, f"{table} = 5")
+    _fails(capsys, _args(tmp_path, data, config=config),
+           f"[wlb] {table} = 5 is int; it must be a table, [wlb.{table}]")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "table, line, expected",
+    [
+        ("wlb.advanced", "delay_targt = 0.2",
+         ["[wlb.advanced] has no field 'delay_targt'", "did you mean 'delay_target'?"]),
+        # A field of one table set in another is named with its table.
+        ("wlb", "release_slack = 0.2",
+         ["[wlb] has no field 'release_slack'", "did you mean 'release_slack' in [wlb.advanced]?"]),
+        ("wlb", "fit_window_steps = 6",
+         ["[wlb] has no field 'fit_window_steps'", "did you mean 'window_steps' in [wlb.online]?"]),
+    ],
+)  # fmt: skip
+def test_unknown_wlb_key_in_toml(tmp_path, data, capsys, table, line, expected):
+    config = _toml(tmp_path, line, table)
+    _fails(capsys, _args(tmp_path, data, config=config), *expected)
 
 
 @pytest.mark.parametrize(
@@ -211,11 +234,11 @@ def test_resume_refuses_a_change_of_data_settings(tmp_path, data, capsys, change
 
 def test_resume_refuses_another_starting_model_of_the_online_fit(tmp_path, data, capsys):
     """The online fit's starting model decides the first steps' plans: a resume under another
-    ``fit_initial_attn_scale`` is refused, naming it."""
+    ``[wlb.online] initial_attn_scale`` is refused, naming it."""
     online = ["--wlb.cost_model", "online"]
     _checkpoint(tmp_path, data, *online)
-    changed = _args(tmp_path, data, *online, "--wlb.fit_initial_attn_scale", "1.0")
-    _fails(capsys, changed, "resume refused: ", "[wlb] fit_initial_attn_scale was 1.5")
+    changed = _args(tmp_path, data, *online, "--wlb.online.initial_attn_scale", "1.0")
+    _fails(capsys, changed, "resume refused: ", "[wlb.online] initial_attn_scale was 1.5")
 
 
 def test_resume_refuses_another_dataset(tmp_path, data, capsys):

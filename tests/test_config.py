@@ -1,6 +1,7 @@
 """Config validation: the [wlb] section, start-up layout checks, and the CLI's clean errors."""
 
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -8,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from torchtitan.config import ConfigManager
 
-from torchtitan_wlb.config import WLB, ConfigError
-from torchtitan_wlb.validate import check_job_config
+from torchtitan_wlb.config import WLB, Advanced, ConfigError, OnlineCostModel
+from torchtitan_wlb.validate import check_job_config, parse_job_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEBUG_CPU = os.path.join(ROOT, "train_configs", "debug_cpu.toml")
@@ -30,32 +31,54 @@ def test_defaults_and_mode_presets():
     assert cfg.wlb.packing == "fixed_greedy"
 
 
+def _wlb(online=None, advanced=None, **top):
+    """``WLB(**top)`` with ``[wlb.online]`` and ``[wlb.advanced]`` set from dicts, as from TOML."""
+    return WLB(**top, online=OnlineCostModel(**online or {}), advanced=Advanced(**advanced or {}))
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"packing": "magic"}, r"packing = 'magic' is not accepted; use one of 'original'"),
-        ({"cp_sharding": "ring"}, "cp_sharding = 'ring' is not accepted"),
-        ({"mode": "fast"}, "mode = 'fast' is not accepted"),
-        ({"max_delay_steps": 0}, "max_delay_steps = 0 is out of range; it must be > 0"),
-        ({"max_doc_len": -1}, "max_doc_len = -1 is out of range"),
-        ({"cp_hybrid_max_len": -5}, "cp_hybrid_max_len = -5 is out of range; it must be >= 0"),
-        ({"cp_bandwidth_gbps": 0.0}, "cp_bandwidth_gbps = 0.0 is out of range; it must be > 0"),
+        ({"packing": "magic"}, "[wlb] packing = 'magic' is not accepted; use one of 'original'"),
+        ({"cp_sharding": "ring"}, "[wlb] cp_sharding = 'ring' is not accepted"),
+        ({"mode": "fast"}, "[wlb] mode = 'fast' is not accepted"),
+        ({"max_delay_steps": 0}, "[wlb] max_delay_steps = 0 is out of range; it must be > 0"),
+        ({"advanced": {"max_doc_len": -1}}, "[wlb.advanced] max_doc_len = -1 is out of range"),
+        ({"advanced": {"cp_hybrid_max_len": -5}},
+         "[wlb.advanced] cp_hybrid_max_len = -5 is out of range; it must be >= 0"),
+        ({"advanced": {"cp_bandwidth_gbps": 0.0}},
+         "[wlb.advanced] cp_bandwidth_gbps = 0.0 is out of range; it must be > 0"),
         ({"queue_thresholds": [8, 4]}, "must be positive and strictly increasing"),
         ({"cost_model": "coefficients"}, "needs attn_coef > 0 and linear_coef > 0"),
         ({"cost_model": "profile"}, "needs cost_profile"),
-        ({"fit_holdout_steps": 8}, "fit_holdout_steps = 8 must be >= 1 and less than"),
-        ({"fit_apply_lag_steps": 0}, "fit_apply_lag_steps = 0 is out of range"),
-        ({"fit_initial_attn_scale": 0.0}, "fit_initial_attn_scale = 0.0 is out of range"),
-        ({"fit_initial_attn_scale": float("inf")}, "fit_initial_attn_scale = inf must be a finite"),
-        ({"fit_initial_attn_scale": float("nan")}, "fit_initial_attn_scale = nan must be a finite"),
-        ({"delay_target": float("nan")}, "delay_target = nan must be a finite number > 0"),
-        ({"cp_bandwidth_gbps": float("inf")}, "cp_bandwidth_gbps = inf must be a finite number"),
-        ({"loader": "hf"}, "loader = 'hf' is not accepted"),
+        ({"online": {"holdout_steps": 8}},
+         "[wlb.online] holdout_steps = 8 must be >= 1 and less than"),
+        ({"online": {"apply_lag_steps": 0}}, "[wlb.online] apply_lag_steps = 0 is out of range"),
+        ({"online": {"initial_attn_scale": 0.0}},
+         "[wlb.online] initial_attn_scale = 0.0 is out of range"),
+        ({"online": {"initial_attn_scale": float("inf")}},
+         "[wlb.online] initial_attn_scale = inf must be a finite"),
+        ({"online": {"initial_attn_scale": float("nan")}},
+         "[wlb.online] initial_attn_scale = nan must be a finite"),
+        ({"advanced": {"delay_target": float("nan")}},
+         "[wlb.advanced] delay_target = nan must be a finite number > 0"),
+        ({"advanced": {"cp_bandwidth_gbps": float("inf")}},
+         "[wlb.advanced] cp_bandwidth_gbps = inf must be a finite number"),
+        ({"advanced": {"loader": "hf"}}, "[wlb.advanced] loader = 'hf' is not accepted"),
+        ({"max_delay_steps": 40},
+         "[wlb.advanced] adaptive_max_delay_steps = 32 must be >= [wlb] max_delay_steps = 40"),
     ],
-)
+)  # fmt: skip
 def test_bad_wlb_values_name_the_field(kwargs, match):
-    with pytest.raises(ConfigError, match=match):
-        WLB(**kwargs)
+    with pytest.raises(ConfigError, match=re.escape(match)):
+        _wlb(**kwargs)
+
+
+def test_nested_tables_must_be_tables():
+    with pytest.raises(ConfigError, match=re.escape("[wlb] online = 5 is int; it must be a table")):
+        WLB(online=5)
+    with pytest.raises(ConfigError, match=re.escape("it must be a table, [wlb.advanced]")):
+        WLB(advanced=OnlineCostModel())
 
 
 def test_unknown_wlb_field_is_rejected(tmp_path):
@@ -103,7 +126,9 @@ def test_layout_checks():
         )
     with pytest.raises(ConfigError, match="needs document boundaries"):
         check_job_config(
-            _parse("--parallelism.context_parallel_degree", "2", "--wlb.loader", "torchtitan"),
+            _parse(
+                "--parallelism.context_parallel_degree", "2", "--wlb.advanced.loader", "torchtitan"
+            ),
             world_size=2,
         )
 
@@ -167,14 +192,12 @@ def test_configuration_reference_is_up_to_date():
 def test_choice_fields_are_literals_of_the_registries():
     """The [wlb] choice fields are typed Literal with exactly the registries' names, so the
     config, the packers, the CP planner and the attention backends cannot drift apart."""
-    import dataclasses
-
     from torchtitan_wlb.attention import BACKENDS
-    from torchtitan_wlb.config import MODE_PRESETS, choice_values
+    from torchtitan_wlb.config import MODE_PRESETS, TABLES, choice_values, settings
     from torchtitan_wlb.cp.adaptive import STRATEGIES
     from torchtitan_wlb.packing import PACKERS
 
-    types = {f.name: f.type for f in dataclasses.fields(WLB)}
+    types = {f.name: f.type for table in TABLES for f in settings(table)}
     assert choice_values(types["packing"]) == tuple(PACKERS)
     assert choice_values(types["cp_sharding"]) == tuple(STRATEGIES)
     assert choice_values(types["attention_backend"]) == tuple(BACKENDS)
@@ -185,27 +208,33 @@ def test_choice_fields_are_literals_of_the_registries():
 
 
 def test_packing_config_from_job_maps_every_knob():
-    """The loader's PackingConfig carries every [wlb] packing knob, and PackingConfig's defaults
-    are the [wlb] defaults (the tools and the simulator rely on them)."""
+    """The loader's PackingConfig carries every [wlb] packing knob by the same name, and
+    PackingConfig's defaults are the [wlb] defaults (the tools and the simulator rely on them)."""
     import dataclasses
     from types import SimpleNamespace
 
-    from torchtitan_wlb.data.dataloader import WLB_KNOBS, packing_config_from_job
+    from torchtitan_wlb.data.dataloader import PACKING_KNOBS, packing_config_from_job
     from torchtitan_wlb.packing import PackingConfig
 
     defaults = {f.name: f.default for f in dataclasses.fields(PackingConfig)}
-    for src, dst in WLB_KNOBS.items():
-        assert getattr(WLB(), src) == defaults[dst], (src, dst)
-    wlb = WLB(
-        max_delay_steps=5,
+    assert WLB().max_delay_steps == defaults["max_delay_steps"]
+    # All but the solver's node limit, which training sets and the one-process tools leave off.
+    assert defaults["solver_node_limit"] is None
+    for name in {*PACKING_KNOBS, "solver_time_limit_s"} - {"solver_node_limit"}:
+        assert getattr(Advanced(), name) == defaults[name], name
+    knobs = dict(
         adaptive_max_delay_steps=9,
         delay_target=0.4,
         balance_target=1.02,
         release_slack=0.5,
+        read_ahead_steps=3,
         packing_window=3,
+        solver_node_limit=50,
         solver_time_limit_s=2.0,
-        micro_batch_max_len=100,
-        queue_thresholds=[20, 40],
+    )
+    assert set(knobs) == {*PACKING_KNOBS, "solver_time_limit_s"}
+    wlb = _wlb(
+        max_delay_steps=5, micro_batch_max_len=100, queue_thresholds=[20, 40], advanced=knobs
     )
     job = SimpleNamespace(wlb=wlb, training=SimpleNamespace(seq_len=80))
     cfg = packing_config_from_job(job, 4)
@@ -215,11 +244,45 @@ def test_packing_config_from_job_maps_every_knob():
         100,
         (20, 40),
     )
-    for src, dst in WLB_KNOBS.items():
-        assert getattr(cfg, dst) == getattr(wlb, src)
-    # The solver's limits: training's deterministic node limit and its time safety net.
-    assert (cfg.solver_time_limit, cfg.solver_node_limit) == (2.0, wlb.solver_node_limit)
+    assert cfg.max_delay_steps == 5
+    for name, value in knobs.items():
+        assert getattr(cfg, name) == value, name
     # The fixed-length packers cap at the context length: S_max is not theirs to set.
     wlb_fixed = WLB(packing="fixed_greedy", micro_batch_max_len=100)
     fixed = packing_config_from_job(SimpleNamespace(wlb=wlb_fixed, training=job.training), 4)
     assert fixed.smax is None and fixed.queue_thresholds is None
+
+
+def test_nested_tables_from_toml_and_the_command_line(tmp_path):
+    """TorchTitan's ConfigManager reads the [wlb.online] and [wlb.advanced] TOML tables into the
+    nested dataclasses, checked, and ``--wlb.online.<field>`` / ``--wlb.advanced.<field>``
+    override them; the online fit's schedule takes [wlb.online] by the same names."""
+    toml = tmp_path / "nested.toml"
+    with open(DEBUG_CPU) as f:  # debug_cpu.toml ends in its [wlb.advanced] table
+        text = f.read() + "release_slack = 0.5\nmetrics_jsonl = true\n"
+    toml.write_text(text + "\n[wlb.online]\nwindow_steps = 6\ninitial_attn_scale = 2\n")
+    wlb = ConfigManager().parse_args(["--job.config_file", str(toml)]).wlb
+    assert isinstance(wlb.online, OnlineCostModel) and isinstance(wlb.advanced, Advanced)
+    assert (wlb.mode, wlb.max_delay_steps) == ("wlb", 12)
+    advanced = wlb.advanced
+    assert (advanced.attention_backend, advanced.release_slack, advanced.metrics_jsonl) == (
+        "auto",
+        0.5,
+        True,
+    )
+    assert (wlb.online.window_steps, wlb.online.holdout_steps) == (6, 2)
+    assert wlb.online.initial_attn_scale == 2.0 and type(wlb.online.initial_attn_scale) is float
+    cli = ["--wlb.advanced.release_slack", "0.125", "--wlb.advanced.no-metrics_jsonl"]
+    cli += ["--wlb.online.window_steps", "4", "--wlb.online.holdout_steps", "3"]
+    wlb = ConfigManager().parse_args(["--job.config_file", str(toml), *cli]).wlb
+    assert (wlb.advanced.release_slack, wlb.advanced.metrics_jsonl) == (0.125, False)
+    assert wlb.advanced.attention_backend == "auto"  # the TOML's, kept
+    assert (wlb.online.window_steps, wlb.online.holdout_steps) == (4, 3)
+    assert wlb.online.initial_attn_scale == 2.0
+    fit = wlb.online_fit_config()
+    assert (fit.warmup_steps, fit.window_steps, fit.holdout_steps) == (2, 4, 3)
+    assert (fit.interval_steps, fit.apply_lag_steps) == (4, 2)
+    # A bad value from the command line is named by its table, as from TOML.
+    bad = ["--job.config_file", str(toml), "--wlb.online.holdout_steps", "6"]
+    with pytest.raises(ConfigError, match=re.escape("[wlb.online] holdout_steps = 6 must be")):
+        parse_job_config(bad)

@@ -310,7 +310,7 @@ def test_dp2_run_with_one_epoch_ends_by_itself_with_every_document_once(tmp_path
         "--training.seq_len", "256", "--wlb.micro_batch_max_len", "320",
         "--training.global_batch_size", "4", "--training.steps", "1000",
         "--training.dataset", "jsonl", "--training.dataset_path", str(data),
-        "--wlb.epochs", "1", "--wlb.metrics_jsonl", "--checkpoint.no-enable",
+        "--wlb.epochs", "1", "--wlb.advanced.metrics_jsonl", "--checkpoint.no-enable",
         "--metrics.disable_color_printing",
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 COMMON = [
     "--job.config_file", DEBUG_CPU, "--model.flavor", "tiny", "--training.seq_len", "128",
     "--wlb.micro_batch_max_len", "160", "--training.global_batch_size", "4",
-    "--wlb.metrics_jsonl", "--metrics.disable_color_printing", "--checkpoint.enable",
+    "--wlb.advanced.metrics_jsonl", "--metrics.disable_color_printing", "--checkpoint.enable",
     "--checkpoint.interval", "1000", "--checkpoint.no-last-save-model-only", "--debug.seed", "7",
 ]  # fmt: skip
 

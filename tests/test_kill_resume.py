@@ -64,7 +64,7 @@ def _start(dump, dataset, layout, kill=None):
         "--wlb.micro_batch_max_len", "160", "--training.global_batch_size", "4",
         "--training.dataset", "jsonl", "--training.dataset_path", str(dataset),
         "--wlb.epochs", "1", "--training.steps", "1000", "--checkpoint.interval", "2",
-        "--checkpoint.keep_latest_k", "0", "--wlb.metrics_jsonl",
+        "--checkpoint.keep_latest_k", "0", "--wlb.advanced.metrics_jsonl",
         "--metrics.disable_color_printing", "--debug.seed", "7", "--job.dump_folder", str(dump),
         *LAYOUTS[layout],
     ]  # fmt: skip

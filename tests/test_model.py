@@ -8,7 +8,7 @@ import torch
 from test_catalogue import ffn_hidden_dim
 
 from torchtitan_wlb.attention.metadata import metadata_from_doc_lens
-from torchtitan_wlb.config import WLB
+from torchtitan_wlb.config import WLB, OnlineCostModel
 from torchtitan_wlb.data.collate import collate_micro_batch
 from torchtitan_wlb.models.llama3_wlb import WLBTransformer, cost_model_for_job, llama3_wlb_args
 
@@ -146,13 +146,15 @@ def test_cost_model_follows_flavor_dims():
 @pytest.mark.parametrize("scale", [1.0, 1.5, 2.25])
 def test_online_starts_from_the_analytic_model_with_attention_priced_up(scale):
     """ "online" starts from the FLOP model with its attention coefficient times
-    ``fit_initial_attn_scale``; the linear one and the other cost models are left as they are."""
+    ``[wlb.online] initial_attn_scale``; the linear one and the other cost models are left as they
+    are."""
     cfg = _Cfg()
     cfg.model = type("M", (), {"flavor": "tiny"})()
     cfg.parallelism = type("P", (), {"tensor_parallel_degree": 1, "context_parallel_degree": 2})()
-    cfg.wlb = WLB(cost_model="analytic", fit_initial_attn_scale=scale)
+    online_table = OnlineCostModel(initial_attn_scale=scale)
+    cfg.wlb = WLB(cost_model="analytic", online=online_table)
     flops = cost_model_for_job(cfg)
-    cfg.wlb = WLB(cost_model="online", fit_initial_attn_scale=scale)
+    cfg.wlb = WLB(cost_model="online", online=online_table)
     online = cost_model_for_job(cfg)
     assert online.attn_coef == pytest.approx(scale * flops.attn_coef, rel=1e-12)
     assert online.linear_coef == flops.linear_coef and online.unit == flops.unit == "flops"

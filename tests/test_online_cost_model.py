@@ -32,10 +32,11 @@ def _train(dump, *extra, steps=6, nproc=2):
         "--job.config_file", DEBUG_CPU, "--job.dump_folder", str(dump), "--model.flavor", "tiny",
         "--training.seq_len", "256", "--wlb.micro_batch_max_len", "320",
         "--training.global_batch_size", "4", "--training.steps", str(steps),
-        "--checkpoint.interval", "2", "--wlb.metrics_jsonl", "--metrics.disable_color_printing",
-        "--wlb.cost_model", "online", "--wlb.fit_warmup_steps", "1", "--wlb.fit_window_steps",
-        "3", "--wlb.fit_holdout_steps", "1", "--wlb.fit_interval_steps", "2",
-        "--wlb.fit_apply_lag_steps", "2", *extra,
+        "--checkpoint.interval", "2", "--wlb.advanced.metrics_jsonl",
+        "--metrics.disable_color_printing", "--wlb.cost_model", "online",
+        "--wlb.online.warmup_steps", "1", "--wlb.online.window_steps", "3",
+        "--wlb.online.holdout_steps", "1", "--wlb.online.interval_steps", "2",
+        "--wlb.online.apply_lag_steps", "2", *extra,
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
@@ -119,7 +120,7 @@ def test_online_refit_under_context_parallelism_chooses_the_cp_plans(tmp_path):
     write_jsonl(np.random.default_rng(0).integers(10, 150, 600), data, seed=0)
     cp = {"hybrid_max_len": 64, "bandwidth_gbps": 1e-3}
     args = ("--parallelism.context_parallel_degree", "2", "--wlb.cp_sharding", "adaptive",
-            "--wlb.cp_hybrid_max_len", "64", "--wlb.cp_bandwidth_gbps", "0.001",
+            "--wlb.advanced.cp_hybrid_max_len", "64", "--wlb.advanced.cp_bandwidth_gbps", "0.001",
             "--training.dataset", "jsonl", "--training.dataset_path", str(data),
             "--checkpoint.no-enable", "--synthetic-gather-cost")  # fmt: skip
     # Seven steps: one of steps 6-7 may release a group of outliers, one a micro-batch (where

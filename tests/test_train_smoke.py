@@ -21,8 +21,8 @@ def _train(dump, *overrides, nproc=2):
         sys.executable, LAUNCH, f"--nproc_per_node={nproc}", "--job.config_file", DEBUG_CPU,
         "--job.dump_folder", str(dump), "--model.flavor", "tiny", "--training.seq_len", "256",
         "--wlb.micro_batch_max_len", "320", "--training.global_batch_size", "4",
-        "--checkpoint.interval", "2", "--wlb.metrics_jsonl", "--metrics.disable_color_printing",
-        *overrides,
+        "--checkpoint.interval", "2", "--wlb.advanced.metrics_jsonl",
+        "--metrics.disable_color_printing", *overrides,
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -1,9 +1,10 @@
-"""The ``[wlb]`` TOML section (``[job] custom_config_module``), checked in ``__post_init__``; its
-field docs are docs/configuration.md. No ``from __future__ import annotations``: tyro reads them."""
+"""The ``[wlb]`` TOML section (``[job] custom_config_module``) and its two tables, ``[wlb.online]``
+and ``[wlb.advanced]``, checked in ``__post_init__``; their field docs are docs/configuration.md.
+No ``from __future__ import annotations``: tyro and TorchTitan's TOML loader read them."""
 
 import math
-from dataclasses import dataclass, field, fields
-from typing import Annotated, Any, Literal, get_args, get_origin
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Annotated, Any, ClassVar, Literal, get_args, get_origin
 
 import tyro
 
@@ -57,9 +58,10 @@ class ConfigError(ValueError):
 _TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
 
-def _check_type(name: str, value: Any, annotation: Any) -> Any:
+def _check_type(where: str, value: Any, annotation: Any) -> Any:
     """``value`` as the field's type (TorchTitan passes TOML values unchecked), or a ConfigError
-    naming the field and the type; integers pass for floats, booleans only for booleans."""
+    naming the field (``where``: "[wlb] name") and the type; integers pass for floats, booleans
+    only for booleans, and a nested table only as its dataclass."""
     if choice_values(annotation):
         annotation = str
     if get_origin(annotation) is list:
@@ -67,51 +69,105 @@ def _check_type(name: str, value: Any, annotation: Any) -> Any:
             isinstance(v, int) and not isinstance(v, bool) for v in value
         ):
             return list(value)
-        raise ConfigError(f"[wlb] {name} = {value!r} must be a list of integers, e.g. [1024, 4096]")
+        raise ConfigError(f"{where} = {value!r} must be a list of integers, e.g. [1024, 4096]")
     ok = isinstance(value, annotation) and (annotation is bool or not isinstance(value, bool))
     if annotation is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if not ok:
-        raise ConfigError(
-            f"[wlb] {name} = {value!r} is {type(value).__name__}; it must be "
-            f"{_TYPE_NAMES.get(annotation, annotation)}"
-        )
+        expected = _TYPE_NAMES.get(annotation) or f"a table, [{annotation.TOML_TABLE}]"
+        raise ConfigError(f"{where} = {value!r} is {type(value).__name__}; it must be {expected}")
     return value
 
 
 # The numeric fields' lower bounds: inclusive (">=") or exclusive (">"), with a note on why.
 _LOWEST: dict[str, tuple[str, float, str]] = {
     **dict.fromkeys(("epochs", "max_doc_len", "cp_hybrid_max_len", "micro_batch_max_len",
-                     "release_slack", "attn_coef", "linear_coef", "fit_warmup_steps"),
+                     "release_slack", "attn_coef", "linear_coef", "warmup_steps"),
                     (">=", 0, "")),
     **dict.fromkeys(("max_delay_steps", "delay_target", "packing_window", "solver_node_limit",
-                     "solver_time_limit_s", "cp_bandwidth_gbps", "fit_interval_steps",
-                     "fit_apply_lag_steps", "read_ahead_steps", "fit_initial_attn_scale"),
+                     "solver_time_limit_s", "cp_bandwidth_gbps", "interval_steps",
+                     "apply_lag_steps", "read_ahead_steps", "initial_attn_scale"),
                     (">", 0, "")),
     "balance_target": (">=", 1.0, ""),
-    "fit_window_steps": (">=", 2, " (at least one step fitted and one held out)"),
+    "window_steps": (">=", 2, " (at least one step fitted and one held out)"),
 }  # fmt: skip
 
 
+def _check_fields(config: Any) -> None:
+    """Check the fields of one table (a dataclass with ``TOML_TABLE``) in declaration order: each
+    one's type and, for a choice, its value; then the lower bounds of :data:`_LOWEST`."""
+    table = config.TOML_TABLE
+    for f in fields(config):
+        value = _check_type(f"[{table}] {f.name}", getattr(config, f.name), f.type)
+        setattr(config, f.name, value)
+        accepted = choice_values(f.type)
+        if accepted and value not in accepted:
+            shown = ", ".join(repr(a) for a in accepted)
+            raise ConfigError(f"[{table}] {f.name} = {value!r} is not accepted; use one of {shown}")
+    for f in fields(config):
+        if f.name not in _LOWEST:
+            continue
+        (op, low, note), value = _LOWEST[f.name], getattr(config, f.name)
+        if not math.isfinite(value):  # TOML has nan and inf; no range check catches nan
+            raise ConfigError(
+                f"[{table}] {f.name} = {value!r} must be a finite number {op} {low}{note}"
+            )
+        if value < low or (value == low and op == ">"):
+            raise ConfigError(
+                f"[{table}] {f.name} = {value!r} is out of range; it must be {op} {low}{note}"
+            )
+
+
 @dataclass
-class WLB:
-    """Workload-balanced packing, per-document context parallelism and the document pipeline."""
+class OnlineCostModel:
+    """``[wlb.online]``: when the "online" cost model refits and when a refit takes effect, all in
+    optimizer steps (the fields of :class:`~torchtitan_wlb.cost_fit.OnlineFitConfig`, by the same
+    names and defaults), and the model it starts from."""
 
-    mode: Mode = ""
-    """Preset of the paper's configurations, overriding `packing` and `cp_sharding`: "plain_4d"
-    (original + per_sequence), "fixed_4d" (fixed_greedy + per_document), "wlb" (wlb + adaptive)."""
+    TOML_TABLE: ClassVar[str] = "wlb.online"
 
-    packing: Packing = "wlb"
-    """How documents become micro-batches: "original" (TorchTitan-style sequential fill of
-    fixed-length sequences), "fixed_greedy", "solver", "wlb" or "wlb_paper"."""
+    warmup_steps: int = OnlineFitConfig.warmup_steps
+    """The first steps' times are not used (allocator and kernel warm-up)."""
 
-    cp_sharding: CPSharding = "adaptive"
-    """How a micro-batch is split over the CP group: "per_sequence", "per_document", "hybrid"
-    (documents up to `cp_hybrid_max_len` whole on one rank, longer ones split), "adaptive"."""
+    window_steps: int = OnlineFitConfig.window_steps
+    """A refit uses the micro-batches of the last this many steps (fewer before that many have
+    run since the warm-up)."""
 
-    cp_hybrid_max_len: int = 0
-    """"hybrid": the longest document kept whole on one CP rank, in tokens; 0 chooses it per
-    micro-batch, balanced with the least K/V gathered (docs/context_parallel.md)."""
+    holdout_steps: int = OnlineFitConfig.holdout_steps
+    """The window's newest steps, held out; a refit is adopted only if it predicts them better
+    than the model in use. In [1, window_steps)."""
+
+    interval_steps: int = OnlineFitConfig.interval_steps
+    """Steps between refits, counted from the first adopted one. The first comes once the
+    window's fitted steps hold 8 micro-batch rows per coefficient (32 under CP, else 24), at the
+    latest after warmup_steps + window_steps; until one is adopted, every step tries again."""
+
+    apply_lag_steps: int = OnlineFitConfig.apply_lag_steps
+    """A refit decided after step s packs step s + this onwards (>= 1), the same step on every DP
+    rank and after a resume. 2 packs step s + 2 while step s + 1 trains; 1 puts packing on the
+    critical path."""
+
+    initial_attn_scale: float = 1.5
+    """Without `[wlb] cost_profile`: until a refit is adopted, the analytic model prices attention
+    at this multiple of its FLOPs. Attention kernels run below the matmuls' throughput: fits
+    measured 1.3-1.8 times the FLOP ratio on the CPU and an H100 (docs/cost_model.md, "The starting
+    model"); 1.0: the FLOP count as is."""
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        if not 1 <= self.holdout_steps < self.window_steps:
+            raise ConfigError(
+                f"[wlb.online] holdout_steps = {self.holdout_steps} must be >= 1 and less than "
+                f"window_steps = {self.window_steps} (the rest of the window is fitted)"
+            )
+
+
+@dataclass
+class Advanced:
+    """``[wlb.advanced]``: the settings a run rarely changes: the packers' and the CP planner's
+    tuning knobs (docs/tuning.md), the attention kernel, the loader and the metrics log."""
+
+    TOML_TABLE: ClassVar[str] = "wlb.advanced"
 
     attention_backend: AttentionBackend = "auto"
     """Document-masked attention kernel: "auto", "cpu", "flash" (flash-attn varlen, CUDA),
@@ -121,27 +177,25 @@ class WLB:
     """Restart RoPE positions at 0 at every document (False: positions run over the packed
     sequence, as in TorchTitan)."""
 
-    long_doc_policy: LongDocPolicy = "split"
-    """A document longer than `max_doc_len`: "split" into consecutive pieces (no token lost),
-    "truncate" (keep the head, count the dropped tokens in the log), "error" (stop)."""
-
     max_doc_len: int = 0
-    """Longest document piece in tokens; 0 means `training.seq_len`."""
+    """Longest document piece in tokens; 0 means `training.seq_len`. Longer documents follow
+    `[wlb] long_doc_policy`."""
 
-    micro_batch_max_len: int = 0
-    """S_max, the token cap of a "wlb" / "wlb_paper" micro-batch (from activation memory); 0 means
-    1.25 x `training.seq_len`, else >= it. The fixed-length packers cap at `training.seq_len`."""
+    loader: Loader = "documents"
+    """ "documents": the WLB document pipeline (boundaries reach the model). "torchtitan":
+    TorchTitan's own concatenate-and-chop loader, unchanged (no document masking)."""
 
-    queue_thresholds: list[int] = field(default_factory=list)
-    """Outlier queue thresholds L_1 < ... < L_n in tokens ("wlb", "wlb_paper"). Empty: derived
-    from the cost model (docs/packing.md); `tools.pack_bench --tune` tunes them on a sample."""
+    cp_hybrid_max_len: int = 0
+    """`[wlb] cp_sharding` = "hybrid": the longest document kept whole on one CP rank, in tokens; 0
+    chooses it per micro-batch, balanced with the least K/V gathered (docs/context_parallel.md)."""
 
-    max_delay_steps: int = 12
-    """K: an outlier waits at most this many optimizer steps before it is forced out ("wlb" raises
-    it up to `adaptive_max_delay_steps` while the token-weighted delay is under `delay_target`)."""
+    cp_bandwidth_gbps: float = DEFAULT_CP_BANDWIDTH_GBPS
+    """"adaptive": per-GPU bandwidth of the CP collectives in GB/s, pricing each sharding's K/V
+    gather. 50: a CP group across nodes; 200-400 inside one NVLink node; a few for gloo on CPU."""
 
     adaptive_max_delay_steps: int = 32
-    """Upper bound of the adaptive K ("wlb"); equal to `max_delay_steps` disables adaptation."""
+    """Upper bound of the adaptive K ("wlb"); equal to `[wlb] max_delay_steps` disables
+    adaptation."""
 
     delay_target: float = 0.38
     """Token-weighted mean delay, in steps, that the adaptive K steers towards ("wlb"); a whole
@@ -172,37 +226,51 @@ class WLB:
     """"solver": safety net per packing window, in seconds; reaching it before
     `solver_node_limit` stops the run (a plan cut by time depends on the machine's load)."""
 
+    metrics_jsonl: bool = False
+    """Also write every logged step's metrics, per rank and at full precision, to
+    <dump_folder>/wlb_metrics/rank_<rank>.jsonl."""
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+
+
+@dataclass
+class WLB:
+    """Workload-balanced packing, per-document context parallelism and the document pipeline: the
+    settings a run chooses, then the ``[wlb.online]`` and ``[wlb.advanced]`` tables."""
+
+    TOML_TABLE: ClassVar[str] = "wlb"
+
+    mode: Mode = ""
+    """Preset of the paper's configurations, overriding `packing` and `cp_sharding`: "plain_4d"
+    (original + per_sequence), "fixed_4d" (fixed_greedy + per_document), "wlb" (wlb + adaptive)."""
+
+    packing: Packing = "wlb"
+    """How documents become micro-batches: "original" (TorchTitan-style sequential fill of
+    fixed-length sequences), "fixed_greedy", "solver", "wlb" or "wlb_paper"."""
+
+    cp_sharding: CPSharding = "adaptive"
+    """How a micro-batch is split over the CP group: "per_sequence", "per_document", "hybrid"
+    (documents up to `[wlb.advanced] cp_hybrid_max_len` whole on one rank, longer ones split),
+    "adaptive"."""
+
+    micro_batch_max_len: int = 0
+    """S_max, the token cap of a "wlb" / "wlb_paper" micro-batch (from activation memory); 0 means
+    1.25 x `training.seq_len`, else >= it. The fixed-length packers cap at `training.seq_len`."""
+
+    queue_thresholds: list[int] = field(default_factory=list)
+    """Outlier queue thresholds L_1 < ... < L_n in tokens ("wlb", "wlb_paper"). Empty: derived
+    from the cost model (docs/packing.md); `tools.pack_bench --tune` tunes them on a sample."""
+
+    max_delay_steps: int = 12
+    """K: an outlier waits at most this many optimizer steps before it is forced out ("wlb" raises
+    it up to `[wlb.advanced] adaptive_max_delay_steps` while the token-weighted delay is under
+    `[wlb.advanced] delay_target`)."""
+
     cost_model: CostModelKind = "analytic"
     """Workload model W(d): "analytic" (model FLOPs), "coefficients" (`attn_coef`, `linear_coef`),
-    "profile" (JSON at `cost_profile`), "online" (refitted while training: docs/cost_model.md)."""
-
-    fit_warmup_steps: int = 2
-    """"online": the first steps' times are not used (allocator and kernel warm-up)."""
-
-    fit_window_steps: int = 8
-    """"online": a refit uses the micro-batches of the last this many steps (fewer before that
-    many have run since the warm-up)."""
-
-    fit_holdout_steps: int = 2
-    """"online": the window's newest steps, held out; a refit is adopted only if it predicts them
-    better than the model in use. In [1, fit_window_steps)."""
-
-    fit_interval_steps: int = 4
-    """"online": steps between refits, counted from the first adopted one. The first comes once
-    the window's fitted steps hold 8 micro-batch rows per coefficient (32 under CP, else 24), at
-    the latest after fit_warmup_steps + fit_window_steps; until one is adopted, every step tries
-    again."""
-
-    fit_apply_lag_steps: int = 2
-    """"online": a refit decided after step s packs step s + this onwards (>= 1), the same step on
-    every DP rank and after a resume. 2 packs step s + 2 while step s + 1 trains; 1 puts packing
-    on the critical path."""
-
-    fit_initial_attn_scale: float = 1.5
-    """"online" without `cost_profile`: until a refit is adopted, the analytic model prices
-    attention at this multiple of its FLOPs. Attention kernels run below the matmuls' throughput:
-    fits measured 1.3-1.8 times the FLOP ratio on the CPU and an H100 (docs/cost_model.md, "The
-    starting model"); 1.0: the FLOP count as is."""
+    "profile" (JSON at `cost_profile`), "online" (refitted while training, on the schedule of
+    `[wlb.online]`: docs/cost_model.md)."""
 
     attn_coef: float = 0.0
     """W_a(d) = attn_coef * d^2 when cost_model = "coefficients"."""
@@ -217,48 +285,35 @@ class WLB:
     """Attention throughput profile for adaptive CP sharding; empty: the shipped table of this GPU
     (``cp/profiles/*.json`` by device name, then family), else the packaged CPU table."""
 
-    cp_bandwidth_gbps: float = DEFAULT_CP_BANDWIDTH_GBPS
-    """"adaptive": per-GPU bandwidth of the CP collectives in GB/s, pricing each sharding's K/V
-    gather. 50: a CP group across nodes; 200-400 inside one NVLink node; a few for gloo on CPU."""
-
     text_field: str = "text"
     """Field holding the document text in jsonl / parquet / Hugging Face datasets."""
 
-    loader: Loader = "documents"
-    """ "documents": the WLB document pipeline (boundaries reach the model). "torchtitan":
-    TorchTitan's own concatenate-and-chop loader, unchanged (no document masking)."""
+    long_doc_policy: LongDocPolicy = "split"
+    """A document longer than `[wlb.advanced] max_doc_len`: "split" into consecutive pieces (no
+    token lost), "truncate" (keep the head, count the dropped tokens in the log), "error" (stop)."""
 
     epochs: int = 0
     """Passes over the dataset; 0 repeats forever. With n > 0 the packing queues are flushed at the
     end of the data and the run stops when it runs out."""
 
-    metrics_jsonl: bool = False
-    """Also write every logged step's metrics, per rank and at full precision, to
-    <dump_folder>/wlb_metrics/rank_<rank>.jsonl."""
+    online: OnlineCostModel = field(default_factory=OnlineCostModel)
+    """The `[wlb.online]` table, read when cost_model = "online": when the cost model refits and
+    when a refit takes effect, in optimizer steps, and the model it starts from
+    (docs/cost_model.md)."""
+
+    advanced: Advanced = field(default_factory=Advanced)
+    """The `[wlb.advanced]` table, the settings a run rarely changes: the packers' and the CP
+    planner's tuning knobs (docs/tuning.md), the attention kernel, the loader and the metrics
+    log."""
 
     def __post_init__(self) -> None:
-        for f in fields(self):  # in declaration order: the type, then a choice field's values
-            value = _check_type(f.name, getattr(self, f.name), f.type)
-            setattr(self, f.name, value)
-            accepted = choice_values(f.type)
-            if accepted and value not in accepted:
-                shown = ", ".join(repr(a) for a in accepted)
-                raise ConfigError(f"[wlb] {f.name} = {value!r} is not accepted; use one of {shown}")
+        _check_fields(self)
         if self.mode:
             self.packing, self.cp_sharding = MODE_PRESETS[self.mode]
-        for name, (op, low, note) in _LOWEST.items():
-            value = getattr(self, name)
-            if not math.isfinite(value):  # TOML has nan and inf; no range check catches nan
-                raise ConfigError(
-                    f"[wlb] {name} = {value!r} must be a finite number {op} {low}{note}"
-                )
-            if value < low or (value == low and op == ">"):
-                raise ConfigError(
-                    f"[wlb] {name} = {value!r} is out of range; it must be {op} {low}{note}"
-                )
-        if self.adaptive_max_delay_steps < self.max_delay_steps:
+        adaptive = self.advanced.adaptive_max_delay_steps
+        if adaptive < self.max_delay_steps:
             raise ConfigError(
-                f"[wlb] adaptive_max_delay_steps = {self.adaptive_max_delay_steps} must be >= "
+                f"[wlb.advanced] adaptive_max_delay_steps = {adaptive} must be >= [wlb] "
                 f"max_delay_steps = {self.max_delay_steps}"
             )
         thresholds = self.queue_thresholds
@@ -273,19 +328,23 @@ class WLB:
                 f'[wlb] cost_model = "coefficients" needs attn_coef > 0 and linear_coef > 0 '
                 f"(got attn_coef = {self.attn_coef!r}, linear_coef = {self.linear_coef!r})"
             )
-        if not 1 <= self.fit_holdout_steps < self.fit_window_steps:
-            raise ConfigError(
-                f"[wlb] fit_holdout_steps = {self.fit_holdout_steps} must be >= 1 and less than "
-                f"fit_window_steps = {self.fit_window_steps} (the rest of the window is fitted)"
-            )
         if self.cost_model == "profile" and not self.cost_profile:
             raise ConfigError('[wlb] cost_model = "profile" needs cost_profile = "<path.json>"')
 
     def online_fit_config(self) -> OnlineFitConfig:
-        """The online cost model's schedule: each ``fit_<name>`` field is its ``<name>``."""
+        """The online cost model's refit schedule: the ``[wlb.online]`` fields of the same names."""
         return OnlineFitConfig(
-            **{f.name: getattr(self, f"fit_{f.name}") for f in fields(OnlineFitConfig)}
+            **{f.name: getattr(self.online, f.name) for f in fields(OnlineFitConfig)}
         )
+
+
+TABLES: tuple[type, ...] = (WLB, OnlineCostModel, Advanced)
+"""The section's tables, ``[wlb]`` first; each one's settings are its :func:`settings`."""
+
+
+def settings(table: type) -> list[Any]:
+    """The fields of ``table`` that are settings, not nested tables (``online``, ``advanced``)."""
+    return [f for f in fields(table) if not is_dataclass(f.type)]
 
 
 @dataclass

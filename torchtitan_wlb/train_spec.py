@@ -27,7 +27,9 @@ TRAIN_SPEC_NAME = "llama3_wlb"
 
 def _build_dataloader(dp_world_size: int, dp_rank: int, tokenizer: Any, job_config: Any):
     """The document dataloader, balancing with the cost model of the job's model flavor."""
-    cost_model = cost_model_for_job(job_config) if job_config.wlb.loader == "documents" else None
+    cost_model = (
+        cost_model_for_job(job_config) if job_config.wlb.advanced.loader == "documents" else None
+    )
     return build_wlb_dataloader(dp_world_size, dp_rank, tokenizer, job_config, cost_model)
 
 

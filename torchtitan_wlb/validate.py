@@ -14,7 +14,7 @@ import sys
 from typing import Any
 from unittest import mock
 
-from torchtitan_wlb.config import WLB, ConfigError
+from torchtitan_wlb.config import TABLES, ConfigError, settings
 from torchtitan_wlb.data.sources import DataError, TextSource
 from torchtitan_wlb.pipeline.schedule_check import check_pp_microbatches
 from torchtitan_wlb.resume import FAKE_COMM_MODES, CheckpointError, check_resume
@@ -66,87 +66,117 @@ def check_job_config(job_config: Any, world_size: int | None = None) -> dict[str
         fake = job_config.comm.mode in FAKE_COMM_MODES
         world_size = int(os.environ.get("NGPU", "1") if fake else os.environ.get("WORLD_SIZE", "1"))
     degrees = layout_degrees(job_config, world_size)
-    wlb = getattr(job_config, "wlb", None)
-    if wlb is None:
+    if getattr(job_config, "wlb", None) is None:
         raise ConfigError(
             'the [wlb] section is missing: set [job] custom_config_module = "torchtitan_wlb.config"'
         )
-    training, seq_len = job_config.training, job_config.training.seq_len
     _check_training(job_config, degrees)
+    _check_lengths(job_config)
+    _check_cp_combinations(job_config, degrees)
+    _check_queue_thresholds(job_config)
+    _check_profiles(job_config.wlb)
+    if job_config.wlb.advanced.loader == "documents":
+        _check_document_loader(job_config, degrees)
+    elif degrees["cp"] > 1:
+        raise ConfigError(
+            f"[parallelism] context_parallel_degree = {degrees['cp']} needs document boundaries "
+            f"(every [wlb] cp_sharding plan is built from them), but [wlb.advanced] loader = "
+            '"torchtitan" provides none; use [wlb.advanced] loader = "documents"'
+        )
+    return degrees
+
+
+def _check_lengths(job_config: Any) -> None:
+    """S_max and the longest document piece against the context length."""
+    wlb, seq_len = job_config.wlb, job_config.training.seq_len
+    max_doc_len = wlb.advanced.max_doc_len
     if wlb.micro_batch_max_len and wlb.micro_batch_max_len < seq_len:
         raise ConfigError(
             f"[wlb] micro_batch_max_len = {wlb.micro_batch_max_len} is below [training] seq_len "
             f"= {seq_len}: S_max must be >= the context length (0 means seq_len)"
         )
-    if wlb.max_doc_len and wlb.max_doc_len > max(seq_len, wlb.micro_batch_max_len):
+    if max_doc_len and max_doc_len > max(seq_len, wlb.micro_batch_max_len):
         raise ConfigError(
-            f"[wlb] max_doc_len = {wlb.max_doc_len} exceeds the longest micro-batch "
+            f"[wlb.advanced] max_doc_len = {max_doc_len} exceeds the longest micro-batch "
             f"(max(seq_len, micro_batch_max_len) = {max(seq_len, wlb.micro_batch_max_len)})"
         )
-    if degrees["cp"] > 1 and job_config.compile.enable and "model" in job_config.compile.components:
-        raise ConfigError(
-            f"[compile] enable = true with components including 'model' and [parallelism] "
-            f"context_parallel_degree = {degrees['cp']}: the per-document CP attention op's "
-            "backward cannot be traced by torch.compile; disable [compile] or compile only 'loss'"
-        )
-    if degrees["cp"] > 1 and degrees["tp"] > 1 and wlb.cp_sharding == "hybrid":
-        raise ConfigError(
-            f'[wlb] cp_sharding = "hybrid" with [parallelism] tensor_parallel_degree = '
-            f"{degrees['tp']}: hybrid keeps whole documents on one CP rank, so CP ranks hold "
-            "different token counts, which sequence-parallel TP cannot split evenly; use "
-            '"per_document" (or "adaptive") with TP, or tensor_parallel_degree = 1'
-        )
-    # Outlier queues above the longest document would never hold one: a typo, not a choice.
-    longest, smax = wlb.max_doc_len or seq_len, wlb.micro_batch_max_len or int(1.25 * seq_len)
+
+
+def _check_queue_thresholds(job_config: Any) -> None:
+    """Outlier queues above the longest document would never hold one: a typo, not a choice."""
+    wlb, seq_len = job_config.wlb, job_config.training.seq_len
+    longest = wlb.advanced.max_doc_len or seq_len
+    smax = wlb.micro_batch_max_len or int(1.25 * seq_len)
     if above := [t for t in wlb.queue_thresholds if t > longest]:
         raise ConfigError(
             f"[wlb] queue_thresholds = {list(wlb.queue_thresholds)} has {above[0]} above the "
             f"longest document piece, max_doc_len = {longest} (S_max = {smax}): a queue there "
             f"would never hold a document; use thresholds <= {longest}"
         )
+
+
+def _check_cp_combinations(job_config: Any, degrees: dict[str, int]) -> None:
+    """The settings context parallelism cannot run with: a compiled model, hybrid under TP."""
+    if degrees["cp"] > 1 and job_config.compile.enable and "model" in job_config.compile.components:
+        raise ConfigError(
+            f"[compile] enable = true with components including 'model' and [parallelism] "
+            f"context_parallel_degree = {degrees['cp']}: the per-document CP attention op's "
+            "backward cannot be traced by torch.compile; disable [compile] or compile only 'loss'"
+        )
+    if degrees["cp"] > 1 and degrees["tp"] > 1 and job_config.wlb.cp_sharding == "hybrid":
+        raise ConfigError(
+            f'[wlb] cp_sharding = "hybrid" with [parallelism] tensor_parallel_degree = '
+            f"{degrees['tp']}: hybrid keeps whole documents on one CP rank, so CP ranks hold "
+            "different token counts, which sequence-parallel TP cannot split evenly; use "
+            '"per_document" (or "adaptive") with TP, or tensor_parallel_degree = 1'
+        )
+
+
+def _check_profiles(wlb: Any) -> None:
+    """The profile files the run will read exist."""
     for name in ("cost_profile", "cp_profile"):
         used = name == "cp_profile" or wlb.cost_model in ("profile", "online")
         path = getattr(wlb, name)
         if path and used and not os.path.isfile(path):
             raise ConfigError(f"[wlb] {name} = {path!r} does not exist (a JSON profile file)")
-    dp = degrees["dp_replicate"] * degrees["dp_shard"]
-    if wlb.loader == "documents":
-        # Checks the dataset kind and that its path exists (DataError names it).
-        TextSource(training.dataset, training.dataset_path or "", wlb.text_field)
-        if job_config.model.name != "llama3_wlb":
-            raise ConfigError(
-                f'[model] name = {job_config.model.name!r}: [wlb] loader = "documents" feeds '
-                'document metadata only "llama3_wlb" understands (or set [wlb] loader = "torchtitan")'
-            )
-        if training.local_batch_size != 1:
-            raise ConfigError(
-                f"[training] local_batch_size = {training.local_batch_size}: with document packing "
-                "each micro-batch is one packed sequence, so it must be 1; set the number of "
-                "micro-batches per step with [training] global_batch_size"
-            )
-        n = training.global_batch_size if training.global_batch_size > 0 else dp
-        if n % dp:
-            raise ConfigError(
-                f"[training] global_batch_size = {n} micro-batches per step is not divisible by "
-                f"the data-parallel degree {dp}"
-            )
-        if degrees["pp"] > 1:
-            try:
-                check_pp_microbatches(
-                    job_config.parallelism.pipeline_parallel_schedule, n // dp, degrees["pp"]
-                )
-            except ValueError as e:
-                raise ConfigError(
-                    f"[parallelism] pipeline_parallel_degree = {degrees['pp']} with [training] "
-                    f"global_batch_size = {n} ({n // dp} micro-batches per DP rank): {e}"
-                ) from None
-    elif degrees["cp"] > 1:
+
+
+def _check_document_loader(job_config: Any, degrees: dict[str, int]) -> None:
+    """The document pipeline's needs: a readable dataset, the ``llama3_wlb`` model, one packed
+    sequence per micro-batch, and micro-batches per step that the DP ranks and the pipeline
+    schedule divide."""
+    training = job_config.training
+    # Checks the dataset kind and that its path exists (DataError names it).
+    TextSource(training.dataset, training.dataset_path or "", job_config.wlb.text_field)
+    if job_config.model.name != "llama3_wlb":
         raise ConfigError(
-            f"[parallelism] context_parallel_degree = {degrees['cp']} needs document boundaries "
-            f'(every [wlb] cp_sharding plan is built from them), but [wlb] loader = "torchtitan" '
-            'provides none; use [wlb] loader = "documents"'
+            f'[model] name = {job_config.model.name!r}: [wlb.advanced] loader = "documents" feeds '
+            'document metadata only "llama3_wlb" understands (or set [wlb.advanced] loader = '
+            '"torchtitan")'
         )
-    return degrees
+    if training.local_batch_size != 1:
+        raise ConfigError(
+            f"[training] local_batch_size = {training.local_batch_size}: with document packing "
+            "each micro-batch is one packed sequence, so it must be 1; set the number of "
+            "micro-batches per step with [training] global_batch_size"
+        )
+    dp = degrees["dp_replicate"] * degrees["dp_shard"]
+    n = training.global_batch_size if training.global_batch_size > 0 else dp
+    if n % dp:
+        raise ConfigError(
+            f"[training] global_batch_size = {n} micro-batches per step is not divisible by "
+            f"the data-parallel degree {dp}"
+        )
+    if degrees["pp"] > 1:
+        try:
+            check_pp_microbatches(
+                job_config.parallelism.pipeline_parallel_schedule, n // dp, degrees["pp"]
+            )
+        except ValueError as e:
+            raise ConfigError(
+                f"[parallelism] pipeline_parallel_degree = {degrees['pp']} with [training] "
+                f"global_batch_size = {n} ({n // dp} micro-batches per DP rank): {e}"
+            ) from None
 
 
 def _check_training(job_config: Any, degrees: dict[str, int]) -> None:
@@ -210,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"NGPU = {ngpu!r} must be a positive integer")
         degrees = check_job_config(job_config, world_size=int(ngpu))
         fingerprint = None
-        if job_config.wlb.loader == "documents":
+        if job_config.wlb.advanced.loader == "documents":
             check_data(job_config)
             from torchtitan_wlb.models.llama3_wlb import cost_model_for_job
 
@@ -252,9 +282,10 @@ def _parser_message(text: str) -> str:
             # A [wlb] value rejected by the section's own checks is already a complete sentence.
             message = what if what.startswith("[") else f"{where}: {what}"
         elif line.startswith("Unrecognized options:"):
+            options = line.partition(":")[2]
             message = (
-                f"unrecognized options:{line.partition(':')[2]} (every field: python -m "
-                "torchtitan_wlb.train --help; [wlb] fields: docs/configuration.md)"
+                f"unrecognized options:{options}{_closest_wlb_flag(options)} (every field: "
+                "python -m torchtitan_wlb.train --help; [wlb] fields: docs/configuration.md)"
             )
         elif line.startswith("Argument helptext:") and message and k + 1 < len(lines):
             parts = lines[k + 1].split()
@@ -264,21 +295,42 @@ def _parser_message(text: str) -> str:
     return (message + expects) or "the command line or TOML could not be parsed"
 
 
+def _closest_wlb_flag(options: str) -> str:
+    """ "; did you mean --wlb.<table>.<field>?" for the first of tyro's unrecognized ``options``
+    that starts with ``--wlb.``: the closest ``[wlb]`` setting by name, in whichever table."""
+    flag = next((o for o in options.replace(",", " ").split() if o.startswith("--wlb.")), "")
+    key = flag.partition("=")[0].rpartition(".")[2].replace("-", "_")
+    paths = {f.name: f"--{t.TOML_TABLE}.{f.name}" for t in TABLES for f in settings(t)}
+    close = difflib.get_close_matches(key, list(paths), n=1) if key else []
+    return f"; did you mean {paths[close[0]]}?" if close else ""
+
+
 def _unknown_fields(text: str) -> str:
-    """TorchTitan's unknown-field error as one line naming the section and the closest field."""
+    """TorchTitan's unknown-field error as one line naming the table and the closest field."""
     m = re.search(r"Invalid field names in <class '[\w.]*?(\w+)'> data: \{(.*?)\}", text)
     if not m:
         return text
-    section = m.group(1).lower()
+    tables = {table.__name__: table for table in TABLES}
+    table = tables.get(m.group(1))
+    section = table.TOML_TABLE if table else m.group(1).lower()
     keys = [k.strip().strip("'\"") for k in m.group(2).split(",")]
-    hint = ""
-    if section == "wlb":
-        close = difflib.get_close_matches(keys[0], [f.name for f in dataclasses.fields(WLB)], n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
+    hint = _closest_wlb_field(keys[0], table) if table else ""
     return (
         f"[{section}] has no field {', '.join(repr(k) for k in keys)}{hint} (fields: "
         "docs/configuration.md for [wlb], python -m torchtitan_wlb.train --help for all)"
     )
+
+
+def _closest_wlb_field(key: str, table: type) -> str:
+    """ "; did you mean ..." naming the ``[wlb]`` field closest to ``key``: one of ``table``'s, or
+    one of another ``[wlb]`` table's, named with its table (a field set in the wrong table)."""
+    where = {f.name: t for t in TABLES for f in dataclasses.fields(t)}
+    close = difflib.get_close_matches(key, list(where), n=1)
+    if not close:
+        return ""
+    if where[close[0]] is table:
+        return f"; did you mean {close[0]!r}?"
+    return f"; did you mean {close[0]!r} in [{where[close[0]].TOML_TABLE}]?"
 
 
 if __name__ == "__main__":

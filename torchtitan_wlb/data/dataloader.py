@@ -26,16 +26,17 @@ from torchtitan_wlb.packing import Packer, PackingConfig, build_packer, packing_
 
 FINGERPRINT_KEY = "fingerprint"
 
-# [wlb] field -> PackingConfig field, for the knobs passed through unchanged.
-WLB_KNOBS = {
-    "max_delay_steps": "max_wait",
-    "adaptive_max_delay_steps": "adaptive_max_wait",
-    "delay_target": "delay_target",
-    "balance_target": "balance_target",
-    "release_slack": "release_slack",
-    "read_ahead_steps": "read_ahead_steps",
-    "packing_window": "window",
-}
+# The [wlb.advanced] packing knobs, which PackingConfig takes by the same names; each decides which
+# documents each step trains (the solver's time limit does not: reaching it stops the run).
+PACKING_KNOBS = (
+    "adaptive_max_delay_steps",
+    "delay_target",
+    "balance_target",
+    "release_slack",
+    "read_ahead_steps",
+    "packing_window",
+    "solver_node_limit",
+)
 
 
 class WLBDataLoader(BaseDataLoader):
@@ -132,9 +133,9 @@ def packing_config_from_job(job_config: Any, num_micro_batches: int) -> PackingC
         job_config.training.seq_len,
         smax=wlb.micro_batch_max_len or None,
         queue_thresholds=wlb.queue_thresholds or None,
-        solver_node_limit=wlb.solver_node_limit,
-        solver_time_limit=wlb.solver_time_limit_s,
-        **{dst: getattr(wlb, src) for src, dst in WLB_KNOBS.items()},
+        max_delay_steps=wlb.max_delay_steps,
+        solver_time_limit_s=wlb.advanced.solver_time_limit_s,
+        **{name: getattr(wlb.advanced, name) for name in PACKING_KNOBS},
     )
 
 
@@ -147,7 +148,7 @@ def data_fingerprint(
     training = job_config.training
     n = micro_batches_per_step(job_config, dp_world_size)
     fp: dict[str, Any] = {
-        "[wlb] loader": wlb.loader,
+        "[wlb.advanced] loader": wlb.advanced.loader,
         "[training] dataset": training.dataset,
         "[training] dataset_path": training.dataset_path or "",
         "[model] hf_assets_path (tokenizer)": job_config.model.hf_assets_path or "",
@@ -155,28 +156,29 @@ def data_fingerprint(
         "DP degree": dp_world_size,
         "[training] global_batch_size (micro-batches per step)": n,
     }
-    if wlb.loader != "documents":
+    if wlb.advanced.loader != "documents":
         return fp
     smax = wlb.micro_batch_max_len
     if cost_model is not None:  # resolved, so that spelling the default out is no change
         smax = build_packer(wlb.packing, packing_config_from_job(job_config, n), cost_model).cap
     fp |= {
         "[wlb] text_field": wlb.text_field,
-        "[wlb] max_doc_len": wlb.max_doc_len or training.seq_len,
+        "[wlb.advanced] max_doc_len": wlb.advanced.max_doc_len or training.seq_len,
         "[wlb] long_doc_policy": wlb.long_doc_policy,
         "[wlb] packing": wlb.packing,
         "[wlb] micro_batch_max_len (S_max)": smax,
         "[wlb] queue_thresholds": list(wlb.queue_thresholds),
-        **{f"[wlb] {k}": getattr(wlb, k) for k in (*WLB_KNOBS, "solver_node_limit")},
+        "[wlb] max_delay_steps": wlb.max_delay_steps,
+        **{f"[wlb.advanced] {k}": getattr(wlb.advanced, k) for k in PACKING_KNOBS},
     }
     if wlb.cost_model == "online":
-        fits = ("warmup", "window", "holdout", "interval", "apply_lag")
-        fp["[wlb] cost_model = online: fit_warmup/window/holdout/interval/apply_lag_steps"] = [
-            getattr(wlb, f"fit_{k}_steps") for k in fits
+        fp["[wlb.online] warmup/window/holdout/interval/apply_lag_steps (cost_model = online)"] = [
+            getattr(wlb.online, f"{k}_steps")
+            for k in ("warmup", "window", "holdout", "interval", "apply_lag")
         ]
     if wlb.cost_model == "online" and not wlb.cost_profile:
         # Before the cost model's line, so that a refusal names the setting (in checkpoints since).
-        fp["[wlb] fit_initial_attn_scale"] = wlb.fit_initial_attn_scale
+        fp["[wlb.online] initial_attn_scale"] = wlb.online.initial_attn_scale
     if cost_model is not None:
         fp["cost model W(d) = a*d^2 + b*d (model flavor, TP, CP, [wlb] cost_model)"] = (
             f"a={cost_model.attn_coef:.9g}, b={cost_model.linear_coef:.9g}"
@@ -216,7 +218,7 @@ def build_document_node(job_config: JobConfig, tokenizer: Any) -> DocumentNode:
     return DocumentNode(
         source=text_source_from_config(job_config),
         tokenizer=tokenizer,
-        max_doc_len=wlb.max_doc_len or job_config.training.seq_len,
+        max_doc_len=wlb.advanced.max_doc_len or job_config.training.seq_len,
         policy=wlb.long_doc_policy,
         epochs=wlb.epochs,
     )
@@ -231,7 +233,7 @@ def build_wlb_dataloader(
 ) -> BaseDataLoader:
     """TrainSpec.build_dataloader_fn of ``llama3_wlb`` (``cost_model``: bound by the train spec)."""
     wlb = job_config.wlb
-    if wlb.loader == "torchtitan":
+    if wlb.advanced.loader == "torchtitan":
         from torchtitan.hf_datasets.text_datasets import build_text_dataloader
 
         return build_text_dataloader(
@@ -254,7 +256,7 @@ def build_wlb_dataloader(
         documents, packer, dp_rank=dp_rank, dp_degree=dp_world_size, schedule=schedule
     )
     root = MicroBatchNode(
-        Prefetcher(packed, prefetch_factor=2), reset_positions=wlb.reset_positions
+        Prefetcher(packed, prefetch_factor=2), reset_positions=wlb.advanced.reset_positions
     )
     fingerprint = data_fingerprint(job_config, dp_world_size, cost_model)
     return WLBDataLoader(

@@ -137,7 +137,8 @@ def parallelize_llama_wlb(model: nn.Module, parallel_dims: Any, job_config: JobC
 def cost_model_for_job(job_config: JobConfig) -> CostModel:
     """The workload model W(d) of this job by ``[wlb] cost_model`` (docs/configuration.md);
     "online" starts from the profile if one is given, else from the analytic (per-rank) model
-    with attention priced at ``fit_initial_attn_scale`` times its FLOPs (docs/cost_model.md)."""
+    with attention priced at ``[wlb.online] initial_attn_scale`` times its FLOPs
+    (docs/cost_model.md)."""
     wlb = job_config.wlb
     if wlb.cost_model == "coefficients":
         return CostModel.from_coefficients(wlb.attn_coef, wlb.linear_coef)
@@ -155,7 +156,9 @@ def cost_model_for_job(job_config: JobConfig) -> CostModel:
         cp=job_config.parallelism.context_parallel_degree,
     )
     if wlb.cost_model == "online":  # the starting model: attention priced above its FLOPs
-        model = dataclasses.replace(model, attn_coef=model.attn_coef * wlb.fit_initial_attn_scale)
+        model = dataclasses.replace(
+            model, attn_coef=model.attn_coef * wlb.online.initial_attn_scale
+        )
     return model
 
 
