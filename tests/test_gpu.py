@@ -1,4 +1,4 @@
-"""Correctness of the CUDA attention paths: what a session with one GPU runs before trusting them.
+"""Correctness of the CUDA attention paths, to run on a machine with a GPU before trusting them.
 
 CI has no GPU, so the CUDA kernels (torch's ``varlen_attn``, flash-attn) are otherwise only ever run
 as CPU stand-ins (tests/varlen_kernels.py). This module checks the real ones:

@@ -1,26 +1,31 @@
 #!/usr/bin/env bash
-# The GPU checks (docs/gpu.md) on a lent one-GPU machine, part by part, each under its own time cap,
-# every result written to $OUT as soon as it exists (the device tool brings $OUT back).
+# The GPU checks (docs/gpu.md) on a machine with one CUDA GPU, part by part, each under its own
+# time cap, every result written to $OUT (default outputs/gpu_checks/) as soon as it exists.
 #
-#   bash scripts/gpu/run_checks.sh env tests profile fig15     # call 1: about 6 minutes
-#   bash scripts/gpu/run_checks.sh train_debug train_modes     # call 2: about 5 minutes
-#   REHEARSAL=1 OUT=/tmp/rehearsal bash scripts/gpu/run_checks.sh   # here, on the CPU, tiny sizes
+#   bash scripts/gpu/run_checks.sh env tests profile fig15     # about 6 minutes on an H100
+#   bash scripts/gpu/run_checks.sh train_debug train_modes     # about 5 minutes
+#   bash scripts/gpu/run_checks.sh env overhead online         # about 7 minutes
+#   REHEARSAL=1 OUT=/tmp/rehearsal bash scripts/gpu/run_checks.sh   # on a CPU, tiny sizes
 #
-# Needs .gpu/ beside the sources (scripts/gpu/prepare.sh builds it; the device call carries it).
+# Python: WLB_PYTHON (default .venv/bin/python, else python3). On a machine without internet
+# access, scripts/gpu/prepare.sh builds .gpu/site with what that Python lacks; it goes first on
+# PYTHONPATH. LENGTHS: a length file for fig15, online and overhead (default
+# .gpu/workloads/dist_wlbllm.json, DistCA's WLB-LLM length distribution, if present); without one
+# they use the built-in generator `longtail`.
 # Parts (default: all, in this order):
-#   env          versions, the GPU, and an import of the trainer (fails fast if .gpu/ is stale)
+#   env          versions, the GPU, and an import of the trainer (fails fast on a broken install)
 #   tests        tests/test_gpu.py: CUDA attention backends and CP ranks against the references
-#   profile      the H100 attention throughput table (tools.cp_profile, 7B heads, bf16) -> $OUT
+#   profile      the GPU's attention throughput table (tools.cp_profile, 7B heads, bf16) -> $OUT
 #   fig15        Figure 15: one layer's attention under per-sequence / per-document / adaptive CP,
-#                CP = 4, 128K, dist_wlbllm packed by wlb, adaptive deciding with that table
+#                CP = 4, 128K, LENGTHS packed by wlb, adaptive deciding with that table
 #   train_debug  ./run_train.sh as shipped (train_configs/debug_gpu.toml)
 #   train_modes  byte_1B at 64K context in plain_4d, fixed_4d and wlb: tokens/s, MFU, memory, and
 #                the metrics JSONL (measured micro-batch times) of each, as one archive
 #   online       the online cost model on the GPU: byte_1B at 32K, N = 8 micro-batches a step on
-#                dist_wlbllm, wlb with the analytic and with the online model, and the noise floor
+#                LENGTHS, wlb with the analytic and with the online model, and the noise floor
 #                (identical micro-batches); metrics JSONL as one archive (scripts/gpu/online_report.py)
 #   overhead     the data node's whole step on one pinned core of the host: pack_bench, N = 32,
-#                128K, whole pass, every workload and generator, three rounds -> $OUT/overhead/
+#                128K, whole pass, every length file and generator, three rounds -> $OUT/overhead/
 set -uo pipefail  # not -e: a failing part is reported and the next one runs
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 if [[ " $* " == *" --help "* || " $* " == *" -h "* ]]; then  # the header above, as text
@@ -34,11 +39,17 @@ OUT=${OUT:-$ROOT/outputs/gpu_checks}
 WORK=${WORK:-$ROOT/outputs/gpu_work}  # run folders: checkpoints and logs stay on the machine
 REHEARSAL=${REHEARSAL:-0}
 export PYTHONPATH="$ROOT:$GPU_DIR/site${PYTHONPATH:+:$PYTHONPATH}"
-export WLB_PYTHON=${WLB_PYTHON:-python3}  # run_train.sh and run_tests.sh then install nothing
+if [ -z "${WLB_PYTHON:-}" ]; then  # run_train.sh and run_tests.sh then install nothing
+    WLB_PYTHON=python3
+    [ -x "$ROOT/.venv/bin/python" ] && WLB_PYTHON="$ROOT/.venv/bin/python"
+fi
+export WLB_PYTHON
 export PYTHONUNBUFFERED=1
 PY=$WLB_PYTHON
 LOG="$OUT/checks.log"
-WORKLOAD="$GPU_DIR/workloads/dist_wlbllm.json"
+LENGTHS=${LENGTHS:-$GPU_DIR/workloads/dist_wlbllm.json}
+SRC=(--generator longtail)  # fig15's documents: the length file, else the built-in generator
+[ -f "$LENGTHS" ] && SRC=(--lengths "$LENGTHS")
 
 if [ "$REHEARSAL" = 1 ]; then  # the same commands at sizes a 2-core CPU runs in seconds
     DEVICE=cpu; HEADS=(--heads 2 --kv-heads 1 --head-dim 16); GRID=(--lengths 16,64,256,1024)
@@ -94,7 +105,7 @@ train_modes() {
         echo "=== $mode"
         NGPU=1 ./run_train.sh "${TRAIN[@]}" --wlb.micro_batch_max_len "$SMAX" --wlb.mode "$mode" \
             --training.steps "$STEPS" --job.dump_folder "$WORK/$mode" --checkpoint.no-enable \
-            --wlb.metrics_jsonl --metrics.log_freq 1 --metrics.disable_color_printing || rc=$?
+            --wlb.advanced.metrics_jsonl --metrics.log_freq 1 --metrics.disable_color_printing || rc=$?
     done
     tar -czf "$OUT/train_modes_metrics.tar.gz" -C "$WORK" \
         $(cd "$WORK" && find plain_4d fixed_4d wlb -name '*.jsonl' 2>/dev/null)
@@ -102,9 +113,10 @@ train_modes() {
 }
 
 online() {  # N = 8 micro-batches a step, one GPU: their measured times are what DP or PP would wait on
-    local run rc=0 fit=(--wlb.fit_warmup_steps 1 --wlb.fit_window_steps 4 --wlb.fit_holdout_steps 1
-                        --wlb.fit_interval_steps 2 --wlb.fit_apply_lag_steps 1)
-    "$PY" - "$WORKLOAD" "$WORK/online" "$ONLINE_CTX" "$ONLINE_STEPS" <<'PYEOF' || return 1
+    local run rc=0 fit=(--wlb.online.warmup_steps 1 --wlb.online.window_steps 4
+                        --wlb.online.holdout_steps 1 --wlb.online.interval_steps 2
+                        --wlb.online.apply_lag_steps 1)
+    "$PY" - "$LENGTHS" "$WORK/online" "$ONLINE_CTX" "$ONLINE_STEPS" <<'PYEOF' || return 1
 import sys
 from argparse import Namespace
 from pathlib import Path
@@ -112,11 +124,12 @@ from pathlib import Path
 import numpy as np
 
 from torchtitan_wlb.tools.e2e_bench import FLOOR, floor_doc_len, micro_batch_max_len, write_jsonl
-from torchtitan_wlb.workloads import load_lengths
+from torchtitan_wlb.workloads import generate, load_lengths
 
 workload, out, ctx, steps = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 out.mkdir(parents=True, exist_ok=True)
-lens = np.clip(np.rint(load_lengths(workload) * (ctx / 131072)).astype(np.int64), 3, ctx)
+source = load_lengths(workload) if Path(workload).is_file() else generate("longtail", 200_000, 131072)
+lens = np.clip(np.rint(source * (ctx / 131072)).astype(np.int64), 3, ctx)
 need = 1.5 * steps * 8 * ctx  # tokens: the steps asked for, with room for the queues' look-ahead
 write_jsonl(lens[: int(np.searchsorted(np.cumsum(lens), need)) + 1], out / "docs.jsonl", 0)
 f = floor_doc_len(lens, ctx)
@@ -136,7 +149,7 @@ PYEOF
         NGPU=1 ./run_train.sh "${ONLINE[@]}" --training.global_batch_size 8 "${flags[@]}" \
             --training.dataset jsonl --training.dataset_path "$WORK/online/$data" \
             --training.steps "$steps" --job.dump_folder "$WORK/online/$run" --checkpoint.no-enable \
-            --lr_scheduler.warmup_steps 1 --wlb.metrics_jsonl --metrics.log_freq 1 \
+            --lr_scheduler.warmup_steps 1 --wlb.advanced.metrics_jsonl --metrics.log_freq 1 \
             --metrics.disable_color_printing || rc=$?
     done
     tar -czf "$OUT/online_metrics.tar.gz" -C "$WORK/online" \
@@ -151,8 +164,11 @@ overhead() {  # pack_bench's overhead_ms (docs/packing.md): a whole step of the 
     mkdir -p "$OUT/overhead"
     for round in 1 2 3; do
         for w in dist_wlbllm dist_prolong longtail pareto bimodal; do
-            src=(--generator "$w")
-            [ -f "$GPU_DIR/workloads/$w.json" ] && src=(--lengths "$GPU_DIR/workloads/$w.json")
+            case $w in  # length files where present, the built-in generators always
+                dist_*) [ -f "$GPU_DIR/workloads/$w.json" ] || continue
+                        src=(--lengths "$GPU_DIR/workloads/$w.json") ;;
+                *) src=(--generator "$w") ;;
+            esac
             OMP_NUM_THREADS=1 "${pin[@]}" "$PY" -m torchtitan_wlb.tools.pack_bench "${src[@]}" \
                 --micro-batches 32 --steps epoch --json >"$OUT/overhead/r${round}_$w.json" || return 1
             "$PY" -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[2], sys.argv[3],
@@ -186,7 +202,7 @@ for p in "${parts[@]}"; do
         tests) part tests "${CAPS[1]}" "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py ;;
         profile) part profile "${CAPS[2]}" "$PY" -m torchtitan_wlb.tools.cp_profile \
             --device "$DEVICE" "${HEADS[@]}" "${GRID[@]}" --out "$OUT/cp_profile_$DEVICE.json" ;;
-        fig15) part fig15 "${CAPS[3]}" "$PY" -m torchtitan_wlb.tools.cp_bench --lengths "$WORKLOAD" \
+        fig15) part fig15 "${CAPS[3]}" "$PY" -m torchtitan_wlb.tools.cp_bench "${SRC[@]}" \
             --cp 4 --packer wlb "${FIG[@]}" --measure --device "$DEVICE" "${HEADS[@]}" \
             --adaptive-candidates per_sequence,per_document \
             $([ -f "$OUT/cp_profile_$DEVICE.json" ] && echo --profile "$OUT/cp_profile_$DEVICE.json") \

@@ -152,7 +152,7 @@ class CPProfile:
 
 @functools.cache
 def default_profile() -> CPProfile:
-    """The packaged CPU table (measured on the development machine; see docs/context_parallel.md)."""
+    """The packaged CPU table (measured on a 2-core x86 CPU; see docs/context_parallel.md)."""
     text = resources.files("torchtitan_wlb.cp").joinpath("profiles/cpu_default.json").read_text()
     return CPProfile.from_json(text)
 
