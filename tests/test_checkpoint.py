@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torchtitan.config.job_config import Checkpoint
 
 from torchtitan_wlb.checkpoint import WLBCheckpointManager
+from torchtitan_wlb.resume import CheckpointError
 
 
 class _Empty:
@@ -69,3 +70,18 @@ def test_checkpoints_off_save_and_report_nothing(tmp_path):
     saved = []
     _train(_manager(tmp_path, saved.append, enable=False), 4)
     assert saved == [] and not (tmp_path / "checkpoint").exists()
+
+
+def test_a_failed_load_is_one_line_naming_the_checkpoint(tmp_path, one_rank):
+    _train(_manager(tmp_path), 2)
+    other = _manager(tmp_path, width=3)  # a model of another shape
+    try:
+        with pytest.raises(CheckpointError) as raised:
+            other.load(step=2)
+    finally:
+        other.close()
+    message = str(raised.value)
+    assert message.startswith(f"loading checkpoint {tmp_path}/checkpoint/step-2 failed (")
+    assert "(ValueError: Size mismatch" in message  # the failing rank's error, not DCP's wrapper
+    assert message.endswith("the process stops before training on a partly loaded state")
+    assert "\n" not in message

@@ -8,6 +8,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from torch.distributed.checkpoint.api import CheckpointException as DCPException
 from torchtitan.components.checkpoint import CheckpointManager
 
 from torchtitan_wlb.resume import CheckpointError
@@ -62,9 +63,12 @@ class WLBCheckpointManager(CheckpointManager):
         another shape) ends as one line naming the checkpoint, not a traceback per rank."""
         try:
             super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
-        except Exception as e:  # noqa: BLE001 -- reported with the checkpoint's name
-            first = (str(e).strip().splitlines() or [""])[0][:300]
+        except (Exception, DCPException) as e:  # noqa: BLE001 -- reported with the name
+            cause = e
+            if isinstance(e, DCPException) and e.failures:  # a BaseException, not an Exception
+                cause = next(iter(e.failures.values()))[0]  # the first failing rank's error
+            first = (str(cause).strip().splitlines() or [""])[0][:300]
             raise CheckpointError(
-                f"loading checkpoint {checkpoint_id} failed ({type(e).__name__}: {first}); "
+                f"loading checkpoint {checkpoint_id} failed ({type(cause).__name__}: {first}); "
                 "the process stops before training on a partly loaded state"
             ) from e
