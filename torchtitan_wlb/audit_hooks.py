@@ -1,6 +1,6 @@
-"""When the trainer writes the exactly-once audit log (``audit_log.AuditLog``, records: docs/data.md):
-the launch's start, each micro-batch's documents, each completed step, each checkpoint complete on
-disk, and the end of training."""
+"""When the trainer writes the exactly-once audit log (``audit_log.AuditLog``; its records:
+docs/data.md): the launch's start, each micro-batch's documents, each completed step, each
+checkpoint complete on disk, and the end of training."""
 
 from __future__ import annotations
 
