@@ -62,7 +62,7 @@ def whole_max_len(job_config: Any, parallel_dims: Any) -> int:
         return 0
     from torchtitan_wlb.cp.plan import default_hybrid_max_len
 
-    return wlb.cp_hybrid_max_len or default_hybrid_max_len(pd.cp)
+    return wlb.advanced.cp_hybrid_max_len or default_hybrid_max_len(pd.cp)
 
 
 def sum_over_group(values: np.ndarray, group: Any, device: torch.device) -> np.ndarray:

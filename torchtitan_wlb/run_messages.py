@@ -31,7 +31,7 @@ def nothing_to_do(job_config: Any) -> str | None:
 def _data_line(job_config: Any, parallel_dims: Any) -> str:
     jc, wlb, pd = job_config, job_config.wlb, parallel_dims
     data, seq_len = f"data: dataset {jc.training.dataset!r}", jc.training.seq_len
-    if wlb.loader != "documents":
+    if wlb.advanced.loader != "documents":
         return data + " through TorchTitan's loader (no packing)"
     n = micro_batches_per_step(jc, pd.dp_replicate * pd.dp_shard)
     data += " (built-in corpus)" if jc.training.dataset == BUILTIN_NAME else ""

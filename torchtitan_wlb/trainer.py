@@ -45,12 +45,14 @@ class WLBTrainer(Trainer):
         if self.parallel_dims.pp_enabled:
             from torchtitan_wlb.pipeline.varlen import VarlenPipelineRunner
 
-            timed = wlb.metrics_jsonl or wlb.cost_model == "online"
+            timed = wlb.advanced.metrics_jsonl or wlb.cost_model == "online"
             self._pp_runner = VarlenPipelineRunner(self.pp_schedule, time_actions=timed)
         self._cp_profile = self._adaptive_cp_profile()
         self._cp_stats: list[tuple[str, float]] = []
         self._last_doc_lens: list[int] | None = None
-        self._cost_model = cost_model_for_job(job_config) if wlb.loader == "documents" else None
+        self._cost_model = (
+            cost_model_for_job(job_config) if wlb.advanced.loader == "documents" else None
+        )
         self._fit = OnlineFit.build(job_config, self.parallel_dims, self.dataloader, self.device)
         self._clock = DeviceClock(self.device)
         self.metrics_processor.device_clock = self._clock.kind
@@ -119,12 +121,12 @@ class WLBTrainer(Trainer):
             if self._audit is not None:
                 self._audit.micro_batch(doc_ids.tolist())
         if "doc_lens" not in input_dict:
-            # [wlb] loader = "torchtitan": no boundaries, plain causal attention per row.
+            # [wlb.advanced] loader = "torchtitan": no boundaries, plain causal attention per row.
             return super().post_dataloading_process(input_dict, labels)
         inputs, positions = input_dict.pop("input"), input_dict.pop("positions")
         doc_lens = input_dict.pop("doc_lens").cpu()
         self._last_doc_lens = doc_lens.tolist()
-        backend = self.job_config.wlb.attention_backend
+        backend = self.job_config.wlb.advanced.attention_backend
         if self.parallel_dims.tp_enabled or self.parallel_dims.cp_enabled:
             inputs, labels, positions, doc_lens = self._pad_for_sharding(
                 inputs, labels, positions, doc_lens
@@ -175,8 +177,8 @@ class WLBTrainer(Trainer):
             cp_mesh.size(),
             wlb.cp_sharding,
             profile=self._cp_profile,
-            hybrid_max_len=wlb.cp_hybrid_max_len,
-            bandwidth_gbps=wlb.cp_bandwidth_gbps,
+            hybrid_max_len=wlb.advanced.cp_hybrid_max_len,
+            bandwidth_gbps=wlb.advanced.cp_bandwidth_gbps,
             candidates=adaptive_candidates(self.parallel_dims.tp_enabled),
             coefficients=coefficients,
         )
