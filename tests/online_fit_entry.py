@@ -30,6 +30,7 @@ if GATHER_COST:
     sys.argv.remove("--synthetic-gather-cost")
 
 from torchtitan_wlb import train  # noqa: E402  (activates CPU support first)
+from torchtitan_wlb.online_fit import OnlineFit  # noqa: E402
 from torchtitan_wlb.trainer import WLBTrainer  # noqa: E402
 
 A, B, C = 1e-7, 1e-5, 1e-3
@@ -45,15 +46,15 @@ def _seconds(step: int, i: int, sq: float, lin: float, gathered: float = 0.0) ->
 
 
 def install() -> None:
-    original = WLBTrainer._maybe_refit
+    original = OnlineFit.end_step
 
-    def _maybe_refit(self):
-        rows = self._fit_rows
+    def end_step(self, step):
+        rows = self.rows
         for i, (sq, lin, gathered, _) in enumerate(rows):
-            rows[i] = (sq, lin, gathered, _seconds(self.step, i, sq, lin, gathered))
-        return original(self)
+            rows[i] = (sq, lin, gathered, _seconds(step, i, sq, lin, gathered))
+        return original(self, step)
 
-    WLBTrainer._maybe_refit = _maybe_refit
+    OnlineFit.end_step = end_step
 
 
 def install_stage_times() -> None:

@@ -286,7 +286,7 @@ def test_cp_fit_features_split_each_ranks_tokens_by_sharding():
     """Under CP the fit reads what each rank runs: split documents' tokens are gathered, hybrid's
     whole ones local; over the ranks the terms add up to the micro-batch's Σd² and tokens."""
     from torchtitan_wlb.cp.adaptive import build_cp_plan
-    from torchtitan_wlb.trainer import cp_fit_features
+    from torchtitan_wlb.online_fit import cp_fit_features
 
     lens = np.array([900, 40, 30, 20, 10, 24], np.int64)
     for strategy in ("per_sequence", "per_document", "hybrid"):

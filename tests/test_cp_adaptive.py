@@ -17,7 +17,7 @@ from torchtitan_wlb.cp.adaptive import (
     predicted_seconds,
 )
 from torchtitan_wlb.cp.plan import draft_sharding
-from torchtitan_wlb.trainer import cp_fit_features
+from torchtitan_wlb.online_fit import cp_fit_features
 
 GRID = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 FAST = 1e9  # GB/s: communication costs nothing

@@ -17,6 +17,7 @@ from torchtitan.train import Trainer
 
 from torchtitan_wlb import device_clock
 from torchtitan_wlb.device_clock import DeviceClock, clock_kind
+from torchtitan_wlb.online_fit import FitReduction, OnlineFit
 from torchtitan_wlb.pipeline.varlen import _ActionTimer
 from torchtitan_wlb.trainer import WLBTrainer
 
@@ -99,11 +100,16 @@ def test_trainer_fits_device_times_and_records_both(one_thread, monkeypatch):
 
     monkeypatch.setattr(Trainer, "forward_backward_step", fake_forward_backward)
     recorded = []
+    fitter = types.SimpleNamespace(schedule=types.SimpleNamespace(release=lambda: None))
+    fit = OnlineFit(
+        fitter, FitReduction(rows_here=True, exchange=False), torch.device("cpu"), False
+    )
+    fit.features = (34.0, 8.0, 0.0)
     trainer = WLBTrainer.__new__(WLBTrainer)  # only what forward_backward_step reads
     trainer.__dict__.update(
         _micro_batches_done=0, gradient_accumulation_steps=2, _clock=DeviceClock("cpu"),
-        _pp_runner=None, _last_doc_lens=[3, 5], _fit_features=(34.0, 8.0, 0.0), _fit_rows=[],
-        _cp_stats=[], _fitter=None, device=torch.device("cpu"),
+        _pp_runner=None, _last_doc_lens=[3, 5], _fit=fit,
+        _cp_stats=[], device=torch.device("cpu"),
         metrics_processor=types.SimpleNamespace(
             record_micro_batch_time=lambda *a, **kw: recorded.append((a, kw))
         ),
@@ -111,7 +117,7 @@ def test_trainer_fits_device_times_and_records_both(one_thread, monkeypatch):
     trainer.forward_backward_step(input_dict={}, labels=None, global_valid_tokens=None)
     [((wall, doc_lens), kw)] = recorded
     assert doc_lens == [3, 5] and wall >= SLEEP
-    assert trainer._fit_rows == [(34.0, 8.0, 0.0, kw["device_seconds"])]
+    assert fit.rows == [(34.0, 8.0, 0.0, kw["device_seconds"])]
     assert BURN <= kw["device_seconds"] < SLEEP
 
 
@@ -120,7 +126,7 @@ def _sum_worker(rank: int, out_dir: str) -> None:
 
     import torch.distributed as dist
 
-    from torchtitan_wlb.trainer import sum_over_group
+    from torchtitan_wlb.online_fit import sum_over_group
 
     torch.set_num_threads(1)
     init = f"file://{os.path.join(out_dir, 'store')}"  # a file store: no port to lose

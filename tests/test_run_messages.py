@@ -7,13 +7,12 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-import torch
 from torchtitan.config import ConfigManager
 
 from torchtitan_wlb import log_filter
 from torchtitan_wlb.metrics import eta_seconds, format_duration
 from torchtitan_wlb.resume import latest_checkpoint_step, resume_step
-from torchtitan_wlb.trainer import WLBTrainer, nothing_to_do
+from torchtitan_wlb.run_messages import nothing_to_do, run_summary
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEBUG_CPU = os.path.join(ROOT, "train_configs", "debug_cpu.toml")
@@ -68,17 +67,15 @@ def test_run_summary_names_layout_packer_dataset_checkpoints_and_start(tmp_path)
     pd = SimpleNamespace(
         dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, world_size=2, cp_enabled=False
     )
-    trainer = SimpleNamespace(  # what _run_summary reads of a built trainer
-        job_config=_config(tmp_path), parallel_dims=pd, device=torch.device("cpu")
-    )
-    assert WLBTrainer._run_summary(trainer, -1) == [
+    job_config = _config(tmp_path)
+    assert run_summary(job_config, pd, "cpu", -1) == [
         "run: 2 cpu ranks over gloo: dp_shard 2; llama3_wlb debugmodel; 20 steps",
         "data: dataset 'wlb_builtin' (built-in corpus); packing 'wlb', 4 micro-batches per step of "
         "up to 2,560 tokens (context 2,048)",
         f"checkpoints: {tmp_path}/checkpoint, every 10 steps and at the last, keeping the latest 2",
         f"starting at step 1 (no checkpoint in {tmp_path}/checkpoint)",
     ]
-    resumed = WLBTrainer._run_summary(trainer, 10)
+    resumed = run_summary(job_config, pd, "cpu", 10)
     assert resumed[-1] == f"resuming from step 10 ({tmp_path}/checkpoint/step-10)"
 
 

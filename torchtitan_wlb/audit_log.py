@@ -83,7 +83,8 @@ def read_audit_logs(output_dir: str) -> list[dict[str, Any]]:
         else:
             raise AuditLogError(
                 f"{output_dir}: no {AUDIT_FOLDER}/ folder; give the dump folder of a run that used "
-                '[wlb] loader = "documents" (the audit log is written by every rank of such a run)'
+                '[wlb.advanced] loader = "documents" (the audit log is written by every rank of '
+                "such a run)"
             )
     names = sorted(n for n in os.listdir(folder) if n.startswith("rank_") and n.endswith(".jsonl"))
     if not names:

@@ -98,7 +98,7 @@ class WLBMetricsProcessor(MetricsProcessor):
         self.logger = self._tap = _MetricsTap(self.logger, drop_mfu=cpu_support.is_active())
         self.run_step_times: list[float] = []
         wlb = getattr(job_config, "wlb", None)
-        if wlb is not None and wlb.metrics_jsonl:
+        if wlb is not None and wlb.advanced.metrics_jsonl:
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
             folder = os.path.join(job_config.job.dump_folder, "wlb_metrics")
             os.makedirs(folder, exist_ok=True)

@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     log_filter.install()
     from torchtitan.train import main as torchtitan_main
 
-    from torchtitan_wlb.trainer import WLBTrainer, nothing_to_do
+    from torchtitan_wlb.run_messages import nothing_to_do
+    from torchtitan_wlb.trainer import WLBTrainer
     from torchtitan_wlb.validate import check_job_config, parse_job_config
 
     args = sys.argv[1:] if argv is None else argv
