@@ -24,25 +24,18 @@ class WLBCheckpointManager(CheckpointManager):
         super().__init__(*args, **kwargs)
 
     @classmethod
-    def replacing(
-        cls, trainer: Any, on_saved: Callable[[int], None] | None = None
+    def adopt(
+        cls, built: CheckpointManager, on_saved: Callable[[int], None] | None = None
     ) -> WLBCheckpointManager:
-        """The manager that takes the place of the one TorchTitan's ``Trainer.__init__`` built
-        (it offers no way to choose the class), from the same parts, before anything is loaded or
-        saved. The one it replaces is closed: its purge thread ends."""
-        built, jc = trainer.checkpointer, trainer.job_config
-        built.close()
-        return cls(
-            dataloader=trainer.dataloader,
-            model_parts=trainer.model_parts,
-            optimizers=trainer.optimizers,
-            lr_schedulers=trainer.lr_schedulers,
-            states={"train_state": trainer},
-            checkpoint_config=jc.checkpoint,
-            sd_adapter=getattr(built, "sd_adapter", None),  # set only when checkpoints are on
-            base_folder=jc.job.dump_folder,
-            on_saved=on_saved,
-        )
+        """The manager TorchTitan's ``Trainer.__init__`` built, made this subclass in place.
+
+        TorchTitan constructs its CheckpointManager inline and offers no way to choose the class.
+        Building a second one would run the constructor's side effects twice (the purge thread,
+        the async modes' gloo process group, its log lines); the subclass adds only methods and
+        ``on_saved``, so the built instance's state is exactly what this class needs."""
+        built.__class__ = cls
+        built.on_saved = on_saved
+        return built
 
     def save(self, curr_step: int, last_step: bool = False) -> None:
         super().save(curr_step, last_step=last_step)

@@ -59,7 +59,7 @@ class WLBTrainer(Trainer):
         self._micro_batches_done = 0
         self._audit = AuditHooks.build(job_config, self.dataloader)
         on_saved = self._audit.checkpoint_saved if self._audit is not None else None
-        self.checkpointer = WLBCheckpointManager.replacing(self, on_saved=on_saved)
+        self.checkpointer = WLBCheckpointManager.adopt(self.checkpointer, on_saved=on_saved)
 
     def _adaptive_cp_profile(self) -> Any:
         """Under adaptive CP sharding, the throughput profile it chooses by: ``[wlb] cp_profile``,
