@@ -13,9 +13,9 @@ import torchtitan_wlb.tools as tools_pkg
 from torchtitan_wlb.tools.cli import examples, json_text
 from torchtitan_wlb.workloads import GENERATORS
 
-TOOLS = sorted(
-    m.name for m in pkgutil.iter_modules(tools_pkg.__path__) if m.name not in ("cli", "__init__")
-)
+# The package's modules that are no command: what the tools share.
+LIBRARIES = ("__init__", "cli", "analysis", "torch_balancers")
+TOOLS = sorted(m.name for m in pkgutil.iter_modules(tools_pkg.__path__) if m.name not in LIBRARIES)
 
 
 def _tool(name):
