@@ -26,13 +26,13 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from torchtitan_wlb.cost_model import CostModel
-from torchtitan_wlb.cp import torch_lb
 from torchtitan_wlb.cp.adaptive import ADAPTIVE_CANDIDATES, build_cp_plan
 from torchtitan_wlb.cp.plan import CPPlan
 from torchtitan_wlb.cp.profile import CPProfile, resolve_profile
 from torchtitan_wlb.models.catalogue import MODELS, get_model
 from torchtitan_wlb.packing import OriginalPacker, PackingConfig, build_packer, packing_config
 from torchtitan_wlb.packing.driver import LengthStream, drive, next_plan
+from torchtitan_wlb.tools import torch_balancers
 from torchtitan_wlb.tools.cli import ToolParser, json_text, require_at_least
 from torchtitan_wlb.workloads import GENERATORS, generate, load_lengths, split_long
 
@@ -330,8 +330,8 @@ def run(args: argparse.Namespace) -> dict:
         build_cp_plan(m, args.cp, "hybrid", hybrid_max_len=max_len).max_len for m in micro_batches
     ]
 
-    def stats(assignment: torch_lb.Assignment, i: int) -> dict:
-        return torch_lb.assignment_stats(assignment, kv_bytes, short_doc_len=short[i])
+    def stats(assignment: torch_balancers.Assignment, i: int) -> dict:
+        return torch_balancers.assignment_stats(assignment, kv_bytes, short_doc_len=short[i])
 
     n_measured = min(len(micro_batches), args.measure_micro_batches) if args.measure else 0
     plans: dict[str, list[CPPlan]] = {}  # the measured micro-batches' plans, per strategy
@@ -342,7 +342,7 @@ def run(args: argparse.Namespace) -> dict:
         for i, doc_lens in enumerate(micro_batches):
             plan, times = _timed_plan(doc_lens, strategy, args, profile)
             rows.append(  # the assignment's flops_imbalance is the plan's (same causal pairs)
-                stats(torch_lb.plan_assignment(plan), i)
+                stats(torch_balancers.plan_assignment(plan), i)
                 | {
                     "plan_ms": float(np.median(times)),
                     "plan_ms_min": float(np.min(times)),
@@ -360,9 +360,9 @@ def run(args: argparse.Namespace) -> dict:
         if args.measure:
             entry |= measured_summary(rank_ms[strategy], rows)
         results[strategy] = entry
-    for name in torch_lb.TORCH_BALANCERS if args.torch_balancers else ():
+    for name in torch_balancers.TORCH_BALANCERS if args.torch_balancers else ():
         assignments = [
-            torch_lb.torch_assignment(name, m, args.cp, repeats=args.plan_repeats)
+            torch_balancers.torch_assignment(name, m, args.cp, repeats=args.plan_repeats)
             for m in micro_batches
         ]
         results[name] = summarise([stats(a, i) for i, a in enumerate(assignments)])
@@ -378,7 +378,7 @@ def run(args: argparse.Namespace) -> dict:
         "tokens_per_micro_batch_mean": float(np.mean([m.sum() for m in micro_batches])),
         "profile": profile.device + "/" + profile.backend,
         "kv_bytes_per_token": kv_bytes,
-        "small_chunk_tokens": torch_lb.SMALL_CHUNK,
+        "small_chunk_tokens": torch_balancers.SMALL_CHUNK,
         "hybrid_max_len_mean": float(np.mean(short)),
     } | _config_extra(args)
     return results
