@@ -43,13 +43,23 @@ def test_floor_half_gap_compares_the_two_halves_of_the_timed_steps():
 
 def test_device_clock_figures_read_the_device_times():
     """The device-clock variants read the device times, the existing keys the wall times."""
-    rec = {"micro_batch_times_s": [1.0, 3.0], "micro_batch_device_times_s": [1.0, 1.0],
-           "micro_batch_doc_lens": [[2, 3], [4]], "wlb/step_time_s": 4.0}  # fmt: skip
+    rec = {
+        "micro_batch_times_s": [1.0, 3.0],
+        "micro_batch_device_times_s": [1.0, 1.0],
+        "micro_batch_doc_lens": [[2, 3], [4]],
+        "wlb/step_time_s": 4.0,
+    }
     logs = [{1: rec}]
     assert analysis.measured_imbalance(logs, [1], "dp2") == pytest.approx(1.5)
     assert analysis.measured_imbalance(logs, [1], "dp2", device=True) == pytest.approx(1.0)
-    act = {"stages": [0], "fwd_s": [[1.0, 2.0]], "bwd_s": [[1.0, 4.0]], "doc_lens": [[2], [3]],
-           "fwd_device_s": [[1.0, 1.0]], "bwd_device_s": [[2.0, 2.0]]}  # fmt: skip
+    act = {
+        "stages": [0],
+        "fwd_s": [[1.0, 2.0]],
+        "bwd_s": [[1.0, 4.0]],
+        "doc_lens": [[2], [3]],
+        "fwd_device_s": [[1.0, 1.0]],
+        "bwd_device_s": [[2.0, 2.0]],
+    }
     pp = [{1: {"pp_actions": [act], "wlb/step_time_s": 7.0}}]
     assert analysis.measured_imbalance(pp, [1], "pp2", device=True) == pytest.approx(1.0)
     mbs = e2e_bench.calibration_records(logs, [1])["microbatches"]
@@ -65,8 +75,10 @@ def test_device_clock_figures_read_the_device_times():
     assert (first["seconds"], first["device_s"], second["bwd_device_s"]) == (2.0, 3.0, 2.0)
     # Two stages of one micro-batch: the fit's row is their sum.
     other_stage = {**act, "stages": [1], "fwd_device_s": [[0.5, 0.5]], "bwd_device_s": [[1.0, 1.0]]}
-    pp2 = [{1: {"pp_actions": [act], "wlb/step_time_s": 7.0}},
-           {1: {"pp_actions": [other_stage], "wlb/step_time_s": 7.0}}]  # fmt: skip
+    pp2 = [
+        {1: {"pp_actions": [act], "wlb/step_time_s": 7.0}},
+        {1: {"pp_actions": [other_stage], "wlb/step_time_s": 7.0}},
+    ]
     totals = analysis.stage_totals(e2e_bench.calibration_records(pp2, [1])["microbatches"])
     assert [(t["doc_lens"], t["device_s"]) for t in totals] == [([2], 4.5), ([3], 4.5)]
 
@@ -180,8 +192,14 @@ def test_in_use_error_judges_each_step_by_the_model_that_packed_it():
     assert analysis.in_use_error(two, adoptions, cp=1) == pytest.approx(1 / 3)
     assert math.isnan(analysis.in_use_error(mbs[:1], adoptions, cp=1))
     # Under PP the stage totals keep their step.
-    act = {"stages": [0], "fwd_s": [[1.0]], "bwd_s": [[1.0]], "doc_lens": [[2]],
-           "fwd_device_s": [[1.0]], "bwd_device_s": [[1.0]]}  # fmt: skip
+    act = {
+        "stages": [0],
+        "fwd_s": [[1.0]],
+        "bwd_s": [[1.0]],
+        "doc_lens": [[2]],
+        "fwd_device_s": [[1.0]],
+        "bwd_device_s": [[1.0]],
+    }
     pp = [{7: {"pp_actions": [act], "wlb/step_time_s": 3.0}}]
     [total] = analysis.stage_totals(e2e_bench.calibration_records(pp, [7])["microbatches"])
     assert total["step"] == 7
@@ -204,8 +222,10 @@ def test_window_constant_error_predicts_each_step_from_the_window_before():
     steps = np.repeat(np.arange(1, 7), 2)
     t = steps.astype(float)
     err = analysis.window_constant_error(t, steps, window=2, lag=1)
-    expect = [abs((1 / a + 1 / b) / (1 / a**2 + 1 / b**2) - s) / s
-              for s, a, b in ((3, 1, 2), (4, 2, 3), (5, 3, 4), (6, 4, 5))]  # fmt: skip
+    expect = [
+        abs((1 / a + 1 / b) / (1 / a**2 + 1 / b**2) - s) / s
+        for s, a, b in ((3, 1, 2), (4, 2, 3), (5, 3, 4), (6, 4, 5))
+    ]
     assert err == pytest.approx(np.mean(expect))
     # Identical times: a constant predicts them exactly; no step with a full window: NaN.
     assert analysis.window_constant_error(np.ones(12), steps, window=2, lag=2) == 0.0
@@ -214,16 +234,23 @@ def test_window_constant_error_predicts_each_step_from_the_window_before():
 
 def test_fit_error_floor_reads_the_floor_as_the_fit_has_its_rows():
     args = argparse.Namespace(parallel="cp2", fit_window=2)
-    rows = [{"step": s, "device_s": 1.0 + 0.1 * (i % 2), "seconds": 2.0, "doc_lens": [8]}
-            for s in range(3, 8) for i in range(4)]  # fmt: skip
+    rows = [
+        {"step": s, "device_s": 1.0 + 0.1 * (i % 2), "seconds": 2.0, "doc_lens": [8]}
+        for s in range(3, 8)
+        for i in range(4)
+    ]
     out = analysis.fit_error_floor(rows, args.parallel, args.fit_window)
     assert out["fit_error_floor_wall"] == 0.0
-    assert out["fit_error_floor"] == pytest.approx(analysis.best_constant_error(
-        np.array([r["device_s"] for r in rows])))  # fmt: skip
+    assert out["fit_error_floor"] == pytest.approx(
+        analysis.best_constant_error(np.array([r["device_s"] for r in rows]))
+    )
     assert 0.0 < out["fit_error_floor_in_use"] < 0.1
     # Under PP a row is a micro-batch's time summed over its stages.
-    pp = [{"step": 3, "mb": mb, "stage": st, "device_s": 1.0 + mb, "seconds": 1.0,
-           "doc_lens": [8]} for mb in range(2) for st in range(2)]  # fmt: skip
+    pp = [
+        {"step": 3, "mb": mb, "stage": st, "device_s": 1.0 + mb, "seconds": 1.0, "doc_lens": [8]}
+        for mb in range(2)
+        for st in range(2)
+    ]
     out = analysis.fit_error_floor(pp, "pp2", window=2)
     assert out["fit_error_floor"] == pytest.approx(
         analysis.best_constant_error(np.array([2.0, 4.0]))
@@ -239,8 +266,9 @@ def test_runs_alternate_the_modes_order_after_the_floor():
     assert [j[0] for j in second] == ["floor", "wlb_online", "wlb"]
     shardings = [("wlb", "hybrid", data), ("wlb", "per_document", data)]
     assert [e2e_bench.label_of(j) for j in e2e_bench.run_order(shardings, 1)] == [
-        "wlb+per_document", "wlb+hybrid"
-    ]  # fmt: skip
+        "wlb+per_document",
+        "wlb+hybrid",
+    ]
 
 
 def test_imbalance_over_floor_per_mode_and_clock():
@@ -249,10 +277,14 @@ def test_imbalance_over_floor_per_mode_and_clock():
         "wlb": {"measured_imbalance": 1.10, "measured_imbalance_device": 1.07},
         "wlb_online": {"measured_imbalance": 1.06, "measured_imbalance_device": 1.035},
     }
-    assert e2e_bench.over_floor(res, floor) == pytest.approx({
-        "imbalance_over_floor_wlb": 0.05, "imbalance_over_floor_device_wlb": 0.05,
-        "imbalance_over_floor_wlb_online": 0.01, "imbalance_over_floor_device_wlb_online": 0.015,
-    })  # fmt: skip
+    assert e2e_bench.over_floor(res, floor) == pytest.approx(
+        {
+            "imbalance_over_floor_wlb": 0.05,
+            "imbalance_over_floor_device_wlb": 0.05,
+            "imbalance_over_floor_wlb_online": 0.01,
+            "imbalance_over_floor_device_wlb_online": 0.015,
+        }
+    )
 
 
 def test_across_runs_gives_the_mean_and_its_t_interval():
@@ -278,9 +310,12 @@ def test_per_run_figures_name_each_mode():
         "wlb_online": {"time_to_train_s": 28.0, "fit_mean_abs_error_in_use": 0.03},
     }
     assert e2e_bench.per_run_figures(res) == {
-        "time_to_train_s_wlb": 30.0, "docs_trained_wlb": 9.0, "docs_repeated_wlb": 0.0,
-        "time_to_train_s_wlb_online": 28.0, "fit_mean_abs_error_in_use_wlb_online": 0.03,
-    }  # fmt: skip
+        "time_to_train_s_wlb": 30.0,
+        "docs_trained_wlb": 9.0,
+        "docs_repeated_wlb": 0.0,
+        "time_to_train_s_wlb_online": 28.0,
+        "fit_mean_abs_error_in_use_wlb_online": 0.03,
+    }
 
 
 def test_every_run_is_checked_for_exactly_once():
@@ -297,8 +332,9 @@ def test_every_run_is_checked_for_exactly_once():
     assert e2e_bench.not_exactly_once(runs[:1], 5) == []
 
 
-@pytest.mark.parametrize("df, exact", [(1, 12.706), (10, 2.228), (30, 2.042), (40, 2.021),
-                                       (60, 2.000), (120, 1.980)])  # fmt: skip
+@pytest.mark.parametrize(
+    "df, exact", [(1, 12.706), (10, 2.228), (30, 2.042), (40, 2.021), (60, 2.000), (120, 1.980)]
+)
 def test_t95_matches_the_tables(df, exact):
     assert analysis.t95(df) == pytest.approx(exact, abs=1e-3)
 
@@ -311,8 +347,11 @@ def test_t95_rejects_no_degrees_of_freedom():
 def test_modes_and_the_floor_run_set_the_trainer_flags():
     args = e2e_bench.parser().parse_args(["--cost-model", "online", "--fit-window", "4"])
     assert e2e_bench.mode_args("wlb", args)[:4] == [
-        "--wlb.mode", "wlb", "--wlb.cost_model", "online"
-    ]  # fmt: skip
+        "--wlb.mode",
+        "wlb",
+        "--wlb.cost_model",
+        "online",
+    ]
     assert "--wlb.fit_window_steps" in e2e_bench.mode_args("wlb_online", args)
     assert e2e_bench.mode_args(e2e_bench.FLOOR, args)[:2] == ["--wlb.packing", "original"]
 

@@ -57,9 +57,13 @@ class Calibration:
         return CostModel.from_coefficients(self.attn_coef, self.linear_coef, unit="seconds")
 
     def summary(self) -> dict:
-        return {"a": self.attn_coef, "b": self.linear_coef, "c": self.overhead_s,
-                "mean_abs_rel_error": self.mean_abs_rel_error,
-                "max_abs_rel_error": self.max_abs_rel_error}  # fmt: skip
+        return {
+            "a": self.attn_coef,
+            "b": self.linear_coef,
+            "c": self.overhead_s,
+            "mean_abs_rel_error": self.mean_abs_rel_error,
+            "max_abs_rel_error": self.max_abs_rel_error,
+        }
 
     def hardware(self, model: ModelSpec, layout: Layout) -> HardwareProfile:
         """Per-GPU throughputs implied by the fit: ``a`` = attention FLOPs per squared token (fwd
@@ -71,9 +75,15 @@ class Calibration:
         gemm_flops_per_d = gemm / tp / cp
         attn = attn_flops_per_d2 * (1.0 + base.bwd_attn_factor) / max(self.attn_coef, 1e-30)
         gemm = gemm_flops_per_d * (1.0 + base.bwd_gemm_factor) / max(self.linear_coef, 1e-30)
-        return replace(base, name=f"{base.name}-calibrated", attn_tflops=float(attn / 1e12),
-                       gemm_tflops=float(gemm / 1e12), elementwise_bytes_per_token_dim=1e-9,
-                       tp_overlap=1.0, cp_overlap=1.0)  # fmt: skip
+        return replace(
+            base,
+            name=f"{base.name}-calibrated",
+            attn_tflops=float(attn / 1e12),
+            gemm_tflops=float(gemm / 1e12),
+            elementwise_bytes_per_token_dim=1e-9,
+            tp_overlap=1.0,
+            cp_overlap=1.0,
+        )
 
 
 def fit(records: Records, overhead: bool = True) -> Calibration:
@@ -91,7 +101,12 @@ def fit_pipeline(records: Records, overhead: bool = True) -> dict[str, dict[int,
     """Per-stage fits: {"fwd_s" (the last stage's with the loss), "bwd_s"}: stage -> Calibration."""
     stages = sorted({r.stage for r in records if r.stage >= 0})
     return {
-        a: {k: fit([MicroBatchRecord(r.doc_lens, getattr(r, a)) for r in records if r.stage == k],
-                   overhead=overhead) for k in stages}
+        a: {
+            k: fit(
+                [MicroBatchRecord(r.doc_lens, getattr(r, a)) for r in records if r.stage == k],
+                overhead=overhead,
+            )
+            for k in stages
+        }
         for a in ("fwd_s", "bwd_s")
-    }  # fmt: skip
+    }

@@ -104,9 +104,12 @@ def mode_args(mode: str, args: argparse.Namespace, cp_sharding: str = "") -> lis
 
 def fit_fields(args: argparse.Namespace) -> dict[str, int]:
     """The ``[wlb]`` online-fit fields every job gets (the last quarter of the window held out)."""
-    return {"fit_warmup_steps": args.fit_warmup, "fit_window_steps": args.fit_window,
-            "fit_holdout_steps": max(1, args.fit_window // 4),
-            "fit_interval_steps": args.fit_interval}  # fmt: skip
+    return {
+        "fit_warmup_steps": args.fit_warmup,
+        "fit_window_steps": args.fit_window,
+        "fit_holdout_steps": max(1, args.fit_window // 4),
+        "fit_interval_steps": args.fit_interval,
+    }
 
 
 def micro_batch_max_len(mode: str, args: argparse.Namespace, floor_len: int) -> int:
@@ -290,17 +293,30 @@ def calibration_records(per_rank: list[dict[int, dict]], steps: list[int]) -> di
             continue
         for act in rec["pp_actions"]:
             per_stage = zip(
-                act["stages"], act["fwd_s"], act["bwd_s"], act["fwd_device_s"],
-                act["bwd_device_s"], strict=True,
-            )  # fmt: skip
+                act["stages"],
+                act["fwd_s"],
+                act["bwd_s"],
+                act["fwd_device_s"],
+                act["bwd_device_s"],
+                strict=True,
+            )
             for stage, *times in per_stage:
                 lens_times = zip(act.get("doc_lens") or [], *times, strict=False)
                 for mb, (lens, f, b, fd, bd) in enumerate(lens_times):
                     micro_batches.append(
-                        {"doc_lens": lens, "seconds": f + b, "fwd_s": f, "bwd_s": b,
-                         "device_s": fd + bd, "fwd_device_s": fd, "bwd_device_s": bd,
-                         "stage": stage, "mb": mb, **where}
-                    )  # fmt: skip
+                        {
+                            "doc_lens": lens,
+                            "seconds": f + b,
+                            "fwd_s": f,
+                            "bwd_s": b,
+                            "device_s": fd + bd,
+                            "fwd_device_s": fd,
+                            "bwd_device_s": bd,
+                            "stage": stage,
+                            "mb": mb,
+                            **where,
+                        }
+                    )
     step_times = [
         {"step": s, "seconds": max(r[s]["wlb/step_time_s"] for r in per_rank)} for s in steps
     ]
@@ -326,9 +342,11 @@ def parser() -> ToolParser:
     p.add_argument("--steps", type=steps_arg, default="epoch", help="'epoch' or a step count")
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the median step")
     p.add_argument(
-        "--runs", type=int, default=1,
+        "--runs",
+        type=int,
+        default=1,
         help="repeat every mode this many times (the modes' order reversed every other run)",
-    )  # fmt: skip
+    )
     p.add_argument("--smax-factor", type=float, default=1.25, help="S_max / context (wlb)")
     p.add_argument("--lengths", default="", help="JSON / .npy / text file of document lengths")
     p.add_argument("--generator", choices=list(GENERATORS), default="longtail")
@@ -340,9 +358,11 @@ def parser() -> ToolParser:
         p.add_argument(f"--fit-{name}", type=int, default=default, help=f"[wlb] fit_{name}_steps")
     p.add_argument("--floor-steps", type=int, default=20, help="noise-floor steps; 0: none")
     p.add_argument(
-        "--floor-doc-len", type=int, default=0,
+        "--floor-doc-len",
+        type=int,
+        default=0,
         help="floor documents' length (0: context / k, k typical documents per context)",
-    )  # fmt: skip
+    )
     p.add_argument("--cp-sharding", default="", help="comma-separated [wlb] cp_sharding values")
     p.add_argument("--threads-per-rank", type=int, default=1, help="OMP threads per rank")
     p.add_argument("--seed", type=int, default=0)
@@ -370,9 +390,14 @@ def speedups(results: dict[str, dict[str, Any]]) -> dict[str, float]:
 # Each mode's figures a run reports as ``<figure>_<mode>`` beside its speedups, so that --runs
 # gives their mean and interval (the whole ``modes`` block is the last run's alone).
 PER_RUN_FIGURES = (
-    "time_to_train_s", "measured_imbalance", "measured_imbalance_device", "fit_mean_abs_error",
-    "fit_mean_abs_error_in_use", "docs_trained", "docs_repeated",
-)  # fmt: skip
+    "time_to_train_s",
+    "measured_imbalance",
+    "measured_imbalance_device",
+    "fit_mean_abs_error",
+    "fit_mean_abs_error_in_use",
+    "docs_trained",
+    "docs_repeated",
+)
 
 
 def per_run_figures(results: dict[str, dict[str, Any]]) -> dict[str, float]:
@@ -453,8 +478,10 @@ def _check(p: ToolParser, args: argparse.Namespace) -> tuple[list[str], list[str
     try:  # the jobs' [wlb] fit fields, checked before any job starts
         WLB(**fit_fields(args))
     except ConfigError as e:
-        p.error(f"--fit-warmup {args.fit_warmup} --fit-window {args.fit_window} --fit-interval "
-                f"{args.fit_interval}: {e}")  # fmt: skip
+        p.error(
+            f"--fit-warmup {args.fit_warmup} --fit-window {args.fit_window} --fit-interval "
+            f"{args.fit_interval}: {e}"
+        )
     return modes, shardings
 
 

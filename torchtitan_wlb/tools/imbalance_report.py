@@ -175,8 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     files = sorted(Path(args.records).glob("records_*.json"))
     if not files:
-        p.error(f"{args.records!r} holds no records_<mode>.json (write them with e2e_bench "
-                "--records-out DIR)")  # fmt: skip
+        p.error(
+            f"{args.records!r} holds no records_<mode>.json (write them with e2e_bench "
+            "--records-out DIR)"
+        )
     out: dict[str, Any] = {}
     for path in files:
         mode = path.stem.removeprefix("records_")

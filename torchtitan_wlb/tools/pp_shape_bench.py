@@ -38,9 +38,13 @@ def _build_pipeline(args: argparse.Namespace, mesh: Any) -> Any:
     from torchtitan.models.llama3.model.model import Transformer
 
     model_args = TransformerModelArgs(
-        dim=args.dim, n_layers=args.layers, n_heads=max(1, args.dim // 64), vocab_size=args.vocab,
-        multiple_of=64, max_seq_len=args.max_len,
-    )  # fmt: skip
+        dim=args.dim,
+        n_layers=args.layers,
+        n_heads=max(1, args.dim // 64),
+        vocab_size=args.vocab,
+        multiple_of=64,
+        max_seq_len=args.max_len,
+    )
     torch.manual_seed(0)
     model = Transformer(model_args)
     with torch.no_grad():
