@@ -76,8 +76,8 @@ def _features(m: dict[str, Any], per_rank: bool) -> list[float]:
 
 
 def _fit(rows: list[dict[str, Any]], per_rank: bool) -> np.ndarray:
-    """The run's own best ``(a, b, g, c)`` of the records' device times (the cost model's fit,
-    every row as given)."""
+    """The run's own best ``(a, b, g, c)`` of the records' times on the device clock (the cost
+    model's fit, every row as given)."""
     x = np.array([_features(m, per_rank) for m in rows])
     t = np.array([m["device_s"] for m in rows])
     coef, why = fit_nnls(FitStats.from_samples(x[:, 0], x[:, 1], t, x[:, 2]), online_checks=False)
