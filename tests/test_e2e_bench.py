@@ -352,7 +352,7 @@ def test_modes_and_the_floor_run_set_the_trainer_flags():
         "--wlb.cost_model",
         "online",
     ]
-    assert "--wlb.fit_window_steps" in e2e_bench.mode_args("wlb_online", args)
+    assert "--wlb.online.window_steps" in e2e_bench.mode_args("wlb_online", args)
     assert e2e_bench.mode_args(e2e_bench.FLOOR, args)[:2] == ["--wlb.packing", "original"]
 
 

@@ -248,7 +248,7 @@ def test_pipeline_record_without_stage_times_is_rejected(tmp_path, capsys):
 
 # ------------------------------------------------------- from e2e_bench's records, end to end
 def _trainer_logs(parallel: str) -> list[dict[int, dict]]:
-    """Two ranks' ``[wlb] metrics_jsonl`` logs (the keys e2e_bench reads) carrying the synthetic
+    """Two ranks' ``[wlb.advanced] metrics_jsonl`` logs (the keys e2e_bench reads) carrying the synthetic
     times above: under DP = 2 each rank its own micro-batches, under PP = 2 one stage's actions."""
     logs: list[dict[int, dict]] = [{}, {}]
     if parallel == "pp2":

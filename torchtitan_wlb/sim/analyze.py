@@ -48,7 +48,7 @@ def length_histogram(lengths: np.ndarray, context_len: int) -> list[dict]:
 def predicted_imbalance(lengths, cfg, packer: str, **overrides) -> dict:
     """One packer's predicted imbalance and delay over the sample (no flush: it is a sample)."""
     config = packing_config(
-        packer, cfg.n_global, cfg.context_len, max_wait=cfg.max_delay_steps, **overrides
+        packer, cfg.n_global, cfg.context_len, max_delay_steps=cfg.max_delay_steps, **overrides
     )
     docs = split_long(lengths, cfg.context_len)
     run = run_sample(packer, docs, config, cost_model_for(cfg), cfg.steps)
@@ -69,7 +69,9 @@ def recommend(lengths, cfg) -> dict:
     smaller S_max)."""
     cm = cost_model_for(cfg)
     smax = {replace(cfg, smax_factor=f).smax: f for f in reversed(SMAX_CANDIDATES)}
-    config = packing_config("wlb", cfg.n_global, cfg.context_len, max_wait=cfg.max_delay_steps)
+    config = packing_config(
+        "wlb", cfg.n_global, cfg.context_len, max_delay_steps=cfg.max_delay_steps
+    )
     docs, waits = split_long(lengths, cfg.context_len), (cfg.max_delay_steps,)
     trials = tune_trials(docs, config, cm, smaxes=tuple(smax), waits=waits, steps=cfg.steps)
     pick = choose(trials)

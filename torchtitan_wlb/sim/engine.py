@@ -36,7 +36,7 @@ def pack_steps(mode, lengths: np.ndarray, cfg, n_steps: int) -> tuple[list[list[
         mode.packer,
         cfg.n_global,
         cfg.context_len,
-        max_wait=cfg.max_delay_steps,
+        max_delay_steps=cfg.max_delay_steps,
         smax=cfg.smax if mode.variable_length else None,
         queue_thresholds=() if no_queues else cfg.queue_thresholds,
     )

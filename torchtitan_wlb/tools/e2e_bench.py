@@ -1,5 +1,6 @@
 """End-to-end: the time the paper's systems take to train the same documents, each mode a real
-``torchtitan_wlb.train`` job on 2 CPU ranks (gloo), read back from its ``[wlb] metrics_jsonl``.
+``torchtitan_wlb.train`` job on 2 CPU ranks (gloo), read back from its metrics log
+(``[wlb.advanced] metrics_jsonl``).
 
     python -m torchtitan_wlb.tools.e2e_bench --json                  # 2 ranks, PP = 2
     python -m torchtitan_wlb.tools.e2e_bench --parallel cp2 --json   # 2 ranks, CP = 2
@@ -28,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from torchtitan_wlb.config import MODE_PRESETS, WLB, ConfigError
+from torchtitan_wlb.config import MODE_PRESETS, ConfigError, OnlineCostModel
 from torchtitan_wlb.cp.adaptive import STRATEGIES as CP_STRATEGIES
 from torchtitan_wlb.tools.analysis import (
     FIT_ERROR_FLOOR_KEYS,
@@ -98,17 +99,17 @@ def mode_args(mode: str, args: argparse.Namespace, cp_sharding: str = "") -> lis
         packer = MODE_PRESETS[preset][0]
         flags = ["--wlb.mode", "", "--wlb.packing", packer, "--wlb.cp_sharding", cp_sharding]
     cost = ["--wlb.cost_model", "online" if mode == "wlb_online" else args.cost_model]
-    fit = [x for k, v in fit_fields(args).items() for x in (f"--wlb.{k}", str(v))]
+    fit = [x for k, v in fit_fields(args).items() for x in (f"--wlb.online.{k}", str(v))]
     return flags + cost + fit
 
 
 def fit_fields(args: argparse.Namespace) -> dict[str, int]:
-    """The ``[wlb]`` online-fit fields every job gets (the last quarter of the window held out)."""
+    """The ``[wlb.online]`` fields every job gets (the last quarter of the window held out)."""
     return {
-        "fit_warmup_steps": args.fit_warmup,
-        "fit_window_steps": args.fit_window,
-        "fit_holdout_steps": max(1, args.fit_window // 4),
-        "fit_interval_steps": args.fit_interval,
+        "warmup_steps": args.fit_warmup,
+        "window_steps": args.fit_window,
+        "holdout_steps": max(1, args.fit_window // 4),
+        "interval_steps": args.fit_interval,
     }
 
 
@@ -159,7 +160,7 @@ def train_command(
         "--training.global_batch_size", str(args.micro_batches),
         *steps, *mode_args(mode, args, cp_sharding),
         "--wlb.micro_batch_max_len", str(micro_batch_max_len(mode, args, floor_len)),
-        "--wlb.metrics_jsonl", "--checkpoint.no-enable", "--metrics.log_freq", "1",
+        "--wlb.advanced.metrics_jsonl", "--checkpoint.no-enable", "--metrics.log_freq", "1",
         "--metrics.disable_color_printing", "--debug.seed", str(args.seed),
         "--lr_scheduler.warmup_steps", "1",
         f"--parallelism.{PARALLEL[args.parallel]}_degree", "2",
@@ -355,7 +356,9 @@ def parser() -> ToolParser:
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of modes")
     p.add_argument("--cost-model", choices=["analytic", "online"], default="analytic")
     for name, default in (("warmup", 2), ("window", 8), ("interval", 4)):
-        p.add_argument(f"--fit-{name}", type=int, default=default, help=f"[wlb] fit_{name}_steps")
+        p.add_argument(
+            f"--fit-{name}", type=int, default=default, help=f"[wlb.online] {name}_steps"
+        )
     p.add_argument("--floor-steps", type=int, default=20, help="noise-floor steps; 0: none")
     p.add_argument(
         "--floor-doc-len",
@@ -475,8 +478,8 @@ def _check(p: ToolParser, args: argparse.Namespace) -> tuple[list[str], list[str
     require_at_least(p, args, ("context_len", "micro_batches", "num_docs", "scale_from", "runs"))
     if args.steps != "epoch" and args.steps <= args.warmup:
         p.error(f"--steps {args.steps} must exceed --warmup {args.warmup}")
-    try:  # the jobs' [wlb] fit fields, checked before any job starts
-        WLB(**fit_fields(args))
+    try:  # the jobs' [wlb.online] fields, checked before any job starts
+        OnlineCostModel(**fit_fields(args))
     except ConfigError as e:
         p.error(
             f"--fit-warmup {args.fit_warmup} --fit-window {args.fit_window} --fit-interval "
