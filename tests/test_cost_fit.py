@@ -296,3 +296,31 @@ def test_cp_fit_features_split_each_ranks_tokens_by_sharding():
         assert local.sum() + gathered.sum() == lens.sum()
         assert (local.sum() > 0) == (strategy == "hybrid"), strategy
         assert local.sum() == (lens[1:].sum() if strategy == "hybrid" else 0)
+
+
+def test_offline_fits_take_every_row_and_may_leave_out_the_fixed_cost():
+    """The simulator's calibration and the imbalance report fit with the same function, without
+    the online model's checks: a handful of exact rows is fitted as it is, and so are terms that
+    move together (their share split by the least-norm solution, the predictions exact)."""
+    sq, lin = np.array([1e5, 2.5e3, 1.6e5]), np.array([400.0, 50.0, 400.0])
+    t = TRUE.predict(sq, lin)
+    stats = FitStats.from_samples(sq, lin, t)
+    coef, why = fit_nnls(stats)
+    assert coef is None and "too few micro-batches" in why
+    coef, why = fit_nnls(stats, online_checks=False)
+    assert why == ""
+    np.testing.assert_allclose(coef[[0, 1, 3]], [TRUE.a, TRUE.b, TRUE.c], rtol=1e-6)
+    # Without the constant: c is 0 and the per-token costs absorb it.
+    coef, why = fit_nnls(stats, constant=False, online_checks=False)
+    assert why == "" and coef[3] == 0.0 and coef[0] + coef[1] > 0
+    # Gathered tokens a fixed share of Σd² (collinear): rejected online, fitted offline.
+    sq = np.array([1e5, 2e5, 3e5, 4e5, 5e5])
+    gathered, local = 190.0 + sq * 1e-4, np.array([100.0, 150.0, 100.0, 150.0, 100.0])
+    truth = Coefficients(a=1e-7, b=1e-5, c=1e-3, g=3e-5)
+    t = truth.predict(sq, local, gathered)
+    stats = FitStats.from_samples(sq, local, t, gathered)
+    assert "degenerate" in fit_nnls(stats)[1]
+    coef, why = fit_nnls(stats, online_checks=False)
+    assert why == "" and np.all(coef >= 0)
+    fitted = Coefficients(coef[0], coef[1], coef[3], g=coef[2]).predict(sq, local, gathered)
+    np.testing.assert_allclose(fitted, t, rtol=1e-9)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from torchtitan_wlb.cp import build_cp_plan
-from torchtitan_wlb.cp.torch_lb import (
+from torchtitan_wlb.tools.torch_balancers import (
     TORCH_BALANCERS,
     assignment_stats,
     plan_assignment,
@@ -72,7 +72,7 @@ def test_plan_assignment_agrees_with_the_plan(strategy):
 
 
 def test_small_chunks_count_only_cut_documents():
-    from torchtitan_wlb.cp.torch_lb import Assignment
+    from torchtitan_wlb.tools.torch_balancers import Assignment
 
     lens = np.array([5, 300, 4])
     rank = np.repeat([0, 1, 0, 1, 1], [5, 100, 150, 50, 4])  # doc 1 cut into 100 / 150 / 50

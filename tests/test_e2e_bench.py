@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from torchtitan_wlb.tools import e2e_bench
+from torchtitan_wlb.tools import analysis, e2e_bench
 
 
 def test_measured_imbalance_is_time_weighted_per_layout():
@@ -20,11 +20,11 @@ def test_measured_imbalance_is_time_weighted_per_layout():
         {1: {"micro_batch_times_s": [2.0, 2.0]}, 2: {"micro_batch_times_s": [1.0, 1.0]}},
     ]
     # step 1: max 3, mean 2; step 2: max 1, mean 1 -> (3 + 1) / (2 + 1)
-    assert e2e_bench.measured_imbalance(logs, [1, 2], "dp2") == pytest.approx(4 / 3)
+    assert analysis.measured_imbalance(logs, [1, 2], "dp2") == pytest.approx(4 / 3)
     # CP: a micro-batch takes its slowest rank's time: step 1 [2, 3] -> 3 / 2.5
-    assert e2e_bench.measured_imbalance(logs, [1], "cp2") == pytest.approx(3 / 2.5)
+    assert analysis.measured_imbalance(logs, [1], "cp2") == pytest.approx(3 / 2.5)
     pp = [{1: {"pp_actions": [{"fwd_s": [[1.0, 2.0]], "bwd_s": [[1.0, 4.0]]}]}}]
-    assert e2e_bench.measured_imbalance(pp, [1], "pp2") == pytest.approx(6 / 4)
+    assert analysis.measured_imbalance(pp, [1], "pp2") == pytest.approx(6 / 4)
 
 
 def test_floor_half_gap_compares_the_two_halves_of_the_timed_steps():
@@ -33,25 +33,35 @@ def test_floor_half_gap_compares_the_two_halves_of_the_timed_steps():
     even = {"micro_batch_times_s": [1.0, 1.0], "micro_batch_device_times_s": [2.0, 2.0]}
     odd = {"micro_batch_times_s": [1.0, 2.0], "micro_batch_device_times_s": [2.0, 2.0]}
     logs = [{1: even, 2: even, 3: odd, 4: odd}]
-    assert e2e_bench.half_gap(logs, [1, 2, 3, 4], "dp2") == pytest.approx(1 / 3)
-    assert e2e_bench.half_gap(logs, [3, 4, 1, 2], "dp2") == pytest.approx(1 / 3)
-    assert e2e_bench.half_gap(logs, [1, 2, 3, 4], "dp2", device=True) == pytest.approx(0.0)
+    assert analysis.half_gap(logs, [1, 2, 3, 4], "dp2") == pytest.approx(1 / 3)
+    assert analysis.half_gap(logs, [3, 4, 1, 2], "dp2") == pytest.approx(1 / 3)
+    assert analysis.half_gap(logs, [1, 2, 3, 4], "dp2", device=True) == pytest.approx(0.0)
     # [1] against [2, 3]: 1.0 against (1 + 2) / (1 + 1.5)
-    assert e2e_bench.half_gap(logs, [1, 2, 3], "dp2") == pytest.approx(3 / 2.5 - 1.0)
-    assert e2e_bench.half_gap(logs, [1], "dp2") is None
+    assert analysis.half_gap(logs, [1, 2, 3], "dp2") == pytest.approx(3 / 2.5 - 1.0)
+    assert analysis.half_gap(logs, [1], "dp2") is None
 
 
 def test_device_clock_figures_read_the_device_times():
     """The device-clock variants read the device times, the existing keys the wall times."""
-    rec = {"micro_batch_times_s": [1.0, 3.0], "micro_batch_device_times_s": [1.0, 1.0],
-           "micro_batch_doc_lens": [[2, 3], [4]], "wlb/step_time_s": 4.0}  # fmt: skip
+    rec = {
+        "micro_batch_times_s": [1.0, 3.0],
+        "micro_batch_device_times_s": [1.0, 1.0],
+        "micro_batch_doc_lens": [[2, 3], [4]],
+        "wlb/step_time_s": 4.0,
+    }
     logs = [{1: rec}]
-    assert e2e_bench.measured_imbalance(logs, [1], "dp2") == pytest.approx(1.5)
-    assert e2e_bench.measured_imbalance(logs, [1], "dp2", device=True) == pytest.approx(1.0)
-    act = {"stages": [0], "fwd_s": [[1.0, 2.0]], "bwd_s": [[1.0, 4.0]], "doc_lens": [[2], [3]],
-           "fwd_device_s": [[1.0, 1.0]], "bwd_device_s": [[2.0, 2.0]]}  # fmt: skip
+    assert analysis.measured_imbalance(logs, [1], "dp2") == pytest.approx(1.5)
+    assert analysis.measured_imbalance(logs, [1], "dp2", device=True) == pytest.approx(1.0)
+    act = {
+        "stages": [0],
+        "fwd_s": [[1.0, 2.0]],
+        "bwd_s": [[1.0, 4.0]],
+        "doc_lens": [[2], [3]],
+        "fwd_device_s": [[1.0, 1.0]],
+        "bwd_device_s": [[2.0, 2.0]],
+    }
     pp = [{1: {"pp_actions": [act], "wlb/step_time_s": 7.0}}]
-    assert e2e_bench.measured_imbalance(pp, [1], "pp2", device=True) == pytest.approx(1.0)
+    assert analysis.measured_imbalance(pp, [1], "pp2", device=True) == pytest.approx(1.0)
     mbs = e2e_bench.calibration_records(logs, [1])["microbatches"]
     assert [(m["seconds"], m["device_s"]) for m in mbs] == [(1.0, 1.0), (3.0, 1.0)]
     assert "fit_features" not in mbs[0]
@@ -59,15 +69,17 @@ def test_device_clock_figures_read_the_device_times():
     cp_mbs = e2e_bench.calibration_records(with_features, [1])["microbatches"]
     assert [m["fit_features"] for m in cp_mbs] == [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]
     # a = 0, b = 0, c = 1 predicts the device times exactly, the wall times off by 2/3 on one
-    assert e2e_bench.fit_error(mbs, [0.0, 0.0, 1.0], cp=1, key="device_s") == 0.0
-    assert e2e_bench.fit_error(mbs, [0.0, 0.0, 1.0], cp=1) == pytest.approx(1 / 3)
+    assert analysis.fit_error(mbs, [0.0, 0.0, 1.0], cp=1, key="device_s") == 0.0
+    assert analysis.fit_error(mbs, [0.0, 0.0, 1.0], cp=1) == pytest.approx(1 / 3)
     [first, second] = e2e_bench.calibration_records(pp, [1])["microbatches"]
     assert (first["seconds"], first["device_s"], second["bwd_device_s"]) == (2.0, 3.0, 2.0)
     # Two stages of one micro-batch: the fit's row is their sum.
     other_stage = {**act, "stages": [1], "fwd_device_s": [[0.5, 0.5]], "bwd_device_s": [[1.0, 1.0]]}
-    pp2 = [{1: {"pp_actions": [act], "wlb/step_time_s": 7.0}},
-           {1: {"pp_actions": [other_stage], "wlb/step_time_s": 7.0}}]  # fmt: skip
-    totals = e2e_bench.stage_totals(e2e_bench.calibration_records(pp2, [1])["microbatches"])
+    pp2 = [
+        {1: {"pp_actions": [act], "wlb/step_time_s": 7.0}},
+        {1: {"pp_actions": [other_stage], "wlb/step_time_s": 7.0}},
+    ]
+    totals = analysis.stage_totals(e2e_bench.calibration_records(pp2, [1])["microbatches"])
     assert [(t["doc_lens"], t["device_s"]) for t in totals] == [([2], 4.5), ([3], 4.5)]
 
 
@@ -94,10 +106,10 @@ def test_balance_loss_is_measured_time_over_the_balanced_pipeline():
         "microbatches": mbs,
         "steps": [{"step": 5, "seconds": 7.5}, {"step": 9, "seconds": 9.0}],
     }
-    assert e2e_bench.pipeline_balance_loss(records) == pytest.approx(7.5 / 6.0)
+    assert analysis.pipeline_balance_loss(records) == pytest.approx(7.5 / 6.0)
     even = [dict(mb, seconds=2.0) for mb in mbs]  # equal micro-batches: nothing left to save
     assert (
-        e2e_bench.pipeline_balance_loss(
+        analysis.pipeline_balance_loss(
             {"microbatches": even, "steps": [{"step": 5, "seconds": 6.0}]}
         )
         == 1.0
@@ -110,14 +122,14 @@ def test_predicted_imbalance_weighs_each_step_by_its_time_not_its_units():
     times larger) do not stand for the pass."""
     flops = {"wlb/max_workload": 1.10e12, "wlb/mean_workload": 1.0e12}  # 1.10 apart
     seconds = {"wlb/max_workload": 0.102, "wlb/mean_workload": 0.1}  # 1.02 apart
-    got = e2e_bench.predicted_imbalance([flops, seconds, seconds, seconds], [1.0, 1.0, 1.0, 1.0])
+    got = analysis.predicted_imbalance([flops, seconds, seconds, seconds], [1.0, 1.0, 1.0, 1.0])
     assert got == pytest.approx((1.10 + 3 * 1.02) / 4)
-    assert e2e_bench.predicted_imbalance([flops, seconds], [1.0, 3.0]) == pytest.approx(
+    assert analysis.predicted_imbalance([flops, seconds], [1.0, 3.0]) == pytest.approx(
         (1.10 + 3 * 1.02) / 4
     )
     # Steps without a plan's workloads (a loader that does not pack) are left out.
-    assert e2e_bench.predicted_imbalance([{}, seconds], [5.0, 1.0]) == pytest.approx(1.02)
-    assert e2e_bench.predicted_imbalance([{}], [1.0]) == 1.0
+    assert analysis.predicted_imbalance([{}, seconds], [5.0, 1.0]) == pytest.approx(1.02)
+    assert analysis.predicted_imbalance([{}], [1.0]) == 1.0
 
 
 def test_short_whole_passes_are_flagged():
@@ -155,15 +167,15 @@ def test_bad_steps(value, capsys):
 def test_fit_error_is_mean_absolute_relative_error():
     mbs = [{"doc_lens": [2, 3], "seconds": 2.0}, {"doc_lens": [4], "seconds": 4.0}]
     # a=0.1, b=0.2, c=0.5: [2,3] -> 0.1*13 + 0.2*5 + 0.5 = 2.8; [4] -> 1.6 + 0.8 + 0.5 = 2.9
-    err = e2e_bench.fit_error(mbs, [0.1, 0.2, 0.5], cp=1)
+    err = analysis.fit_error(mbs, [0.1, 0.2, 0.5], cp=1)
     assert err == pytest.approx((0.8 / 2 + 1.1 / 4) / 2)
     # Under CP a rank does 1/cp of the document work; the fixed cost is per rank.
-    assert e2e_bench.fit_error(mbs, [0.2, 0.4, 0.5], cp=2) == pytest.approx(err)
+    assert analysis.fit_error(mbs, [0.2, 0.4, 0.5], cp=2) == pytest.approx(err)
     # A record with the trainer's CP features (Σd² share, local, gathered tokens) is judged on
     # them: 0.1*10 + 0.2*1 + 0.3*2 + 0.5 = 2.3 against 2.0, also without g (b for both): 2.1.
     cp_mb = [{"doc_lens": [2, 3], "seconds": 2.0, "fit_features": [10.0, 1.0, 2.0]}]
-    assert e2e_bench.fit_error(cp_mb, [0.1, 0.2, 0.5, 0.3], cp=2) == pytest.approx(0.15)
-    assert e2e_bench.fit_error(cp_mb, [0.1, 0.2, 0.5], cp=2) == pytest.approx(0.05)
+    assert analysis.fit_error(cp_mb, [0.1, 0.2, 0.5, 0.3], cp=2) == pytest.approx(0.15)
+    assert analysis.fit_error(cp_mb, [0.1, 0.2, 0.5], cp=2) == pytest.approx(0.05)
 
 
 def test_in_use_error_judges_each_step_by_the_model_that_packed_it():
@@ -171,31 +183,37 @@ def test_in_use_error_judges_each_step_by_the_model_that_packed_it():
     # The model adopted for step 3 predicts 1.0 (c = 1), the one for step 5 on 2.0 (b = 0.5):
     # exact where each packed; the starting model's step 2 is left out.
     adoptions = [(3, [0.0, 0.0, 1.0]), (5, [0.0, 0.5, 0.0])]
-    assert e2e_bench.in_use_error(mbs, adoptions, cp=1) == 0.0
+    assert analysis.in_use_error(mbs, adoptions, cp=1) == 0.0
     # The last model alone misses step 3 by 100 % (and step 2 by 7/9).
-    assert e2e_bench.fit_error(mbs[1:], [0.0, 0.5, 0.0], cp=1) == pytest.approx(0.5)
+    assert analysis.fit_error(mbs[1:], [0.0, 0.5, 0.0], cp=1) == pytest.approx(0.5)
     # Weighted by micro-batches: step 3's 100 % error over three micro-batches of which one is off.
     adoptions = [(3, [0.0, 0.5, 0.0])]
     two = mbs + [{"step": 4, "doc_lens": [4], "seconds": 2.0}]
-    assert e2e_bench.in_use_error(two, adoptions, cp=1) == pytest.approx(1 / 3)
-    assert math.isnan(e2e_bench.in_use_error(mbs[:1], adoptions, cp=1))
+    assert analysis.in_use_error(two, adoptions, cp=1) == pytest.approx(1 / 3)
+    assert math.isnan(analysis.in_use_error(mbs[:1], adoptions, cp=1))
     # Under PP the stage totals keep their step.
-    act = {"stages": [0], "fwd_s": [[1.0]], "bwd_s": [[1.0]], "doc_lens": [[2]],
-           "fwd_device_s": [[1.0]], "bwd_device_s": [[1.0]]}  # fmt: skip
+    act = {
+        "stages": [0],
+        "fwd_s": [[1.0]],
+        "bwd_s": [[1.0]],
+        "doc_lens": [[2]],
+        "fwd_device_s": [[1.0]],
+        "bwd_device_s": [[1.0]],
+    }
     pp = [{7: {"pp_actions": [act], "wlb/step_time_s": 3.0}}]
-    [total] = e2e_bench.stage_totals(e2e_bench.calibration_records(pp, [7])["microbatches"])
+    [total] = analysis.stage_totals(e2e_bench.calibration_records(pp, [7])["microbatches"])
     assert total["step"] == 7
 
 
 def test_best_constant_error_is_the_least_any_one_prediction_attains():
-    assert e2e_bench.best_constant_error(np.full(5, 0.3)) == 0.0
+    assert analysis.best_constant_error(np.full(5, 0.3)) == 0.0
     # [1, 2]: m = 1 errs (0 + 1/2) / 2 = 0.25, m = 2 errs (1 + 0) / 2 = 0.5.
-    assert e2e_bench.best_constant_error(np.array([2.0, 1.0])) == pytest.approx(0.25)
+    assert analysis.best_constant_error(np.array([2.0, 1.0])) == pytest.approx(0.25)
     t = np.random.default_rng(0).lognormal(0.0, 0.2, 101)
-    best = e2e_bench.best_constant_error(t)
+    best = analysis.best_constant_error(t)
     grid = np.linspace(t.min(), t.max(), 4001)
     assert best == pytest.approx(min(np.mean(np.abs(m - t) / t) for m in grid), rel=1e-3)
-    assert math.isnan(e2e_bench.best_constant_error(np.array([])))
+    assert math.isnan(analysis.best_constant_error(np.array([])))
 
 
 def test_window_constant_error_predicts_each_step_from_the_window_before():
@@ -203,32 +221,41 @@ def test_window_constant_error_predicts_each_step_from_the_window_before():
     # step 3 is predicted from steps 1-2 by Σ(1/t) / Σ(1/t²) = (2 + 1) / (2 + 1/2) = 1.2.
     steps = np.repeat(np.arange(1, 7), 2)
     t = steps.astype(float)
-    err = e2e_bench.window_constant_error(t, steps, window=2, lag=1)
-    expect = [abs((1 / a + 1 / b) / (1 / a**2 + 1 / b**2) - s) / s
-              for s, a, b in ((3, 1, 2), (4, 2, 3), (5, 3, 4), (6, 4, 5))]  # fmt: skip
+    err = analysis.window_constant_error(t, steps, window=2, lag=1)
+    expect = [
+        abs((1 / a + 1 / b) / (1 / a**2 + 1 / b**2) - s) / s
+        for s, a, b in ((3, 1, 2), (4, 2, 3), (5, 3, 4), (6, 4, 5))
+    ]
     assert err == pytest.approx(np.mean(expect))
     # Identical times: a constant predicts them exactly; no step with a full window: NaN.
-    assert e2e_bench.window_constant_error(np.ones(12), steps, window=2, lag=2) == 0.0
-    assert math.isnan(e2e_bench.window_constant_error(t, steps, window=6, lag=1))
+    assert analysis.window_constant_error(np.ones(12), steps, window=2, lag=2) == 0.0
+    assert math.isnan(analysis.window_constant_error(t, steps, window=6, lag=1))
 
 
 def test_fit_error_floor_reads_the_floor_as_the_fit_has_its_rows():
     args = argparse.Namespace(parallel="cp2", fit_window=2)
-    rows = [{"step": s, "device_s": 1.0 + 0.1 * (i % 2), "seconds": 2.0, "doc_lens": [8]}
-            for s in range(3, 8) for i in range(4)]  # fmt: skip
-    out = e2e_bench.fit_error_floor(rows, args)
+    rows = [
+        {"step": s, "device_s": 1.0 + 0.1 * (i % 2), "seconds": 2.0, "doc_lens": [8]}
+        for s in range(3, 8)
+        for i in range(4)
+    ]
+    out = analysis.fit_error_floor(rows, args.parallel, args.fit_window)
     assert out["fit_error_floor_wall"] == 0.0
-    assert out["fit_error_floor"] == pytest.approx(e2e_bench.best_constant_error(
-        np.array([r["device_s"] for r in rows])))  # fmt: skip
+    assert out["fit_error_floor"] == pytest.approx(
+        analysis.best_constant_error(np.array([r["device_s"] for r in rows]))
+    )
     assert 0.0 < out["fit_error_floor_in_use"] < 0.1
     # Under PP a row is a micro-batch's time summed over its stages.
-    pp = [{"step": 3, "mb": mb, "stage": st, "device_s": 1.0 + mb, "seconds": 1.0,
-           "doc_lens": [8]} for mb in range(2) for st in range(2)]  # fmt: skip
-    out = e2e_bench.fit_error_floor(pp, argparse.Namespace(parallel="pp2", fit_window=2))
+    pp = [
+        {"step": 3, "mb": mb, "stage": st, "device_s": 1.0 + mb, "seconds": 1.0, "doc_lens": [8]}
+        for mb in range(2)
+        for st in range(2)
+    ]
+    out = analysis.fit_error_floor(pp, "pp2", window=2)
     assert out["fit_error_floor"] == pytest.approx(
-        e2e_bench.best_constant_error(np.array([2.0, 4.0]))
+        analysis.best_constant_error(np.array([2.0, 4.0]))
     )
-    assert e2e_bench.fit_error_floor([], args) == {}
+    assert analysis.fit_error_floor([], args.parallel, args.fit_window) == {}
 
 
 def test_runs_alternate_the_modes_order_after_the_floor():
@@ -239,8 +266,9 @@ def test_runs_alternate_the_modes_order_after_the_floor():
     assert [j[0] for j in second] == ["floor", "wlb_online", "wlb"]
     shardings = [("wlb", "hybrid", data), ("wlb", "per_document", data)]
     assert [e2e_bench.label_of(j) for j in e2e_bench.run_order(shardings, 1)] == [
-        "wlb+per_document", "wlb+hybrid"
-    ]  # fmt: skip
+        "wlb+per_document",
+        "wlb+hybrid",
+    ]
 
 
 def test_imbalance_over_floor_per_mode_and_clock():
@@ -249,25 +277,29 @@ def test_imbalance_over_floor_per_mode_and_clock():
         "wlb": {"measured_imbalance": 1.10, "measured_imbalance_device": 1.07},
         "wlb_online": {"measured_imbalance": 1.06, "measured_imbalance_device": 1.035},
     }
-    assert e2e_bench.over_floor(res, floor) == pytest.approx({
-        "imbalance_over_floor_wlb": 0.05, "imbalance_over_floor_device_wlb": 0.05,
-        "imbalance_over_floor_wlb_online": 0.01, "imbalance_over_floor_device_wlb_online": 0.015,
-    })  # fmt: skip
+    assert e2e_bench.over_floor(res, floor) == pytest.approx(
+        {
+            "imbalance_over_floor_wlb": 0.05,
+            "imbalance_over_floor_device_wlb": 0.05,
+            "imbalance_over_floor_wlb_online": 0.01,
+            "imbalance_over_floor_device_wlb_online": 0.015,
+        }
+    )
 
 
 def test_across_runs_gives_the_mean_and_its_t_interval():
     runs = [{"modes": {}, "x": v, "k": 7} for v in (1.0, 2.0, 3.0)]
-    out = e2e_bench.across_runs(runs)
+    out = analysis.across_runs(runs)
     half = 4.303 * 1.0 / math.sqrt(3)  # t(2 df) x sample sd / sqrt(n)
     assert out["x"] == 2.0 and (out["x_min"], out["x_max"]) == (1.0, 3.0)
     assert (out["x_ci95_low"], out["x_ci95_high"]) == pytest.approx((2.0 - half, 2.0 + half))
     assert (out["k_ci95_low"], out["k_ci95_high"]) == (7.0, 7.0)
     assert "modes" not in out
     # One run: the figure alone, no spread to show.
-    assert e2e_bench.across_runs(runs[:1]) == {"x": 1.0, "k": 7.0}
+    assert analysis.across_runs(runs[:1]) == {"x": 1.0, "k": 7.0}
     # A figure only some runs report (no refit adopted in the others): over those, counted.
     runs[1]["fit"] = 0.03
-    out = e2e_bench.across_runs(runs)
+    out = analysis.across_runs(runs)
     assert out["fit"] == 0.03 and out["fit_runs"] == 1 and "fit_ci95_low" not in out
     assert "x_runs" not in out
 
@@ -278,9 +310,12 @@ def test_per_run_figures_name_each_mode():
         "wlb_online": {"time_to_train_s": 28.0, "fit_mean_abs_error_in_use": 0.03},
     }
     assert e2e_bench.per_run_figures(res) == {
-        "time_to_train_s_wlb": 30.0, "docs_trained_wlb": 9.0, "docs_repeated_wlb": 0.0,
-        "time_to_train_s_wlb_online": 28.0, "fit_mean_abs_error_in_use_wlb_online": 0.03,
-    }  # fmt: skip
+        "time_to_train_s_wlb": 30.0,
+        "docs_trained_wlb": 9.0,
+        "docs_repeated_wlb": 0.0,
+        "time_to_train_s_wlb_online": 28.0,
+        "fit_mean_abs_error_in_use_wlb_online": 0.03,
+    }
 
 
 def test_every_run_is_checked_for_exactly_once():
@@ -297,23 +332,27 @@ def test_every_run_is_checked_for_exactly_once():
     assert e2e_bench.not_exactly_once(runs[:1], 5) == []
 
 
-@pytest.mark.parametrize("df, exact", [(1, 12.706), (10, 2.228), (30, 2.042), (40, 2.021),
-                                       (60, 2.000), (120, 1.980)])  # fmt: skip
+@pytest.mark.parametrize(
+    "df, exact", [(1, 12.706), (10, 2.228), (30, 2.042), (40, 2.021), (60, 2.000), (120, 1.980)]
+)
 def test_t95_matches_the_tables(df, exact):
-    assert e2e_bench.t95(df) == pytest.approx(exact, abs=1e-3)
+    assert analysis.t95(df) == pytest.approx(exact, abs=1e-3)
 
 
 def test_t95_rejects_no_degrees_of_freedom():
     with pytest.raises(ValueError, match="degrees of freedom must be >= 1, got 0"):
-        e2e_bench.t95(0)
+        analysis.t95(0)
 
 
 def test_modes_and_the_floor_run_set_the_trainer_flags():
     args = e2e_bench.parser().parse_args(["--cost-model", "online", "--fit-window", "4"])
     assert e2e_bench.mode_args("wlb", args)[:4] == [
-        "--wlb.mode", "wlb", "--wlb.cost_model", "online"
-    ]  # fmt: skip
-    assert "--wlb.fit_window_steps" in e2e_bench.mode_args("wlb_online", args)
+        "--wlb.mode",
+        "wlb",
+        "--wlb.cost_model",
+        "online",
+    ]
+    assert "--wlb.online.window_steps" in e2e_bench.mode_args("wlb_online", args)
     assert e2e_bench.mode_args(e2e_bench.FLOOR, args)[:2] == ["--wlb.packing", "original"]
 
 

@@ -23,8 +23,16 @@ def _cp_records(noise=None, steps=(3, 4, 5)):
                 t = (A * sq + B * local + G * gathered + C) * slow
                 if noise is not None:
                     t *= 1.0 + noise * rng.standard_normal()
-                mbs.append({"doc_lens": [10 + i, 20], "seconds": t, "device_s": t, "step": step,
-                            "rank": rank, "fit_features": [sq, local, gathered]})  # fmt: skip
+                mbs.append(
+                    {
+                        "doc_lens": [10 + i, 20],
+                        "seconds": t,
+                        "device_s": t,
+                        "step": step,
+                        "rank": rank,
+                        "fit_features": [sq, local, gathered],
+                    }
+                )
     return {"microbatches": mbs, "steps": [], "layout": {"cp": 2}}
 
 
@@ -35,8 +43,10 @@ def test_exact_times_leave_no_residual_and_the_plan_imbalance_is_measured():
     assert out["fit_mean_abs_error"] < 0.06  # one fit for all steps: the slow-down is not in it
     assert out["fitted"] == pytest.approx(out["measured"], rel=1e-6)
     # The ranks' fitted costs: rank 1 holds 50 more local tokens in every micro-batch.
-    t = [[A * 1e5 * (1 + i) + B * (100 + 50 * r) + G * (200 + 10 * i) + C for r in (0, 1)]
-         for i in range(4)]  # fmt: skip
+    t = [
+        [A * 1e5 * (1 + i) + B * (100 + 50 * r) + G * (200 + 10 * i) + C for r in (0, 1)]
+        for i in range(4)
+    ]
     spread = [max(x) / np.mean(x) for x in t]
     assert out["rank_spread_mean"] == pytest.approx(np.mean(spread), rel=1e-3)
     slowest = [max(x) for x in t]
@@ -54,8 +64,16 @@ def test_fitted_whole_prices_micro_batches_as_the_packer_does():
         for rank, i in ((r, i) for r in (0, 1) for i in range(4)):
             sq, local, gathered = 1e5 * (1 + i), local_of(rank, i), 200.0 + 30 * i * i + 40 * rank
             t = A * sq + B * local + G * gathered + C
-            mbs.append({"doc_lens": lens[i], "seconds": t, "device_s": t, "step": 3,
-                        "rank": rank, "fit_features": [sq, local, gathered]})  # fmt: skip
+            mbs.append(
+                {
+                    "doc_lens": lens[i],
+                    "seconds": t,
+                    "device_s": t,
+                    "step": 3,
+                    "rank": rank,
+                    "fit_features": [sq, local, gathered],
+                }
+            )
         return {"microbatches": mbs, "steps": [], "layout": {"cp": 2}}
 
     def whole(d, local_max):
@@ -83,10 +101,14 @@ def test_noise_shows_as_residual_spread():
 def test_floor_and_pipeline_records():
     # Floor: identical micro-batches; their spread within a step is the noise.
     times = {3: [1.0, 1.1, 0.9, 1.0], 4: [2.0, 2.0, 2.0, 2.0]}
-    floor = {"microbatches": [
-        {"doc_lens": [5, 5], "device_s": t, "seconds": t, "step": s, "rank": 0}
-        for s, ts in times.items() for t in ts
-    ], "layout": {"cp": 1}}  # fmt: skip
+    floor = {
+        "microbatches": [
+            {"doc_lens": [5, 5], "device_s": t, "seconds": t, "step": s, "rank": 0}
+            for s, ts in times.items()
+            for t in ts
+        ],
+        "layout": {"cp": 1},
+    }
     out = imbalance_report.floor_report(floor)
     dev = np.array([0.0, 0.1, -0.1, 0.0, 0, 0, 0, 0])
     assert out["residual_spread"] == pytest.approx(float(np.std(dev)))
@@ -97,13 +119,24 @@ def test_floor_and_pipeline_records():
         for mb, lens in enumerate([[100, 300], [50], [400]]):
             d = np.array(lens, float)
             t = a * d @ d + b * d.sum()
-            mbs.append({"doc_lens": lens, "device_s": t, "seconds": t, "step": 3, "rank": stage,
-                        "stage": stage, "mb": mb})  # fmt: skip
+            mbs.append(
+                {
+                    "doc_lens": lens,
+                    "device_s": t,
+                    "seconds": t,
+                    "step": 3,
+                    "rank": stage,
+                    "stage": stage,
+                    "mb": mb,
+                }
+            )
     out = imbalance_report.report({"microbatches": mbs, "layout": {"pp": 2}})
     assert out["residual_spread"] == pytest.approx(0.0, abs=1e-9)
     assert out["fitted"] == pytest.approx(out["measured"], rel=1e-6)
-    per_stage = [[a * np.dot(x, x) + b * sum(x) for x in ([100, 300], [50], [400])]
-                 for a, b in [(1e-7, 1e-5), (2e-7, 5e-6)]]  # fmt: skip
+    per_stage = [
+        [a * np.dot(x, x) + b * sum(x) for x in ([100, 300], [50], [400])]
+        for a, b in [(1e-7, 1e-5), (2e-7, 5e-6)]
+    ]
     expect = sum(max(s) for s in per_stage) / sum(np.mean(s) for s in per_stage)
     assert out["measured"] == pytest.approx(expect)
 
@@ -117,11 +150,14 @@ def test_cli_reads_e2e_bench_records(tmp_path, capsys):
     assert capsys.readouterr().out.startswith("wlb_online   measured")
 
 
-@pytest.mark.parametrize("argv, message", [
-    ([], "the following arguments are required"),
-    (["{empty}"], "holds no records_<mode>.json"),
-    (["{full}", "--from-step", "99"], "no micro-batch recorded from step 99 on"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ([], "the following arguments are required"),
+        (["{empty}"], "holds no records_<mode>.json"),
+        (["{full}", "--from-step", "99"], "no micro-batch recorded from step 99 on"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
     (tmp_path / "empty").mkdir()
     e2e_bench.write_records(tmp_path / "full", {"wlb": _cp_records()}, "cp2", "tiny")
@@ -136,7 +172,10 @@ def test_dp_ranks_micro_batches_are_their_own():
     # DP = 2: each rank trains its own micro-batches; a step's imbalance pools them (as
     # e2e_bench's measured_imbalance does), never a max over ranks.
     times = {0: [1.0, 2.0], 1: [3.0, 2.0]}
-    mbs = [{"doc_lens": [10 * (i + 1)], "device_s": t, "seconds": t, "step": 3, "rank": r}
-           for r, ts in times.items() for i, t in enumerate(ts)]  # fmt: skip
+    mbs = [
+        {"doc_lens": [10 * (i + 1)], "device_s": t, "seconds": t, "step": 3, "rank": r}
+        for r, ts in times.items()
+        for i, t in enumerate(ts)
+    ]
     out = imbalance_report.floor_report({"microbatches": mbs, "layout": {"dp": 2}})
     assert out["micro_batches"] == 4 and out["measured"] == pytest.approx(3.0 / 2.0)

@@ -132,9 +132,15 @@ def test_tune_option(capsys):
 
 @pytest.mark.parametrize(
     "name, model",
-    [("550m", "550M"), ("7b", "7B"), ("8b", "llama3_8B"), ("30b", "30B"), ("70b", "70B"),
-     ("LLAMA3_70b", "llama3_70B")],
-)  # fmt: skip
+    [
+        ("550m", "550M"),
+        ("7b", "7B"),
+        ("8b", "llama3_8B"),
+        ("30b", "30B"),
+        ("70b", "70B"),
+        ("LLAMA3_70b", "llama3_70B"),
+    ],
+)
 def test_model_names_map_to_the_catalogue(name, model):
     from torchtitan_wlb.cost_model import CostModel
     from torchtitan_wlb.models.catalogue import get_model

@@ -86,13 +86,23 @@ def test_schedule_rejects_bad_sizes():
 def test_causal_pairs_and_layer_costs_hand_computed():
     assert causal_pairs(np.array([4]), np.array([4]))[0] == 10  # 1+2+3+4
     assert causal_pairs(np.array([2]), np.array([5]))[0] == 9  # 4+5 (bottom-right)
-    model = ModelSpec("t", dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=512,
-                      vocab_size=1000)  # fmt: skip
+    model = ModelSpec(
+        "t", dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=512, vocab_size=1000
+    )
     hw = HardwareProfile(gemm_tflops=1.0, attn_tflops=1.0, hbm_gbps=1e12)
     lay = Layout(tp=2, cp=1)
     flat = lambda q, k, fl: fl / 1e12  # noqa: E731 - ideal kernel: FLOPs at 1 TFLOP/s
-    c = layer_costs(model, lay, hw, np.array([0]), np.array([0]), np.array([128]),
-                    np.array([128]), np.array([[128]]), attention_time=flat)  # fmt: skip
+    c = layer_costs(
+        model,
+        lay,
+        hw,
+        np.array([0]),
+        np.array([0]),
+        np.array([128]),
+        np.array([128]),
+        np.array([[128]]),
+        attention_time=flat,
+    )
     attn_flops = 4 * 64 * (4 / 2) * (128 * 129 / 2)
     assert c.attn_fwd[0, 0] == pytest.approx(attn_flops / 1e12)
     gemm = 2 * 128 * model.params_per_layer / 2 / 1e12
@@ -125,8 +135,13 @@ def test_cut_stream_is_torchtitans_loader():
 def test_torchtitan_loader_packs_full_sequences_from_the_cut_stream():
     from torchtitan_wlb.sim.engine import pack_steps
 
-    cfg = SimConfig(model=get_model("550M"), layout=Layout(tp=1, cp=2, pp=2, dp=1),
-                    context_len=8192, steps=4, warmup_steps=0)  # fmt: skip
+    cfg = SimConfig(
+        model=get_model("550M"),
+        layout=Layout(tp=1, cp=2, pp=2, dp=1),
+        context_len=8192,
+        steps=4,
+        warmup_steps=0,
+    )
     lengths = _workload(n=800)
     steps, _ = pack_steps(MODES["plain_4d_torchtitan"], lengths, cfg, 4)
     assert all(int(mb.sum()) == 8192 for step in steps for mb in step)
@@ -147,8 +162,13 @@ def _workload(n=6000, ctx=8192, seed=0):
 
 @pytest.fixture(scope="module")
 def small_results():
-    cfg = SimConfig(model=get_model("550M"), layout=Layout(tp=1, cp=2, pp=2, dp=2),
-                    context_len=8192, steps=12, warmup_steps=2)  # fmt: skip
+    cfg = SimConfig(
+        model=get_model("550M"),
+        layout=Layout(tp=1, cp=2, pp=2, dp=2),
+        context_len=8192,
+        steps=12,
+        warmup_steps=2,
+    )
     lengths = _workload()
     names = ("plain_4d", "fixed_4d", "wlb", "per_doc_cp", "varlen_packing", "wlb_no_delay")
     return cfg, {n: simulate_mode(MODES[n], lengths, cfg) for n in names}
@@ -178,10 +198,17 @@ def test_equal_documents_give_the_ideal_pipeline():
     # Every document the same length and micro-batches full: all micro-batches cost the same, so the
     # step is the closed-form 1F1B time plus transfers and the imbalance is 1.
     # A small vocabulary keeps the output layer from making the last stage the bottleneck.
-    model = ModelSpec("t", dim=1024, n_layers=8, n_heads=8, n_kv_heads=8, ffn_hidden_dim=4096,
-                      vocab_size=512)  # fmt: skip
-    cfg = SimConfig(model=model, layout=Layout(tp=1, cp=1, pp=4, dp=1),
-                    context_len=4096, schedule="1f1b", steps=3, warmup_steps=0)  # fmt: skip
+    model = ModelSpec(
+        "t", dim=1024, n_layers=8, n_heads=8, n_kv_heads=8, ffn_hidden_dim=4096, vocab_size=512
+    )
+    cfg = SimConfig(
+        model=model,
+        layout=Layout(tp=1, cp=1, pp=4, dp=1),
+        context_len=4096,
+        schedule="1f1b",
+        steps=3,
+        warmup_steps=0,
+    )
     r = simulate_mode(MODES["plain_4d"], np.full(400, 1024), cfg)
     assert r.imbalance == pytest.approx(np.ones(3))
     assert np.allclose(r.step_time_s, r.step_time_s[0])
@@ -189,8 +216,8 @@ def test_equal_documents_give_the_ideal_pipeline():
 
 
 # ------------------------------------------------------------------------------------ the CLI
-WORKLOAD_ARGS = ["--context-len", "8192", "--tp", "1", "--cp", "2", "--pp", "2", "--dp", "1",
-                 "--model", "550M", "--steps", "6", "--warmup-steps", "1"]  # fmt: skip
+WORKLOAD_ARGS = ["--context-len", "8192", "--tp", "1", "--cp", "2", "--pp", "2", "--dp", "1"]
+WORKLOAD_ARGS += ["--model", "550M", "--steps", "6", "--warmup-steps", "1"]
 
 
 def test_cli_json_keys(tmp_path, capsys):
@@ -300,8 +327,12 @@ def test_measured_cp_profile_times_attention_like_the_planner():
 
     table = resolve_profile(None)  # the CP planner's packaged table
     model = get_model("7B")
-    cfg = SimConfig(model=model, layout=Layout(tp=8, cp=2, pp=4), context_len=8192,
-                    cp_profile=str(Path(torchtitan_wlb.cp.__file__).parent / "profiles/cpu_default.json"))  # fmt: skip
+    cfg = SimConfig(
+        model=model,
+        layout=Layout(tp=8, cp=2, pp=4),
+        context_len=8192,
+        cp_profile=str(Path(torchtitan_wlb.cp.__file__).parent / "profiles/cpu_default.json"),
+    )
     q, kv = np.array([64, 300, 1000]), np.array([64, 900, 4000])
     heads = model.n_heads / 8
     fwd_flops = 4.0 * model.head_dim * heads * causal_pairs(q, kv)
@@ -319,8 +350,10 @@ def test_cli_outlier_delay_off_changes_only_wlb(tmp_path, capsys):
     path.write_text(json.dumps(_workload(3000).tolist()))
     outs = []
     for flag in ("on", "off"):
-        assert sim_main(["--lengths", str(path), *WORKLOAD_ARGS, "--outlier-delay", flag,
-                         "--json"]) == 0  # fmt: skip
+        assert (
+            sim_main(["--lengths", str(path), *WORKLOAD_ARGS, "--outlier-delay", flag, "--json"])
+            == 0
+        )
         outs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
     on, off = outs
     assert on["plain_4d"] == off["plain_4d"]  # deterministic, and untouched by the flag
@@ -339,12 +372,18 @@ def test_reproduce_page_has_every_section_and_verdict(tmp_path):
     path = tmp_path / "lens.json"
     path.write_text(json.dumps(lens.tolist()))
     out = tmp_path / "repro.md"
-    rc = reproduce_main(["--workload", str(path), "--out", str(out), "--figures",
-                         str(tmp_path / "fig"), "--quick", "--skip-table2", "--windows", "2"])  # fmt: skip
+    argv = ["--workload", str(path), "--out", str(out), "--figures", str(tmp_path / "fig")]
+    rc = reproduce_main([*argv, "--quick", "--skip-table2", "--windows", "2"])
     assert rc == 0
     page = out.read_text()
-    for heading in ("## Figure 12", "## Figure 13", "## How much the figures depend on the window",
-                    "## Figure 14", "## Figure 15", "## Scale"):  # fmt: skip
+    for heading in (
+        "## Figure 12",
+        "## Figure 13",
+        "## How much the figures depend on the window",
+        "## Figure 14",
+        "## Figure 15",
+        "## Scale",
+    ):
         assert heading in page
     # Every target carries a verdict, and the sensitivity table has the paper's row and ours.
     assert "Targets: the average over the 8 configurations" in page
@@ -360,8 +399,9 @@ def test_reproduce_rejects_bad_window_arguments(tmp_path, capsys):
 
     path = tmp_path / "lens.json"
     path.write_text(json.dumps(_workload(100).tolist()))
-    rc = reproduce_main(["--workload", str(path), "--out", str(tmp_path / "r.md"),
-                         "--windows", "-1"])  # fmt: skip
+    rc = reproduce_main(
+        ["--workload", str(path), "--out", str(tmp_path / "r.md"), "--windows", "-1"]
+    )
     assert rc == 2
     assert "--windows -1" in capsys.readouterr().err
 
@@ -381,8 +421,8 @@ def test_reproduce_with_a_measured_table_says_so_and_rejects_a_missing_one(tmp_p
     path.write_text(json.dumps(_workload(3000).tolist()))
     table = reproduce.__file__.replace("sim/reproduce.py", "cp/profiles/h100.json")
     out = tmp_path / "r.md"
-    argv = ["--workload", str(path), "--out", str(out), "--figures", str(tmp_path / "f"),
-            "--quick", "--skip-table2", "--windows", "0"]  # fmt: skip
+    argv = ["--workload", str(path), "--out", str(out), "--figures", str(tmp_path / "f")]
+    argv += ["--quick", "--skip-table2", "--windows", "0"]
     try:
         assert reproduce.main([*argv, "--cp-profile", table]) == 0
         page = out.read_text()

@@ -115,9 +115,9 @@ def test_analyze_cli(tmp_path, capsys):
     np.save(path, _lengths())
     has_mpl = importlib.util.find_spec("matplotlib") is not None
     plot_args = ["--plot", str(tmp_path / "plots")] if has_mpl else []
-    rc = analyze_main(["--lengths", str(path), "--context-len", "16384", "--model", "550M",
-                       "--tp", "1", "--cp", "2", "--pp", "2", "--dp", "1", "--steps", "12",
-                       "--no-simulate", "--json", *plot_args])  # fmt: skip
+    layout = ["--context-len", "16384", "--model", "550M", "--steps", "12"]
+    layout += ["--tp", "1", "--cp", "2", "--pp", "2", "--dp", "1"]
+    rc = analyze_main(["--lengths", str(path), *layout, "--no-simulate", "--json", *plot_args])
     assert rc == 0
     if plot_args:
         assert (tmp_path / "plots" / "length_histogram.png").stat().st_size > 5000
@@ -144,9 +144,9 @@ def test_analyze_reads_a_local_dataset(tmp_path, capsys):
     rng = np.random.default_rng(0)
     sizes = np.where(rng.random(400) < 0.05, 6000, rng.integers(20, 800, 400))
     path.write_text("\n".join(json.dumps({"text": "a" * int(n)}) for n in sizes) + "\n")
-    rc = analyze_main(["--dataset", str(path), "--context-len", "8192", "--model", "550M",
-                       "--tp", "1", "--cp", "1", "--pp", "2", "--dp", "1", "--steps", "6",
-                       "--no-simulate", "--json"])  # fmt: skip
+    layout = ["--context-len", "8192", "--model", "550M", "--steps", "6"]
+    layout += ["--tp", "1", "--cp", "1", "--pp", "2", "--dp", "1"]
+    rc = analyze_main(["--dataset", str(path), *layout, "--no-simulate", "--json"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["documents"] == 400
@@ -160,10 +160,14 @@ def test_standalone_records_are_fitted_and_steps_held_out(tmp_path, capsys):
     for r in in_steps:
         steps[r["step"]] = steps.get(r["step"], 0.0) + r["seconds"]
     path = tmp_path / "calib.json"
-    path.write_text(json.dumps({
-        "microbatches": standalone + in_steps,
-        "steps": [{"step": s, "seconds": t} for s, t in steps.items()],
-    }))  # fmt: skip
+    path.write_text(
+        json.dumps(
+            {
+                "microbatches": standalone + in_steps,
+                "steps": [{"step": s, "seconds": t} for s, t in steps.items()],
+            }
+        )
+    )
     assert calibrate.main(["--records", str(path), "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["records"] == 30 and out["fitted_on"] == "standalone micro-batches"
@@ -196,8 +200,18 @@ def _pp_records(n_steps=10, m=8, pp=2, seed=0, overhead=0.05, noise=0.01):
         for k in range(pp):
             for j in range(m):
                 f, b = float(t["fwd"][k, j]), float(t["bwd"][k, j])
-                recs.append({"doc_lens": lens[j].tolist(), "seconds": f + b, "fwd_s": f,
-                             "bwd_s": b, "stage": k, "mb": j, "step": s, "rank": k})  # fmt: skip
+                recs.append(
+                    {
+                        "doc_lens": lens[j].tolist(),
+                        "seconds": f + b,
+                        "fwd_s": f,
+                        "bwd_s": b,
+                        "stage": k,
+                        "mb": j,
+                        "step": s,
+                        "rank": k,
+                    }
+                )
     return {"microbatches": recs, "steps": steps, "layout": {"tp": 1, "cp": 1, "pp": pp, "dp": 1}}
 
 
@@ -234,14 +248,16 @@ def test_pipeline_record_without_stage_times_is_rejected(tmp_path, capsys):
 
 # ------------------------------------------------------- from e2e_bench's records, end to end
 def _trainer_logs(parallel: str) -> list[dict[int, dict]]:
-    """Two ranks' ``[wlb] metrics_jsonl`` logs (the keys e2e_bench reads) carrying the synthetic
+    """Two ranks' ``[wlb.advanced] metrics_jsonl`` logs (the keys e2e_bench reads) carrying the synthetic
     times above: under DP = 2 each rank its own micro-batches, under PP = 2 one stage's actions."""
     logs: list[dict[int, dict]] = [{}, {}]
     if parallel == "pp2":
         data = _pp_records()
         for step in data["steps"]:
             for k, log in enumerate(logs):
-                mine = [r for r in data["microbatches"] if r["step"] == step["step"] and r["stage"] == k]  # fmt: skip
+                mine = [
+                    r for r in data["microbatches"] if r["step"] == step["step"] and r["stage"] == k
+                ]
                 act = {"stages": [k], "doc_lens": [r["doc_lens"] for r in mine]}
                 for key in ("fwd_s", "bwd_s"):  # the device clock reads the same here
                     act[key] = act[key.replace("_s", "_device_s")] = [[r[key] for r in mine]]
@@ -253,9 +269,12 @@ def _trainer_logs(parallel: str) -> list[dict[int, dict]]:
         seconds = max(sum(r["seconds"] for r in rs) for rs in mine) + 0.05  # + optimizer
         for log, rs in zip(logs, mine, strict=True):
             times = [r["seconds"] for r in rs]
-            log[step] = {"micro_batch_doc_lens": [r["doc_lens"] for r in rs],
-                         "micro_batch_times_s": times, "micro_batch_device_times_s": times,
-                         "wlb/step_time_s": seconds}  # fmt: skip
+            log[step] = {
+                "micro_batch_doc_lens": [r["doc_lens"] for r in rs],
+                "micro_batch_times_s": times,
+                "micro_batch_device_times_s": times,
+                "wlb/step_time_s": seconds,
+            }
     return logs
 
 

@@ -11,8 +11,13 @@ from torchtitan_wlb.sim.config import MODES, SimConfig
 from torchtitan_wlb.sim.engine import cp_shards, shard_costs, simulate_mode
 from torchtitan_wlb.sim.hardware import Layout
 
-CFG = SimConfig(model=get_model("550M"), layout=Layout(tp=1, cp=2, pp=2, dp=1),
-                context_len=8192, steps=3, warmup_steps=0)  # fmt: skip
+CFG = SimConfig(
+    model=get_model("550M"),
+    layout=Layout(tp=1, cp=2, pp=2, dp=1),
+    context_len=8192,
+    steps=3,
+    warmup_steps=0,
+)
 MBS = [np.array([3000, 40, 700, 5, 1200, 90]), np.array([200] * 20), np.array([8000])]
 
 

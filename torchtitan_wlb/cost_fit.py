@@ -167,31 +167,52 @@ class Coefficients:
         return cls(model.attn_coef, model.linear_coef, 0.0, unit=model.unit)
 
 
-def fit_nnls(stats: FitStats) -> tuple[np.ndarray | None, str]:
-    """Non-negative least squares of ``(a, b, g, c)``: ``(coef, "")`` or ``(None, reason)``. A token
-    kind absent from the window leaves its coefficient 0; the terms are scaled to a unit-diagonal
-    normal matrix first (``Σd²`` is ~10^7 times ``1``)."""
+def fit_nnls(
+    stats: FitStats, constant: bool = True, online_checks: bool = True
+) -> tuple[np.ndarray | None, str]:
+    """The one fit of the cost model: non-negative least squares of ``(a, b, g, c)`` in relative
+    error, ``(coef, "")`` or ``(None, reason)``. The online model refits with it, and so do the
+    simulator's calibration and the imbalance report (their rows as :meth:`FitStats.from_samples`).
+
+    A token kind absent from the rows leaves its coefficient 0; the terms are scaled to a
+    unit-diagonal normal matrix first (``Σd²`` is ~10^7 times ``1``). ``constant=False`` fits no
+    fixed cost (``c = 0``: the simulator's profile of per-document costs). ``online_checks``: the
+    online model adopts nothing from too few micro-batches (a row more than coefficients) or with
+    no per-token cost, nor from collinear terms (the fit would be timing noise); offline, a
+    handful of exact rows, or terms that move together, are fitted as they are (collinear terms
+    share their cost by the least-norm solution)."""
     diag = np.diag(stats.gram)
     active = diag > 0
-    if not (active[_ATTN] and active[_FIXED] and (active[_LOCAL] or active[_GATHERED])):
+    if not constant:
+        active[_FIXED] = False
+    needed = active[_ATTN] and (active[_LOCAL] or active[_GATHERED])
+    if not (needed and (active[_FIXED] or not constant)):
         return None, "sum(d^2), the token count or the count is zero for every micro-batch"
     idx = np.flatnonzero(active)
-    if stats.count < idx.size + 1:
+    if online_checks and stats.count < idx.size + 1:
         return None, f"too few micro-batches to fit {idx.size} coefficients ({stats.count:.0f})"
     scale = 1.0 / np.sqrt(diag[idx])
     g = stats.gram[np.ix_(idx, idx)] * scale[:, None] * scale[None, :]
     h = stats.moment[idx] * scale
+    # Least squares from the normal equations g, h: min |root c - target|², root^T root = g.
     eig = np.linalg.eigvalsh(g)
-    if eig[0] < _MIN_EIGEN * eig[-1]:
+    if eig[0] >= _MIN_EIGEN * eig[-1]:
+        lower = np.linalg.cholesky(g)
+        root, target = lower.T, np.linalg.solve(lower, h)
+    elif online_checks:
         return None, (
             "degenerate window: the micro-batches' sum(d^2), token counts and count are (nearly) "
             f"collinear (normalised eigenvalue {eig[0] / eig[-1]:.2e} < {_MIN_EIGEN:g}); e.g. all "
             "of one length, leaving only timing noise to fit"
         )
-    lower = np.linalg.cholesky(g)
+    else:  # collinear terms, fitted offline: the least-norm split between them
+        eig, vec = np.linalg.eigh(g)
+        keep = eig > eig[-1] * idx.size * np.finfo(np.float64).eps
+        root = np.sqrt(eig[keep])[:, None] * vec[:, keep].T
+        target = (vec[:, keep].T @ h) / np.sqrt(eig[keep])
     best = np.zeros(N_TERMS)
-    best[idx] = nnls(lower.T, np.linalg.solve(lower, h)) * scale
-    if best[_ATTN] + best[_LOCAL] + best[_GATHERED] <= 0:
+    best[idx] = nnls(root, target) * scale
+    if online_checks and best[_ATTN] + best[_LOCAL] + best[_GATHERED] <= 0:
         return None, "no non-negative fit with a > 0, b > 0 or g > 0 (only the fixed cost c)"
     return best, ""
 

@@ -19,7 +19,8 @@ import tarfile
 
 import numpy as np
 
-from torchtitan_wlb.tools.e2e_bench import calibration_records, fit_error, measured_imbalance
+from torchtitan_wlb.tools.analysis import fit_error, measured_imbalance
+from torchtitan_wlb.tools.e2e_bench import calibration_records
 
 RUNS = ("floor", "analytic", "online")
 

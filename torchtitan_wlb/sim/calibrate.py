@@ -17,15 +17,22 @@ from torchtitan_wlb.sim.replay import pipeline_step_prediction, step_prediction
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m torchtitan_wlb.sim.calibrate", description="Fit "
-                                "measured micro-batch times and check the step-time prediction.")  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m torchtitan_wlb.sim.calibrate",
+        description="Fit measured micro-batch times and check the step-time prediction.",
+    )
     p.add_argument("--records", required=True, help="calibration JSON (docs/simulator.md)")
     p.add_argument("--model", default=None, help="model preset, to derive achieved TFLOP/s")
     for dim in ("tp", "cp", "pp"):
         p.add_argument(f"--{dim}", type=int, default=None)
     p.add_argument("--no-overhead", action="store_true", help="fit without the constant c")
-    p.add_argument("--predict-records", action="append", default=[], metavar="FILE",
-                   help="another run's records, whose steps this fit predicts (step_prediction.cross)")  # fmt: skip
+    p.add_argument(
+        "--predict-records",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="another run's records, whose steps this fit predicts (step_prediction.cross)",
+    )
     p.add_argument("--hardware-out", default=None, help="write the fitted HardwareProfile JSON")
     p.add_argument("--json", action="store_true", help="print one JSON object last")
     return p
@@ -45,15 +52,22 @@ def run(args: argparse.Namespace) -> dict:
     fit_on = standalone if steps and len(standalone) >= 3 and held_out else records
     calib = fit(fit_on, overhead=not args.no_overhead)
     lay = meta.get("layout", {}) if isinstance(meta.get("layout"), dict) else {}
-    layout = Layout(tp=args.tp or int(lay.get("tp", 1)), cp=args.cp or int(lay.get("cp", 1)),
-                    pp=args.pp or int(lay.get("pp", 1)), dp=int(lay.get("dp", 1)))  # fmt: skip
+    layout = Layout(
+        tp=args.tp or int(lay.get("tp", 1)),
+        cp=args.cp or int(lay.get("cp", 1)),
+        pp=args.pp or int(lay.get("pp", 1)),
+        dp=int(lay.get("dp", 1)),
+    )
     out: dict = {
-        "attn_coef": calib.attn_coef, "linear_coef": calib.linear_coef,
-        "overhead_s": calib.overhead_s, "break_even_length": calib.cost_model().break_even_length,
-        "records": calib.n_records, "mb_mean_abs_rel_error": calib.mean_abs_rel_error,
+        "attn_coef": calib.attn_coef,
+        "linear_coef": calib.linear_coef,
+        "overhead_s": calib.overhead_s,
+        "break_even_length": calib.cost_model().break_even_length,
+        "records": calib.n_records,
+        "mb_mean_abs_rel_error": calib.mean_abs_rel_error,
         "mb_max_abs_rel_error": calib.max_abs_rel_error,
         "fitted_on": "standalone micro-batches" if fit_on is standalone else "all records",
-    }  # fmt: skip
+    }
     if fit_on is standalone:
         pred = calib.predict([r.doc_lens for r in held_out])
         meas = np.array([r.seconds for r in held_out])
@@ -67,9 +81,12 @@ def run(args: argparse.Namespace) -> dict:
     if steps and pipeline_records is not None:
         n_stages = len({r.stage for r in pipeline_records})
         out["step_prediction"] = pipeline_step_prediction(
-            pipeline_records, steps, pp=args.pp or int(lay.get("pp", n_stages)), predict=others,
+            pipeline_records,
+            steps,
+            pp=args.pp or int(lay.get("pp", n_stages)),
+            predict=others,
             overhead=not args.no_overhead,
-        )  # fmt: skip
+        )
     elif steps:
         out["step_prediction"] = step_prediction(calib, records, steps, layout.pp, others)
     return out

@@ -82,16 +82,26 @@ def config_from_args(args: argparse.Namespace, total_tokens: int | None = None) 
         raise ValueError(f"--queue-thresholds {text!r} must be comma-separated integers") from None
     cfg = SimConfig(
         layout=resolve_layout(args.tp, args.cp, args.pp, args.dp, args.gpus),
-        model=model_from_args(args), context_len=args.context_len,
-        hardware=get_hardware(args.hardware), schedule=args.schedule, v=args.v,
-        steps=1 if epoch else args.steps, warmup_steps=args.warmup_steps,
-        micro_batches=args.micro_batches, smax_factor=args.smax_factor, queue_thresholds=thresholds,
-        max_delay_steps=args.max_delay, seed=args.seed, cost_model=args.cost_model,
+        model=model_from_args(args),
+        context_len=args.context_len,
+        hardware=get_hardware(args.hardware),
+        schedule=args.schedule,
+        v=args.v,
+        steps=1 if epoch else args.steps,
+        warmup_steps=args.warmup_steps,
+        micro_batches=args.micro_batches,
+        smax_factor=args.smax_factor,
+        queue_thresholds=thresholds,
+        max_delay_steps=args.max_delay,
+        seed=args.seed,
+        cost_model=args.cost_model,
         cp_profile=getattr(args, "cp_profile", None),
-    )  # fmt: skip
+    )
     if not epoch:
         return cfg
-    return replace(cfg, steps=epoch_steps(total_tokens, cfg.n_global, cfg.context_len, cfg.warmup_steps))  # fmt: skip
+    return replace(
+        cfg, steps=epoch_steps(total_tokens, cfg.n_global, cfg.context_len, cfg.warmup_steps)
+    )
 
 
 def summarize(results: dict[str, ModeResult]) -> dict:
@@ -100,12 +110,17 @@ def summarize(results: dict[str, ModeResult]) -> dict:
     out: dict = {name: r.summary() for name, r in results.items()}
     out["speedup_wlb_vs_plain"] = speedup(plain, wlb)
     out["speedup_wlb_vs_fixed"] = speedup(results["fixed_4d"], wlb)
-    return out | {f"speedup_{n}_vs_plain": speedup(plain, r) for n, r in results.items() if n != "plain_4d"}  # fmt: skip
+    return out | {
+        f"speedup_{n}_vs_plain": speedup(plain, r) for n, r in results.items() if n != "plain_4d"
+    }
 
 
 def run(args: argparse.Namespace) -> tuple[dict, dict[str, ModeResult], SimConfig]:
-    lengths = (load_lengths(args.lengths) if args.lengths
-               else generate(args.generator, DEFAULT_NUM_DOCS, args.context_len, seed=args.seed))  # fmt: skip
+    lengths = (
+        load_lengths(args.lengths)
+        if args.lengths
+        else generate(args.generator, DEFAULT_NUM_DOCS, args.context_len, seed=args.seed)
+    )
     cfg = config_from_args(args, int(np.asarray(lengths).sum()))
     asked = list(MODES) if args.modes == "all" else [m.strip() for m in args.modes.split(",") if m]
     if unknown := [n for n in asked if n not in MODES]:
@@ -113,8 +128,12 @@ def run(args: argparse.Namespace) -> tuple[dict, dict[str, ModeResult], SimConfi
     # The JSON object always carries the paper's three systems, first.
     modes = [MODES[n] for n in dict.fromkeys([*REQUIRED_MODES, *asked])]
     if args.outlier_delay == "off":
-        modes = [replace(m, outlier_delay=False, description=m.description + " (no delay)")
-                 if m.name == "wlb" else m for m in modes]  # fmt: skip
+        modes = [
+            replace(m, outlier_delay=False, description=m.description + " (no delay)")
+            if m.name == "wlb"
+            else m
+            for m in modes
+        ]
     results = {m.name: simulate_mode(m, lengths, cfg) for m in modes}
     return summarize(results), results, cfg
 
@@ -138,16 +157,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     out["sim_seconds"] = time.perf_counter() - t0
-    print(f"{cfg.model.name}  context {cfg.context_len}  {cfg.layout.label}  {cfg.schedule} "
-          f"(v={cfg.chunks})  {cfg.steps} steps  hardware {cfg.hardware.name}")  # fmt: skip
+    print(
+        f"{cfg.model.name}  context {cfg.context_len}  {cfg.layout.label}  {cfg.schedule} "
+        f"(v={cfg.chunks})  {cfg.steps} steps  hardware {cfg.hardware.name}"
+    )
     w = max(16, *(len(n) + 2 for n in results))
     print(f"{'mode':<{w}}{'step_s':>9}{'imbal':>8}{'bubble':>8}{'speedup':>9}")
     for name in results:
         s, sp = out[name], out.get(f"speedup_{name}_vs_plain", 1.0)
-        print(f"{name:<{w}}{s['step_time_s']:>9.3f}{s['imbalance']:>8.3f}"
-              f"{s['bubble_fraction']:>8.3f}{sp:>8.3f}x")  # fmt: skip
-    print(f"WLB vs Plain-4D {out['speedup_wlb_vs_plain']:.3f}x, vs Fixed-4D "
-          f"{out['speedup_wlb_vs_fixed']:.3f}x  ({out['sim_seconds']:.1f} s)")  # fmt: skip
+        print(
+            f"{name:<{w}}{s['step_time_s']:>9.3f}{s['imbalance']:>8.3f}"
+            f"{s['bubble_fraction']:>8.3f}{sp:>8.3f}x"
+        )
+    print(
+        f"WLB vs Plain-4D {out['speedup_wlb_vs_plain']:.3f}x, vs Fixed-4D "
+        f"{out['speedup_wlb_vs_fixed']:.3f}x  ({out['sim_seconds']:.1f} s)"
+    )
     if args.json:
         print(json.dumps(out))
     return 0

@@ -53,17 +53,28 @@ class SimConfig:
     def __post_init__(self) -> None:
         unit = 2 * self.layout.cp
         for ok, msg in (
-            (self.context_len >= 1 and self.context_len % unit == 0,
-             f"context length {self.context_len} is not divisible by 2 x CP = {unit}"),
-            (self.schedule in SCHEDULES,
-             f"unknown schedule {self.schedule!r}; accepted: {', '.join(SCHEDULES)}"),
+            (
+                self.context_len >= 1 and self.context_len % unit == 0,
+                f"context length {self.context_len} is not divisible by 2 x CP = {unit}",
+            ),
+            (
+                self.schedule in SCHEDULES,
+                f"unknown schedule {self.schedule!r}; accepted: {', '.join(SCHEDULES)}",
+            ),
             (self.v >= 1, f"virtual stages per rank v={self.v} must be >= 1"),
-            (self.steps >= 1 and self.warmup_steps >= 0,
-             f"steps={self.steps} must be >= 1 and warmup_steps >= 0"),
-            (self.cost_model in ("profiled", "analytic"),
-             f"unknown cost model {self.cost_model!r}; accepted: profiled, analytic"),
-            (self.smax_factor >= 1.0, f"smax_factor={self.smax_factor} must be >= 1 (S_max >= context)"),
-        ):  # fmt: skip
+            (
+                self.steps >= 1 and self.warmup_steps >= 0,
+                f"steps={self.steps} must be >= 1 and warmup_steps >= 0",
+            ),
+            (
+                self.cost_model in ("profiled", "analytic"),
+                f"unknown cost model {self.cost_model!r}; accepted: profiled, analytic",
+            ),
+            (
+                self.smax_factor >= 1.0,
+                f"smax_factor={self.smax_factor} must be >= 1 (S_max >= context)",
+            ),
+        ):
             if not ok:
                 raise ValueError(msg)
         layers_per_vstage(self.model.n_layers, self.layout.pp * self.chunks)
@@ -131,33 +142,97 @@ class ModeSpec:
 _P = MODE_PRESETS  # the paper's three systems, as the trainer's [wlb] mode presets define them
 # The *_torchtitan modes are labelled alternatives, not the paper's Plain-4D: the paper keeps
 # documents whole (its Table 2 imbalance of the original packing is whole-document next-fit's).
-MODES: dict[str, ModeSpec] = {m.name: m for m in (
-    ModeSpec("plain_4d", *_P["plain_4d"], description="Plain-4D: original packing + per-sequence CP"),
-    ModeSpec("fixed_4d", *_P["fixed_4d"],
-             description="Fixed-4D: fixed-length greedy packing + fixed CP sharding"),
-    ModeSpec("wlb", *_P["wlb"], variable_length=True,
-             description="WLB-LLM: variable-length packing with outlier delay + adaptive CP"),
-    ModeSpec("per_doc_cp", "original", "per_document",
-             description="per-document CP only (original packing)"),
-    ModeSpec("adaptive_cp", "original", "adaptive", description="adaptive CP only (original packing)"),
-    ModeSpec("hybrid_cp", "original", "hybrid",
-             description="hybrid CP only (original packing): short documents whole on one rank"),
-    ModeSpec("wlb_hybrid", "wlb", "adaptive", variable_length=True,
-             cp_candidates=ADAPTIVE_CANDIDATES,
-             description="WLB-LLM with adaptive CP choosing among per-sequence, per-document, hybrid"),
-    ModeSpec("varlen_packing", "wlb", "per_sequence", variable_length=True,
-             description="variable-length packing with outlier delay only"),
-    ModeSpec("varlen_no_delay", "wlb", "per_sequence", outlier_delay=False, variable_length=True,
-             description="variable-length packing without outlier delay"),
-    ModeSpec("wlb_no_delay", "wlb", "adaptive", outlier_delay=False, variable_length=True,
-             description="WLB-LLM without outlier delay"),
-    ModeSpec("wlb_paper", "wlb_paper", "adaptive", variable_length=True,
-             description="WLB-LLM with the paper's Algorithm 1 as published"),
-    ModeSpec("plain_4d_torchtitan", "original", "per_sequence", stream_cut=True,
-             description="Plain-4D with TorchTitan's loader (stream cut at the context length)"),
-    ModeSpec("per_doc_cp_torchtitan", "original", "per_document", stream_cut=True,
-             description="per-document CP only, TorchTitan's loader"),
-    ModeSpec("adaptive_cp_torchtitan", "original", "adaptive", stream_cut=True,
-             description="adaptive CP only, TorchTitan's loader"),
-)}  # fmt: skip
+MODES: dict[str, ModeSpec] = {
+    m.name: m
+    for m in (
+        ModeSpec(
+            "plain_4d", *_P["plain_4d"], description="Plain-4D: original packing + per-sequence CP"
+        ),
+        ModeSpec(
+            "fixed_4d",
+            *_P["fixed_4d"],
+            description="Fixed-4D: fixed-length greedy packing + fixed CP sharding",
+        ),
+        ModeSpec(
+            "wlb",
+            *_P["wlb"],
+            variable_length=True,
+            description="WLB-LLM: variable-length packing with outlier delay + adaptive CP",
+        ),
+        ModeSpec(
+            "per_doc_cp",
+            "original",
+            "per_document",
+            description="per-document CP only (original packing)",
+        ),
+        ModeSpec(
+            "adaptive_cp", "original", "adaptive", description="adaptive CP only (original packing)"
+        ),
+        ModeSpec(
+            "hybrid_cp",
+            "original",
+            "hybrid",
+            description="hybrid CP only (original packing): short documents whole on one rank",
+        ),
+        ModeSpec(
+            "wlb_hybrid",
+            "wlb",
+            "adaptive",
+            variable_length=True,
+            cp_candidates=ADAPTIVE_CANDIDATES,
+            description="WLB-LLM with adaptive CP choosing among per-sequence, per-document, hybrid",
+        ),
+        ModeSpec(
+            "varlen_packing",
+            "wlb",
+            "per_sequence",
+            variable_length=True,
+            description="variable-length packing with outlier delay only",
+        ),
+        ModeSpec(
+            "varlen_no_delay",
+            "wlb",
+            "per_sequence",
+            outlier_delay=False,
+            variable_length=True,
+            description="variable-length packing without outlier delay",
+        ),
+        ModeSpec(
+            "wlb_no_delay",
+            "wlb",
+            "adaptive",
+            outlier_delay=False,
+            variable_length=True,
+            description="WLB-LLM without outlier delay",
+        ),
+        ModeSpec(
+            "wlb_paper",
+            "wlb_paper",
+            "adaptive",
+            variable_length=True,
+            description="WLB-LLM with the paper's Algorithm 1 as published",
+        ),
+        ModeSpec(
+            "plain_4d_torchtitan",
+            "original",
+            "per_sequence",
+            stream_cut=True,
+            description="Plain-4D with TorchTitan's loader (stream cut at the context length)",
+        ),
+        ModeSpec(
+            "per_doc_cp_torchtitan",
+            "original",
+            "per_document",
+            stream_cut=True,
+            description="per-document CP only, TorchTitan's loader",
+        ),
+        ModeSpec(
+            "adaptive_cp_torchtitan",
+            "original",
+            "adaptive",
+            stream_cut=True,
+            description="adaptive CP only, TorchTitan's loader",
+        ),
+    )
+}
 REQUIRED_MODES = ("plain_4d", "fixed_4d", "wlb")

@@ -32,9 +32,14 @@ def pack_steps(mode, lengths: np.ndarray, cfg, n_steps: int) -> tuple[list[list[
         docs = cycle_to(split_long(lengths, cfg.context_len), need, rng)
     # Knobs the simulator has no setting for keep the [wlb] defaults. No outlier delay: no queues.
     no_queues = mode.packer.startswith("wlb") and not mode.outlier_delay
-    config = packing_config(mode.packer, cfg.n_global, cfg.context_len, max_wait=cfg.max_delay_steps,
-                            smax=cfg.smax if mode.variable_length else None,
-                            queue_thresholds=() if no_queues else cfg.queue_thresholds)  # fmt: skip
+    config = packing_config(
+        mode.packer,
+        cfg.n_global,
+        cfg.context_len,
+        max_delay_steps=cfg.max_delay_steps,
+        smax=cfg.smax if mode.variable_length else None,
+        queue_thresholds=() if no_queues else cfg.queue_thresholds,
+    )
     cost_model = cost_model_for(cfg)
     packer = build_packer(mode.packer, config, cost_model)
     steps: list[list[np.ndarray]] = []
@@ -69,8 +74,12 @@ class CPShards:
     chose_hybrid: np.ndarray
 
 
-def cp_shards(micro_batches: list[np.ndarray], cfg, strategy: str,
-              candidates: tuple[str, ...] = ("per_sequence", "per_document")) -> CPShards:  # fmt: skip
+def cp_shards(
+    micro_batches: list[np.ndarray],
+    cfg,
+    strategy: str,
+    candidates: tuple[str, ...] = ("per_sequence", "per_document"),
+) -> CPShards:
     """Every micro-batch's segments from the CP planner; "adaptive" chooses among ``candidates``
     with the planner profile and the simulated CP group's link bandwidth."""
     c, n = cfg.layout.cp, len(micro_batches)
@@ -87,11 +96,17 @@ def cp_shards(micro_batches: list[np.ndarray], cfg, strategy: str,
     for i, lens in enumerate(micro_batches):
         if int(np.sum(lens)) < c:  # an empty micro-batch (a packer may leave one): no work
             continue
-        plan = build_cp_plan(lens, c, strategy, profile=profile, bandwidth_gbps=bandwidth,
-                             candidates=candidates)  # fmt: skip
+        plan = build_cp_plan(
+            lens, c, strategy, profile=profile, bandwidth_gbps=bandwidth, candidates=candidates
+        )
         keep = plan.seg_len > 0
         q = plan.seg_len[keep]
-        parts = (np.full(q.size, i), plan.slot_owner()[plan.seg_slot[keep]], q, plan.seg_start[keep] + q)  # fmt: skip
+        parts = (
+            np.full(q.size, i),
+            plan.slot_owner()[plan.seg_slot[keep]],
+            q,
+            plan.seg_start[keep] + q,
+        )
         for acc, part in zip(segs, parts, strict=True):
             acc.append(part)
         local[i], gathered[i], chosen[i] = plan.local_lens, plan.gathered_len, plan.strategy
@@ -101,9 +116,14 @@ def cp_shards(micro_batches: list[np.ndarray], cfg, strategy: str,
 
 def shard_costs(shards: CPShards, cfg: SimConfig) -> timing.LayerCosts:
     segs = (shards.seg_mb, shards.seg_rank, shards.seg_q, shards.seg_kv, shards.local_tokens)
-    return timing.layer_costs(cfg.model, cfg.layout, cfg.hardware, *segs,
-                              attention_time=attention_time_fn(cfg),
-                              gathered_tokens=shards.gathered_tokens)  # fmt: skip
+    return timing.layer_costs(
+        cfg.model,
+        cfg.layout,
+        cfg.hardware,
+        *segs,
+        attention_time=attention_time_fn(cfg),
+        gathered_tokens=shards.gathered_tokens,
+    )
 
 
 @lru_cache(maxsize=8)
@@ -119,10 +139,17 @@ def simulated_cp_profile(hw):
     pq = -(-q // tile) * tile  # the table's FLOPs are the tile-padded ones
     padded_flops = attention_flops(pq, np.maximum(-(-kv_v // tile) * tile, pq), 1, head_dim)
     tflops = np.where(valid, padded_flops / seconds / 1e12, np.nan)
-    return CPProfile(lengths=tuple(int(x) for x in grid), tile=tile, device=f"simulated-{hw.name}",
-                     tflops=tuple(tuple(float(x) for x in row) for row in tflops),
-                     backend="simulated", n_heads=1, n_kv_heads=1, head_dim=head_dim,
-                     dtype="bfloat16")  # fmt: skip
+    return CPProfile(
+        lengths=tuple(int(x) for x in grid),
+        tile=tile,
+        device=f"simulated-{hw.name}",
+        tflops=tuple(tuple(float(x) for x in row) for row in tflops),
+        backend="simulated",
+        n_heads=1,
+        n_kv_heads=1,
+        head_dim=head_dim,
+        dtype="bfloat16",
+    )
 
 
 _measured_profile = lru_cache(maxsize=8)(resolve_profile)
@@ -168,8 +195,16 @@ def cost_model_for(cfg) -> CostModel:
 def _profiled_cost_model(model, layout, hw, context_len: int, cp_profile: str | None) -> CostModel:
     """W(d) = a d^2 + b d fitted to the simulated time of profiling micro-batches (per-document
     CP): an offline profile of the simulated GPUs."""
-    cfg = SimConfig(model=model, layout=layout, context_len=context_len, hardware=hw,
-                    schedule="1f1b", v=1, cost_model="analytic", cp_profile=cp_profile)  # fmt: skip
+    cfg = SimConfig(
+        model=model,
+        layout=layout,
+        context_len=context_len,
+        hardware=hw,
+        schedule="1f1b",
+        v=1,
+        cost_model="analytic",
+        cp_profile=cp_profile,
+    )
     mbs = profiling_micro_batches(context_len, layout.cp)
     costs = shard_costs(cp_shards(mbs, cfg, "per_document"), cfg)
     fwd, bwd, _ = timing.stage_times(model, layout, hw, 1, costs)
@@ -205,14 +240,17 @@ class ModeResult:
         per_step = self.rank_compute_s.reshape(self.rank_compute_s.shape[0], -1)
         gpu_imbalance = per_step.max(axis=1) / per_step.mean(axis=1)
         return {
-            "step_time_s": float(self.step_time_s.mean()), "imbalance": float(self.imbalance.mean()),
+            "step_time_s": float(self.step_time_s.mean()),
+            "imbalance": float(self.imbalance.mean()),
             "bubble_fraction": float(self.bubble_fraction.mean()),
             "tokens_per_step": float(self.tokens.mean()),
             "tokens_per_s": float(1.0 / self.seconds_per_token),
-            "gpu_latency_max_over_mean": float(gpu_imbalance.mean()), "packer": self.mode.packer,
-            "cp_strategy": self.mode.cp_strategy, "per_document_share": self.per_document_share,
+            "gpu_latency_max_over_mean": float(gpu_imbalance.mean()),
+            "packer": self.mode.packer,
+            "cp_strategy": self.mode.cp_strategy,
+            "per_document_share": self.per_document_share,
             "hybrid_share": self.hybrid_share,
-        }  # fmt: skip
+        }
 
 
 def simulate_mode(mode: ModeSpec, lengths, cfg: SimConfig, pack=pack_steps) -> ModeResult:
@@ -233,7 +271,9 @@ def simulate_mode(mode: ModeSpec, lengths, cfg: SimConfig, pack=pack_steps) -> M
     fwd, bwd, p2p = timing.stage_times(model, lay, hw, cfg.chunks, costs)
     dp, m, n_v = lay.dp, cfg.m, fwd.shape[1]
     # [steps * N, V] -> [steps, dp, m, V] -> [steps * dp, V, m]
-    f, b = (x.reshape(n_steps, dp, m, n_v).transpose(0, 1, 3, 2).reshape(-1, n_v, m) for x in (fwd, bwd))  # fmt: skip
+    f, b = (
+        x.reshape(n_steps, dp, m, n_v).transpose(0, 1, 3, 2).reshape(-1, n_v, m) for x in (fwd, bwd)
+    )
     schedule = build_schedule(lay.pp, m, cfg.chunks)
     res = simulate_pipeline(schedule, f, b, p2p.reshape(n_steps * dp, m))
     makespan = res.makespan.reshape(n_steps, dp)
@@ -252,10 +292,19 @@ def simulate_mode(mode: ModeSpec, lengths, cfg: SimConfig, pack=pack_steps) -> M
     tokens = np.array([sum(int(mb.sum()) for mb in s) for s in steps], dtype=np.float64)
     first = int(slowest[0])
     gantt = (schedule, res.start[first].copy(), res.end[first].copy())
-    return ModeResult(mode, step_time, tokens, imbalance, bubble, rank_compute,
-                      per_layer.reshape(n_steps, n, lay.cp) * model.n_layers, gantt,
-                      float(shards.chose_per_document.mean()), stats,
-                      float(shards.chose_hybrid.mean()))  # fmt: skip
+    return ModeResult(
+        mode,
+        step_time,
+        tokens,
+        imbalance,
+        bubble,
+        rank_compute,
+        per_layer.reshape(n_steps, n, lay.cp) * model.n_layers,
+        gantt,
+        float(shards.chose_per_document.mean()),
+        stats,
+        float(shards.chose_hybrid.mean()),
+    )
 
 
 def speedup(baseline: ModeResult, other: ModeResult) -> float:

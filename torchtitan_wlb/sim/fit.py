@@ -1,5 +1,6 @@
-"""The weighted least-squares fit of ``seconds ~= a sum(d^2) + b sum(d) + c`` to micro-batch times:
-of measured records (``calibrate``) and of the simulated profiling micro-batches (``engine``)."""
+"""The cost model ``seconds ~= a sum(d^2) + b sum(d) + c`` fitted to micro-batch times, by the
+online model's fit (:func:`torchtitan_wlb.cost_fit.fit_nnls`): of measured records
+(``calibrate``) and of the simulated profiling micro-batches (``engine``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from torchtitan_wlb.cost_model import CostModel, nnls
+from torchtitan_wlb.cost_fit import FitStats, fit_nnls
+from torchtitan_wlb.cost_model import CostModel
 from torchtitan_wlb.models.catalogue import ModelSpec
 from torchtitan_wlb.sim.hardware import HardwareProfile, Layout
 from torchtitan_wlb.sim.records import MicroBatchRecord, Records
@@ -25,13 +27,15 @@ def features(doc_lens_list: list[np.ndarray]) -> np.ndarray:
 
 def fit_coefficients(doc_lens_list: list[np.ndarray], seconds: np.ndarray, overhead: bool = True):
     """Non-negative (a, b, c) of ``seconds ~ a sum d^2 + b sum d (+ c)`` (c = 0 without overhead),
-    rows weighted by 1 / seconds so that each micro-batch counts alike (relative error)."""
-    w = 1.0 / seconds
-    x = features(doc_lens_list)[:, : 3 if overhead else 2] * w[:, None]
-    col_scale = np.abs(x).max(axis=0)
-    col_scale[col_scale == 0] = 1.0
-    coef = nnls(x / col_scale, seconds * w) / col_scale
-    return np.concatenate([coef, np.zeros(3 - coef.size)])
+    in relative error so that each micro-batch counts alike; every row is fitted as given (no
+    online checks). Raises ValueError when the rows cannot tell the terms apart."""
+    sq, lin, _ = features(doc_lens_list).T
+    stats = FitStats.from_samples(sq, lin, seconds)
+    coef, why = fit_nnls(stats, constant=overhead, online_checks=False)
+    if coef is None:
+        raise ValueError(f"cannot fit the micro-batch times: {why}")
+    a, b, _, c = coef
+    return np.array([a, b, c])
 
 
 @dataclass(frozen=True)
@@ -53,9 +57,13 @@ class Calibration:
         return CostModel.from_coefficients(self.attn_coef, self.linear_coef, unit="seconds")
 
     def summary(self) -> dict:
-        return {"a": self.attn_coef, "b": self.linear_coef, "c": self.overhead_s,
-                "mean_abs_rel_error": self.mean_abs_rel_error,
-                "max_abs_rel_error": self.max_abs_rel_error}  # fmt: skip
+        return {
+            "a": self.attn_coef,
+            "b": self.linear_coef,
+            "c": self.overhead_s,
+            "mean_abs_rel_error": self.mean_abs_rel_error,
+            "max_abs_rel_error": self.max_abs_rel_error,
+        }
 
     def hardware(self, model: ModelSpec, layout: Layout) -> HardwareProfile:
         """Per-GPU throughputs implied by the fit: ``a`` = attention FLOPs per squared token (fwd
@@ -67,9 +75,15 @@ class Calibration:
         gemm_flops_per_d = gemm / tp / cp
         attn = attn_flops_per_d2 * (1.0 + base.bwd_attn_factor) / max(self.attn_coef, 1e-30)
         gemm = gemm_flops_per_d * (1.0 + base.bwd_gemm_factor) / max(self.linear_coef, 1e-30)
-        return replace(base, name=f"{base.name}-calibrated", attn_tflops=float(attn / 1e12),
-                       gemm_tflops=float(gemm / 1e12), elementwise_bytes_per_token_dim=1e-9,
-                       tp_overlap=1.0, cp_overlap=1.0)  # fmt: skip
+        return replace(
+            base,
+            name=f"{base.name}-calibrated",
+            attn_tflops=float(attn / 1e12),
+            gemm_tflops=float(gemm / 1e12),
+            elementwise_bytes_per_token_dim=1e-9,
+            tp_overlap=1.0,
+            cp_overlap=1.0,
+        )
 
 
 def fit(records: Records, overhead: bool = True) -> Calibration:
@@ -87,7 +101,12 @@ def fit_pipeline(records: Records, overhead: bool = True) -> dict[str, dict[int,
     """Per-stage fits: {"fwd_s" (the last stage's with the loss), "bwd_s"}: stage -> Calibration."""
     stages = sorted({r.stage for r in records if r.stage >= 0})
     return {
-        a: {k: fit([MicroBatchRecord(r.doc_lens, getattr(r, a)) for r in records if r.stage == k],
-                   overhead=overhead) for k in stages}
+        a: {
+            k: fit(
+                [MicroBatchRecord(r.doc_lens, getattr(r, a)) for r in records if r.stage == k],
+                overhead=overhead,
+            )
+            for k in stages
+        }
         for a in ("fwd_s", "bwd_s")
-    }  # fmt: skip
+    }

@@ -48,10 +48,13 @@ def latency_heatmap(results: Sequence[ModeResult], path: str | Path, max_rows: i
     plt, fig, axes = _subplots(1, len(results), figsize=size, squeeze=False)
     im = None
     dp = results[0].rank_compute_s.shape[1]
-    labels = [f"s{s} dp{d} mb{j}" for s in range(steps) for d in range(dp) for j in range(n_mb // dp)]  # fmt: skip
+    labels = [
+        f"s{s} dp{d} mb{j}" for s in range(steps) for d in range(dp) for j in range(n_mb // dp)
+    ]
     for ax, r, mat in zip(axes[0], results, mats, strict=True):
-        im = ax.imshow(mat, cmap="RdYlGn_r", vmin=vmin, vmax=vmax, aspect="auto",
-                       interpolation="nearest")  # fmt: skip
+        im = ax.imshow(
+            mat, cmap="RdYlGn_r", vmin=vmin, vmax=vmax, aspect="auto", interpolation="nearest"
+        )
         ax.set_title(f"{r.mode.name}\nworst {mat.max():.2f}", fontsize=9)
         ax.set_xlabel("CP rank", fontsize=8)
         ax.set_xticks(range(cp))
@@ -65,8 +68,13 @@ def latency_heatmap(results: Sequence[ModeResult], path: str | Path, max_rows: i
 def gantt(results: Sequence[ModeResult], path: str | Path) -> Path:
     """One step's pipeline timeline (slowest DP replica) per mode on a shared time axis; the hue
     is the micro-batch, so a long one can be followed through the stages."""
-    plt, fig, axes = _subplots(len(results), 1, figsize=(12, 1.3 + 0.45 * results[0].gantt[0].pp
-                                                       * len(results)), squeeze=False, sharex=True)  # fmt: skip
+    plt, fig, axes = _subplots(
+        len(results),
+        1,
+        figsize=(12, 1.3 + 0.45 * results[0].gantt[0].pp * len(results)),
+        squeeze=False,
+        sharex=True,
+    )
     cmap = plt.get_cmap("tab20")
     for ax, r in zip(axes[:, 0], results, strict=True):
         sched, start, end = r.gantt
@@ -74,9 +82,13 @@ def gantt(results: Sequence[ModeResult], path: str | Path) -> Path:
         colors = np.where(sched.is_fwd[:, None], base, base * np.array([0.6, 0.6, 0.6, 1.0]))
         for rank in range(sched.pp):  # one call per stage, not per operation
             sel = np.flatnonzero(sched.rank == rank)
-            ax.broken_barh(list(zip(start[sel], end[sel] - start[sel], strict=True)),
-                           (rank - 0.4, 0.8), facecolors=colors[sel], edgecolor="white",
-                           linewidth=0.3)  # fmt: skip
+            ax.broken_barh(
+                list(zip(start[sel], end[sel] - start[sel], strict=True)),
+                (rank - 0.4, 0.8),
+                facecolors=colors[sel],
+                edgecolor="white",
+                linewidth=0.3,
+            )
         ax.set_ylim(sched.pp - 0.5, -0.5)
         ax.set_yticks(range(sched.pp), [f"PP{p}" for p in range(sched.pp)], fontsize=8)
         title = f"{r.mode.name}: step {end.max():.2f} s, bubbles {r.bubble_fraction[0]:.0%}"
@@ -85,8 +97,12 @@ def gantt(results: Sequence[ModeResult], path: str | Path) -> Path:
     return _save(plt, fig, path)
 
 
-def speedup_bars(speedups: Mapping[str, Mapping[str, float]], path: str | Path,
-                 title: str = "Speedup over Plain-4D", paper: Mapping | None = None) -> Path:  # fmt: skip
+def speedup_bars(
+    speedups: Mapping[str, Mapping[str, float]],
+    path: str | Path,
+    title: str = "Speedup over Plain-4D",
+    paper: Mapping | None = None,
+) -> Path:
     """Grouped bars: per configuration (outer key) each mode's speedup; ``paper`` (same keys)
     adds the paper's values as black ticks."""
     configs = list(speedups)
@@ -102,12 +118,27 @@ def speedup_bars(speedups: Mapping[str, Mapping[str, float]], path: str | Path,
         bars = ax.bar(pos, vals, width, label=mode)
         for b, v in zip(bars, vals, strict=True):
             if np.isfinite(v):  # inside the bar's top, clear of the paper's tick above it
-                ax.text(b.get_x() + b.get_width() / 2, v - 0.012, f"{v:.2f}", ha="center",
-                        va="top", fontsize=7, color="white", fontweight="bold")  # fmt: skip
+                ax.text(
+                    b.get_x() + b.get_width() / 2,
+                    v - 0.012,
+                    f"{v:.2f}",
+                    ha="center",
+                    va="top",
+                    fontsize=7,
+                    color="white",
+                    fontweight="bold",
+                )
         if paper:
             pv = [paper.get(c, {}).get(mode, np.nan) for c in configs]
-            ax.scatter(pos, pv, marker="_", s=300, color="black", zorder=3,
-                       label="paper" if j == 0 else None)  # fmt: skip
+            ax.scatter(
+                pos,
+                pv,
+                marker="_",
+                s=300,
+                color="black",
+                zorder=3,
+                label="paper" if j == 0 else None,
+            )
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_xticks(x, configs, fontsize=8)
     ax.set_ylabel("speedup (x)")
@@ -125,8 +156,11 @@ def length_histogram(hist: Sequence[Mapping], context_len: int, path: str | Path
     a1.set_yscale("log")
     a1.set_ylim(bottom=0.8)  # bars start at one document, so small buckets stay visible
     a1.set_title("documents per length bucket")
-    a2.bar(x, [100 * r["token_share"] for r in hist],
-           color=["tab:red" if r["over_half_context"] else "tab:green" for r in hist])  # fmt: skip
+    a2.bar(
+        x,
+        [100 * r["token_share"] for r in hist],
+        color=["tab:red" if r["over_half_context"] else "tab:green" for r in hist],
+    )
     a2.set_title(f"share of tokens (%); red: > context/2 ({context_len // 2})")
     for ax in (a1, a2):
         ax.set_xticks(x, [f"{r['min_len']}" for r in hist], rotation=60, fontsize=7)

@@ -39,8 +39,11 @@ def _report(play, records: Records, measured: dict[int, float], what: str) -> di
     ``_holdout``, and without the step overhead."""
     steps, pred, meas = play(records, measured)
     _need_two(steps, what)
-    return {"steps_compared": len(steps) - len(steps) // 2, **_holdout(pred, meas),
-            "mean_abs_rel_error_no_overhead": _errors(pred, meas)["mean_abs_rel_error"]}  # fmt: skip
+    return {
+        "steps_compared": len(steps) - len(steps) // 2,
+        **_holdout(pred, meas),
+        "mean_abs_rel_error_no_overhead": _errors(pred, meas)["mean_abs_rel_error"],
+    }
 
 
 def _cross(play, records: Records, measured: dict[int, float], others: list[tuple]) -> dict:
@@ -50,13 +53,20 @@ def _cross(play, records: Records, measured: dict[int, float], others: list[tupl
     for other in others:
         steps, pred, meas = play(*other)
         if not steps:
-            raise ValueError("a --predict-records file has no complete steps with micro-batch records")  # fmt: skip
+            raise ValueError(
+                "a --predict-records file has no complete steps with micro-batch records"
+            )
         cross.append({"steps_compared": len(steps), **_errors(pred + overhead, meas)})
     return {"cross": cross}
 
 
-def step_prediction(calib: Calibration, records: Records, measured: dict[int, float],
-                    pp: int = 1, others: list[tuple] = ()) -> dict:  # fmt: skip
+def step_prediction(
+    calib: Calibration,
+    records: Records,
+    measured: dict[int, float],
+    pp: int = 1,
+    others: list[tuple] = (),
+) -> dict:
     """The steps' times predicted from their micro-batches against the measured ones. A rank's step
     is its micro-batches' fitted times summed (PP = 1), or with PP > 1 each split evenly over the
     stages (forward 1/3, backward 2/3) and played through 1F1B; a step takes its slowest rank's."""
@@ -74,12 +84,20 @@ def step_prediction(calib: Calibration, records: Records, measured: dict[int, fl
             pred[step] = max(pred[step], t)
         return list(pred), np.array(list(pred.values())), np.array([meas[s] for s in pred])
 
-    out = _report(play, records, measured, "steps with both micro-batch records and a measured time")  # fmt: skip
+    out = _report(
+        play, records, measured, "steps with both micro-batch records and a measured time"
+    )
     return out | (_cross(play, records, measured, others) if others else {})
 
 
-def pipeline_step_prediction(records: Records, measured: dict[int, float], pp: int,
-                             *, predict: list[tuple] | None = None, overhead: bool = True) -> dict:  # fmt: skip
+def pipeline_step_prediction(
+    records: Records,
+    measured: dict[int, float],
+    pp: int,
+    *,
+    predict: list[tuple] | None = None,
+    overhead: bool = True,
+) -> dict:
     """Fit per-stage action costs on the first half of the steps, predict the second half.
 
     Each step is also played with the *measured* action times (``replay_*``: how much of the error
@@ -97,8 +115,16 @@ def pipeline_step_prediction(records: Records, measured: dict[int, float], pp: i
         def play(recs: Records, meas: dict[int, float]):
             stp = pipeline_steps(recs)
             which = sorted(set(stp) & set(meas))
-            pred = [play_pipeline(*(np.stack([c.predict(stp[s][0]) for c in part.values()])
-                                    for part in fits.values()), pp) for s in which]  # fmt: skip
+            pred = [
+                play_pipeline(
+                    *(
+                        np.stack([c.predict(stp[s][0]) for c in part.values()])
+                        for part in fits.values()
+                    ),
+                    pp,
+                )
+                for s in which
+            ]
             return which, np.array(pred), np.array([meas[s] for s in which])
 
         return play
@@ -111,16 +137,22 @@ def pipeline_step_prediction(records: Records, measured: dict[int, float], pp: i
     n_v = len(fits["fwd_s"])
     replay = np.array([play_pipeline(*steps[s][1], pp) for s in common])
     test = {k: [r for r in records if r.step in second and r.stage == k] for k in fits["fwd_s"]}
-    act_pred = np.concatenate([part[k].predict([r.doc_lens for r in rs])
-                               for part in fits.values() for k, rs in test.items()])  # fmt: skip
+    act_pred = np.concatenate(
+        [
+            part[k].predict([r.doc_lens for r in rs])
+            for part in fits.values()
+            for k, rs in test.items()
+        ]
+    )
     act_meas = np.array([getattr(r, a) for a in fits for rs in test.values() for r in rs])
     return {
         "fit": "per-stage forward/backward costs and the step overhead on the first half of "
         "the steps; errors on the second half",
         "schedule": "1f1b" if n_v <= pp else f"interleaved_1f1b (v={n_v // pp})",
-        "steps_fitted": half, **report,
+        "steps_fitted": half,
+        **report,
         "heldout_action_mean_abs_rel_error": float(np.mean(np.abs(act_pred - act_meas) / act_meas)),
         "replay_measured_actions": _holdout(replay, np.array([measured[s] for s in common])),
         "stages": {f"stage{k}_{a[:3]}": fits[a][k].summary() for k in fits["fwd_s"] for a in fits},
         **cross,
-    }  # fmt: skip
+    }

@@ -72,22 +72,33 @@ def _cfg(model: str, ctx: int, layout: Layout, steps: int | None, lengths=None, 
     """A figure's configuration; ``steps=None``: one pass over ``lengths`` (``epoch_steps``)."""
     if steps is None:
         steps = epoch_steps(int(np.sum(lengths)), layout.pp * layout.dp, ctx, WARMUP)
-    return SimConfig(model=get_model(model), layout=layout, context_len=ctx, steps=steps,
-                     warmup_steps=WARMUP, cp_profile=CP_PROFILE, **kw)  # fmt: skip
+    return SimConfig(
+        model=get_model(model),
+        layout=layout,
+        context_len=ctx,
+        steps=steps,
+        warmup_steps=WARMUP,
+        cp_profile=CP_PROFILE,
+        **kw,
+    )
 
 
 def attention_source(hw_name: str) -> dict:
     """What timed attention on this page, in the template's words: the measured table (its device
     and backend) or the simulated kernel of the hardware profile."""
     if CP_PROFILE is None:
-        return {"attn_source": f"the simulated {hw_name} kernel",
-                "attn_next": "A measured GPU table (`torchtitan_wlb.tools.cp_profile --device cuda`, "
-                             "then `--cp-profile FILE`) would replace the kernel model here."}  # fmt: skip
+        return {
+            "attn_source": f"the simulated {hw_name} kernel",
+            "attn_next": "A measured GPU table (`torchtitan_wlb.tools.cp_profile --device cuda`, "
+            "then `--cp-profile FILE`) would replace the kernel model here.",
+        }
     table = resolve_profile(CP_PROFILE)
-    return {"attn_source": f"the attention table measured on {table.device} ({table.backend}, "
-                           f"`{CP_PROFILE}`)",
-            "attn_next": "Attention time and adaptive CP's choices here come from that measured "
-                         "table, not from the kernel model."}  # fmt: skip
+    return {
+        "attn_source": f"the attention table measured on {table.device} ({table.backend}, "
+        f"`{CP_PROFILE}`)",
+        "attn_next": "Attention time and adaptive CP's choices here come from that measured "
+        "table, not from the kernel model.",
+    }
 
 
 def run_modes(lengths, cfg: SimConfig, modes: Iterable[str]) -> dict[str, ModeResult]:
@@ -114,10 +125,25 @@ def md_rows(rows: Iterable[Sequence]) -> str:
 def table2(workload: str, quick: bool, cfg: SimConfig) -> dict:
     """Table 2 through the packing benchmark (``pack_bench --table2``) with the profiled cost model."""
     cm = sim.cost_model_for(cfg)
-    argv = ["--lengths", workload, "--context-len", str(cfg.context_len), "--micro-batches",
-            str(cfg.n_global), "--steps", "40" if quick else "100", "--table2",
-            "--attn-coef", repr(cm.attn_coef), "--linear-coef", repr(cm.linear_coef),
-            "--solver-time-limit", "2" if quick else "5", "--solver-steps", "2" if quick else "4"]  # fmt: skip
+    argv = [
+        "--lengths",
+        workload,
+        "--context-len",
+        str(cfg.context_len),
+        "--micro-batches",
+        str(cfg.n_global),
+        "--steps",
+        "40" if quick else "100",
+        "--table2",
+        "--attn-coef",
+        repr(cm.attn_coef),
+        "--linear-coef",
+        repr(cm.linear_coef),
+        "--solver-time-limit",
+        "2" if quick else "5",
+        "--solver-steps",
+        "2" if quick else "4",
+    ]
     cmd = [sys.executable, "-m", "torchtitan_wlb.tools.pack_bench", *argv, "--json"]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
     *progress, last = proc.stdout.strip().splitlines() or [""]
@@ -136,25 +162,51 @@ def table2(workload: str, quick: bool, cfg: SimConfig) -> dict:
     by_imb = sorted(rows, key=lambda r: r["imbalance"])
     fg = [r["imbalance"] for r in rows if r["packer"] == "fixed_greedy"]
     wlb = next(r for r in rows if r["packer"] == "wlb")
-    shape = (f"original packing the worst — {met(by_imb[-1]['packer'] == 'original')}; fixed-length "
-             f"greedy better as G grows (at the cost of G - 1 steps of delay) — "
-             f"{met(bool(np.all(np.diff(fg) < 0)))}; WLB-LLM the lowest imbalance — "
-             f"{met(by_imb[0]['packer'] == 'wlb')}, with a mean delay of "
-             f"{wlb['avg_delay_iters']:.2f} steps and {wlb['plan_ms']:.1f} ms overhead")  # fmt: skip
-    differ = [f"{name(r)} ({r['imbalance']:.3f} vs {r['paper_imbalance']:.2f})" for r in rows
-              if r["paper_imbalance"] and abs(r["imbalance"] - r["paper_imbalance"]) > 0.1]  # fmt: skip
-    slower = [f"{name(r)} ({r['plan_ms']:.1f} ms vs {r['paper_overhead']})" for r in rows
-              if r["plan_ms"] > paper_ms(r["paper_overhead"])]  # fmt: skip
-    table = [[r["packer"], r["config"], paper_x(r["paper_imbalance"]).rstrip("x"), f"{r['imbalance']:.3f}",
-              r["paper_overhead"], f"{r['plan_ms']:.1f} ms", f"{r['avg_delay_iters']:.2f}"] for r in rows]  # fmt: skip
-    return {"t2_table": md_rows(table), "t2_argv": " ".join(argv),
-            "t2_shape": shape, "t2_differ": "; ".join(differ) or "none",
-            "t2_slower": "; ".join(slower) or "none",
-            "t2_limit": argv[argv.index("--solver-time-limit") + 1]}  # fmt: skip
+    shape = (
+        f"original packing the worst — {met(by_imb[-1]['packer'] == 'original')}; fixed-length "
+        f"greedy better as G grows (at the cost of G - 1 steps of delay) — "
+        f"{met(bool(np.all(np.diff(fg) < 0)))}; WLB-LLM the lowest imbalance — "
+        f"{met(by_imb[0]['packer'] == 'wlb')}, with a mean delay of "
+        f"{wlb['avg_delay_iters']:.2f} steps and {wlb['plan_ms']:.1f} ms overhead"
+    )
+    differ = [
+        f"{name(r)} ({r['imbalance']:.3f} vs {r['paper_imbalance']:.2f})"
+        for r in rows
+        if r["paper_imbalance"] and abs(r["imbalance"] - r["paper_imbalance"]) > 0.1
+    ]
+    slower = [
+        f"{name(r)} ({r['plan_ms']:.1f} ms vs {r['paper_overhead']})"
+        for r in rows
+        if r["plan_ms"] > paper_ms(r["paper_overhead"])
+    ]
+    table = [
+        [
+            r["packer"],
+            r["config"],
+            paper_x(r["paper_imbalance"]).rstrip("x"),
+            f"{r['imbalance']:.3f}",
+            r["paper_overhead"],
+            f"{r['plan_ms']:.1f} ms",
+            f"{r['avg_delay_iters']:.2f}",
+        ]
+        for r in rows
+    ]
+    return {
+        "t2_table": md_rows(table),
+        "t2_argv": " ".join(argv),
+        "t2_shape": shape,
+        "t2_differ": "; ".join(differ) or "none",
+        "t2_slower": "; ".join(slower) or "none",
+        "t2_limit": argv[argv.index("--solver-time-limit") + 1],
+    }
 
 
-F12_PAIRS = {"wlb": ("plain_4d", "wlb"), "fixed": ("plain_4d", "fixed_4d"),
-             "wlb_fixed": ("fixed_4d", "wlb"), "tt": ("plain_4d_torchtitan", "wlb")}  # fmt: skip
+F12_PAIRS = {
+    "wlb": ("plain_4d", "wlb"),
+    "fixed": ("plain_4d", "fixed_4d"),
+    "wlb_fixed": ("fixed_4d", "wlb"),
+    "tt": ("plain_4d_torchtitan", "wlb"),
+}
 
 
 def fig12(lengths, steps: int | None) -> dict:
@@ -168,29 +220,49 @@ def fig12(lengths, steps: int | None) -> dict:
         be.setdefault(pc.model, []).append(sim.cost_model_for(cfg).break_even_length / K)
         bars[f"{pc.model}\n{pc.context_len // K}K"] = {"fixed_4d": s["fixed"], "wlb": s["wlb"]}
         plain, wlb = res["plain_4d"], res["wlb"]
-        rows.append([pc.model, f"{pc.context_len // K}K", pc.layout.as_tuple(),
-                     f"{plain.imbalance.mean():.2f}", x3(s["fixed"]), f"**{x3(s['wlb'])}**",
-                     x3(s["wlb_fixed"]),
-                     f"{plain.bubble_fraction.mean():.2f} / {wlb.bubble_fraction.mean():.2f}",
-                     x3(s["tt"])])  # fmt: skip
-    ctx, models = (np.array([getattr(pc, a) for pc in PAPER_TABLE1]) for a in ("context_len", "model"))  # fmt: skip
+        rows.append(
+            [
+                pc.model,
+                f"{pc.context_len // K}K",
+                pc.layout.as_tuple(),
+                f"{plain.imbalance.mean():.2f}",
+                x3(s["fixed"]),
+                f"**{x3(s['wlb'])}**",
+                x3(s["wlb_fixed"]),
+                f"{plain.bubble_fraction.mean():.2f} / {wlb.bubble_fraction.mean():.2f}",
+                x3(s["tt"]),
+            ]
+        )
+    ctx, models = (
+        np.array([getattr(pc, a) for pc in PAPER_TABLE1]) for a in ("context_len", "model")
+    )
     sp_a = np.array(sp["wlb"])
     by_model = {m: float(sp_a[models == m].mean()) for m in dict.fromkeys(models)}
     wide = max(PAPER_TABLE1, key=lambda pc: pc.layout.tp)
     return {f"f12_{k}": float(np.mean(x)) for k, x in sp.items()} | {
-        "a64": float(sp_a[ctx == 64 * K].mean()), "a128": float(sp_a[ctx == 128 * K].mean()),
-        "f12_table": md_rows(rows), "bars": bars, "n_configs": len(PAPER_TABLE1),
+        "a64": float(sp_a[ctx == 64 * K].mean()),
+        "a128": float(sp_a[ctx == 128 * K].mean()),
+        "f12_table": md_rows(rows),
+        "bars": bars,
+        "n_configs": len(PAPER_TABLE1),
         "size_ok": met(bool(np.all(np.diff(list(by_model.values())) < 0)), "**not monotone**"),
         "by_model": " / ".join(f"{m} {x3(s)}" for m, s in by_model.items()),
-        "models": " / ".join(by_model), "by_model_x": " / ".join(map(x3, by_model.values())),
+        "models": " / ".join(by_model),
+        "by_model_x": " / ".join(map(x3, by_model.values())),
         "top_model": max(by_model, key=by_model.get),
-        "break_even": ", ".join(f"{m} ~{min(b):.0f}" + ("" if round(min(b)) == round(max(b))
-                                else f"-{max(b):.0f}") + "K" for m, b in be.items()),
-        "wide_model": wide.model, "wide_tp": wide.layout.tp,
+        "break_even": ", ".join(
+            f"{m} ~{min(b):.0f}"
+            + ("" if round(min(b)) == round(max(b)) else f"-{max(b):.0f}")
+            + "K"
+            for m, b in be.items()
+        ),
+        "wide_model": wide.model,
+        "wide_tp": wide.layout.tp,
         "wide_nodes": -(-wide.layout.tp // HardwareProfile().gpus_per_node),
-        "dp_configs": ", ".join(f"{pc.model} at {pc.context_len // K}K" for pc in PAPER_TABLE1
-                                if pc.layout.dp > 1),
-    }  # fmt: skip
+        "dp_configs": ", ".join(
+            f"{pc.model} at {pc.context_len // K}K" for pc in PAPER_TABLE1 if pc.layout.dp > 1
+        ),
+    }
 
 
 def _span(docs: np.ndarray) -> float:
@@ -209,22 +281,36 @@ def shuffled_pack(mode, lengths, cfg: SimConfig, n_steps: int):
 
 def fig13(lengths, steps: int | None) -> tuple[dict, dict[str, ModeResult]]:
     cfg = _cfg(*MAIN, steps, lengths)
-    names = ("plain_4d", "per_doc_cp", "adaptive_cp", "varlen_no_delay", "varlen_packing",
-             "wlb_no_delay", "fixed_4d", "wlb_paper", "wlb")  # fmt: skip
+    names = (
+        "plain_4d",
+        "per_doc_cp",
+        "adaptive_cp",
+        "varlen_no_delay",
+        "varlen_packing",
+        "wlb_no_delay",
+        "fixed_4d",
+        "wlb_paper",
+        "wlb",
+    )
     res = run_modes(lengths, cfg, names + tuple(f"{n}_torchtitan" for n in FIG13_CORE[:3]))
     shuf = {n: simulate_mode(MODES[n], lengths, cfg, shuffled_pack) for n in FIG13_CORE[:2]}
     base, tt_modes = res["plain_4d_torchtitan"], ("per_doc_cp_torchtitan", "adaptive_cp_torchtitan")
     v = {n: speedup(res["plain_4d"], res[n]) for n in names}
     tt = {n: speedup(base, res[n]) for n in ("varlen_packing", "wlb", *tt_modes)} | {
         "shuffled": speedup(shuf["plain_4d"], shuf["per_doc_cp"]),
-        "plain": speedup(res["plain_4d"], base)}  # fmt: skip
+        "plain": speedup(res["plain_4d"], base),
+    }
 
     def row(n: str, s: float, bold: bool) -> list:
         paper, r = PAPER_FIG13.get(n.removesuffix("_torchtitan")), res[n]
         mark = "" if paper is None else (" ✓" if abs(s - paper) <= TOL else f" ✗ (outside ±{TOL})")
-        return [f"{MODES[n].description} (`{n}`)", paper_x(paper),
-                f"**{x3(s)}**{mark}" if bold else x3(s), f"{r.imbalance.mean():.3f}",
-                f"{r.per_document_share:.2f}"]  # fmt: skip
+        return [
+            f"{MODES[n].description} (`{n}`)",
+            paper_x(paper),
+            f"**{x3(s)}**{mark}" if bold else x3(s),
+            f"{r.imbalance.mean():.3f}",
+            f"{r.per_document_share:.2f}",
+        ]
 
     # A long document followed by short ones, sharded per sequence: its CP ranks' attention time.
     ctx = cfg.context_len
@@ -234,45 +320,87 @@ def fig13(lengths, steps: int | None) -> tuple[dict, dict[str, ModeResult]]:
     return v | {f"tt_{k}": s for k, s in tt.items()} | {
         "f13_table": md_rows(row(n, v[n], True) for n in names),
         "f13_tt": md_rows(row(n, tt[n], False) for n in tt_modes),
-        "shuf_imb": shuf["per_doc_cp"].imbalance.mean(), "tt_imb": base.imbalance.mean(),
-        "shuf_share": shuf["per_doc_cp"].per_document_share, "tt_share": base.per_document_share,
-        "tt_span_drop": 100.0 * (1.0 - _span(cut_stream(lengths, ctx)) / _span(split_long(lengths, ctx))),
-        "whole_imb": res["plain_4d"].pack_stats["imbalance"], "cut_imb": base.pack_stats["imbalance"],
-        "ex_long": ex_long // K, "ex_short": ex_short, "ex_imb": float(attn.max() / attn.min()),
-    }, res  # fmt: skip
+        "shuf_imb": shuf["per_doc_cp"].imbalance.mean(),
+        "tt_imb": base.imbalance.mean(),
+        "shuf_share": shuf["per_doc_cp"].per_document_share,
+        "tt_share": base.per_document_share,
+        "tt_span_drop": 100.0
+        * (1.0 - _span(cut_stream(lengths, ctx)) / _span(split_long(lengths, ctx))),
+        "whole_imb": res["plain_4d"].pack_stats["imbalance"],
+        "cut_imb": base.pack_stats["imbalance"],
+        "ex_long": ex_long // K,
+        "ex_short": ex_short,
+        "ex_imb": float(attn.max() / attn.min()),
+    }, res
 
 
 def sensitivity(lengths, steps: int | None) -> dict:
     """Figure 13's rows under other hardware constants: could one close the CP-only gap?"""
     hw = HardwareProfile()
-    variants = [("default H100 profile", {})] + [
-        (f"attention {f * hw.attn_tflops:.0f} TFLOP/s ({f}x)", {"attn_tflops": f * hw.attn_tflops})
-        for f in (0.7, 1.4, 1.8)] + [
-        (f"GEMM {0.75 * hw.gemm_tflops:.0f} TFLOP/s (0.75x)", {"gemm_tflops": 0.75 * hw.gemm_tflops}),
-        (f"attention half-efficiency at {4 * hw.attn_kv_half:.0f} keys (4x: small chunks slow)",
-         {"attn_kv_half": 4 * hw.attn_kv_half}),
-        ("element-wise traffic 2x", {"elementwise_bytes_per_token_dim": 2 * hw.elementwise_bytes_per_token_dim}),
-    ]  # fmt: skip
+    variants = (
+        [("default H100 profile", {})]
+        + [
+            (
+                f"attention {f * hw.attn_tflops:.0f} TFLOP/s ({f}x)",
+                {"attn_tflops": f * hw.attn_tflops},
+            )
+            for f in (0.7, 1.4, 1.8)
+        ]
+        + [
+            (
+                f"GEMM {0.75 * hw.gemm_tflops:.0f} TFLOP/s (0.75x)",
+                {"gemm_tflops": 0.75 * hw.gemm_tflops},
+            ),
+            (
+                f"attention half-efficiency at {4 * hw.attn_kv_half:.0f} keys (4x: small chunks slow)",
+                {"attn_kv_half": 4 * hw.attn_kv_half},
+            ),
+            (
+                "element-wise traffic 2x",
+                {"elementwise_bytes_per_token_dim": 2 * hw.elementwise_bytes_per_token_dim},
+            ),
+        ]
+    )
 
     def ratios(s: dict) -> tuple[float, float]:  # ln(CP-only gain) / ln(var-len gain)
         return tuple(float(np.log(s[m]) / np.log(s["varlen_packing"])) for m in FIG13_CORE[1:3])
 
-    rows, out = [["paper", *map(paper_x, PAPER_FIG13.values()),
-                  *(f"{r:.2f}" for r in ratios(PAPER_FIG13))]], []  # fmt: skip
+    rows, out = (
+        [
+            [
+                "paper",
+                *map(paper_x, PAPER_FIG13.values()),
+                *(f"{r:.2f}" for r in ratios(PAPER_FIG13)),
+            ]
+        ],
+        [],
+    )
     for label, over in variants:
-        res = run_modes(lengths, _cfg(*MAIN, steps, lengths, hardware=replace(hw, **over)), FIG13_CORE)  # fmt: skip
+        res = run_modes(
+            lengths, _cfg(*MAIN, steps, lengths, hardware=replace(hw, **over)), FIG13_CORE
+        )
         sp = {m: speedup(res["plain_4d"], res[m]) for m in FIG13_CORE[1:]}
         out.append(sp | dict(zip(("ratio_doc", "ratio_ad"), ratios(sp), strict=True)))
-        rows.append([label, *map(x3, sp.values()), f"{out[-1]['ratio_doc']:.2f}",
-                     f"{out[-1]['ratio_ad']:.2f}"])  # fmt: skip
+        rows.append(
+            [
+                label,
+                *map(x3, sp.values()),
+                f"{out[-1]['ratio_doc']:.2f}",
+                f"{out[-1]['ratio_ad']:.2f}",
+            ]
+        )
     return {
         "sens": md_rows(rows),
-        "r_doc": out[0]["ratio_doc"], "r_ad": out[0]["ratio_ad"],
-        "r_lo": min(x["ratio_doc"] for x in out), "r_hi": max(x["ratio_doc"] for x in out),
-        "cp_lo": min(x["per_doc_cp"] for x in out), "vl_lo": min(x["varlen_packing"] for x in out),
-        "p_r_doc": ratios(PAPER_FIG13)[0], "p_r_ad": ratios(PAPER_FIG13)[1],
+        "r_doc": out[0]["ratio_doc"],
+        "r_ad": out[0]["ratio_ad"],
+        "r_lo": min(x["ratio_doc"] for x in out),
+        "r_hi": max(x["ratio_doc"] for x in out),
+        "cp_lo": min(x["per_doc_cp"] for x in out),
+        "vl_lo": min(x["varlen_packing"] for x in out),
+        "p_r_doc": ratios(PAPER_FIG13)[0],
+        "p_r_ad": ratios(PAPER_FIG13)[1],
         "sens_steps": "whole pass" if steps is None else f"{steps} steps",
-    }  # fmt: skip
+    }
 
 
 def spread(lengths, windows: int, steps: int, whole: dict) -> dict:
@@ -281,28 +409,53 @@ def spread(lengths, windows: int, steps: int, whole: dict) -> dict:
     w: dict[str, list[float]] = {"f12_wlb": []} | {m: [] for m in FIG13_CORE[1:]}
     for k in range(windows):
         part = np.roll(lengths, -(k * len(lengths) // windows))
-        sp = [speedup(*run_modes(part, _cfg(pc.model, pc.context_len, pc.layout, steps),
-                                 ("plain_4d", "wlb")).values()) for pc in PAPER_TABLE1]  # fmt: skip
+        sp = [
+            speedup(
+                *run_modes(
+                    part, _cfg(pc.model, pc.context_len, pc.layout, steps), ("plain_4d", "wlb")
+                ).values()
+            )
+            for pc in PAPER_TABLE1
+        ]
         w["f12_wlb"].append(float(np.mean(sp)))
         res = run_modes(part, _cfg(*MAIN, steps), FIG13_CORE)
         for m in FIG13_CORE[1:]:
             w[m].append(speedup(res["plain_4d"], res[m]))
-    rows = [(f"Figure 12: WLB-LLM vs Plain-4D, average of the {len(PAPER_TABLE1)} configs",
-             PAPER_FIG12["avg"], "f12_wlb")]  # fmt: skip
+    rows = [
+        (
+            f"Figure 12: WLB-LLM vs Plain-4D, average of the {len(PAPER_TABLE1)} configs",
+            PAPER_FIG12["avg"],
+            "f12_wlb",
+        )
+    ]
     rows += [(f"Figure 13: {MODES[m].description}", PAPER_FIG13[m], m) for m in FIG13_CORE[1:]]
     inside = {k: sum(abs(x - paper) <= TOL for x in w[k]) for _, paper, k in rows}
     cfg = _cfg(*MAIN, steps)
     return {
         "spread_table": md_rows(
-            [[label, paper_x(paper), x3(whole[k]), f"{x3(min(w[k]))} - {x3(max(w[k]))}",
-              f"{inside[k]} of {windows}"] for label, paper, k in rows]),
+            [
+                [
+                    label,
+                    paper_x(paper),
+                    x3(whole[k]),
+                    f"{x3(min(w[k]))} - {x3(max(w[k]))}",
+                    f"{inside[k]} of {windows}",
+                ]
+                for label, paper, k in rows
+            ]
+        ),
         "avg_windows": f"; {windows} disjoint {steps}-step windows give {x3(min(w['f12_wlb']))}-"
         f"{x3(max(w['f12_wlb']))}, {inside['f12_wlb']} of {windows} inside the band",
-        "n_windows": windows, "window_steps": steps, "spread": max(w["f12_wlb"]) - min(w["f12_wlb"]),
+        "n_windows": windows,
+        "window_steps": steps,
+        "spread": max(w["f12_wlb"]) - min(w["f12_wlb"]),
         # Documents above half the context that a window reads (N x context tokens per step).
-        "long_docs": np.sum(long_documents(lengths, cfg.context_len)) * steps * cfg.n_global
-        * cfg.context_len / float(np.sum(lengths)),
-    }  # fmt: skip
+        "long_docs": np.sum(long_documents(lengths, cfg.context_len))
+        * steps
+        * cfg.n_global
+        * cfg.context_len
+        / float(np.sum(lengths)),
+    }
 
 
 def fig14(lengths, steps: int | None) -> dict:
@@ -311,14 +464,23 @@ def fig14(lengths, steps: int | None) -> dict:
     for ctx in (32 * K, 64 * K, 96 * K, 128 * K, 160 * K):
         res = run_modes(lengths, _cfg(model, ctx, lay, steps, lengths), ("plain_4d", "wlb"))
         sp[ctx] = speedup(res["plain_4d"], res["wlb"])
-        rows.append([f"{ctx // K}K", paper_x(PAPER_FIG14.get(ctx)), f"**{x3(sp[ctx])}**",
-                     f"{res['plain_4d'].imbalance.mean():.2f}"])  # fmt: skip
+        rows.append(
+            [
+                f"{ctx // K}K",
+                paper_x(PAPER_FIG14.get(ctx)),
+                f"**{x3(sp[ctx])}**",
+                f"{res['plain_4d'].imbalance.mean():.2f}",
+            ]
+        )
     first = min(PAPER_FIG14)
-    return {"f14_table": md_rows(rows),
-            "f14": sp, "f14_grows": met(bool(np.all(np.diff(list(sp.values())) > 0))),
-            "p14_text": " and ".join(f"{paper_x(s)} at {c // K}K" for c, s in PAPER_FIG14.items()),
-            "p14_first_k": first // K,
-            "p14_first_cmp": "above" if sp[first] > PAPER_FIG14[first] else "below"}  # fmt: skip
+    return {
+        "f14_table": md_rows(rows),
+        "f14": sp,
+        "f14_grows": met(bool(np.all(np.diff(list(sp.values())) > 0))),
+        "p14_text": " and ".join(f"{paper_x(s)} at {c // K}K" for c, s in PAPER_FIG14.items()),
+        "p14_first_k": first // K,
+        "p14_first_cmp": "above" if sp[first] > PAPER_FIG14[first] else "below",
+    }
 
 
 def fig15(lengths, steps: int | None) -> dict:
@@ -330,18 +492,26 @@ def fig15(lengths, steps: int | None) -> dict:
             cfg = _cfg(model, ctx, replace(lay, cp=cp), steps, lengths)
             packed, _ = sim.pack_steps(MODES[packer_mode], lengths, cfg, cfg.steps)
             flat = [mb for s in packed for mb in s]
-            per_mb = {s: sim.shard_costs(sim.cp_shards(flat, cfg, s), cfg).attn_fwd.max(axis=1)
-                      for s in ("per_sequence", "per_document", "adaptive")}  # fmt: skip
+            per_mb = {
+                s: sim.shard_costs(sim.cp_shards(flat, cfg, s), cfg).attn_fwd.max(axis=1)
+                for s in ("per_sequence", "per_document", "adaptive")
+            }
             t = {s: float(x.sum()) for s, x in per_mb.items()}
             t["oracle"] = float(np.minimum(per_mb["per_sequence"], per_mb["per_document"]).sum())
-            out[(packer_mode, cp)] = [1 - t["adaptive"] / t[s] for s in ("per_sequence", "per_document")]  # fmt: skip
+            out[(packer_mode, cp)] = [
+                1 - t["adaptive"] / t[s] for s in ("per_sequence", "per_document")
+            ]
             gaps.append(100 * (t["adaptive"] / t["oracle"] - 1))
-            rows.append([MODES[packer_mode].packer, cp,
-                         *(f"{1e3 * x / len(flat):.2f} ms" for x in t.values()),
-                         *(f"{100 * a:+.1f} %" for a in out[(packer_mode, cp)])])  # fmt: skip
+            rows.append(
+                [
+                    MODES[packer_mode].packer,
+                    cp,
+                    *(f"{1e3 * x / len(flat):.2f} ms" for x in t.values()),
+                    *(f"{100 * a:+.1f} %" for a in out[(packer_mode, cp)]),
+                ]
+            )
     seq, doc = out[("wlb", PAPER_FIG15["cp"])]
-    return {"f15_table": md_rows(rows),
-            "seq": 100 * seq, "doc": 100 * doc, "oracle_gap": max(gaps)}  # fmt: skip
+    return {"f15_table": md_rows(rows), "seq": 100 * seq, "doc": 100 * doc, "oracle_gap": max(gaps)}
 
 
 def scale(lengths, steps: int) -> dict:
@@ -356,21 +526,37 @@ def scale(lengths, steps: int) -> dict:
         t0 = time.perf_counter()
         res = run_modes(lengths, _cfg(model, ctx, sub, steps), THREE)
         sweep[sub] = (speedup(res["plain_4d"], res["wlb"]), speedup(res["fixed_4d"], res["wlb"]))
-        rows.append([model, sub.as_tuple(), sub.world_size, f"**{x3(sweep[sub][0])}**",
-                     x3(sweep[sub][1]), f"{res['plain_4d'].imbalance.mean():.2f}",
-                     f"{time.perf_counter() - t0:.1f} s ({len(THREE)} modes, {steps} steps)"])  # fmt: skip
+        rows.append(
+            [
+                model,
+                sub.as_tuple(),
+                sub.world_size,
+                f"**{x3(sweep[sub][0])}**",
+                x3(sweep[sub][1]),
+                f"{res['plain_4d'].imbalance.mean():.2f}",
+                f"{time.perf_counter() - t0:.1f} s ({len(THREE)} modes, {steps} steps)",
+            ]
+        )
     dp_sp = [sweep[replace(lay, dp=d)][0] for d in dps]
     cp_sp = [sweep[replace(lay, cp=c)][0] for c in cps]
     return {
         "scale_table": md_rows(rows),
-        "secs": secs, "sp": sweep[lay][0], "scale_steps": steps, "scale": SCALE,
-        "scale_timed": SCALE_TIMED_STEPS, "scale_target": SCALE_TARGET_S,
-        "scale_gpus_k": lay.world_size // K, "scale_ctx_k": ctx // K,
-        "dp_degrees": ", ".join(map(str, dps)), "cp_degrees": ", ".join(map(str, cps)),
-        "dp_trend": _trend(dp_sp), "cp_trend": _trend(cp_sp),
-        "dp": " / ".join(map(x3, dp_sp)), "cp": " / ".join(map(x3, cp_sp)),
+        "secs": secs,
+        "sp": sweep[lay][0],
+        "scale_steps": steps,
+        "scale": SCALE,
+        "scale_timed": SCALE_TIMED_STEPS,
+        "scale_target": SCALE_TARGET_S,
+        "scale_gpus_k": lay.world_size // K,
+        "scale_ctx_k": ctx // K,
+        "dp_degrees": ", ".join(map(str, dps)),
+        "cp_degrees": ", ".join(map(str, cps)),
+        "dp_trend": _trend(dp_sp),
+        "cp_trend": _trend(cp_sp),
+        "dp": " / ".join(map(x3, dp_sp)),
+        "cp": " / ".join(map(x3, cp_sp)),
         "vs_fixed": " / ".join(x3(sweep[replace(lay, dp=d)][1]) for d in dps),
-    }  # fmt: skip
+    }
 
 
 def _trend(values: list[float]) -> str:
@@ -390,18 +576,26 @@ def figures(fig_dir: Path, bars: dict, f13: dict[str, ModeResult], f14: dict[int
     ours13 = {n: {"ours": speedup(f13["plain_4d"], f13[n])} for n in PAPER_FIG13}
     heat = [f13[n] for n in ("plain_4d", "per_doc_cp", "varlen_packing", "wlb")]
     return {
-        "fig12": plots.speedup_bars(bars, fig_dir / "fig12_speedup.png",
-                                    title="Figure 12: speedup over Plain-4D (Table 1 configs)"),
-        "fig13": plots.speedup_bars(ours13, fig_dir / "fig13_breakdown.png",
-                                    paper={n: {"ours": v} for n, v in PAPER_FIG13.items()},
-                                    title="Figure 13: 7B / 128K breakdown (black: paper)"),
-        "fig14": plots.speedup_bars({f"{c // K}K": {"wlb": v} for c, v in f14.items()},
-                                    fig_dir / "fig14_context.png",
-                                    paper={f"{c // K}K": {"wlb": v} for c, v in PAPER_FIG14.items()},
-                                    title="Figure 14: 7B, WLB-LLM vs Plain-4D by context (black: paper)"),
+        "fig12": plots.speedup_bars(
+            bars,
+            fig_dir / "fig12_speedup.png",
+            title="Figure 12: speedup over Plain-4D (Table 1 configs)",
+        ),
+        "fig13": plots.speedup_bars(
+            ours13,
+            fig_dir / "fig13_breakdown.png",
+            paper={n: {"ours": v} for n, v in PAPER_FIG13.items()},
+            title="Figure 13: 7B / 128K breakdown (black: paper)",
+        ),
+        "fig14": plots.speedup_bars(
+            {f"{c // K}K": {"wlb": v} for c, v in f14.items()},
+            fig_dir / "fig14_context.png",
+            paper={f"{c // K}K": {"wlb": v} for c, v in PAPER_FIG14.items()},
+            title="Figure 14: 7B, WLB-LLM vs Plain-4D by context (black: paper)",
+        ),
         "heat": plots.latency_heatmap(heat, fig_dir / "heatmap_7b_128k.png"),
         "gantt": plots.gantt([f13[n] for n in THREE], fig_dir / "gantt_7b_128k.png"),
-    }  # fmt: skip
+    }
 
 
 def fixed_values(lengths: np.ndarray, cfg: SimConfig) -> dict:
@@ -409,25 +603,41 @@ def fixed_values(lengths: np.ndarray, cfg: SimConfig) -> dict:
     hw, cm, lay, p15 = cfg.hardware, sim.cost_model_for(cfg), cfg.layout, PAPER_FIG15
     long = cfg.context_len // 2
     return {
-        "main": cfg, "hw": hw, "cm": cm, "p12": PAPER_FIG12, "p13": PAPER_FIG13, "p15": p15, "tol": TOL,
-        "tile": ATTENTION_TILE, "n_docs": int(lengths.size), "long_k": long // K,
+        "main": cfg,
+        "hw": hw,
+        "cm": cm,
+        "p12": PAPER_FIG12,
+        "p13": PAPER_FIG13,
+        "p15": p15,
+        "tol": TOL,
+        "tile": ATTENTION_TILE,
+        "n_docs": int(lengths.size),
+        "long_k": long // K,
         "long_share": 100.0 * long_token_share(lengths, cfg.context_len),
-        "hw_name": hw.name.upper(), "gemm_share": 100 * hw.gemm_tflops / H100_BF16_PEAK_TFLOPS,
-        "peak": H100_BF16_PEAK_TFLOPS, "fsdp_exposed": 100 * (1 - hw.dp_overlap),
+        "hw_name": hw.name.upper(),
+        "gemm_share": 100 * hw.gemm_tflops / H100_BF16_PEAK_TFLOPS,
+        "peak": H100_BF16_PEAK_TFLOPS,
+        "fsdp_exposed": 100 * (1 - hw.dp_overlap),
         "prof_min": int(sim.profiling_micro_batches(cfg.context_len, lay.cp)[0][0]),
-        "be": cm.break_even_length / K, "ctx13": cfg.context_len // K,
+        "be": cm.break_even_length / K,
+        "ctx13": cfg.context_len // K,
         "main_short": f"{cfg.model.name} / {cfg.context_len // K}K",
-        "below_tile": 2 * lay.cp * ATTENTION_TILE, "p_t2_orig": PAPER_T2_ORIGINAL,
+        "below_tile": 2 * lay.cp * ATTENTION_TILE,
+        "p_t2_orig": PAPER_T2_ORIGINAL,
         "p13_cp_gain": PAPER_FIG13["wlb"] / PAPER_FIG13["varlen_packing"],
-        "p15_seq": 100 * p15["adaptive_vs_per_sequence"], "p15_doc": 100 * p15["adaptive_vs_per_document"],
-    }  # fmt: skip
+        "p15_seq": 100 * p15["adaptive_vs_per_sequence"],
+        "p15_doc": 100 * p15["adaptive_vs_per_document"],
+    }
 
 
 def render(values: dict, skip: Iterable[str] = ()) -> str:
     text = Path(__file__).with_name("reproduction_template.md").read_text()
     parts = re.split(r"^<!-- section: (\w+) -->\n", text, flags=re.M)[1:]
-    return "".join(body.format_map(values) for name, body in zip(parts[::2], parts[1::2], strict=True)
-                   if name not in skip)  # fmt: skip
+    return "".join(
+        body.format_map(values)
+        for name, body in zip(parts[::2], parts[1::2], strict=True)
+        if name not in skip
+    )
 
 
 # fmt: off

@@ -58,9 +58,18 @@ def _collective_seconds(bytes_per_gpu: np.ndarray, group: int, span: int, hw: Ha
     return (group - 1) / group * bytes_per_gpu / bw + hw.collective_latency_us * 1e-6
 
 
-def layer_costs(model: ModelSpec, layout: Layout, hw: HardwareProfile, seg_mb, seg_rank, seg_q,
-                seg_kv, local_tokens, attention_time: AttentionTimeFn | None = None,
-                gathered_tokens=None) -> LayerCosts:  # fmt: skip
+def layer_costs(
+    model: ModelSpec,
+    layout: Layout,
+    hw: HardwareProfile,
+    seg_mb,
+    seg_rank,
+    seg_q,
+    seg_kv,
+    local_tokens,
+    attention_time: AttentionTimeFn | None = None,
+    gathered_tokens=None,
+) -> LayerCosts:
     """One layer's per-GPU costs of micro-batches from their CP attention segments ``seg_*`` (one
     per query chunk of a document on a CP rank: micro-batch, rank, query and key length);
     ``gathered_tokens`` [n_mb]: the tokens whose K/V the all-gather moves (default: all)."""
@@ -91,8 +100,9 @@ def layer_costs(model: ModelSpec, layout: Layout, hw: HardwareProfile, seg_mb, s
     return LayerCosts(attn + gemm + elem, compute_bwd, attn, tp_comm + cp_comm, local_tokens)
 
 
-def stage_times(model: ModelSpec, layout: Layout, hw: HardwareProfile, chunks: int,
-                costs: LayerCosts) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+def stage_times(
+    model: ModelSpec, layout: Layout, hw: HardwareProfile, chunks: int, costs: LayerCosts
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """[n_mb, PP x chunks] forward / backward time per virtual stage (the last with the output
     layer and loss), [n_mb] point-to-point time (a sequence-parallel shard, tp*cp GPUs away)."""
     layers = layers_per_vstage(model.n_layers, layout.pp * chunks)

@@ -26,13 +26,13 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from torchtitan_wlb.cost_model import CostModel
-from torchtitan_wlb.cp import torch_lb
 from torchtitan_wlb.cp.adaptive import ADAPTIVE_CANDIDATES, build_cp_plan
 from torchtitan_wlb.cp.plan import CPPlan
 from torchtitan_wlb.cp.profile import CPProfile, resolve_profile
 from torchtitan_wlb.models.catalogue import MODELS, get_model
 from torchtitan_wlb.packing import OriginalPacker, PackingConfig, build_packer, packing_config
 from torchtitan_wlb.packing.driver import LengthStream, drive, next_plan
+from torchtitan_wlb.tools import torch_balancers
 from torchtitan_wlb.tools.cli import ToolParser, json_text, require_at_least
 from torchtitan_wlb.workloads import GENERATORS, generate, load_lengths, split_long
 
@@ -42,17 +42,35 @@ FIGURE15 = ("per_sequence", "per_document", "adaptive")
 PACKER_NAMES = ("original", "wlb")
 DTYPES = ("float32", "bfloat16", "float16")
 SHOWN = {  # a result's text line: these JSON keys where it has them, in this format
-    "flops_imbalance": ".4f", "token_imbalance": ".4f", "kv_gather_bytes": ".3g",
-    "small_chunks": ".1f", "plan_ms": ".3f", "per_document_share": ".2f", "hybrid_share": ".2f",
-    "measured_imbalance": ".4f", "flops_imbalance_measured_subset": ".4f",
-    "measured_max_ms": ".1f", "measured_mean_ms": ".1f",
-    "adaptive_vs_per_sequence": ".4f", "adaptive_vs_per_document": ".4f", "oracle_ms": ".1f",
-    "adaptive_over_oracle": ".4f", "adaptive_choice_agreement": ".2f",
-}  # fmt: skip
+    "flops_imbalance": ".4f",
+    "token_imbalance": ".4f",
+    "kv_gather_bytes": ".3g",
+    "small_chunks": ".1f",
+    "plan_ms": ".3f",
+    "per_document_share": ".2f",
+    "hybrid_share": ".2f",
+    "measured_imbalance": ".4f",
+    "flops_imbalance_measured_subset": ".4f",
+    "measured_max_ms": ".1f",
+    "measured_mean_ms": ".1f",
+    "adaptive_vs_per_sequence": ".4f",
+    "adaptive_vs_per_document": ".4f",
+    "oracle_ms": ".1f",
+    "adaptive_over_oracle": ".4f",
+    "adaptive_choice_agreement": ".2f",
+}
 LAYOUT_FIELDS = (
-    "doc_lens", "seg_doc", "seg_start", "seg_len", "seg_slot", "slot_order", "local_lens",
-    "seg_local_offset", "gather_lens", "doc_gathered",
-)  # fmt: skip
+    "doc_lens",
+    "seg_doc",
+    "seg_start",
+    "seg_len",
+    "seg_slot",
+    "slot_order",
+    "local_lens",
+    "seg_local_offset",
+    "gather_lens",
+    "doc_gathered",
+)
 """The :class:`CPPlan` arrays that fix every rank's local attention problem."""
 
 
@@ -106,9 +124,16 @@ def pack(args: argparse.Namespace, lens: np.ndarray) -> list[np.ndarray]:
 
 
 def _rank_step(
-    plan: CPPlan, rank: int, heads: int, kv_heads: int, head_dim: int, *, device: str = "cpu",
-    dtype: str = "float32", backend: str = "cpu",
-) -> Callable[[], object]:  # fmt: skip
+    plan: CPPlan,
+    rank: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    *,
+    device: str = "cpu",
+    dtype: str = "float32",
+    backend: str = "cpu",
+) -> Callable[[], object]:
     """A closure running ``rank``'s local attention forward + backward on random tensors. On CPU
     ``.sum().backward()`` (the method of the CPU figures); on CUDA fresh gradients against a
     random output gradient, as in training: accumulating into ``.grad`` and the broadcast ones
@@ -165,9 +190,15 @@ def measure_backend(device: str) -> str:
 
 
 def measure_ranks_ms(
-    plan: CPPlan, heads: int, kv_heads: int, head_dim: int, repeats: int, *, device: str = "cpu",
+    plan: CPPlan,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    repeats: int,
+    *,
+    device: str = "cpu",
     dtype: str = "float32",
-) -> np.ndarray:  # fmt: skip
+) -> np.ndarray:
     """Per-rank forward + backward time (ms) of the local attention over ``repeats`` round-robin
     rounds after one warm-up each. CPU: CPU time (one thread), fastest round, so that other
     processes on the cores do not inflate one rank. CUDA: every rank in turn on the one device,
@@ -238,9 +269,11 @@ def measured_summary(rank_ms: list[np.ndarray], rows: list[dict]) -> dict:
 
 
 def figure15(
-    step_ms: dict[str, np.ndarray], chosen: list[str], equivalent: list[set[str]],
+    step_ms: dict[str, np.ndarray],
+    chosen: list[str],
+    equivalent: list[set[str]],
     candidates: Sequence[str],
-) -> dict:  # fmt: skip
+) -> dict:
     """The paper's Figure 15 from measured slowest-rank times (``step_ms``: per strategy, one
     value per measured micro-batch): adaptive's saving over per-sequence and per-document, the
     oracle (the faster measured candidate of every micro-batch) and how often adaptive's
@@ -289,9 +322,13 @@ def _timed_plan(
     for _ in range(args.plan_repeats):
         start = time.perf_counter()
         plan = build_cp_plan(
-            doc_lens, args.cp, strategy, profile, hybrid_max_len=args.hybrid_max_len,
+            doc_lens,
+            args.cp,
+            strategy,
+            profile,
+            hybrid_max_len=args.hybrid_max_len,
             candidates=args.adaptive_candidates,
-        )  # fmt: skip
+        )
         plan.rank_indices(0)  # what a rank does per micro-batch: its index arrays
         plan.kv_order()  # and the op's
         plan.local_attention_spec(0)
@@ -307,9 +344,14 @@ def _rank_times(
     predicted and measured choices compare exactly and no device time is spent twice."""
     if plan.requested != "adaptive":
         return measure_ranks_ms(
-            plan, args.heads, args.kv_heads, args.head_dim, args.measure_repeats,
-            device=args.device, dtype=args.dtype,
-        )  # fmt: skip
+            plan,
+            args.heads,
+            args.kv_heads,
+            args.head_dim,
+            args.measure_repeats,
+            device=args.device,
+            dtype=args.dtype,
+        )
     if not same_layout(plan, plans[plan.strategy][i]):
         raise RuntimeError(
             f"adaptive's plan of micro-batch {i} differs from the {plan.strategy} plan it chose"
@@ -330,8 +372,8 @@ def run(args: argparse.Namespace) -> dict:
         build_cp_plan(m, args.cp, "hybrid", hybrid_max_len=max_len).max_len for m in micro_batches
     ]
 
-    def stats(assignment: torch_lb.Assignment, i: int) -> dict:
-        return torch_lb.assignment_stats(assignment, kv_bytes, short_doc_len=short[i])
+    def stats(assignment: torch_balancers.Assignment, i: int) -> dict:
+        return torch_balancers.assignment_stats(assignment, kv_bytes, short_doc_len=short[i])
 
     n_measured = min(len(micro_batches), args.measure_micro_batches) if args.measure else 0
     plans: dict[str, list[CPPlan]] = {}  # the measured micro-batches' plans, per strategy
@@ -342,7 +384,7 @@ def run(args: argparse.Namespace) -> dict:
         for i, doc_lens in enumerate(micro_batches):
             plan, times = _timed_plan(doc_lens, strategy, args, profile)
             rows.append(  # the assignment's flops_imbalance is the plan's (same causal pairs)
-                stats(torch_lb.plan_assignment(plan), i)
+                stats(torch_balancers.plan_assignment(plan), i)
                 | {
                     "plan_ms": float(np.median(times)),
                     "plan_ms_min": float(np.min(times)),
@@ -360,9 +402,9 @@ def run(args: argparse.Namespace) -> dict:
         if args.measure:
             entry |= measured_summary(rank_ms[strategy], rows)
         results[strategy] = entry
-    for name in torch_lb.TORCH_BALANCERS if args.torch_balancers else ():
+    for name in torch_balancers.TORCH_BALANCERS if args.torch_balancers else ():
         assignments = [
-            torch_lb.torch_assignment(name, m, args.cp, repeats=args.plan_repeats)
+            torch_balancers.torch_assignment(name, m, args.cp, repeats=args.plan_repeats)
             for m in micro_batches
         ]
         results[name] = summarise([stats(a, i) for i, a in enumerate(assignments)])
@@ -378,7 +420,7 @@ def run(args: argparse.Namespace) -> dict:
         "tokens_per_micro_batch_mean": float(np.mean([m.sum() for m in micro_batches])),
         "profile": profile.device + "/" + profile.backend,
         "kv_bytes_per_token": kv_bytes,
-        "small_chunk_tokens": torch_lb.SMALL_CHUNK,
+        "small_chunk_tokens": torch_balancers.SMALL_CHUNK,
         "hybrid_max_len_mean": float(np.mean(short)),
     } | _config_extra(args)
     return results
@@ -448,9 +490,11 @@ def parser() -> ToolParser:
     p.add_argument("--hybrid-max-len", type=int, default=0, help="hybrid's threshold; 0: auto")
     p.add_argument("--profile", default=None, help="CP profile JSON (default: packaged CPU table)")
     p.add_argument(
-        "--adaptive-candidates", type=_candidates, default=ADAPTIVE_CANDIDATES,
+        "--adaptive-candidates",
+        type=_candidates,
+        default=ADAPTIVE_CANDIDATES,
         help="what adaptive chooses among (the paper's: per_sequence,per_document)",
-    )  # fmt: skip
+    )
     p.add_argument("--plan-repeats", type=int, default=5, help="timings per micro-batch plan")
     p.add_argument("--measure", action="store_true", help="time every rank's local attention")
     p.add_argument("--measure-micro-batches", type=int, default=4, help="micro-batches measured")

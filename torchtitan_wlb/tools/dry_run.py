@@ -72,9 +72,13 @@ def dry_run(config_file: str, ngpu: int | None, overrides: list[str]) -> tuple[s
         ]  # fmt: skip
         probe = ConfigManager().parse_args(args)
         p = probe.parallelism
-        degrees = (p.data_parallel_replicate_degree, max(p.data_parallel_shard_degree, 1),
-                   p.context_parallel_degree, p.tensor_parallel_degree,
-                   p.pipeline_parallel_degree)  # fmt: skip
+        degrees = (
+            p.data_parallel_replicate_degree,
+            max(p.data_parallel_shard_degree, 1),
+            p.context_parallel_degree,
+            p.tensor_parallel_degree,
+            p.pipeline_parallel_degree,
+        )
         world = ngpu or math.prod(degrees)  # dp_shard = -1 counts as 1
         os.environ.update(NGPU=str(world), LOCAL_RANK="0", RANK="0", WORLD_SIZE=str(world))
         start = time.perf_counter()

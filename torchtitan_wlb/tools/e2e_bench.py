@@ -1,5 +1,6 @@
 """End-to-end: the time the paper's systems take to train the same documents, each mode a real
-``torchtitan_wlb.train`` job on 2 CPU ranks (gloo), read back from its ``[wlb] metrics_jsonl``.
+``torchtitan_wlb.train`` job on 2 CPU ranks (gloo), read back from its metrics log
+(``[wlb.advanced] metrics_jsonl``).
 
     python -m torchtitan_wlb.tools.e2e_bench --json                  # 2 ranks, PP = 2
     python -m torchtitan_wlb.tools.e2e_bench --parallel cp2 --json   # 2 ranks, CP = 2
@@ -15,7 +16,6 @@ import argparse
 import collections
 import itertools
 import json
-import math
 import os
 import re
 import statistics
@@ -29,9 +29,20 @@ from typing import Any
 
 import numpy as np
 
-from torchtitan_wlb.config import MODE_PRESETS, WLB, ConfigError
-from torchtitan_wlb.cost_fit import Coefficients, stage_sums
+from torchtitan_wlb.config import MODE_PRESETS, ConfigError, OnlineCostModel
 from torchtitan_wlb.cp.adaptive import STRATEGIES as CP_STRATEGIES
+from torchtitan_wlb.tools.analysis import (
+    FIT_ERROR_FLOOR_KEYS,
+    across_runs,
+    fit_error,
+    fit_error_floor,
+    half_gap,
+    in_use_error,
+    measured_imbalance,
+    pipeline_balance_loss,
+    predicted_imbalance,
+    stage_totals,
+)
 from torchtitan_wlb.tools.cli import ToolParser, json_text, progress, require_at_least
 from torchtitan_wlb.workloads import GENERATORS, generate, load_lengths, steps_arg
 
@@ -88,15 +99,18 @@ def mode_args(mode: str, args: argparse.Namespace, cp_sharding: str = "") -> lis
         packer = MODE_PRESETS[preset][0]
         flags = ["--wlb.mode", "", "--wlb.packing", packer, "--wlb.cp_sharding", cp_sharding]
     cost = ["--wlb.cost_model", "online" if mode == "wlb_online" else args.cost_model]
-    fit = [x for k, v in fit_fields(args).items() for x in (f"--wlb.{k}", str(v))]
+    fit = [x for k, v in fit_fields(args).items() for x in (f"--wlb.online.{k}", str(v))]
     return flags + cost + fit
 
 
 def fit_fields(args: argparse.Namespace) -> dict[str, int]:
-    """The ``[wlb]`` online-fit fields every job gets (the last quarter of the window held out)."""
-    return {"fit_warmup_steps": args.fit_warmup, "fit_window_steps": args.fit_window,
-            "fit_holdout_steps": max(1, args.fit_window // 4),
-            "fit_interval_steps": args.fit_interval}  # fmt: skip
+    """The ``[wlb.online]`` fields every job gets (the last quarter of the window held out)."""
+    return {
+        "warmup_steps": args.fit_warmup,
+        "window_steps": args.fit_window,
+        "holdout_steps": max(1, args.fit_window // 4),
+        "interval_steps": args.fit_interval,
+    }
 
 
 def micro_batch_max_len(mode: str, args: argparse.Namespace, floor_len: int) -> int:
@@ -121,10 +135,21 @@ def run_mode(
     """One training job of ``mode`` and its figures, read from every rank's metrics log."""
     label = f"{mode}+{cp_sharding}" if cp_sharding else mode
     dump = workdir / label
+    cmd = train_command(mode, args, data, dump, cp_sharding, floor_len)
+    wall = run_job(cmd, label, args.threads_per_rank, bar)
+    logs = sorted((dump / "wlb_metrics").glob("rank_*.jsonl"))
+    per_rank = [{rec["step"]: rec for rec in map(json.loads, log.open())} for log in logs]
+    return mode_figures(mode, args, per_rank, wall)
+
+
+def train_command(
+    mode: str, args: argparse.Namespace, data: Path, dump: Path, cp_sharding: str, floor_len: int
+) -> list[str]:
+    """The 2-rank ``torch.distributed.run`` command line of ``mode``'s training job."""
     n_steps = args.floor_steps if mode == FLOOR else args.steps
     epoch = ["--training.steps", "100000", "--wlb.epochs", "1"]
     steps = epoch if n_steps == "epoch" else ["--training.steps", str(n_steps)]
-    cmd = [
+    return [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
         "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", "--role", "rank",
         "-m", "torchtitan_wlb.train",
@@ -135,14 +160,19 @@ def run_mode(
         "--training.global_batch_size", str(args.micro_batches),
         *steps, *mode_args(mode, args, cp_sharding),
         "--wlb.micro_batch_max_len", str(micro_batch_max_len(mode, args, floor_len)),
-        "--wlb.metrics_jsonl", "--checkpoint.no-enable", "--metrics.log_freq", "1",
+        "--wlb.advanced.metrics_jsonl", "--checkpoint.no-enable", "--metrics.log_freq", "1",
         "--metrics.disable_color_printing", "--debug.seed", str(args.seed),
         "--lr_scheduler.warmup_steps", "1",
         f"--parallelism.{PARALLEL[args.parallel]}_degree", "2",
     ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads_per_rank))
+
+
+def run_job(cmd: list[str], label: str, threads_per_rank: int, bar: Any) -> float:
+    """Run a training job, one tick of ``bar`` per step either rank logs; its wall time (s).
+    Raises RuntimeError with the output's tail when the job fails."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads_per_rank))
     tail: collections.deque[str] = collections.deque(maxlen=200)
-    seen: set[int] = set()  # steps either rank logged: one tick of the bar each
+    seen: set[int] = set()
     bar.set_postfix_str(label)
     start = time.perf_counter()
     with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=PIPE, stderr=STDOUT, text=True) as proc:
@@ -154,8 +184,13 @@ def run_mode(
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         raise RuntimeError(f"mode {label} failed:\n{''.join(tail)[-6000:]}")
-    logs = sorted((dump / "wlb_metrics").glob("rank_*.jsonl"))
-    per_rank = [{rec["step"]: rec for rec in map(json.loads, log.open())} for log in logs]
+    return wall
+
+
+def mode_figures(
+    mode: str, args: argparse.Namespace, per_rank: list[dict[int, dict]], wall: float
+) -> dict[str, Any]:
+    """A job's figures (docs/benchmarks.md) from its ranks' metrics logs (step -> record)."""
     steps_done = sorted(set.intersection(*(set(r) for r in per_rank)))
     timed = [s for s in steps_done if s > args.warmup] or steps_done
     step_time = {s: max(r[s]["wlb/step_time_s"] for r in per_rank) for s in steps_done}
@@ -189,214 +224,55 @@ def run_mode(
         out["half_gap"] = gap
         out["half_gap_device"] = half_gap(per_rank, timed, args.parallel, True)
     if mode == FLOOR:
-        out.update(fit_error_floor(out["records"]["microbatches"], args))
+        mbs = out["records"]["microbatches"]
+        out.update(fit_error_floor(mbs, args.parallel, args.fit_window))
     for key in ("cp_per_document_share", "cp_hybrid_share"):
         shares = [v for rec in first if (v := rec.get(f"wlb/{key}")) is not None]
         if shares:
             out[key] = float(np.mean(shares))
+    out.update(refit_figures(first, out["records"]["microbatches"], args.parallel))
+    return out
+
+
+def refit_figures(
+    first: list[dict[str, Any]], micro_batches: list[dict[str, Any]], parallel: str
+) -> dict[str, Any]:
+    """The online model's refits (one rank's records, every step) and its adopted models' fit
+    errors on the measured ``micro_batches``; nothing without a refit."""
+    out: dict[str, Any] = {}
     refits = [rec for rec in first if "wlb/cost_refit_adopted" in rec]
     adopted = [rec for rec in refits if rec["wlb/cost_refit_adopted"]]
     if refits:
         out.update(refits=len(refits), refits_adopted=len(adopted))
         # When each adopted model took effect: the steps packed by the initial model before it.
         out["refits_effective_steps"] = [int(r["wlb/cost_refit_effective_step"]) for r in adopted]
-    if adopted:
-        last = adopted[-1]
-        coef = refit_coefficients(last)
-        terms = "abcg"[: len(coef)]  # g: under CP, per gathered token
-        out["fit_coefficients"] = dict(zip(terms, coef, strict=True))
-        if "g" in terms:
-            out["fit_coefficients"]["gathered_share"] = last["wlb/cost_refit_gathered_share"]
-        cp = 2 if args.parallel == "cp2" else 1
-        mbs = out["records"]["microbatches"]
-        if args.parallel == "pp2":
-            # The trainer fits a micro-batch's time through every stage; judged per stage too,
-            # each stage taken as half the micro-batch.
-            half = [v / 2 for v in coef]
-            out["fit_mean_abs_error_per_stage"] = fit_error(mbs, half, 1, "device_s")
-            mbs = stage_totals(mbs)
-        # On the clock the fit used (the device clock), and on the wall clock beside it.
-        out["fit_mean_abs_error"] = fit_error(mbs, coef, cp, key="device_s")
-        out["fit_mean_abs_error_wall"] = fit_error(mbs, coef, cp)
-        in_use = [(int(r["wlb/cost_refit_effective_step"]), refit_coefficients(r)) for r in adopted]
-        out["fit_mean_abs_error_in_use"] = in_use_error(mbs, in_use, cp, key="device_s")
+    if not adopted:
+        return out
+    last = adopted[-1]
+    coef = refit_coefficients(last)
+    terms = "abcg"[: len(coef)]  # g: under CP, per gathered token
+    out["fit_coefficients"] = dict(zip(terms, coef, strict=True))
+    if "g" in terms:
+        out["fit_coefficients"]["gathered_share"] = last["wlb/cost_refit_gathered_share"]
+    cp = 2 if parallel == "cp2" else 1
+    mbs = micro_batches
+    if parallel == "pp2":
+        # The trainer fits a micro-batch's time through every stage; judged per stage too,
+        # each stage taken as half the micro-batch.
+        half = [v / 2 for v in coef]
+        out["fit_mean_abs_error_per_stage"] = fit_error(mbs, half, 1, "device_s")
+        mbs = stage_totals(mbs)
+    # On the clock the fit used (the device clock), and on the wall clock beside it.
+    out["fit_mean_abs_error"] = fit_error(mbs, coef, cp, key="device_s")
+    out["fit_mean_abs_error_wall"] = fit_error(mbs, coef, cp)
+    in_use = [(int(r["wlb/cost_refit_effective_step"]), refit_coefficients(r)) for r in adopted]
+    out["fit_mean_abs_error_in_use"] = in_use_error(mbs, in_use, cp, key="device_s")
     return out
 
 
 def refit_coefficients(rec: dict[str, Any]) -> list[float]:
     """An adopted refit's ``(a, b, c[, g])`` from its metrics record (``g``: under CP)."""
     return [rec[f"wlb/cost_refit_{k}"] for k in "abcg" if f"wlb/cost_refit_{k}" in rec]
-
-
-def predicted_imbalance(plans: list[dict[str, Any]], step_times: list[float]) -> float:
-    """The packer's own max/mean micro-batch workload of each step, weighted by the step's
-    measured time. Not Σ max / Σ mean: a step's workloads are in the units of the model that
-    packed it, and under the online cost model that changes (FLOPs before the first refit,
-    seconds after), so the sums would be those of the FLOP-priced steps alone."""
-    pairs = [
-        (rec["wlb/max_workload"] / rec["wlb/mean_workload"], t)
-        for rec, t in zip(plans, step_times, strict=True)
-        if rec.get("wlb/mean_workload", 0.0) > 0
-    ]
-    if not pairs:
-        return 1.0
-    ratios, weights = np.asarray(pairs, np.float64).T
-    return float(ratios @ weights / weights.sum()) if weights.sum() > 0 else 1.0
-
-
-def fit_error(
-    micro_batches: list[dict[str, Any]], coef: list[float], cp: int, key: str = "seconds"
-) -> float:
-    """Mean absolute relative error of ``coef`` = ``(a, b, c[, g])`` on the micro-batches' ``key``
-    time: on the trainer's ``fit_features`` where recorded, else ``(a Σd² + b Σd) / cp + c``."""
-    if not micro_batches:
-        return float("nan")
-    # The trainer's predictor (g None: b for both token kinds) on the features it fits.
-    model = Coefficients(*coef[:3], g=coef[3] if len(coef) > 3 else None)
-    rows = []
-    for m in micro_batches:
-        d = np.asarray(m["doc_lens"], float)
-        rows.append(m.get("fit_features") or (float(d @ d) / cp, float(d.sum()) / cp, 0.0))
-    t = np.asarray([m[key] for m in micro_batches], float)
-    return float(np.mean(np.abs(model.predict(*np.asarray(rows).T) - t) / t))
-
-
-def best_constant_error(times: np.ndarray) -> float:
-    """The least mean absolute relative error any single prediction ``m`` of ``times`` attains,
-    ``min_m mean(|m - t| / t)``: at the median of ``t`` weighted by ``1 / t``."""
-    t = np.sort(np.asarray(times, np.float64))
-    if not t.size:
-        return float("nan")
-    w = 1.0 / t
-    m = t[int(np.searchsorted(np.cumsum(w), 0.5 * w.sum()))]
-    return float(np.mean(np.abs(m - t) / t))
-
-
-def window_constant_error(times: np.ndarray, steps: np.ndarray, window: int, lag: int) -> float:
-    """Mean absolute relative error of predicting each step's ``times`` by the online fit's
-    estimate of a constant, ``Σ(1/t) / Σ(1/t²)`` (least squares in relative error, as the trainer
-    weighs its rows), over the ``window`` steps that end ``lag`` steps before it, the freshest
-    rows a refit that packs the step can have seen. Steps without a full window are left out."""
-    t, steps = np.asarray(times, np.float64), np.asarray(steps, np.int64)
-    errors = []
-    for s in np.unique(steps):
-        before = (steps > s - lag - window) & (steps <= s - lag)
-        if np.unique(steps[before]).size < window:
-            continue
-        past = t[before]
-        m = (1.0 / past).sum() / (1.0 / past**2).sum()
-        errors.append(np.abs(m - t[steps == s]) / t[steps == s])
-    return float(np.mean(np.concatenate(errors))) if errors else float("nan")
-
-
-FIT_ERROR_FLOOR_KEYS = ("fit_error_floor", "fit_error_floor_wall", "fit_error_floor_in_use")
-
-
-def fit_error_floor(micro_batches: list[dict[str, Any]], args: argparse.Namespace) -> dict:
-    """The noise floor of the online model's fit error: the floor's micro-batches are identical,
-    so a model that knew their cost exactly still errs by their timing noise. ``fit_error_floor``
-    (device clock; ``_wall`` on the wall's) is the least error of one prediction for the whole
-    pass, the bound for ``fit_mean_abs_error`` (one model judged on every step);
-    ``fit_error_floor_in_use`` predicts each step from the window before it, as refits do, the
-    bound for ``fit_mean_abs_error_in_use`` (docs/benchmarks.md). Rows as the fit has them: per
-    rank, under PP one per micro-batch summed over its stages."""
-    rows = stage_totals(micro_batches) if args.parallel == "pp2" else micro_batches
-    if not rows:
-        return {}
-    dev = np.asarray([m["device_s"] for m in rows], np.float64)
-    steps = np.asarray([m["step"] for m in rows], np.int64)
-    lag = WLB().fit_apply_lag_steps  # the trainer's default, which e2e_bench does not change
-    whole, wall = best_constant_error(dev), best_constant_error([m["seconds"] for m in rows])
-    in_use = window_constant_error(dev, steps, args.fit_window, lag)
-    return dict(zip(FIT_ERROR_FLOOR_KEYS, (whole, wall, in_use), strict=True))
-
-
-def in_use_error(
-    micro_batches: list[dict[str, Any]],
-    adoptions: list[tuple[int, list[float]]],
-    cp: int,
-    key: str = "seconds",
-) -> float:
-    """:func:`fit_error` of the online model as the packer used it: each micro-batch predicted by
-    the adopted model that packed its step (``adoptions``: ``(first step, coefficients)`` in step
-    order), fitted on steps that ran before it, so this is a prediction, not a fit. The last
-    model alone (``fit_error``) is judged on steps it was fitted on and on steps long before it,
-    whose machine may have run faster or slower. Steps the starting model packed are left out: it
-    predicts FLOPs, not seconds."""
-    first = np.asarray([step for step, _ in adoptions], np.int64)
-    groups: dict[int, list[dict[str, Any]]] = collections.defaultdict(list)
-    for m in micro_batches:
-        if (i := int(np.searchsorted(first, m["step"], side="right")) - 1) >= 0:
-            groups[i].append(m)
-    n = sum(map(len, groups.values()))
-    if not n:
-        return float("nan")
-    return sum(fit_error(ms, adoptions[i][1], cp, key) * len(ms) for i, ms in groups.items()) / n
-
-
-def stage_totals(micro_batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """PP records summed over the stages: one per micro-batch, as the online fit has them."""
-    keys = [(m["step"], m["mb"], tuple(m["doc_lens"])) for m in micro_batches]
-    stages = [m["stage"] for m in micro_batches]
-    done, sums = stage_sums(keys, stages, [(m["seconds"], m["device_s"]) for m in micro_batches])
-    return [
-        {"step": key[0], "doc_lens": list(key[2]), "seconds": sec, "device_s": dev}
-        for key, (sec, dev) in zip(done, sums.tolist(), strict=True)
-    ]
-
-
-def measured_imbalance(
-    per_rank: list[dict[int, dict]], steps: list[int], parallel: str, device: bool = False
-) -> float:
-    """Time-weighted micro-batch imbalance (Σ max / Σ mean of fwd + bwd): per stage under PP, the
-    slowest rank under CP, else all ranks pooled; on the wall clock, or the device's (``device``)."""
-    fwd, bwd = ("fwd_device_s", "bwd_device_s") if device else ("fwd_s", "bwd_s")
-    mbs = "micro_batch_device_times_s" if device else "micro_batch_times_s"
-    top = total = 0.0
-    for s in steps:
-        if parallel == "pp2":
-            acts = [act for r in per_rank for act in r[s].get("pp_actions", [])]
-            groups = [np.add(f, b) for a in acts for f, b in zip(a[fwd], a[bwd], strict=True)]
-        elif parallel == "cp2":
-            groups = [np.max([r[s][mbs] for r in per_rank], axis=0)]
-        else:
-            groups = [np.concatenate([r[s][mbs] for r in per_rank])]
-        for times in groups:
-            if times.size:
-                top += float(times.max())
-                total += float(times.mean())
-    return top / total if total else 1.0
-
-
-def half_gap(
-    per_rank: list[dict[int, dict]], steps: list[int], parallel: str, device: bool = False
-) -> float | None:
-    """|measured imbalance of the later half of ``steps`` - that of the earlier half|: on the
-    noise floor's identical micro-batches, how far two windows of one run land apart, a perfectly
-    balanced plan's own spread, to read ``measured_imbalance - floor`` against. None under 2 steps.
-    """
-    if len(steps) < 2:
-        return None
-    h = len(steps) // 2
-    halves = [
-        measured_imbalance(per_rank, part, parallel, device) for part in (steps[:h], steps[h:])
-    ]
-    return abs(halves[1] - halves[0])
-
-
-def pipeline_balance_loss(records: dict[str, Any], pp: int = 2) -> float:
-    """The timed steps' measured time over what a 1F1B pipeline takes when every micro-batch of a
-    step costs that step's mean on each stage (the busiest stage's work x (m + pp - 1) / m): the
-    most that better balance could still save (1.0: nothing; the stages' split is not counted)."""
-    work: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
-    n_mb: dict[int, set[int]] = collections.defaultdict(set)
-    for mb in records["microbatches"]:
-        work[mb["step"]][mb["stage"]] += mb["seconds"]
-        n_mb[mb["step"]].add(mb["mb"])
-    measured = sum(s["seconds"] for s in records["steps"] if s["step"] in work)
-    m = {s: len(ids) for s, ids in n_mb.items()}
-    balanced = sum(max(w.values()) * (m[s] + pp - 1) / m[s] for s, w in work.items())
-    return measured / balanced if balanced else float("nan")
 
 
 def calibration_records(per_rank: list[dict[int, dict]], steps: list[int]) -> dict[str, Any]:
@@ -418,17 +294,30 @@ def calibration_records(per_rank: list[dict[int, dict]], steps: list[int]) -> di
             continue
         for act in rec["pp_actions"]:
             per_stage = zip(
-                act["stages"], act["fwd_s"], act["bwd_s"], act["fwd_device_s"],
-                act["bwd_device_s"], strict=True,
-            )  # fmt: skip
+                act["stages"],
+                act["fwd_s"],
+                act["bwd_s"],
+                act["fwd_device_s"],
+                act["bwd_device_s"],
+                strict=True,
+            )
             for stage, *times in per_stage:
                 lens_times = zip(act.get("doc_lens") or [], *times, strict=False)
                 for mb, (lens, f, b, fd, bd) in enumerate(lens_times):
                     micro_batches.append(
-                        {"doc_lens": lens, "seconds": f + b, "fwd_s": f, "bwd_s": b,
-                         "device_s": fd + bd, "fwd_device_s": fd, "bwd_device_s": bd,
-                         "stage": stage, "mb": mb, **where}
-                    )  # fmt: skip
+                        {
+                            "doc_lens": lens,
+                            "seconds": f + b,
+                            "fwd_s": f,
+                            "bwd_s": b,
+                            "device_s": fd + bd,
+                            "fwd_device_s": fd,
+                            "bwd_device_s": bd,
+                            "stage": stage,
+                            "mb": mb,
+                            **where,
+                        }
+                    )
     step_times = [
         {"step": s, "seconds": max(r[s]["wlb/step_time_s"] for r in per_rank)} for s in steps
     ]
@@ -454,9 +343,11 @@ def parser() -> ToolParser:
     p.add_argument("--steps", type=steps_arg, default="epoch", help="'epoch' or a step count")
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the median step")
     p.add_argument(
-        "--runs", type=int, default=1,
+        "--runs",
+        type=int,
+        default=1,
         help="repeat every mode this many times (the modes' order reversed every other run)",
-    )  # fmt: skip
+    )
     p.add_argument("--smax-factor", type=float, default=1.25, help="S_max / context (wlb)")
     p.add_argument("--lengths", default="", help="JSON / .npy / text file of document lengths")
     p.add_argument("--generator", choices=list(GENERATORS), default="longtail")
@@ -465,12 +356,16 @@ def parser() -> ToolParser:
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of modes")
     p.add_argument("--cost-model", choices=["analytic", "online"], default="analytic")
     for name, default in (("warmup", 2), ("window", 8), ("interval", 4)):
-        p.add_argument(f"--fit-{name}", type=int, default=default, help=f"[wlb] fit_{name}_steps")
+        p.add_argument(
+            f"--fit-{name}", type=int, default=default, help=f"[wlb.online] {name}_steps"
+        )
     p.add_argument("--floor-steps", type=int, default=20, help="noise-floor steps; 0: none")
     p.add_argument(
-        "--floor-doc-len", type=int, default=0,
+        "--floor-doc-len",
+        type=int,
+        default=0,
         help="floor documents' length (0: context / k, k typical documents per context)",
-    )  # fmt: skip
+    )
     p.add_argument("--cp-sharding", default="", help="comma-separated [wlb] cp_sharding values")
     p.add_argument("--threads-per-rank", type=int, default=1, help="OMP threads per rank")
     p.add_argument("--seed", type=int, default=0)
@@ -498,9 +393,14 @@ def speedups(results: dict[str, dict[str, Any]]) -> dict[str, float]:
 # Each mode's figures a run reports as ``<figure>_<mode>`` beside its speedups, so that --runs
 # gives their mean and interval (the whole ``modes`` block is the last run's alone).
 PER_RUN_FIGURES = (
-    "time_to_train_s", "measured_imbalance", "measured_imbalance_device", "fit_mean_abs_error",
-    "fit_mean_abs_error_in_use", "docs_trained", "docs_repeated",
-)  # fmt: skip
+    "time_to_train_s",
+    "measured_imbalance",
+    "measured_imbalance_device",
+    "fit_mean_abs_error",
+    "fit_mean_abs_error_in_use",
+    "docs_trained",
+    "docs_repeated",
+)
 
 
 def per_run_figures(results: dict[str, dict[str, Any]]) -> dict[str, float]:
@@ -533,42 +433,6 @@ def over_floor(results: dict[str, dict[str, Any]], floor: dict[str, Any]) -> dic
         for clock in ("", "_device"):
             excess = res[f"measured_imbalance{clock}"] - floor[f"measured_imbalance{clock}"]
             out[f"imbalance_over_floor{clock}_{label}"] = excess
-    return out
-
-
-# Two-sided 95 % quantiles of Student's t, 1 to 30 degrees of freedom.
-_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
-        2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
-        2.060, 2.056, 2.052, 2.048, 2.045, 2.042)  # fmt: skip
-
-
-def t95(df: int) -> float:
-    """Student's t two-sided 95 % quantile: tabulated to 30 degrees of freedom, past them the
-    Cornish-Fisher series in 1/df (within 0.001 of the exact value there)."""
-    if df < 1:
-        raise ValueError(f"t95: degrees of freedom must be >= 1, got {df}")
-    if df <= len(_T95):
-        return _T95[df - 1]
-    z = 1.959964
-    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
-
-
-def across_runs(runs: list[dict[str, Any]]) -> dict[str, float]:
-    """Every per-run figure over ``--runs``: its mean, and from two runs its min, max and the 95 %
-    interval of the mean (``_ci95_low`` / ``_ci95_high``, Student's t). Machine noise moves one
-    run's figures by about as much as the effects measured (docs/benchmarks.md), so a target is
-    read on the interval, not on one run. A figure some runs lack (a fit error where no refit was
-    adopted) is taken over the runs that have it, and ``_runs`` says how many those were."""
-    out: dict[str, float] = {}
-    for key in dict.fromkeys(k for run in runs for k in run if k != "modes"):
-        values = np.asarray([run[key] for run in runs if key in run], np.float64)
-        out[key] = float(values.mean())
-        if values.size < len(runs):
-            out[f"{key}_runs"] = values.size
-        if values.size > 1:
-            half = t95(values.size - 1) * float(values.std(ddof=1)) / math.sqrt(values.size)
-            out[f"{key}_min"], out[f"{key}_max"] = float(values.min()), float(values.max())
-            out[f"{key}_ci95_low"], out[f"{key}_ci95_high"] = out[key] - half, out[key] + half
     return out
 
 
@@ -614,11 +478,13 @@ def _check(p: ToolParser, args: argparse.Namespace) -> tuple[list[str], list[str
     require_at_least(p, args, ("context_len", "micro_batches", "num_docs", "scale_from", "runs"))
     if args.steps != "epoch" and args.steps <= args.warmup:
         p.error(f"--steps {args.steps} must exceed --warmup {args.warmup}")
-    try:  # the jobs' [wlb] fit fields, checked before any job starts
-        WLB(**fit_fields(args))
+    try:  # the jobs' [wlb.online] fields, checked before any job starts
+        OnlineCostModel(**fit_fields(args))
     except ConfigError as e:
-        p.error(f"--fit-warmup {args.fit_warmup} --fit-window {args.fit_window} --fit-interval "
-                f"{args.fit_interval}: {e}")  # fmt: skip
+        p.error(
+            f"--fit-warmup {args.fit_warmup} --fit-window {args.fit_window} --fit-interval "
+            f"{args.fit_interval}: {e}"
+        )
     return modes, shardings
 
 

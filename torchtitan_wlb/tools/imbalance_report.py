@@ -34,8 +34,9 @@ from typing import Any
 
 import numpy as np
 
-from torchtitan_wlb.cost_model import nnls
+from torchtitan_wlb.cost_fit import FitStats, fit_nnls
 from torchtitan_wlb.cp.plan import default_hybrid_max_len
+from torchtitan_wlb.tools.analysis import imbalance
 from torchtitan_wlb.tools.cli import ToolParser, json_text
 
 FLOOR = "floor"
@@ -66,16 +67,23 @@ def _cp(records: dict[str, Any]) -> int:
 
 
 def _features(m: dict[str, Any], per_rank: bool) -> list[float]:
+    """A record's ``(Σd², local, gathered tokens, 1)``: the trainer's per-rank features, else of
+    its documents (every token local)."""
     if per_rank:
         return [*map(float, m["fit_features"]), 1.0]
     d = np.asarray(m["doc_lens"], np.float64)
-    return [float(d @ d), float(d.sum()), 1.0]
+    return [float(d @ d), float(d.sum()), 0.0, 1.0]
 
 
-def _imbalance(rows: list[np.ndarray]) -> float:
-    top = sum(float(r.max()) for r in rows)
-    mean = sum(float(r.mean()) for r in rows)
-    return top / mean if mean else 1.0
+def _fit(rows: list[dict[str, Any]], per_rank: bool) -> np.ndarray:
+    """The run's own best ``(a, b, g, c)`` of the records' times on the device clock (the cost
+    model's fit, every row as given)."""
+    x = np.array([_features(m, per_rank) for m in rows])
+    t = np.array([m["device_s"] for m in rows])
+    coef, why = fit_nnls(FitStats.from_samples(x[:, 0], x[:, 1], t, x[:, 2]), online_checks=False)
+    if coef is None:
+        raise ValueError(f"cannot fit the micro-batch times: {why}")
+    return coef
 
 
 def report(records: dict[str, Any], from_step: int = 0) -> dict[str, Any]:
@@ -90,9 +98,7 @@ def report(records: dict[str, Any], from_step: int = 0) -> dict[str, Any]:
     coef = {}
     for unit in units:
         rows = [m for (_, u), mb in groups.items() if u == unit for recs in mb for m in recs]
-        x = np.array([_features(m, per_rank) for m in rows])
-        t = np.array([m["device_s"] for m in rows])
-        coef[unit] = nnls(x / t[:, None], np.ones(len(t)))
+        coef[unit] = _fit(rows, per_rank)
     measured, fitted, residuals, spread = [], [], [], []
     for (_, unit), mb in groups.items():
         t = np.array([max(m["device_s"] for m in recs) for recs in mb])
@@ -105,8 +111,8 @@ def report(records: dict[str, Any], from_step: int = 0) -> dict[str, Any]:
         spread.extend(r.max() / r.mean() for r in ranks if len(r) > 1)
     out = {
         "micro_batches": sum(len(t) for t in measured),
-        "measured": _imbalance(measured),
-        "fitted": _imbalance(fitted),
+        "measured": imbalance(measured),
+        "fitted": imbalance(fitted),
         "fit_mean_abs_error": float(
             np.mean(np.abs(np.concatenate(fitted) / np.concatenate(measured) - 1.0))
         ),
@@ -115,7 +121,7 @@ def report(records: dict[str, Any], from_step: int = 0) -> dict[str, Any]:
     if per_rank and spread:
         out["rank_spread_mean"] = float(np.mean(spread))
         out["rank_spread_p95"] = float(np.percentile(spread, 95))
-        out["fitted_whole"] = _imbalance(_whole_costs(groups, coef, _cp(records)))
+        out["fitted_whole"] = imbalance(_whole_costs(groups, coef, _cp(records)))
     return out
 
 
@@ -151,7 +157,7 @@ def floor_report(records: dict[str, Any], from_step: int = 0) -> dict[str, Any]:
         spread.extend(t / t.mean() - 1.0)
     return {
         "micro_batches": sum(len(t) for t in measured),
-        "measured": _imbalance(measured),
+        "measured": imbalance(measured),
         "residual_spread": float(np.std(spread)),
     }
 
@@ -169,8 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     files = sorted(Path(args.records).glob("records_*.json"))
     if not files:
-        p.error(f"{args.records!r} holds no records_<mode>.json (write them with e2e_bench "
-                "--records-out DIR)")  # fmt: skip
+        p.error(
+            f"{args.records!r} holds no records_<mode>.json (write them with e2e_bench "
+            "--records-out DIR)"
+        )
     out: dict[str, Any] = {}
     for path in files:
         mode = path.stem.removeprefix("records_")

@@ -38,9 +38,13 @@ def _build_pipeline(args: argparse.Namespace, mesh: Any) -> Any:
     from torchtitan.models.llama3.model.model import Transformer
 
     model_args = TransformerModelArgs(
-        dim=args.dim, n_layers=args.layers, n_heads=max(1, args.dim // 64), vocab_size=args.vocab,
-        multiple_of=64, max_seq_len=args.max_len,
-    )  # fmt: skip
+        dim=args.dim,
+        n_layers=args.layers,
+        n_heads=max(1, args.dim // 64),
+        vocab_size=args.vocab,
+        multiple_of=64,
+        max_seq_len=args.max_len,
+    )
     torch.manual_seed(0)
     model = Transformer(model_args)
     with torch.no_grad():
@@ -68,6 +72,35 @@ def _timed(fn, reps: int) -> float:
     return float(t)
 
 
+class _Inputs:
+    """Random micro-batch lengths, tokens and labels from one seeded generator (alike on every
+    rank, drawn in the same order)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args, self.g = args, torch.Generator().manual_seed(0)
+
+    def lengths(self) -> list[int]:
+        a = self.args
+        return torch.randint(a.min_len, a.max_len + 1, (a.n_mb,), generator=self.g).tolist()
+
+    def tokens(self, lengths: list[int]) -> list[list[torch.Tensor]]:
+        """Random tokens, then labels, of micro-batches of ``lengths`` tokens."""
+        vocab = self.args.vocab
+        return [
+            [torch.randint(0, vocab, (1, n), generator=self.g) for n in lengths] for _ in (0, 1)
+        ]
+
+
+def _varlen_step(runner: Any, lengths: list[int], tokens: Any, labels: Any) -> None:
+    runner.step(
+        tokens if runner.has_first_stage else None,
+        None,
+        labels if runner.has_last_stage else None,
+        lengths,
+        global_valid_tokens=sum(lengths),
+    )
+
+
 def _worker(rank: int, args: argparse.Namespace, init_file: str, out_file: str) -> None:
     from torchtitan_wlb.pipeline import VarlenPipelineRunner
 
@@ -77,93 +110,90 @@ def _worker(rank: int, args: argparse.Namespace, init_file: str, out_file: str) 
     try:
         mesh = dist.init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
         runner = VarlenPipelineRunner(_build_pipeline(args, mesh))
-        g = torch.Generator().manual_seed(0)
-
-        def random_lengths() -> list[int]:
-            return torch.randint(args.min_len, args.max_len + 1, (args.n_mb,), generator=g).tolist()
-
-        def make(lengths: list[int]):
-            """Random tokens, then labels, of micro-batches of ``lengths`` tokens."""
-            return [
-                [torch.randint(0, args.vocab, (1, n), generator=g) for n in lengths] for _ in (0, 1)
-            ]
-
-        def varlen_step(lengths: list[int], tokens, labels) -> None:
-            runner.step(
-                tokens if runner.has_first_stage else None,
-                None,
-                labels if runner.has_last_stage else None,
-                lengths,
-                global_valid_tokens=sum(lengths),
-            )
-
-        results: dict[str, Any] = {}
-        # Full varlen steps with new lengths every step.
-        batches = [(lens, *make(lens)) for lens in (random_lengths() for _ in range(args.reps + 1))]
-        varlen_step(*batches[0])  # first step: schedule set-up and shape inference
-        it = iter(batches[1:])
-        results["step_ms"] = 1e3 * _timed(lambda: varlen_step(*next(it)), args.reps)
-
-        # Buffer re-sizing alone: alternate between two length vectors so every call re-sizes.
-        alt = [random_lengths(), random_lengths()]
-        counter = iter(range(10**9))
-        results["resize_us"] = 1e6 * _timed(
-            lambda: runner._resize_recv_buffers(alt[next(counter) % 2]), args.reps * 20
-        )
-
-        # Shape exchange, stage 0 -> stage 1: all lengths in one tensor, one tensor per
-        # micro-batch, or one pickled shape per micro-batch (as torch's shape inference does).
-        lens_t = torch.tensor(alt[0], dtype=torch.int64)
-        send = rank == 0
-
-        def exchange(tensors: list[torch.Tensor]) -> None:
-            for t in tensors:
-                if send:
-                    dist.send(t, dst=1)
-                else:
-                    dist.recv(torch.empty_like(t), src=0)
-
-        def exchange_objects() -> None:
-            for n in alt[0]:
-                if send:
-                    dist.send_object_list([(1, n, args.dim)], dst=1)
-                else:
-                    dist.recv_object_list([None], src=0)
-
-        per_mb = [torch.tensor([n]) for n in alt[0]]
-        for key, fn in (
-            ("exchange_batched_us", lambda: exchange([lens_t])),
-            ("exchange_per_mb_tensor_us", lambda: exchange(per_mb)),
-            ("exchange_per_mb_object_us", exchange_objects),
-        ):
-            results[key] = 1e6 * _timed(fn, args.reps * 20)
-
-        # Runner vs torch's own step on equal-length micro-batches (fresh pipeline for torch).
-        stock_schedule = _build_pipeline(args, mesh)
-        eq_lens = [(args.min_len + args.max_len) // 2] * args.n_mb
-        eq_tokens, eq_labels = make(eq_lens)
-        batch_tokens, batch_labels = torch.cat(eq_tokens), torch.cat(eq_labels)
-
-        def stock_step() -> None:
-            if rank == 0:
-                stock_schedule.step(batch_tokens, target=None, losses=None, return_outputs=False)
-            else:
-                stock_schedule.step(target=batch_labels, losses=[], return_outputs=False)
-
-        stock_step()
-        varlen_step(eq_lens, eq_tokens, eq_labels)
-        # Alternate the two so that load from other processes hits both alike.
-        stock_times, runner_times = [], []
-        for _ in range(args.reps):
-            stock_times.append(_timed(stock_step, 1))
-            runner_times.append(_timed(lambda: varlen_step(eq_lens, eq_tokens, eq_labels), 1))
-        results["stock_step_ms"] = 1e3 * statistics.median(stock_times)
-        results["runner_equal_step_ms"] = 1e3 * statistics.median(runner_times)
+        inputs = _Inputs(args)
+        results, alt = _varlen_times(runner, inputs, args.reps)
+        results.update(_exchange_times(rank == 0, alt[0], args.dim, args.reps))
+        results.update(_stock_times(rank, args, mesh, runner, inputs))
         if rank == 0:
             with open(out_file, "w") as f:
                 json.dump(results, f)
     finally:
         dist.destroy_process_group()
+
+
+def _varlen_times(
+    runner: Any, inputs: _Inputs, reps: int
+) -> tuple[dict[str, float], list[list[int]]]:
+    """Full varlen steps with new lengths every step, and the receive buffers' re-sizing alone
+    (two length vectors alternated so that every call re-sizes); also those two vectors."""
+    batches = [(lens, *inputs.tokens(lens)) for lens in (inputs.lengths() for _ in range(reps + 1))]
+    _varlen_step(runner, *batches[0])  # first step: schedule set-up and shape inference
+    it = iter(batches[1:])
+    results = {"step_ms": 1e3 * _timed(lambda: _varlen_step(runner, *next(it)), reps)}
+    alt = [inputs.lengths(), inputs.lengths()]
+    counter = iter(range(10**9))
+    results["resize_us"] = 1e6 * _timed(
+        lambda: runner._resize_recv_buffers(alt[next(counter) % 2]), reps * 20
+    )
+    return results, alt
+
+
+def _exchange_times(send: bool, lengths: list[int], dim: int, reps: int) -> dict[str, float]:
+    """Shape exchange, stage 0 -> stage 1: all lengths in one tensor, one tensor per micro-batch,
+    or one pickled shape per micro-batch (as torch's shape inference does)."""
+    lens_t = torch.tensor(lengths, dtype=torch.int64)
+
+    def exchange(tensors: list[torch.Tensor]) -> None:
+        for t in tensors:
+            if send:
+                dist.send(t, dst=1)
+            else:
+                dist.recv(torch.empty_like(t), src=0)
+
+    def exchange_objects() -> None:
+        for n in lengths:
+            if send:
+                dist.send_object_list([(1, n, dim)], dst=1)
+            else:
+                dist.recv_object_list([None], src=0)
+
+    per_mb = [torch.tensor([n]) for n in lengths]
+    return {
+        key: 1e6 * _timed(fn, reps * 20)
+        for key, fn in (
+            ("exchange_batched_us", lambda: exchange([lens_t])),
+            ("exchange_per_mb_tensor_us", lambda: exchange(per_mb)),
+            ("exchange_per_mb_object_us", exchange_objects),
+        )
+    }
+
+
+def _stock_times(
+    rank: int, args: argparse.Namespace, mesh: Any, runner: Any, inputs: _Inputs
+) -> dict[str, float]:
+    """The runner against torch's own step on equal-length micro-batches (a fresh pipeline for
+    torch), the two alternated so that load from other processes hits both alike."""
+    stock_schedule = _build_pipeline(args, mesh)
+    eq_lens = [(args.min_len + args.max_len) // 2] * args.n_mb
+    eq_tokens, eq_labels = inputs.tokens(eq_lens)
+    batch_tokens, batch_labels = torch.cat(eq_tokens), torch.cat(eq_labels)
+
+    def stock_step() -> None:
+        if rank == 0:
+            stock_schedule.step(batch_tokens, target=None, losses=None, return_outputs=False)
+        else:
+            stock_schedule.step(target=batch_labels, losses=[], return_outputs=False)
+
+    stock_step()
+    _varlen_step(runner, eq_lens, eq_tokens, eq_labels)
+    stock_times, runner_times = [], []
+    for _ in range(args.reps):
+        stock_times.append(_timed(stock_step, 1))
+        runner_times.append(_timed(lambda: _varlen_step(runner, eq_lens, eq_tokens, eq_labels), 1))
+    return {
+        "stock_step_ms": 1e3 * statistics.median(stock_times),
+        "runner_equal_step_ms": 1e3 * statistics.median(runner_times),
+    }
 
 
 def parser() -> ToolParser:
