@@ -1,6 +1,6 @@
 """Benchmark statistics: measured imbalance, the noise floors, fit errors and the interval over
 repeated runs. e2e_bench computes them from its jobs' metrics logs, imbalance_report from the
-records it writes (docs/benchmarks.md names every figure)."""
+records it writes (docs/benchmarks_e2e.md names every figure)."""
 
 from __future__ import annotations
 
@@ -190,7 +190,7 @@ def fit_error_floor(micro_batches: list[dict[str, Any]], parallel: str, window: 
     (device clock; ``_wall`` on the wall's) is the least error of one prediction for the whole
     pass, the bound for ``fit_mean_abs_error`` (one model judged on every step);
     ``fit_error_floor_in_use`` predicts each step from the window before it, as refits do, the
-    bound for ``fit_mean_abs_error_in_use`` (docs/benchmarks.md). Rows as the fit has them: per
+    bound for ``fit_mean_abs_error_in_use`` (docs/benchmarks_e2e.md). Rows as the fit has them: per
     rank, under PP (``parallel`` "pp2") one per micro-batch summed over its stages; ``window``:
     the online fit's window in steps."""
     rows = stage_totals(micro_batches) if parallel == "pp2" else micro_batches
@@ -227,7 +227,7 @@ def t95(df: int) -> float:
 def across_runs(runs: list[dict[str, Any]]) -> dict[str, float]:
     """Every per-run figure over ``--runs``: its mean, and from two runs its min, max and the 95 %
     interval of the mean (``_ci95_low`` / ``_ci95_high``, Student's t). Machine noise moves one
-    run's figures by about as much as the effects measured (docs/benchmarks.md), so a target is
+    run's figures by about as much as the effects measured (docs/benchmarks_e2e.md), so a target is
     read on the interval, not on one run. A figure some runs lack (a fit error where no refit was
     adopted) is taken over the runs that have it, and ``_runs`` says how many those were."""
     out: dict[str, float] = {}

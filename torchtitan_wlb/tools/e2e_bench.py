@@ -7,7 +7,7 @@
     python -m torchtitan_wlb.tools.e2e_bench --parallel cp2 --modes wlb \
         --cp-sharding per_document,hybrid --json   # CP shardings, same packing
 
-Modes, the noise-floor run, measures and JSON keys: docs/benchmarks.md.
+Modes, the noise-floor run, measures and JSON keys: docs/benchmarks_e2e.md.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def make_documents(args: argparse.Namespace) -> np.ndarray:
 def floor_doc_len(lengths: np.ndarray, context_len: int, asked: int = 0) -> int:
     """Length of the noise floor's documents: ``asked``, else ``context_len // k``, ``k`` the
     workload's token-weighted mean documents per context, so that a floor micro-batch costs what a
-    typical one does (a full-context document under-measures the floor: docs/benchmarks.md)."""
+    typical one does (a full-context document under-measures the floor: docs/benchmarks_e2e.md)."""
     if asked:
         return min(int(asked), context_len)
     lens = np.asarray(lengths, np.float64)
@@ -190,7 +190,7 @@ def run_job(cmd: list[str], label: str, threads_per_rank: int, bar: Any) -> floa
 def mode_figures(
     mode: str, args: argparse.Namespace, per_rank: list[dict[int, dict]], wall: float
 ) -> dict[str, Any]:
-    """A job's figures (docs/benchmarks.md) from its ranks' metrics logs (step -> record)."""
+    """A job's figures (docs/benchmarks_e2e.md) from its ranks' metrics logs (step -> record)."""
     steps_done = sorted(set.intersection(*(set(r) for r in per_rank)))
     timed = [s for s in steps_done if s > args.warmup] or steps_done
     step_time = {s: max(r[s]["wlb/step_time_s"] for r in per_rank) for s in steps_done}
@@ -544,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
             floor_key = {}
             if floor := results.pop(FLOOR, None):
                 # Kept for --records-out: identical micro-batches' own timing noise, to set beside
-                # the modes' fit residuals (docs/benchmarks.md).
+                # the modes' fit residuals (docs/benchmarks_e2e.md).
                 floor_records[run] = floor.pop("records")
                 floor_key["floor_doc_len"] = floor_len
                 floor_key["measured_imbalance_floor"] = floor["measured_imbalance"]

@@ -21,7 +21,7 @@ For each ``records_<mode>.json`` of a directory (``e2e_bench --records-out``, th
   above it being the CP plans' part.
 
 A mode whose ``fitted`` is near 1 and whose ``residual_spread`` is the floor's cannot be balanced
-better by packing; docs/benchmarks.md, "Online cost model", reads these for the CPU runs.
+better by packing; docs/benchmarks_e2e.md reads these for the CPU runs.
 """
 
 from __future__ import annotations
