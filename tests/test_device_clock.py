@@ -1,8 +1,8 @@
 """The device clock (torchtitan_wlb.device_clock) and what reads it: the pipeline's action timer
-and the trainer's micro-batch timing, whose device times feed the online cost model.
+and the trainer's micro-batch timing, whose device-clock readings feed the online cost model.
 
 A sleep inside a timed region stands for time the OS gives to another process: it passes on the
-wall clock but costs the thread no CPU time, so it must not show in a device time on CPU. The
+wall clock but costs the thread no CPU time, so it must not show on the device clock on CPU. The
 inequalities below hold by construction (the region sleeps ``SLEEP`` and burns ``BURN`` of CPU),
 not by the machine's speed.
 """
@@ -91,7 +91,7 @@ def test_pipeline_action_times_on_both_clocks(one_thread):
 
 
 def test_trainer_fits_device_times_and_records_both(one_thread, monkeypatch):
-    """No PP: the fit row of a micro-batch holds its device time; the metrics get wall and device."""
+    """No PP: the fit row of a micro-batch holds its device seconds; the metrics get wall and device."""
 
     def fake_forward_backward(self, **kwargs):
         time.sleep(SLEEP)

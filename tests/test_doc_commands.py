@@ -36,7 +36,7 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL_BLOCKS = {"bash", "sh", "shell"}
 HELP_MARKERS = ("slow", "gpu", "data")
 SKIP_MARKERS = ("cluster",)
-TIMEOUT_S = 600
+COMMAND_LIMIT_S = 600
 
 
 @dataclass(frozen=True)
@@ -179,7 +179,7 @@ def test_the_docs_have_commands():
 def _run(text: str) -> tuple[str, subprocess.CompletedProcess]:
     r = subprocess.run(
         ["bash", "-c", text], cwd=ROOT, env=_environment(), capture_output=True, text=True,
-        timeout=TIMEOUT_S,
+        timeout=COMMAND_LIMIT_S,
     )  # fmt: skip
     return text, r
 

@@ -29,7 +29,7 @@ def test_measured_imbalance_is_time_weighted_per_layout():
 
 def test_floor_half_gap_compares_the_two_halves_of_the_timed_steps():
     """Steps 1-2 balanced, 3-4 at 2 / 1.5: the gap is 1/3 whichever half is worse; the device
-    clock's variant reads the device times; an odd count puts the middle step in the later half."""
+    clock's variant reads the device seconds; an odd count puts the middle step in the later half."""
     even = {"micro_batch_times_s": [1.0, 1.0], "micro_batch_device_times_s": [2.0, 2.0]}
     odd = {"micro_batch_times_s": [1.0, 2.0], "micro_batch_device_times_s": [2.0, 2.0]}
     logs = [{1: even, 2: even, 3: odd, 4: odd}]
@@ -42,7 +42,7 @@ def test_floor_half_gap_compares_the_two_halves_of_the_timed_steps():
 
 
 def test_device_clock_figures_read_the_device_times():
-    """The device-clock variants read the device times, the existing keys the wall times."""
+    """The device-clock variants read the device seconds, the existing keys the wall times."""
     rec = {
         "micro_batch_times_s": [1.0, 3.0],
         "micro_batch_device_times_s": [1.0, 1.0],
@@ -68,7 +68,7 @@ def test_device_clock_figures_read_the_device_times():
     with_features = [{1: {**rec, "micro_batch_fit_features": [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]}}]
     cp_mbs = e2e_bench.calibration_records(with_features, [1])["microbatches"]
     assert [m["fit_features"] for m in cp_mbs] == [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]
-    # a = 0, b = 0, c = 1 predicts the device times exactly, the wall times off by 2/3 on one
+    # a = 0, b = 0, c = 1 predicts the device seconds exactly, the wall times off by 2/3 on one
     assert analysis.fit_error(mbs, [0.0, 0.0, 1.0], cp=1, key="device_s") == 0.0
     assert analysis.fit_error(mbs, [0.0, 0.0, 1.0], cp=1) == pytest.approx(1 / 3)
     [first, second] = e2e_bench.calibration_records(pp, [1])["microbatches"]

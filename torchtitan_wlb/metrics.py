@@ -129,7 +129,7 @@ class WLBMetricsProcessor(MetricsProcessor):
     def record_micro_batch_time(
         self, seconds: float, doc_lens: list[int] | None, device_seconds: float
     ) -> None:
-        """A micro-batch's forward+backward wall and device times and, for calibration, its documents."""
+        """A micro-batch's forward+backward wall and device seconds and, for calibration, its documents."""
         self.lists["micro_batch_times_s"].append(seconds)
         self.lists["micro_batch_device_times_s"].append(device_seconds)
         if doc_lens is not None and self.jsonl_path is not None:

@@ -341,7 +341,7 @@ def _rank_times(
 ) -> np.ndarray:
     """Micro-batch ``i``'s per-rank times under ``plan``: measured for a fixed strategy; for
     adaptive the measured times of the fixed plan it chose (the same plan: checked), so that
-    predicted and measured choices compare exactly and no device time is spent twice."""
+    predicted and measured choices compare exactly and no measurement runs twice."""
     if plan.requested != "adaptive":
         return measure_ranks_ms(
             plan,
