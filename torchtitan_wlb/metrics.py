@@ -18,11 +18,14 @@ from torchtitan_wlb import cpu_support
 
 MFU_KEY = "mfu(%)"
 _LISTS = (
-    "micro_batch_times_s", "micro_batch_device_times_s", "doc_ids", "micro_batch_doc_lens",
+    "micro_batch_times_s",
+    "micro_batch_device_times_s",
+    "doc_ids",
+    "micro_batch_doc_lens",
     "pp_actions",  # written only under PP
     "micro_batch_fit_features",  # written only under CP with the online cost model
     "micro_batch_cp_strategy",  # written only under CP: the sharding each micro-batch ran
-)  # fmt: skip
+)
 # Left out of a record when empty.
 _OPTIONAL_LISTS = ("pp_actions", "micro_batch_fit_features", "micro_batch_cp_strategy")
 # The parts of the wlb console line: (the figure that must be there, the part).

@@ -73,19 +73,39 @@ def cpu_document_attention(
         per_call = max(1, MAX_SCORE_ELEMENTS // (n_heads * p_q * p_k))
         for sub in range(end - count, end, per_call):
             blocks = order[sub : min(sub + per_call, end)]
-            parts.append(_dense_group(
-                q, k, v, blk_q0[blocks], blk_lq[blocks], blk_k0[blocks], blk_lk[blocks],
-                p_q, p_k, scale, gqa,
-            ))  # fmt: skip
+            parts.append(
+                _dense_group(
+                    q,
+                    k,
+                    v,
+                    blk_q0[blocks],
+                    blk_lq[blocks],
+                    blk_k0[blocks],
+                    blk_lk[blocks],
+                    p_q,
+                    p_k,
+                    scale,
+                    gqa,
+                )
+            )
     dest, values = zip(*parts, strict=True)
     out = q.new_zeros((total_q, n_heads, out_dim))
     return out.index_copy(0, torch.cat(dest), torch.cat(values))
 
 
 def _dense_group(
-    q: Tensor, k: Tensor, v: Tensor, q_start: Tensor, len_q: Tensor, k_start: Tensor,
-    len_k: Tensor, p_q: int, p_k: int, scale: float, gqa: bool,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_start: Tensor,
+    len_q: Tensor,
+    k_start: Tensor,
+    len_k: Tensor,
+    p_q: int,
+    p_k: int,
+    scale: float,
+    gqa: bool,
+) -> tuple[Tensor, Tensor]:
     """Attention of one bucket of blocks: returns (query rows written, their outputs)."""
     q_pos = torch.arange(p_q, device=q.device)
     k_pos = torch.arange(p_k, device=q.device)

@@ -51,9 +51,16 @@ def cuda_available(backend: str) -> bool:
 
 
 def cuda_attention(
-    backend: str, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor,
-    max_q: int, max_k: int, scale: float,
-) -> Tensor:  # fmt: skip
+    backend: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_q: Tensor,
+    cu_k: Tensor,
+    max_q: int,
+    max_k: int,
+    scale: float,
+) -> Tensor:
     """``backend`` ``"flash"`` or ``"torch_varlen"`` on :func:`document_attention`'s arguments.
     torch 2.13's ``varlen_attn`` takes ``window_size=(-1, 0)`` and ``enable_gqa``; 2.9-2.11's
     took ``is_causal`` and had no GQA flag (KV heads are repeated there)."""

@@ -55,6 +55,12 @@ def attention_from_metadata(
     if meta.cp is not None:
         return meta.cp.attend(q, k, v, backend=meta.backend)
     return document_attention(
-        q, k, v, meta.cu_seqlens, meta.cu_seqlens, meta.max_seqlen, meta.max_seqlen,
+        q,
+        k,
+        v,
+        meta.cu_seqlens,
+        meta.cu_seqlens,
+        meta.max_seqlen,
+        meta.max_seqlen,
         backend=meta.backend,
-    )  # fmt: skip
+    )

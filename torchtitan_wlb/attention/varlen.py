@@ -31,9 +31,17 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 def document_attention(
-    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-    max_seqlen_q: int, max_seqlen_k: int, *, scale: float | None = None, backend: str = "auto",
-) -> Tensor:  # fmt: skip
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> Tensor:
     """Causal attention of segment ``i`` of q ``[total_q, n_heads, head_dim]`` to segment ``i`` of
     k, v ``[total_k, n_kv_heads, head_dim]`` (flash-attn's varlen layout, GQA; int32 ``cu_seqlens``
     from 0 to the totals), aligned bottom-right: query ``j`` of ``l_q`` sees keys

@@ -70,6 +70,11 @@ def build_cp_attention_metadata(
 
     spec = vars(plan.local_attention_spec(rank))
     return CPAttentionMetadata(
-        group.group_name, rank, plan.cp_degree, int(plan.local_lens[rank]), plan.max_gather_len,
-        to_dev(plan.kv_order()), **{name: to_dev(value) for name, value in spec.items()},
-    )  # fmt: skip
+        group.group_name,
+        rank,
+        plan.cp_degree,
+        int(plan.local_lens[rank]),
+        plan.max_gather_len,
+        to_dev(plan.kv_order()),
+        **{name: to_dev(value) for name, value in spec.items()},
+    )

@@ -67,9 +67,16 @@ def _all_gather_kv(
 
 
 def _local_attention(
-    q: Tensor, k_glob: Tensor, v_glob: Tensor, k_whole: Tensor, v_whole: Tensor,
-    cus: tuple[Tensor, ...], sizes: list[int], scale: float, backend: str,
-) -> Tensor:  # fmt: skip
+    q: Tensor,
+    k_glob: Tensor,
+    v_glob: Tensor,
+    k_whole: Tensor,
+    v_whole: Tensor,
+    cus: tuple[Tensor, ...],
+    sizes: list[int],
+    scale: float,
+    backend: str,
+) -> Tensor:
     """The rank's varlen calls (halves against the gathered keys, whole documents against their
     own); an empty part is skipped, not handed to a kernel as an empty batch."""
     n_head, max_q_h, max_k_h, max_q_t, max_k_t, _, n_gather, max_whole = sizes
@@ -100,10 +107,20 @@ def op_arguments(spec, max_gather_len: int) -> tuple[tuple, list[int]]:
 
 @torch.library.custom_op("torchtitan_wlb::cp_attention_fwd", mutates_args=())
 def cp_attention_fwd(
-    q: Tensor, k: Tensor, v: Tensor, kv_order: Tensor, cu_q_head: Tensor, cu_k_head: Tensor,
-    cu_q_tail: Tensor, cu_k_tail: Tensor, cu_whole: Tensor, sizes: list[int], group_name: str,
-    scale: float, backend: str,
-) -> Tensor:  # fmt: skip
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kv_order: Tensor,
+    cu_q_head: Tensor,
+    cu_k_head: Tensor,
+    cu_q_tail: Tensor,
+    cu_k_tail: Tensor,
+    cu_whole: Tensor,
+    sizes: list[int],
+    group_name: str,
+    scale: float,
+    backend: str,
+) -> Tensor:
     """Forward of CP attention on local tensors (index tensors and ``sizes``: :func:`op_arguments`)."""
     n_gather = sizes[6]
     k_glob, v_glob = _all_gather_kv(k, v, kv_order, sizes, group_name)
@@ -119,9 +136,17 @@ def _(q: Tensor, *args) -> Tensor:
 
 
 def _backward_local(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, kv_order: Tensor, cus: tuple[Tensor, ...],
-    sizes: list[int], group_name: str, scale: float, backend: str,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kv_order: Tensor,
+    cus: tuple[Tensor, ...],
+    sizes: list[int],
+    group_name: str,
+    scale: float,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:
     """Backward on local tensors, in the autograd engine's context: inside a custom-op body
     autograd dispatch is off and the recompute could not be differentiated."""
     max_gather, n_gather = sizes[5], sizes[6]
@@ -181,9 +206,14 @@ def _fwd_sharding(*args):
 
 
 def cp_attention(
-    q: Tensor, k: Tensor, v: Tensor, meta: CPAttentionMetadata, *, scale: float | None = None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    meta: CPAttentionMetadata,
+    *,
+    scale: float | None = None,
     backend: str = "auto",
-) -> Tensor:  # fmt: skip
+) -> Tensor:
     """Document-masked causal attention of this rank's tokens under context parallelism.
 
     ``q: [local_len, n_heads, head_dim]``, ``k, v: [local_len, n_kv_heads, head_dim]`` in the plan's
@@ -202,5 +232,13 @@ def cp_attention(
     # DTensor q/k/v: the plain index tensors join as replicated
     with implicit_replication() if isinstance(q, DTensor) else contextlib.nullcontext():
         return cp_attention_fwd(
-            q, k, v, meta.kv_order, *cus, sizes, meta.group_name, float(scale), backend,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            meta.kv_order,
+            *cus,
+            sizes,
+            meta.group_name,
+            float(scale),
+            backend,
+        )

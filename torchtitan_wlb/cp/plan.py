@@ -182,9 +182,15 @@ class CPPlan:
         cu_whole = np.zeros(len(whole_lens) + 1, dtype=np.int32)
         whole_lens.cumsum(out=cu_whole[1:])
         return LocalAttentionSpec(
-            int(self.slot_tokens[rank]), int(self.gather_lens[rank]), (cq_h, cq_t), (ck_h, ck_t),
-            (mq_h, mq_t), (mk_h, mk_t), cu_whole, int(whole_lens.max(initial=0)),
-        )  # fmt: skip
+            int(self.slot_tokens[rank]),
+            int(self.gather_lens[rank]),
+            (cq_h, cq_t),
+            (ck_h, ck_t),
+            (mq_h, mq_t),
+            (mk_h, mk_t),
+            cu_whole,
+            int(whole_lens.max(initial=0)),
+        )
 
     def rank_totals(self, per_segment: np.ndarray) -> np.ndarray:
         """``[c]`` sums of a ``[S]`` per-segment quantity over each rank's segments."""
@@ -318,9 +324,19 @@ class ShardingDraft:
             owner = np.minimum(seg_slot[whole], two_c - 1 - seg_slot[whole])
             gather_lens = local_lens - np.bincount(owner, seg_len[whole], c).astype(np.int64)
         return CPPlan(
-            self.doc_lens, self.doc_cu, c, self.strategy, requested or self.strategy, *segs,
-            slot_tokens, local_lens, local_offset, gathered, gather_lens, self.max_len,
-        )  # fmt: skip
+            self.doc_lens,
+            self.doc_cu,
+            c,
+            self.strategy,
+            requested or self.strategy,
+            *segs,
+            slot_tokens,
+            local_lens,
+            local_offset,
+            gathered,
+            gather_lens,
+            self.max_len,
+        )
 
 
 def draft_sharding(

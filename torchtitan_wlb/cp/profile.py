@@ -26,8 +26,15 @@ if TYPE_CHECKING:
 # matmuls), per (query, key) pair, per head, per head-dim element.
 FLOPS_PER_PAIR_PER_HEAD_DIM = 4.0 * 3.5
 MAX_LUT_LENGTH = 1 << 20  # grids up to this length use a direct lookup table (<= 8 MB)
-_SCALAR_FIELDS = {"tile": int, "device": str, "backend": str, "n_heads": int, "n_kv_heads": int,
-                  "head_dim": int, "dtype": str}  # fmt: skip
+_SCALAR_FIELDS = {
+    "tile": int,
+    "device": str,
+    "backend": str,
+    "n_heads": int,
+    "n_kv_heads": int,
+    "head_dim": int,
+    "dtype": str,
+}
 
 
 def attention_flops(q_len, kv_len, n_heads: int, head_dim: int) -> np.ndarray:
@@ -195,10 +202,20 @@ def resolve_profile(profile: CPProfile | str | Path | None) -> CPProfile:
 
 
 def measure_profile(
-    lengths: list[int], *, device: str = "cpu", backend: str = "auto", n_heads: int = 4,
-    n_kv_heads: int = 2, head_dim: int = 32, dtype: str = "float32", tile: int | None = None,
-    pairs_per_cell: int = 1 << 19, max_tokens: int | None = None, repeats: int = 3, log=None,
-) -> CPProfile:  # fmt: skip
+    lengths: list[int],
+    *,
+    device: str = "cpu",
+    backend: str = "auto",
+    n_heads: int = 4,
+    n_kv_heads: int = 2,
+    head_dim: int = 32,
+    dtype: str = "float32",
+    tile: int | None = None,
+    pairs_per_cell: int = 1 << 19,
+    max_tokens: int | None = None,
+    repeats: int = 3,
+    log=None,
+) -> CPProfile:
     """Time forward + backward of ``document_attention`` for every (q_len <= kv_len) grid cell on
     about ``pairs_per_cell`` (query, key) pairs of identical segments (as small chunks arrive),
     with at most ``max_tokens`` keys per cell (None: no cap). The cap is what keeps a GPU table
