@@ -244,6 +244,37 @@ def test_nothing_imports_upward():
     assert not bad, "imports against the layering:\n" + "\n".join(bad)
 
 
+MAX_FUNCTION_LINES = 80
+
+
+def long_functions(source: str, limit: int = MAX_FUNCTION_LINES) -> list[tuple[str, int]]:
+    """``(name, lines)`` of every function in ``source`` longer than ``limit`` lines, from its
+    ``def`` (decorators excluded) to its last line, nested functions counted on their own too."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            length = node.end_lineno - node.lineno + 1
+            if length > limit:
+                found.append((node.name, length))
+    return found
+
+
+def test_no_function_is_longer_than_the_limit():
+    """A function that does not fit a screen does more than one thing: split it."""
+    bad = [
+        f"{path.relative_to(SOURCE.parent)}: {name} has {length} lines"
+        for path in modules().values()
+        for name, length in long_functions(path.read_text())
+    ]
+    assert not bad, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(bad)
+
+
+def test_long_functions_counts_from_def_to_last_line():
+    body = "".join(f"    x{i} = {i}\n" for i in range(80))
+    assert long_functions(f"def short():\n{body[: body.index('x79')]}") == []
+    assert long_functions(f"@decorated\ndef long():\n{body}") == [("long", 81)]
+
+
 @pytest.mark.parametrize("prefix", TORCH_FREE_PREFIXES)
 def test_pure_modules_import_no_torch(prefix):
     checked = [m for m in modules() if m == prefix or m.startswith(prefix + ".")]
