@@ -286,3 +286,14 @@ def test_nested_tables_from_toml_and_the_command_line(tmp_path):
     bad = ["--job.config_file", str(toml), "--wlb.online.holdout_steps", "6"]
     with pytest.raises(ConfigError, match=re.escape("[wlb.online] holdout_steps = 6 must be")):
         parse_job_config(bad)
+
+
+def test_the_wlb_table_stays_small():
+    """`[wlb]` holds what a run chooses; tuning knobs go to `[wlb.advanced]` or `[wlb.online]`."""
+    from dataclasses import fields
+
+    top = [f.name for f in fields(WLB)]
+    assert len(top) <= 16, top
+    assert {"online", "advanced"} <= set(top)
+    nested = {f.name for t in (Advanced, OnlineCostModel) for f in fields(t)}
+    assert not nested & set(top), "a knob with two names"
