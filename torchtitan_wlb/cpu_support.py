@@ -60,6 +60,35 @@ def _cpu_reset_peak_memory_stats(_device: Any = None) -> None:
         f.write("5")
 
 
+class _CpuProfile(torch.profiler.profile):
+    """``torch.profiler.profile`` for TorchTitan's profiling hook on CPU: the hook lists CPU and
+    the accelerator's activity, which is None without an accelerator; the CPU one is kept."""
+
+    def __init__(self, *args: Any, activities: Any = None, **kwargs: Any):
+        if activities is not None:
+            activities = [a for a in activities if a is not None]
+        super().__init__(*args, activities=activities, **kwargs)
+
+
+_STATUS_FIELDS = ("VmPeak", "VmSize", "VmHWM", "VmRSS", "RssAnon", "RssFile", "VmSwap")
+
+
+class _CpuMemory:
+    """``torch.cpu.memory`` for TorchTitan's memory snapshot (``[profiling]
+    enable_memory_snapshot``) on CPU. CPU tensors have no caching allocator recording a history,
+    so each "snapshot" is the process's memory summary from ``/proc/self/status``: ``{"device":
+    "cpu", "bytes": {field: bytes}}`` for the fields below, peak (``VmHWM``) since the last reset."""
+
+    @staticmethod
+    def _record_memory_history(*_args: Any, **_kwargs: Any) -> None:
+        _cpu_reset_peak_memory_stats()  # the peak of the recorded span, as CUDA's history starts
+
+    @staticmethod
+    def _snapshot() -> dict[str, Any]:
+        sizes = {field: _read_status_kib(field) * 1024 for field in _STATUS_FIELDS}
+        return {"device": "cpu", "bytes": sizes}
+
+
 def activate() -> bool:
     """Make CPU a TorchTitan device if no accelerator is present (idempotent); True when CPU mode
     is active. Refuses if torchtitan is already imported: its device globals point at CUDA."""
@@ -83,6 +112,8 @@ def activate() -> bool:
     torch.cpu.reset_peak_memory_stats = _cpu_reset_peak_memory_stats
     torch.cpu.empty_cache = lambda: None
     torch.cpu.current_device = lambda: 0  # torchtitan passes it to barriers as a device id
+    torch.cpu.memory = _CpuMemory  # TorchTitan's memory snapshot
+    torch.profiler.profile = _CpuProfile  # TorchTitan's profiling hook
     _ACTIVE = True
     return True
 
