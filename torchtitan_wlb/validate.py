@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import importlib.util
 import io
 import itertools
 import os
@@ -13,6 +14,8 @@ import re
 import sys
 from typing import Any
 from unittest import mock
+
+import torch
 
 from torchtitan_wlb.config import TABLES, ConfigError, settings
 from torchtitan_wlb.data.sources import DataError, TextSource
@@ -75,6 +78,8 @@ def check_job_config(job_config: Any, world_size: int | None = None) -> dict[str
     _check_cp_combinations(job_config, degrees)
     _check_queue_thresholds(job_config)
     _check_profiles(job_config.wlb)
+    _check_profiling(job_config.profiling)
+    _check_converters(job_config)
     if job_config.wlb.advanced.loader == "documents":
         _check_document_loader(job_config, degrees)
     elif degrees["cp"] > 1:
@@ -139,6 +144,76 @@ def _check_profiles(wlb: Any) -> None:
         path = getattr(wlb, name)
         if path and used and not os.path.isfile(path):
             raise ConfigError(f"[wlb] {name} = {path!r} does not exist (a JSON profile file)")
+
+
+def _check_profiling(profiling: Any) -> None:
+    """TorchTitan's profiler schedule, which it asserts inside every rank: each cycle of
+    ``profile_freq`` steps waits, warms up for ``profiler_warmup`` and records
+    ``profiler_active``; the memory snapshot is dumped every ``profile_freq`` steps."""
+    if not (profiling.enable_profiling or profiling.enable_memory_snapshot):
+        return
+    freq = profiling.profile_freq
+    if freq < 1:
+        raise ConfigError(f"[profiling] profile_freq = {freq} is out of range; it must be >= 1")
+    if not profiling.enable_profiling:
+        return
+    warmup, active = profiling.profiler_warmup, profiling.profiler_active
+    if warmup < 0 or active < 1:
+        raise ConfigError(
+            f"[profiling] profiler_warmup = {warmup}, profiler_active = {active}: the warmup "
+            "must be >= 0 steps and the active span >= 1"
+        )
+    if freq < warmup + active:
+        raise ConfigError(
+            f"[profiling] profile_freq = {freq} is below profiler_warmup + profiler_active = "
+            f"{warmup} + {active}: TorchTitan needs profile_freq >= warmup + active (each cycle "
+            f"of profile_freq steps warms up, then records); set --profiling.profile_freq "
+            f"{warmup + active} or more, or lower the warmup or active steps"
+        )
+
+
+QUANTIZE_NEEDS = {
+    "float8": ((8, 9), "an SM89 or later GPU"),
+    "mx": ((10, 0), "an SM100 or later GPU"),
+}
+"""TorchTitan's quantized training converters (``quantize.<layers>.<kind>``) by kind: the CUDA
+capability and the GPU they need."""
+
+
+def _check_converters(job_config: Any) -> None:
+    """``[model] converters``: names TorchTitan registers (it fails on others with a bare
+    ``KeyError``), and the GPU and torchao that its quantized training needs."""
+    names = list(job_config.model.converters)
+    if not names:
+        return
+    import torchtitan.components.quantization  # noqa: F401 -- registers TorchTitan's converters
+    from torchtitan.protocols.model_converter import _registry_model_converter_cls as known
+
+    shown = f"[model] converters = {names}"
+    for name in names:
+        if name not in known:
+            raise ConfigError(
+                f"{shown}: {name!r} is not a TorchTitan model converter; use one of "
+                f"{', '.join(sorted(known))} (float8 training: quantize.linear.float8)"
+            )
+        kind = name.rpartition(".")[2]
+        if kind not in QUANTIZE_NEEDS:
+            continue
+        capability, gpu = QUANTIZE_NEEDS[kind]
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"{shown}: {name} needs CUDA ({gpu} and torchao), and this run is on CPU; "
+                "remove it from [model] converters"
+            )
+        emulated = name == "quantize.linear.float8" and job_config.quantize.linear.float8.emulate
+        have = torch.cuda.get_device_capability()
+        if torch.version.hip is None and not emulated and have < capability:
+            raise ConfigError(
+                f"{shown}: {name} needs {gpu}, and this one is SM{have[0]}{have[1]}; remove it "
+                "from [model] converters"
+            )
+        if importlib.util.find_spec("torchao") is None:
+            raise ConfigError(f"{shown}: {name} needs torchao, which is not installed")
 
 
 def _check_document_loader(job_config: Any, degrees: dict[str, int]) -> None:
