@@ -14,7 +14,8 @@
 #   NGPU         processes on this node (default: number of GPUs, or 2 CPU ranks)
 #   LOG_RANK     ranks whose output is shown, comma-separated (default 0)
 #   COMM_MODE    "fake_backend" or "local_tensor": one process computes 1 step of NGPU ranks with
-#                fake collectives (no checkpoint is loaded or saved)
+#                fake collectives (no checkpoint is loaded or saved); "local_tensor" builds the
+#                NGPU ranks' trainer and stops there (TorchTitan trains no step in that mode)
 #   TRAIN_FILE   module to run (default torchtitan_wlb.train)
 #   WLB_SKIP_PREFLIGHT  set to skip the one-process check of config, data and checkpoint
 # With no GPU the ranks are CPU processes talking over gloo; with GPUs, one process per GPU on NCCL.

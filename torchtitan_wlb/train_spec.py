@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torchtitan.components.loss import build_cross_entropy_loss
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import build_optimizers
@@ -25,12 +26,25 @@ from torchtitan_wlb.models.llama3_wlb import (
 TRAIN_SPEC_NAME = "llama3_wlb"
 
 
-def _build_dataloader(dp_world_size: int, dp_rank: int, tokenizer: Any, job_config: Any):
+def _build_dataloader(dp_world_size: int, dp_rank: Any, tokenizer: Any, job_config: Any):
     """The document dataloader, balancing with the cost model of the job's model flavor."""
+    dp_rank = _concrete_rank(dp_rank)
     cost_model = (
         cost_model_for_job(job_config) if job_config.wlb.advanced.loader == "documents" else None
     )
     return build_wlb_dataloader(dp_world_size, dp_rank, tokenizer, job_config, cost_model)
+
+
+def _concrete_rank(dp_rank: Any) -> int:
+    """``dp_rank`` as an int. Under ``[comm] mode = "local_tensor"`` one process simulates every
+    rank and TorchTitan passes a symbolic rank (a SymInt holding each simulated rank's value);
+    TorchTitan only builds the trainer in that mode, without training a step, so the loader is
+    built as the first simulated rank's."""
+    if isinstance(dp_rank, torch.SymInt):
+        from torch.distributed._local_tensor import _map_to_rank_local_val
+
+        return int(_map_to_rank_local_val(dp_rank, 0))
+    return dp_rank
 
 
 try:  # importing this module twice must not register twice
