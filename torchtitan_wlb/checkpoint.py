@@ -1,6 +1,7 @@
 """``WLBCheckpointManager``: TorchTitan's CheckpointManager with a hook told of every checkpoint
 once it is complete on disk (the audit log's record), a failed load as one line naming the
-checkpoint, and the last step's save purged like the interval saves."""
+checkpoint, the last step's save purged like the interval saves, and a resume that passes over a
+model-only last checkpoint for the full one before it."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException as DCPException
 from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.tools.logging import logger
 
-from torchtitan_wlb.resume import CheckpointError
+from torchtitan_wlb.resume import CheckpointError, latest_checkpoint_step, latest_full_step
 
 
 class WLBCheckpointManager(CheckpointManager):
@@ -48,6 +50,23 @@ class WLBCheckpointManager(CheckpointManager):
             # TorchTitan purges after interval saves only; the last step's is one more (a seed
             # checkpoint, step 0, is not a training save).
             self._purge_stale_checkpoints()
+
+    def load(self, step: int = -1) -> bool:
+        """TorchTitan's load; with no ``load_step``, from the latest checkpoint that holds the
+        training state. TorchTitan's default ``last_save_model_only`` writes the model alone at
+        the last step, and TorchTitan would resume from it and fail on the missing data-loader
+        state; the full checkpoint before it resumes exactly (``resume.check_resume`` refuses when
+        there is none)."""
+        if step == -1 and self.enable and os.path.isdir(self.folder):
+            latest, full = latest_checkpoint_step(self.folder), latest_full_step(self.folder)
+            if 0 < full < latest:
+                logger.warning(
+                    f"resuming from {self._create_checkpoint_id(full)}, the latest full "
+                    f"checkpoint: {self._create_checkpoint_id(latest)} holds only the model "
+                    "([checkpoint] last_save_model_only), not the optimizer state and data position"
+                )
+                step = full
+        return super().load(step)
 
     def dcp_load(
         self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool

@@ -12,6 +12,7 @@ from typing import Any
 
 _STEP = re.compile(r"step-(\d+)")
 _COMPLETE = (".metadata", "model.safetensors.index.json")  # a step folder TorchTitan loads
+_TRAIN_STATE = "train_state"  # the step, which TorchTitan saves in full checkpoints only
 FAKE_COMM_MODES = ("fake_backend", "local_tensor")
 
 
@@ -37,17 +38,44 @@ def _steps_holding(folder: str, probes: tuple[str, ...]) -> list[int]:
 
 
 def latest_checkpoint_step(folder: str) -> int:
-    """The largest complete ``step-N`` in ``folder``, which TorchTitan resumes from; -1: none."""
+    """The largest complete ``step-N`` in ``folder`` (model-only or full); -1: none."""
     return max(_steps_holding(folder, _COMPLETE), default=-1)
 
 
+def is_model_only(folder: str) -> bool:
+    """Whether the checkpoint in ``folder`` holds the model alone: TorchTitan's last-step save under
+    ``[checkpoint] last_save_model_only`` (its default) has no training state, so no step, optimizer
+    or data position to resume from. An unreadable one counts as full (:func:`verify` names it)."""
+    if not os.path.isfile(os.path.join(folder, ".metadata")):
+        return os.path.isfile(os.path.join(folder, _COMPLETE[1]))  # HF safetensors: model only
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        keys = FileSystemReader(folder).read_metadata().state_dict_metadata
+    except Exception:  # noqa: BLE001 -- damaged: verify() reports it with the file's name
+        return False
+    return not any(key.split(".")[0] == _TRAIN_STATE for key in keys)
+
+
+def latest_full_step(folder: str) -> int:
+    """The largest complete ``step-N`` in ``folder`` that a run can resume from (not model-only,
+    not the seed checkpoint, step 0); -1: none."""
+    steps = sorted((s for s in _steps_holding(folder, _COMPLETE) if s > 0), reverse=True)
+    return next((s for s in steps if not is_model_only(os.path.join(folder, f"step-{s}"))), -1)
+
+
 def resume_folder(job_config: Any) -> tuple[str, int] | None:
-    """``(folder, step)`` of the checkpoint TorchTitan would load (``load_step``, else the latest)."""
+    """``(folder, step)`` of the checkpoint this run loads: ``load_step``, else the latest unless it
+    is model-only and the run trains on (then the latest full one: ``WLBCheckpointManager.load``)."""
     ckpt = job_config.checkpoint
     base = checkpoint_folder(job_config)
     if not ckpt.enable or not os.path.isdir(base):
         return None
     step = int(ckpt.load_step) if ckpt.load_step >= 0 else latest_checkpoint_step(base)
+    if ckpt.load_step < 0 and 0 < step < job_config.training.steps:
+        # A model-only latest with none full before it stays: check_resume refuses, naming it.
+        full = latest_full_step(base)
+        step = full if full > 0 else step
     return None if step < 0 else (os.path.join(base, f"step-{step}"), step)
 
 
@@ -134,6 +162,8 @@ def check_resume(job_config: Any, fingerprint: dict[str, Any] | None) -> int | N
     if not os.path.isdir(folder):
         raise CheckpointError(f"[checkpoint] load_step = {step}, but {folder} does not exist")
     metadata = verify(folder)
+    if 0 < step < job_config.training.steps and is_model_only(folder):
+        raise CheckpointError(_model_only_message(job_config, folder, step))
     if fingerprint is not None and step > 0:
         saved = saved_fingerprint(folder, metadata)
         if saved is not None:
@@ -141,3 +171,25 @@ def check_resume(job_config: Any, fingerprint: dict[str, Any] | None) -> int | N
 
             check_fingerprint(saved, fingerprint, f"checkpoint {folder}")
     return step
+
+
+def _model_only_message(job_config: Any, folder: str, step: int) -> str:
+    """Why a model-only checkpoint cannot be resumed from, and what can be."""
+    base = checkpoint_folder(job_config)
+    full = latest_full_step(base)
+    where = (
+        f"[checkpoint] load_step = {step}" if job_config.checkpoint.load_step >= 0 else "resuming"
+    )
+    lost = "no optimizer state or data position"
+    if full >= 0:
+        return (
+            f"{where}: {folder} holds only the model ([checkpoint] last_save_model_only wrote it "
+            f"at the last step), {lost}; resume from the full checkpoint "
+            f"{os.path.join(base, f'step-{full}')} with [checkpoint] load_step = {full} (or -1)"
+        )
+    return (
+        f"{where}: {folder} holds only the model ([checkpoint] last_save_model_only wrote it at "
+        f"the last step), {lost}, and {base} holds no full checkpoint to resume from; train "
+        f"on from its weights in another --job.dump_folder with --checkpoint.initial_load_path "
+        f"{folder}, and keep the last save full with --checkpoint.no-last-save-model-only"
+    )
