@@ -86,6 +86,47 @@ def test_config_errors(tmp_path, data, capsys, extra, expected):
     _fails(capsys, _args(tmp_path, data, *extra), *expected)
 
 
+# TorchTitan options that failed inside the ranks (an assert, a KeyError, a ValueError in a
+# traceback): one line before any rank starts, naming the option, why, and what to set.
+PROFILING = ["--profiling.enable_profiling"]
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        ([*PROFILING, "--profiling.profile_freq", "2"],
+         ["[profiling] profile_freq = 2 is below profiler_warmup + profiler_active = 3 + 1",
+          "profile_freq >= warmup + active", "--profiling.profile_freq 4"]),
+        ([*PROFILING, "--profiling.profiler_active", "0"], ["profiler_active = 0", ">= 1"]),
+        (["--profiling.enable_memory_snapshot", "--profiling.profile_freq", "0"],
+         ["[profiling] profile_freq = 0 is out of range"]),
+        (["--model.converters", "float8"],
+         ["[model] converters = ['float8']: 'float8' is not a TorchTitan model converter",
+          "quantize.linear.float8"]),
+    ],
+)  # fmt: skip
+def test_torchtitan_option_errors(tmp_path, data, capsys, extra, expected):
+    _fails(capsys, _args(tmp_path, data, *extra), *expected)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")
+@pytest.mark.parametrize("name", ["quantize.linear.float8", "quantize.linear.mx"])
+def test_quantized_training_needs_cuda(tmp_path, data, capsys, name):
+    extra = ["--model.converters", name, "--quantize.linear.float8.emulate"]
+    _fails(capsys, _args(tmp_path, data, *extra), f"{name} needs CUDA", "this run is on CPU")
+
+
+def test_profiling_within_torchtitans_schedule_passes(tmp_path, data, capsys):
+    schedule = ["--profiling.profile_freq", "2", "--profiling.profiler_warmup", "1"]
+    extra = [*PROFILING, "--profiling.enable_memory_snapshot", *schedule]
+    os.environ["NGPU"] = "2"
+    try:
+        assert main(_args(tmp_path, data, *extra)) == 0
+    finally:
+        del os.environ["NGPU"]
+    assert capsys.readouterr().err == ""
+
+
 def test_more_processes_than_the_layout_allows(tmp_path, data, capsys):
     fixed = ["--parallelism.data_parallel_shard_degree", "2"]
     _fails(capsys, _args(tmp_path, data, *fixed), "= 2 processes, but 4 were launched", ngpu="4")
@@ -255,6 +296,41 @@ def test_resume_with_the_same_settings_passes(tmp_path, data, capsys):
         assert main(_args(tmp_path, data)) == 0
     finally:
         del os.environ["NGPU"]
+
+
+def _model_only(tmp_path, step):
+    """The last step's checkpoint as TorchTitan writes it under last_save_model_only."""
+    folder = tmp_path / "run" / "checkpoint" / f"step-{step}"
+    dcp.save({"w": torch.arange(4096, dtype=torch.float32)}, checkpoint_id=str(folder))
+    return folder
+
+
+def test_resume_passes_over_a_model_only_last_checkpoint(tmp_path, data, capsys):
+    from torchtitan_wlb.resume import is_model_only, resume_folder
+
+    full, last = _checkpoint(tmp_path, data, step=2), _model_only(tmp_path, 4)
+    assert is_model_only(str(last)) and not is_model_only(str(full))
+    more = _args(tmp_path, data, "--training.steps", "6")
+    assert resume_folder(parse_job_config(more)) == (str(full), 2)
+    done = _args(tmp_path, data, "--training.steps", "4")  # finished: nothing to do, nothing lost
+    assert resume_folder(parse_job_config(done)) == (str(last), 4)
+    os.environ["NGPU"] = "2"
+    try:
+        assert main(more) == 0 and main(done) == 0
+    finally:
+        del os.environ["NGPU"]
+    assert capsys.readouterr().err == ""
+
+
+def test_resume_from_a_model_only_checkpoint_is_refused(tmp_path, data, capsys):
+    last = _model_only(tmp_path, 4)
+    _fails(
+        capsys, _args(tmp_path, data, "--training.steps", "6"), f"resuming: {last} holds only the "
+        "model", "no full checkpoint to resume from", f"--checkpoint.initial_load_path {last}",
+    )  # fmt: skip
+    full = _checkpoint(tmp_path, data, step=2)
+    asked = _args(tmp_path, data, "--training.steps", "6", "--checkpoint.load_step", "4")
+    _fails(capsys, asked, "[checkpoint] load_step = 4", f"from the full checkpoint {full}")
 
 
 @pytest.mark.parametrize("target", ["shard", "metadata", "garbage_metadata"])

@@ -48,10 +48,23 @@ def _fake_backend_step():
     )  # fmt: skip
 
 
+def _local_tensor_build():
+    """COMM_MODE=local_tensor as run_train.sh does it: one process builds 4 ranks' trainer."""
+    env = dict(
+        os.environ, NGPU="4", LOCAL_RANK="0", WLB_PYTHON=sys.executable, COMM_MODE="local_tensor"
+    )
+    return subprocess.run(
+        ["./run_train.sh", "--model.flavor", "tiny", "--training.seq_len", "256",
+         "--wlb.micro_batch_max_len", "320", "--job.dump_folder", "/tmp/wlb_local_tensor_dry_run"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
 RUNS = {
     "test_table1_and_llama3_configs_build_with_fake_backend": _large_configs,
     "test_debug_configs_build_with_fake_backend": _debug_configs,
     "test_fake_backend_step_of_debug_config": _fake_backend_step,
+    "test_local_tensor_build_of_debug_config": _local_tensor_build,
 }
 
 
@@ -91,3 +104,11 @@ def test_fake_backend_step_of_debug_config(runs):
     r = runs["test_fake_backend_step_of_debug_config"].result()
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert "step:  1" in r.stdout + r.stderr
+
+
+def test_local_tensor_build_of_debug_config(runs):
+    """The data loader takes the symbolic DP rank of local-tensor mode, in which TorchTitan builds
+    the trainer and trains no step."""
+    r = runs["test_local_tensor_build_of_debug_config"].result()
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "Local tensor mode enabled - skipping training execution" in r.stdout + r.stderr

@@ -2,6 +2,7 @@
 
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -63,3 +64,35 @@ def test_fsdp_trains_checkpoints_and_resumes_exactly(tmp_path):
     for step in (5, 6):  # same data order, same model state: bitwise-equal losses on CPU fp32
         assert again[step]["loss"] == full[step]["loss"]
         assert again[step]["wlb/max_tokens"] == full[step]["wlb/max_tokens"]
+
+
+def test_resume_after_a_model_only_last_checkpoint(tmp_path):
+    """TorchTitan's default ``last_save_model_only`` writes the last step's checkpoint without the
+    data position: a run asked for more steps resumes exactly from the full one before it."""
+    dump = tmp_path / "run"
+    _train(dump, "--training.steps", "3", "--checkpoint.last_save_model_only")
+    first = _losses(dump)
+    assert sorted(os.listdir(dump / "checkpoint")) == ["step-2", "step-3"]
+    os.remove(dump / "wlb_metrics" / "rank_0.jsonl")
+    r = _train(dump, "--training.steps", "4", "--checkpoint.last_save_model_only")
+    log = r.stdout + r.stderr
+    assert "resuming from step 2" in log and "Training starts at step 3" in log
+    assert f"{dump / 'checkpoint' / 'step-3'} holds only the model" in log
+    again = _losses(dump)
+    assert sorted(again) == [3, 4]
+    assert again[3]["loss"] == first[3]["loss"]  # the same data and state as the first run's step 3
+
+
+def test_profiling_and_memory_snapshot_on_cpu(tmp_path):
+    dump = tmp_path / "run"
+    _train(
+        dump, "--training.steps", "2", "--checkpoint.no-enable", "--profiling.enable_profiling",
+        "--profiling.enable_memory_snapshot", "--profiling.profile_freq", "2",
+        "--profiling.profiler_warmup", "1", "--profiling.profiler_active", "1",
+    )  # fmt: skip
+    for rank in (0, 1):
+        trace = dump / "profile_traces" / "iteration_2" / f"rank{rank}_trace.json"
+        assert json.loads(trace.read_text())["traceEvents"]
+        snapshot = dump / "memory_snapshot" / "iteration_2" / f"rank{rank}_memory_snapshot.pickle"
+        summary = pickle.loads(snapshot.read_bytes())
+        assert summary["device"] == "cpu" and summary["bytes"]["VmHWM"] > 0
