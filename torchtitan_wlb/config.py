@@ -53,8 +53,8 @@ def choice_values(annotation: Any) -> tuple[str, ...]:
 # The choice fields' types, from the registries but for the attention backends, whose registry
 # imports torch, which the config (read by the tools too) must not; a test keeps the two equal.
 Mode = _choice("", *MODE_PRESETS)
-Packing = _choice(*PACKERS, "")
-CPSharding = _choice(*STRATEGIES, "")
+Packing = _choice(*PACKERS)  # or "": the mode's (PRESET_FIELDS)
+CPSharding = _choice(*STRATEGIES)
 AttentionBackend = _choice("auto", "cpu", "flash", "torch_varlen")
 LongDocPolicy = _choice("split", "truncate", "error")
 CostModelKind = _choice("analytic", "coefficients", "profile", "online")
@@ -111,7 +111,8 @@ def _check_fields(config: Any) -> None:
         value = _check_type(f"[{table}] {f.name}", getattr(config, f.name), f.type)
         setattr(config, f.name, value)
         accepted = choice_values(f.type)
-        if accepted and value not in accepted:
+        unset = value == "" and f.name in PRESET_FIELDS  # the mode's value, set in WLB
+        if accepted and value not in accepted and not unset:
             shown = ", ".join(repr(a) for a in accepted)
             raise ConfigError(f"[{table}] {f.name} = {value!r} is not accepted; use one of {shown}")
     for f in fields(config):
@@ -258,13 +259,13 @@ class WLB:
 
     packing: Packing = ""
     """How documents become micro-batches: "original" (TorchTitan-style sequential fill of
-    fixed-length sequences), "fixed_greedy", "solver", "wlb" or "wlb_paper". "": the mode's, else
-    "wlb"; a value set here wins over the mode's."""
+    fixed-length sequences), "fixed_greedy", "solver", "wlb" or "wlb_paper". Unset (or ""): the
+    mode's, else "wlb"; set, it wins over the mode's."""
 
     cp_sharding: CPSharding = ""
     """How a micro-batch is split over the CP group: "per_sequence", "per_document", "hybrid"
     (documents up to `[wlb.advanced] cp_hybrid_max_len` whole on one rank, longer ones split),
-    "adaptive". "": the mode's, else "adaptive"; a value set here wins over the mode's."""
+    "adaptive". Unset (or ""): the mode's, else "adaptive"; set, it wins over the mode's."""
 
     micro_batch_max_len: int = 0
     """S_max, the token cap of a "wlb" / "wlb_paper" micro-batch (from activation memory); 0 means
