@@ -18,7 +18,8 @@ output is line-buffered (torchrun's ``python -u``: unbuffered). The tests that n
 (its sessions: tests/test_orphan_ranks.py) and one full run through it (tests/test_drain.py)
 still launch it.
 
-``WLB_TEST_KILL`` works as with ``tests/kill_points.py`` (the same hook, installed in each rank).
+``WLB_TEST_KILL`` works as with ``tests/kill_points.py`` (the same hook, installed in each rank);
+``WLB_TEST_GRADS`` writes step 1's gradients (``tests/grad_dump.py``).
 """
 
 import os
@@ -42,6 +43,7 @@ from torchtitan_wlb import train  # noqa: E402  (activates CPU support first)
 def _preload() -> None:
     """What ``train.main`` and the kill hook import when they run: imported once here, before the
     fork, so that every rank inherits them."""
+    import grad_dump  # noqa: F401
     import kill_points  # noqa: F401
     import torchtitan.train  # noqa: F401
 
@@ -58,6 +60,10 @@ def _rank(args: list[str]) -> None:
         import kill_points
 
         kill_points.install(os.environ["WLB_TEST_KILL"])
+    if os.environ.get("WLB_TEST_GRADS"):
+        import grad_dump
+
+        grad_dump.install(os.environ["WLB_TEST_GRADS"])
     code = train.main(args)
     sys.stdout.flush()
     if code:

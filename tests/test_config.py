@@ -31,6 +31,65 @@ def test_defaults_and_mode_presets():
     assert cfg.wlb.packing == "fixed_greedy"
 
 
+def _other_than(name, value):
+    """An accepted value of the preset field ``name`` other than ``value``."""
+    from torchtitan_wlb.config import TABLES, choice_values, settings
+
+    types = {f.name: f.type for f in settings(TABLES[0])}
+    return next(v for v in choice_values(types[name]) if v != value)
+
+
+def _toml_with(tmp_path, **wlb):
+    """debug_cpu.toml (``mode = "wlb"``) with its ``[wlb]`` keys replaced by ``wlb``."""
+    with open(DEBUG_CPU) as f:
+        text = f.read()
+    lines = "".join(f"{k} = {v!r}\n".replace("'", '"') for k, v in wlb.items())
+    toml = tmp_path / "preset.toml"
+    toml.write_text(re.sub(r'\nmode = "wlb".*\n', "\n" + lines, text))
+    return str(toml)
+
+
+@pytest.mark.parametrize("mode", ["", "plain_4d", "fixed_4d", "wlb"])
+@pytest.mark.parametrize("name", ["packing", "cp_sharding"])
+def test_a_preset_field_set_by_the_user_wins_over_the_mode(tmp_path, mode, name):
+    """Every field a mode presets, set to another value than the mode's, in the TOML, on the
+    command line or both ways mixed, is the run's value; the other field is the mode's."""
+    from torchtitan_wlb.config import MODE_PRESETS, NO_MODE, PRESET_FIELDS
+
+    preset = dict(zip(PRESET_FIELDS, MODE_PRESETS.get(mode, NO_MODE), strict=True))
+    value = _other_than(name, preset[name])
+    want = {**preset, name: value}
+
+    def check(wlb):
+        assert (wlb.mode, wlb.packing, wlb.cp_sharding) == (mode, *want.values())
+        assert wlb.preset_overrides() == ({name: preset[name]} if mode else {})
+
+    check(WLB(mode=mode, **{name: value}))
+    check(_parse("--wlb.mode", mode, f"--wlb.{name}", value).wlb)
+    check(_parse(f"--wlb.{name}", value, "--wlb.mode", mode).wlb)
+    toml_both = _toml_with(tmp_path, mode=mode, **{name: value})
+    check(ConfigManager().parse_args(["--job.config_file", toml_both]).wlb)
+    toml_field = _toml_with(tmp_path, **{name: value})
+    check(ConfigManager().parse_args(["--job.config_file", toml_field, "--wlb.mode", mode]).wlb)
+    toml_mode = _toml_with(tmp_path, mode=mode)
+    check(ConfigManager().parse_args(["--job.config_file", toml_mode, f"--wlb.{name}", value]).wlb)
+
+
+@pytest.mark.parametrize("mode", ["", "plain_4d", "fixed_4d", "wlb"])
+def test_a_mode_on_the_command_line_replaces_the_toml_modes_preset(tmp_path, mode):
+    """What the TOML's mode chose is no setting of the user's: another mode replaces it."""
+    from torchtitan_wlb.config import MODE_PRESETS, NO_MODE
+
+    for toml_mode in MODE_PRESETS:
+        toml = _toml_with(tmp_path, mode=toml_mode)
+        wlb = ConfigManager().parse_args(["--job.config_file", toml, "--wlb.mode", mode]).wlb
+        assert (wlb.packing, wlb.cp_sharding) == MODE_PRESETS.get(mode, NO_MODE), toml_mode
+        assert wlb.preset_overrides() == {}
+    # "" is "the mode's": set explicitly, it keeps the preset
+    wlb = _parse("--wlb.mode", mode, "--wlb.packing", "", "--wlb.cp_sharding", "")
+    assert (wlb.wlb.packing, wlb.wlb.cp_sharding) == MODE_PRESETS.get(mode, NO_MODE)
+
+
 def _wlb(online=None, advanced=None, **top):
     """``WLB(**top)`` with ``[wlb.online]`` and ``[wlb.advanced]`` set from dicts, as from TOML."""
     return WLB(**top, online=OnlineCostModel(**online or {}), advanced=Advanced(**advanced or {}))

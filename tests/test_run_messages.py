@@ -79,6 +79,20 @@ def test_run_summary_names_layout_packer_dataset_checkpoints_and_start(tmp_path)
     assert resumed[-1] == f"resuming from step 10 ({tmp_path}/checkpoint/step-10)"
 
 
+def test_run_summary_says_which_preset_fields_the_user_set(tmp_path):
+    pd = SimpleNamespace(
+        dp_replicate=1, dp_shard=1, cp=2, tp=1, pp=1, world_size=2, cp_enabled=True
+    )
+    data = run_summary(_config(tmp_path, "--wlb.cp_sharding", "per_document"), pd, "cpu", -1)[1]
+    assert data.startswith("data: dataset 'wlb_builtin' (built-in corpus); packing 'wlb', ")
+    assert data.endswith("; CP sharding 'per_document' (set; mode 'wlb' has 'adaptive')")
+    data = run_summary(_config(tmp_path, "--wlb.packing", "solver"), pd, "cpu", -1)[1]
+    assert "packing 'solver' (set; mode 'wlb' has 'wlb'), " in data
+    assert data.endswith("; CP sharding 'adaptive'")
+    data = run_summary(_config(tmp_path, "--wlb.mode", "plain_4d"), pd, "cpu", -1)[1]
+    assert "packing 'original', " in data and data.endswith("; CP sharding 'per_sequence'")
+
+
 @pytest.mark.parametrize(
     ("seconds", "text"),
     [(0, "0s"), (45.4, "45s"), (185, "3m05s"), (7440, "2h04m"), (273600, "3d04h")],

@@ -12,12 +12,22 @@ from torchtitan_wlb.cost_fit import OnlineFitConfig
 from torchtitan_wlb.cp.adaptive import DEFAULT_CP_BANDWIDTH_GBPS, STRATEGIES
 from torchtitan_wlb.packing import PACKERS
 
-# What each mode of the paper sets: (packing, cp_sharding).
+# What each mode of the paper sets: (packing, cp_sharding); without a mode, "wlb" and "adaptive".
 MODE_PRESETS: dict[str, tuple[str, str]] = {
     "plain_4d": ("original", "per_sequence"),
     "fixed_4d": ("fixed_greedy", "per_document"),
     "wlb": ("wlb", "adaptive"),
 }
+NO_MODE: tuple[str, str] = MODE_PRESETS["wlb"]
+PRESET_FIELDS: tuple[str, ...] = ("packing", "cp_sharding")
+"""The `[wlb]` fields a mode sets, in the order of a :data:`MODE_PRESETS` entry."""
+
+
+class FromMode(str):
+    """A `packing` or `cp_sharding` value that the mode chose (or the default, without a mode),
+    not the user. TorchTitan builds the config twice, from the TOML and then again with the
+    command line's values over the first build's: the second build must tell the first one's
+    preset values, which a new ``--wlb.mode`` replaces, from values the user set, which win."""
 
 
 def _choice(*values: str) -> Any:
@@ -43,7 +53,7 @@ def choice_values(annotation: Any) -> tuple[str, ...]:
 # The choice fields' types, from the registries but for the attention backends, whose registry
 # imports torch, which the config (read by the tools too) must not; a test keeps the two equal.
 Mode = _choice("", *MODE_PRESETS)
-Packing = _choice(*PACKERS)
+Packing = _choice(*PACKERS)  # or "": the mode's (PRESET_FIELDS)
 CPSharding = _choice(*STRATEGIES)
 AttentionBackend = _choice("auto", "cpu", "flash", "torch_varlen")
 LongDocPolicy = _choice("split", "truncate", "error")
@@ -101,7 +111,8 @@ def _check_fields(config: Any) -> None:
         value = _check_type(f"[{table}] {f.name}", getattr(config, f.name), f.type)
         setattr(config, f.name, value)
         accepted = choice_values(f.type)
-        if accepted and value not in accepted:
+        unset = value == "" and f.name in PRESET_FIELDS  # the mode's value, set in WLB
+        if accepted and value not in accepted and not unset:
             shown = ", ".join(repr(a) for a in accepted)
             raise ConfigError(f"[{table}] {f.name} = {value!r} is not accepted; use one of {shown}")
     for f in fields(config):
@@ -242,17 +253,19 @@ class WLB:
     TOML_TABLE: ClassVar[str] = "wlb"
 
     mode: Mode = ""
-    """Preset of the paper's configurations, overriding `packing` and `cp_sharding`: "plain_4d"
-    (original + per_sequence), "fixed_4d" (fixed_greedy + per_document), "wlb" (wlb + adaptive)."""
+    """Preset of the paper's configurations for `packing` and `cp_sharding`: "plain_4d"
+    (original + per_sequence), "fixed_4d" (fixed_greedy + per_document), "wlb" (wlb + adaptive).
+    A `packing` or `cp_sharding` set in the TOML or on the command line wins over the preset."""
 
-    packing: Packing = "wlb"
+    packing: Packing = ""
     """How documents become micro-batches: "original" (TorchTitan-style sequential fill of
-    fixed-length sequences), "fixed_greedy", "solver", "wlb" or "wlb_paper"."""
+    fixed-length sequences), "fixed_greedy", "solver", "wlb" or "wlb_paper". Unset (or ""): the
+    mode's, else "wlb"; set, it wins over the mode's."""
 
-    cp_sharding: CPSharding = "adaptive"
+    cp_sharding: CPSharding = ""
     """How a micro-batch is split over the CP group: "per_sequence", "per_document", "hybrid"
     (documents up to `[wlb.advanced] cp_hybrid_max_len` whole on one rank, longer ones split),
-    "adaptive"."""
+    "adaptive". Unset (or ""): the mode's, else "adaptive"; set, it wins over the mode's."""
 
     micro_batch_max_len: int = 0
     """S_max, the token cap of a "wlb" / "wlb_paper" micro-batch (from activation memory); 0 means
@@ -308,8 +321,10 @@ class WLB:
 
     def __post_init__(self) -> None:
         _check_fields(self)
-        if self.mode:
-            self.packing, self.cp_sharding = MODE_PRESETS[self.mode]
+        preset = MODE_PRESETS.get(self.mode, NO_MODE)
+        for name, value in zip(PRESET_FIELDS, preset, strict=True):
+            if not getattr(self, name) or isinstance(getattr(self, name), FromMode):
+                setattr(self, name, FromMode(value))
         adaptive = self.advanced.adaptive_max_delay_steps
         if adaptive < self.max_delay_steps:
             raise ConfigError(
@@ -330,6 +345,17 @@ class WLB:
             )
         if self.cost_model == "profile" and not self.cost_profile:
             raise ConfigError('[wlb] cost_model = "profile" needs cost_profile = "<path.json>"')
+
+    def preset_overrides(self) -> dict[str, str]:
+        """The preset fields set to a value other than the mode's: {name: the mode's value}."""
+        if not self.mode:
+            return {}
+        preset = dict(zip(PRESET_FIELDS, MODE_PRESETS[self.mode], strict=True))
+        return {
+            name: chosen
+            for name, chosen in preset.items()
+            if not isinstance(getattr(self, name), FromMode) and getattr(self, name) != chosen
+        }
 
     def online_fit_config(self) -> OnlineFitConfig:
         """The online cost model's refit schedule: the ``[wlb.online]`` fields of the same names."""

@@ -151,6 +151,8 @@ class WLBMetricsProcessor(MetricsProcessor):
         step_time = (time.perf_counter() - self.time_last_log) / interval
         self.last_logged_step = step
         extra = {**(extra_metrics or {}), **self.wlb_metrics, "wlb/step_time_s": step_time}
+        if "wlb/step" in extra:  # the packer's plan index counts from 0; the step from 1
+            extra["wlb/step"] = step
         if times := self.lists["micro_batch_times_s"]:
             extra["wlb/micro_batch_time_max_s"] = max(times)
             extra["wlb/micro_batch_time_mean_s"] = sum(times) / len(times)

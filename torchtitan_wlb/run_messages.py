@@ -36,9 +36,15 @@ def _data_line(job_config: Any, parallel_dims: Any) -> str:
     n = micro_batches_per_step(jc, pd.dp_replicate * pd.dp_shard)
     data += " (built-in corpus)" if jc.training.dataset == BUILTIN_NAME else ""
     data += f" at {jc.training.dataset_path}" if jc.training.dataset_path else ""
-    data += f"; packing {wlb.packing!r}, {n} micro-batches per step of up to "
+    data += f"; packing {_preset_field(wlb, 'packing')}, {n} micro-batches per step of up to "
     data += f"{wlb.micro_batch_max_len or seq_len:,} tokens (context {seq_len:,})"
-    return data + (f"; CP sharding {wlb.cp_sharding!r}" if pd.cp_enabled else "")
+    return data + (f"; CP sharding {_preset_field(wlb, 'cp_sharding')}" if pd.cp_enabled else "")
+
+
+def _preset_field(wlb: Any, name: str) -> str:
+    """A field the mode presets, and the mode's value where the user's replaced it."""
+    shown, mode_value = repr(str(getattr(wlb, name))), wlb.preset_overrides().get(name)
+    return shown + (f" (set; mode {wlb.mode!r} has {mode_value!r})" if mode_value else "")
 
 
 def run_summary(

@@ -26,6 +26,16 @@ from torchtitan_wlb.run_messages import done_line, run_summary
 from torchtitan_wlb.validate import check_job_config
 
 
+def ddp_ranks(parallel_dims: Any) -> int:
+    """The ranks over which pure DDP averages gradients (1: none). TorchTitan divides each rank's
+    loss by the valid tokens of all data-parallel ranks together, so the ranks' gradients must be
+    summed: FSDP and HSDP do (TorchTitan turns their division off), DDP divides the sum by its
+    ranks, which would halve the gradient on 2 ranks and clip it at twice ``max_norm``."""
+    if parallel_dims.fsdp_enabled or not parallel_dims.dp_replicate_enabled:
+        return 1
+    return parallel_dims.dp_replicate
+
+
 class WLBTrainer(Trainer):
     """TorchTitan Trainer for the ``llama3_wlb`` train spec."""
 
@@ -57,6 +67,7 @@ class WLBTrainer(Trainer):
         self._clock = DeviceClock(self.device)
         self.metrics_processor.device_clock = self._clock.kind
         self._micro_batches_done = 0
+        self._ddp_ranks = ddp_ranks(self.parallel_dims)
         self._audit = AuditHooks.build(job_config, self.dataloader)
         on_saved = self._audit.checkpoint_saved if self._audit is not None else None
         self.checkpointer = WLBCheckpointManager.adopt(self.checkpointer, on_saved=on_saved)
@@ -215,9 +226,13 @@ class WLBTrainer(Trainer):
             self._release_decisions()
         start = self._clock.read()
         if self._pp_runner is None:
+            # Pure DDP averages the ranks' gradients where FSDP sums them: scaled up here, each
+            # rank's gradient is its share of the global token mean again after the average.
+            n = self._ddp_ranks
             loss = super().forward_backward_step(
-                input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
+                input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens / n
             )
+            loss = loss / n if n > 1 else loss
         else:
             loss = self._pipeline_step(input_dict, labels, global_valid_tokens)
             if loss is None:  # micro-batch collected; the pipeline runs at the step's last one
