@@ -261,7 +261,9 @@ def test_torch_varlen_adapter_maps_arguments(monkeypatch, new_api):
     import torchtitan_wlb.attention.cuda as cuda_mod
     from torchtitan_wlb.attention.cpu import cpu_document_attention
 
-    def new(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):  # fmt: skip
+    def new(
+        q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False
+    ):
         assert tuple(window_size) == (-1, 0) and enable_gqa
         return cpu_document_attention(q, k, v, cu_q, cu_k, scale)
 

@@ -190,8 +190,11 @@ def test_wlb_field_out_of_range(tmp_path, data, capsys, field):
 @pytest.mark.parametrize("table", ["online", "advanced"])
 def test_wlb_table_of_the_wrong_type(tmp_path, data, capsys, table):
     config = _toml(tmp_path, f"{table} = 5")
-    _fails(capsys, _args(tmp_path, data, config=config),
-           f"[wlb] {table} = 5 is int; it must be a table, [wlb.{table}]")  # fmt: skip
+    _fails(
+        capsys,
+        _args(tmp_path, data, config=config),
+        f"[wlb] {table} = 5 is int; it must be a table, [wlb.{table}]",
+    )
 
 
 @pytest.mark.parametrize(
@@ -325,9 +328,12 @@ def test_resume_passes_over_a_model_only_last_checkpoint(tmp_path, data, capsys)
 def test_resume_from_a_model_only_checkpoint_is_refused(tmp_path, data, capsys):
     last = _model_only(tmp_path, 4)
     _fails(
-        capsys, _args(tmp_path, data, "--training.steps", "6"), f"resuming: {last} holds only the "
-        "model", "no full checkpoint to resume from", f"--checkpoint.initial_load_path {last}",
-    )  # fmt: skip
+        capsys,
+        _args(tmp_path, data, "--training.steps", "6"),
+        f"resuming: {last} holds only the model",
+        "no full checkpoint to resume from",
+        f"--checkpoint.initial_load_path {last}",
+    )
     full = _checkpoint(tmp_path, data, step=2)
     asked = _args(tmp_path, data, "--training.steps", "6", "--checkpoint.load_step", "4")
     _fails(capsys, asked, "[checkpoint] load_step = 4", f"from the full checkpoint {full}")
@@ -353,8 +359,12 @@ def test_run_train_sh_stops_before_any_rank_starts(tmp_path, data):
     env = dict(os.environ, WLB_PYTHON=sys.executable, NGPU="2", WLB_ALLOW_OVERSUBSCRIBE="1")
     r = subprocess.run(
         ["./run_train.sh", *_args(tmp_path, data, "--wlb.packing", "best")[2:]],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
         "error: [wlb] packing = 'best' is not accepted; use one of 'original', 'fixed_greedy', "

@@ -26,10 +26,16 @@ class _Empty:
 def _manager(dump, on_saved=None, width=2, **checkpoint):
     config = Checkpoint(**{"enable": True, "interval": 2, "keep_latest_k": 2, **checkpoint})
     return WLBCheckpointManager(
-        dataloader=_Empty(), model_parts=[torch.nn.Linear(width, width)], optimizers=_Empty(),
-        lr_schedulers=_Empty(), states={"train_state": _Empty()}, checkpoint_config=config,
-        sd_adapter=None, base_folder=str(dump), on_saved=on_saved,
-    )  # fmt: skip
+        dataloader=_Empty(),
+        model_parts=[torch.nn.Linear(width, width)],
+        optimizers=_Empty(),
+        lr_schedulers=_Empty(),
+        states={"train_state": _Empty()},
+        checkpoint_config=config,
+        sd_adapter=None,
+        base_folder=str(dump),
+        on_saved=on_saved,
+    )
 
 
 @pytest.fixture

@@ -31,8 +31,11 @@ def _debug_configs():
     debug = [os.path.join(ROOT, "train_configs", f"debug_{k}.toml") for k in ("cpu", "gpu")]
     return subprocess.run(
         [sys.executable, "-m", "torchtitan_wlb.tools.dry_run", *debug, "--ngpu", "2"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def _fake_backend_step():

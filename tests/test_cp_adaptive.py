@@ -30,8 +30,17 @@ def _profile(rate) -> CPProfile:
     rows = tuple(
         tuple(rate(GRID[i]) if j >= i else float("nan") for j in range(n)) for i in range(n)
     )
-    return CPProfile(lengths=GRID, tflops=rows, tile=16, device="synthetic", backend="cpu",
-                     n_heads=4, n_kv_heads=2, head_dim=32, dtype="bfloat16")  # fmt: skip
+    return CPProfile(
+        lengths=GRID,
+        tflops=rows,
+        tile=16,
+        device="synthetic",
+        backend="cpu",
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=32,
+        dtype="bfloat16",
+    )
 
 
 FLAT = _profile(lambda q: 1.0)  # work is work: the best-balanced plan wins
@@ -91,21 +100,24 @@ def test_fitted_coefficients_choose_by_the_ranks_measured_costs():
     # trainer fits, and the cheapest candidate wins whatever the profile would say.
     lens = np.array([400, 500, 100, 500, 30, 30])
     dear_gather = (1e-7, 1e-5, 1e-3)  # gathering a token costs 100x keeping it
-    plan = build_cp_plan(lens, 2, "adaptive", TILE_HUNGRY, hybrid_max_len=512,
-                         coefficients=dear_gather)  # fmt: skip
+    plan = build_cp_plan(
+        lens, 2, "adaptive", TILE_HUNGRY, hybrid_max_len=512, coefficients=dear_gather
+    )
     for name, seconds in plan.estimated_seconds.items():
         built = draft_sharding(lens, 2, name, max_len=512, costs=dear_gather).plan()
         ranks = [np.dot(cp_fit_features(built, r), dear_gather) for r in range(2)]
         assert seconds == pytest.approx(max(ranks), rel=1e-12)
     assert plan.strategy == "hybrid" and plan.gathered_len == 0
     cheap_gather = (1e-7, 1e-3, 1e-5)  # the other way round: the balanced all-gathered plan
-    plan = build_cp_plan(lens, 2, "adaptive", TILE_HUNGRY, hybrid_max_len=512,
-                         coefficients=cheap_gather)  # fmt: skip
+    plan = build_cp_plan(
+        lens, 2, "adaptive", TILE_HUNGRY, hybrid_max_len=512, coefficients=cheap_gather
+    )
     assert plan.strategy == "per_document"
 
 
-@pytest.mark.parametrize("bad", [(1e-7, 1e-5), (1e-7, -1e-5, 1e-5), (1e-7, float("nan"), 1.0),
-                                 "abc", (True, 1.0, 1.0)])  # fmt: skip
+@pytest.mark.parametrize(
+    "bad", [(1e-7, 1e-5), (1e-7, -1e-5, 1e-5), (1e-7, float("nan"), 1.0), "abc", (True, 1.0, 1.0)]
+)
 @pytest.mark.parametrize("strategy", ["adaptive", "hybrid"])  # hybrid balances by them too
 def test_bad_fitted_coefficients_are_one_clear_error(bad, strategy):
     with pytest.raises(ValueError, match=r"coefficients must be three finite numbers >= 0"):
@@ -123,8 +135,15 @@ def test_sequence_parallel_tp_leaves_hybrid_out():
     assert adaptive_candidates(False) == ADAPTIVE_CANDIDATES
     assert adaptive_candidates(True) == ("per_sequence", "per_document")
     lens = np.array([100] * 40)
-    plan = build_cp_plan(lens, 4, "adaptive", FLAT, hybrid_max_len=512,
-                         bandwidth_gbps=FAST, candidates=adaptive_candidates(True))  # fmt: skip
+    plan = build_cp_plan(
+        lens,
+        4,
+        "adaptive",
+        FLAT,
+        hybrid_max_len=512,
+        bandwidth_gbps=FAST,
+        candidates=adaptive_candidates(True),
+    )
     assert plan.strategy in ("per_sequence", "per_document")
     assert set(plan.estimated_seconds) == {"per_sequence", "per_document"}
     assert plan.local_lens.max() - plan.local_lens.min() <= 2
@@ -141,15 +160,28 @@ def test_trainer_logs_the_share_of_each_chosen_strategy():
         _cp_stats=stats, metrics_processor=SimpleNamespace(record=logged.append)
     )
     WLBTrainer._flush_cp_stats(trainer)
-    assert logged == [{"cp_per_document_share": 0.25, "cp_hybrid_share": 0.5,
-                       "cp_flops_imbalance": pytest.approx(1.2)}]  # fmt: skip
+    assert logged == [
+        {
+            "cp_per_document_share": 0.25,
+            "cp_hybrid_share": 0.5,
+            "cp_flops_imbalance": pytest.approx(1.2),
+        }
+    ]
     assert trainer._cp_stats == []
 
 
 def _named(device: str) -> CPProfile:
-    return CPProfile(lengths=FLAT.lengths, tflops=FLAT.tflops, tile=128, device=device,
-                     backend="torch_varlen", n_heads=32, n_kv_heads=8, head_dim=128,
-                     dtype="bfloat16")  # fmt: skip
+    return CPProfile(
+        lengths=FLAT.lengths,
+        tflops=FLAT.tflops,
+        tile=128,
+        device=device,
+        backend="torch_varlen",
+        n_heads=32,
+        n_kv_heads=8,
+        head_dim=128,
+        dtype="bfloat16",
+    )
 
 
 def test_a_shipped_gpu_profile_is_found_by_device_name_then_family(monkeypatch):
@@ -163,8 +195,9 @@ def test_a_shipped_gpu_profile_is_found_by_device_name_then_family(monkeypatch):
     assert profile_mod.packaged_profile_for("NVIDIA H100 PCIe") is sxm  # same family
     assert profile_mod.packaged_profile_for("NVIDIA A100-SXM4-80GB") is None
     assert profile_mod.packaged_profile_for("cpu") is None  # the CPU table is never "found"
-    assert [profile_mod.gpu_family(n) for n in ("NVIDIA H100 PCIe", "NVIDIA A100-SXM4-80GB",
-                                                "cpu")] == ["H100", "A100", None]  # fmt: skip
+    assert [
+        profile_mod.gpu_family(n) for n in ("NVIDIA H100 PCIe", "NVIDIA A100-SXM4-80GB", "cpu")
+    ] == ["H100", "A100", None]
 
 
 def test_every_shipped_profile_loads_and_the_cpu_default_is_among_them():

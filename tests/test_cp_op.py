@@ -170,8 +170,13 @@ def _run_shard_helper(cp, mesh, rank_in_group):
     )
     q = torch.randn(len(idx), 2, 4)
     out = attention_from_metadata(q, q, q, masks)
-    return {"tokens": len(idx), "out": 0.0 if ok and out.shape == q.shape else 1.0,
-            "dq": 0.0, "dk": 0.0, "dv": 0.0}  # fmt: skip
+    return {
+        "tokens": len(idx),
+        "out": 0.0 if ok and out.shape == q.shape else 1.0,
+        "dq": 0.0,
+        "dk": 0.0,
+        "dv": 0.0,
+    }
 
 
 def _worker(rank: int, out_dir: str) -> None:

@@ -42,9 +42,14 @@ def _run(nproc, dump, *args, grads=None):
     if grads is not None:
         env["WLB_TEST_GRADS"] = str(grads)
     cmd = [
-        sys.executable, LAUNCH, f"--nproc_per_node={nproc}", *COMMON, "--job.dump_folder",
-        str(dump), *args,
-    ]  # fmt: skip
+        sys.executable,
+        LAUNCH,
+        f"--nproc_per_node={nproc}",
+        *COMMON,
+        "--job.dump_folder",
+        str(dump),
+        *args,
+    ]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
     return r

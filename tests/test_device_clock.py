@@ -107,13 +107,18 @@ def test_trainer_fits_device_times_and_records_both(one_thread, monkeypatch):
     fit.features = (34.0, 8.0, 0.0)
     trainer = WLBTrainer.__new__(WLBTrainer)  # only what forward_backward_step reads
     trainer.__dict__.update(
-        _micro_batches_done=0, gradient_accumulation_steps=2, _clock=DeviceClock("cpu"),
-        _pp_runner=None, _last_doc_lens=[3, 5], _fit=fit,
-        _cp_stats=[], device=torch.device("cpu"),
+        _micro_batches_done=0,
+        gradient_accumulation_steps=2,
+        _clock=DeviceClock("cpu"),
+        _pp_runner=None,
+        _last_doc_lens=[3, 5],
+        _fit=fit,
+        _cp_stats=[],
+        device=torch.device("cpu"),
         metrics_processor=types.SimpleNamespace(
             record_micro_batch_time=lambda *a, **kw: recorded.append((a, kw))
         ),
-    )  # fmt: skip
+    )
     trainer.forward_backward_step(input_dict={}, labels=None, global_valid_tokens=None)
     [((wall, doc_lens), kw)] = recorded
     assert doc_lens == [3, 5] and wall >= SLEEP

@@ -178,9 +178,13 @@ def test_the_docs_have_commands():
 
 def _run(text: str) -> tuple[str, subprocess.CompletedProcess]:
     r = subprocess.run(
-        ["bash", "-c", text], cwd=ROOT, env=_environment(), capture_output=True, text=True,
+        ["bash", "-c", text],
+        cwd=ROOT,
+        env=_environment(),
+        capture_output=True,
+        text=True,
         timeout=COMMAND_LIMIT_S,
-    )  # fmt: skip
+    )
     return text, r
 
 

@@ -37,17 +37,26 @@ def _cmd(nproc, dump, *args):
     """torchtitan_wlb.train on ``nproc`` ranks, forked by torchrun's agent (tests/fork_launch.py):
     the runs below start 26 ranks, each of which would otherwise import torch and TorchTitan."""
     return [
-        sys.executable, LAUNCH, f"--nproc_per_node={nproc}", *COMMON, "--job.dump_folder",
-        str(dump), *args,
-    ]  # fmt: skip
+        sys.executable,
+        LAUNCH,
+        f"--nproc_per_node={nproc}",
+        *COMMON,
+        "--job.dump_folder",
+        str(dump),
+        *args,
+    ]
 
 
 def _run(nproc, dump, *args, timeout=420):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run(
-        _cmd(nproc, dump, *args), cwd=ROOT, env=env, capture_output=True, text=True,
+        _cmd(nproc, dump, *args),
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=timeout,
-    )  # fmt: skip
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
     return r
 
@@ -147,9 +156,13 @@ def test_killed_rank_resumes_without_losing_or_repeating_documents(tmp_path):
     crash = tmp_path / "crash"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(
-        _cmd(2, crash, *steps), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
+        _cmd(2, crash, *steps),
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     log = crash / "wlb_metrics" / "rank_1.jsonl"
     deadline = time.time() + 300
     try:

@@ -183,9 +183,11 @@ def _cp_ranks_in_turn(
         cus, sizes = op_arguments(spec, rows_per_rank)
         cus = tuple(torch.from_numpy(cu).to(device) for cu in cus)
         q_r, k_r, v_r = (t.index_select(0, rows) for t in (q, k, v))
-        outs.append(_local_attention(
-            q_r, k_glob, v_glob, k_r[n_gather:], v_r[n_gather:], cus, sizes, scale, backend
-        ))  # fmt: skip
+        outs.append(
+            _local_attention(
+                q_r, k_glob, v_glob, k_r[n_gather:], v_r[n_gather:], cus, sizes, scale, backend
+            )
+        )
     return torch.cat(outs).index_select(0, torch.argsort(torch.cat(local)))
 
 

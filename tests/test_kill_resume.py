@@ -74,9 +74,14 @@ def _start(dump, dataset, layout, kill=None):
         env["WLB_TEST_KILL"] = kill
     log = open(f"{dump}.{kill or 'run'}.log", "w+")  # noqa: SIM115  (closed by _finish)
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
         start_new_session=True,
-    )  # fmt: skip
+    )
     return proc, log, kill
 
 

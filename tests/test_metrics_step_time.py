@@ -27,9 +27,15 @@ def test_steps_since_last_log(step, last_logged, log_freq, expected):
 
 def test_step_time_after_a_resume(tmp_path, monkeypatch):
     cfg = parse_job_config(
-        ["--job.config_file", "train_configs/debug_cpu.toml", "--metrics.log_freq", "5",
-         "--job.dump_folder", str(tmp_path)]
-    )  # fmt: skip
+        [
+            "--job.config_file",
+            "train_configs/debug_cpu.toml",
+            "--metrics.log_freq",
+            "5",
+            "--job.dump_folder",
+            str(tmp_path),
+        ]
+    )
     dims = types.SimpleNamespace(non_data_parallel_size=1, pp_enabled=False)
     proc = WLBMetricsProcessor(cfg, dims)
     proc.num_flops_per_token = 1
@@ -57,9 +63,14 @@ def test_wlb_step_is_the_step(tmp_path, monkeypatch):
     """What TensorBoard (any of TorchTitan's loggers) receives as ``wlb/step`` for steps 1-3 of a
     run, whose packer numbers its plans from 0, and after a resume from step 4's checkpoint."""
     cfg = parse_job_config(
-        ["--job.config_file", "train_configs/debug_cpu.toml", "--job.dump_folder", str(tmp_path),
-         "--wlb.advanced.metrics_jsonl"]
-    )  # fmt: skip
+        [
+            "--job.config_file",
+            "train_configs/debug_cpu.toml",
+            "--job.dump_folder",
+            str(tmp_path),
+            "--wlb.advanced.metrics_jsonl",
+        ]
+    )
     dims = types.SimpleNamespace(non_data_parallel_size=1, pp_enabled=False)
     proc = WLBMetricsProcessor(cfg, dims)
     proc.num_flops_per_token = 1

@@ -54,10 +54,20 @@ def test_nothing_to_do_once_the_checkpoint_reaches_training_steps(tmp_path):
 def test_second_run_says_nothing_to_do_in_one_line_before_building(tmp_path):
     _checkpoint(tmp_path, 20)
     r = subprocess.run(
-        [sys.executable, "-m", "torchtitan_wlb.train", "--job.config_file", DEBUG_CPU,
-         "--job.dump_folder", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torchtitan_wlb.train",
+            "--job.config_file",
+            DEBUG_CPU,
+            "--job.dump_folder",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     lines = (r.stdout + r.stderr).strip().splitlines()
     assert len(lines) == 1 and "nothing to do: the checkpoint" in lines[0], lines

@@ -57,9 +57,18 @@ def _dense(q, k, v, cu_q, cu_k, scale: float) -> torch.Tensor:
 
 
 def flash_attn_varlen_func(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-    softmax_scale=None, causal=False, window_size=(-1, -1),
-):  # fmt: skip
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+):
     """flash-attn's ``flash_attn_varlen_func`` (only what training with causal masking uses)."""
     calls["flash"] += 1
     assert causal and dropout_p == 0.0 and tuple(window_size) == (-1, -1)
@@ -69,9 +78,19 @@ def flash_attn_varlen_func(
 
 
 def varlen_attn(
-    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-    window_size=(-1, -1), enable_gqa=False,
-):  # fmt: skip
+    query,
+    key,
+    value,
+    cu_seq_q,
+    cu_seq_k,
+    max_q,
+    max_k,
+    *,
+    return_aux=None,
+    scale=None,
+    window_size=(-1, -1),
+    enable_gqa=False,
+):
     """torch 2.13's ``varlen_attn`` (causal through ``window_size=(-1, 0)``)."""
     calls["torch_varlen"] += 1
     assert return_aux is None and tuple(window_size) == (-1, 0), window_size
