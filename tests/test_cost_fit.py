@@ -188,6 +188,19 @@ def test_schedule_is_deterministic_whatever_the_reader_timing():
         assert again.schedule.model_for_step(step) == got[step]
 
 
+class _AsleepCondition(threading.Condition):
+    """A condition whose ``asleep`` event is set each time a waiter goes to sleep on it (with its
+    lock held, so a caller that then takes the lock knows the waiter is asleep)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asleep = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.asleep.set()
+        return super().wait(timeout)
+
+
 def test_a_decision_held_back_reaches_the_node_only_when_released():
     """The trainer decides at a step's end and releases at the next step's forward: until then
     the node waits, whatever was decided; a restored schedule has released what it decided."""
@@ -195,12 +208,24 @@ def test_a_decision_held_back_reaches_the_node_only_when_released():
                           apply_lag_steps=2)  # fmt: skip
     initial, fitted = CostModel(1e-3, 1.0, "flops"), CostModel(2e-3, 1.0, "seconds")
     schedule = CostModelSchedule(initial, cfg)
+    schedule._cond = cond = _AsleepCondition()
     got: list[CostModel] = []
-    node = threading.Thread(target=lambda: got.append(schedule.model_for_step(5)))  # needs 3
+
+    def node_packs():
+        try:
+            got.append(schedule.model_for_step(5))  # needs step 3 decided and released
+        finally:
+            cond.asleep.set()  # a node that returns ends the test's wait as well
+
+    node = threading.Thread(target=node_packs)
     node.start()
+    assert cond.asleep.wait(timeout=30) and not got, "the node did not wait"
     assert schedule.decide(2, None, release=False) == 4
     assert schedule.decide(3, fitted, release=False) == 5
-    node.join(timeout=0.3)
+    with cond:  # wake the node: it looks at the decisions and, nothing released, waits again
+        cond.asleep.clear()
+        cond.notify_all()
+    assert cond.asleep.wait(timeout=30)
     assert node.is_alive() and not got  # decided through step 3, nothing released
     schedule.release()
     node.join(timeout=30)

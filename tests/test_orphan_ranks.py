@@ -3,9 +3,16 @@
 torchrun gives every rank a session of its own, so SIGKILL of the launch's process group reaches
 only torchrun. Without a watch, the two ranks below would go on training and write a checkpoint
 every step.
+
+The test waits on the processes themselves, not on a clock: on each rank's end (a pidfd turns
+readable when its process ends), then on every process left in the ranks' sessions (whatever a
+rank started). Once none is left, nothing can write into the run's folder any more; the time
+bounds only fail the test, they never pass it.
 """
 
+import contextlib
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -27,6 +34,46 @@ def _alive(pid):
         return False
 
 
+def _session_members(sessions):
+    """Live processes in the given sessions: the ranks and whatever they started (a child keeps
+    its parent's sid unless it calls setsid)."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                state, _ppid, _pgrp, sid = f.read().split(")")[-1].split()[:4]
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # ended while listed
+        if int(sid) in sessions and state not in ("Z", "X"):
+            members.append(int(entry))
+    return members
+
+
+def _wait_exits(pids, timeout):
+    """Wait for every process in ``pids`` to end (its pidfd turns readable when it does); the
+    processes still running after ``timeout`` seconds."""
+    running = {}
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):  # already gone
+            running[os.pidfd_open(pid)] = pid
+    poller = select.poll()
+    for fd in running:
+        poller.register(fd, select.POLLIN)
+    deadline = time.monotonic() + timeout
+    try:
+        while running and (left := deadline - time.monotonic()) > 0:
+            for fd, _ in poller.poll(left * 1000):
+                poller.unregister(fd)
+                os.close(fd)
+                del running[fd]
+        return sorted(running.values())
+    finally:
+        for fd in running:
+            os.close(fd)
+
+
 def _snapshot(dump):
     audit = dump / "wlb_audit"
     ckpts = sorted(os.listdir(dump / "checkpoint")) if (dump / "checkpoint").exists() else []
@@ -34,6 +81,7 @@ def _snapshot(dump):
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads rank states from /proc")
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="waits on pidfds (Linux 5.3+)")
 def test_ranks_stop_when_the_launcher_is_killed(tmp_path):
     dump = tmp_path / "run"
     cmd = [
@@ -67,14 +115,17 @@ def test_ranks_stop_when_the_launcher_is_killed(tmp_path):
         assert len(ranks) == 2
         # The ranks are outside the launcher's process group: the kill below does not reach them.
         assert all(os.getpgid(pid) != launcher.pid for pid in ranks)
+        sessions = {os.getsid(pid) for pid in ranks}
         os.killpg(launcher.pid, signal.SIGKILL)
         launcher.wait(timeout=30)
-        killed = time.time()
-        while any(_alive(pid) for pid in ranks):
-            assert time.time() - killed < 10, "ranks still running 10 s after their launcher died"
-            time.sleep(0.1)
+        left = _wait_exits(ranks, timeout=10)
+        assert not left, f"ranks {left} still running 10 s after their launcher died"
         after = _snapshot(dump)
-        time.sleep(3)
+        # Whatever a rank started ends with it: once no process of the ranks' sessions is left,
+        # nothing is left that could write into the run's folder.
+        left = _wait_exits(_session_members(sessions), timeout=10)
+        assert not left, f"processes {left} of the ranks' sessions outlive the ranks"
+        assert not _session_members(sessions)
         assert _snapshot(dump) == after, "something was written after the ranks stopped"
     finally:
         if launcher.poll() is None:
