@@ -149,8 +149,9 @@ def test_stage_sums_give_each_whole_micro_batch_once_in_key_order():
 
 
 def test_schedule_is_deterministic_whatever_the_reader_timing():
-    cfg = OnlineFitConfig(warmup_steps=1, window_steps=4, holdout_steps=1, interval_steps=2,
-                          apply_lag_steps=2)  # fmt: skip
+    cfg = OnlineFitConfig(
+        warmup_steps=1, window_steps=4, holdout_steps=1, interval_steps=2, apply_lag_steps=2
+    )
     initial = CostModel(1e-3, 1.0, "flops")
     schedule = CostModelSchedule(initial, cfg)
     fitter = OnlineFitter(schedule)
@@ -204,8 +205,9 @@ class _AsleepCondition(threading.Condition):
 def test_a_decision_held_back_reaches_the_node_only_when_released():
     """The trainer decides at a step's end and releases at the next step's forward: until then
     the node waits, whatever was decided; a restored schedule has released what it decided."""
-    cfg = OnlineFitConfig(warmup_steps=1, window_steps=4, holdout_steps=1, interval_steps=2,
-                          apply_lag_steps=2)  # fmt: skip
+    cfg = OnlineFitConfig(
+        warmup_steps=1, window_steps=4, holdout_steps=1, interval_steps=2, apply_lag_steps=2
+    )
     initial, fitted = CostModel(1e-3, 1.0, "flops"), CostModel(2e-3, 1.0, "seconds")
     schedule = CostModelSchedule(initial, cfg)
     schedule._cond = cond = _AsleepCondition()
@@ -243,8 +245,9 @@ def test_first_refit_comes_once_the_fitted_steps_hold_enough_rows():
     from torchtitan_wlb.cost_fit import FIRST_FIT_ROWS_PER_TERM
 
     assert FIRST_FIT_ROWS_PER_TERM == 8
-    cfg = OnlineFitConfig(warmup_steps=2, window_steps=8, holdout_steps=1, interval_steps=3,
-                          apply_lag_steps=2)  # fmt: skip
+    cfg = OnlineFitConfig(
+        warmup_steps=2, window_steps=8, holdout_steps=1, interval_steps=3, apply_lag_steps=2
+    )
     # The rows needed scale with the coefficients the window can see: 24 for a, b, c; 32 once
     # gathered tokens (CP) add g.
     assert cfg.is_refit_step(5, None, 24, terms=3) and not cfg.is_refit_step(5, None, 24, terms=4)
@@ -288,8 +291,9 @@ def test_a_rejected_first_refit_is_tried_again_every_step_until_the_window_is_fu
     step of rows; if none is adopted while the window fills, refits follow every interval_steps
     from the full window. Here every micro-batch is the same (timing noise only), so each refit
     is rejected as degenerate."""
-    cfg = OnlineFitConfig(warmup_steps=2, window_steps=8, holdout_steps=1, interval_steps=3,
-                          apply_lag_steps=2)  # fmt: skip
+    cfg = OnlineFitConfig(
+        warmup_steps=2, window_steps=8, holdout_steps=1, interval_steps=3, apply_lag_steps=2
+    )
     tried = [s for s in range(1, 20) if cfg.is_refit_step(s, None, 99)]
     assert tried == [*range(4, 11), 13, 16, 19]
     initial = CostModel(1e-3, 1.0, "flops")

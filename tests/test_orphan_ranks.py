@@ -95,9 +95,13 @@ def test_ranks_stop_when_the_launcher_is_killed(tmp_path):
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
     launcher = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
         start_new_session=True,
-    )  # fmt: skip
+    )
     log = dump / "wlb_audit" / "rank_0.jsonl"
     ranks = []
     try:
