@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 
+from torchtitan_wlb.cost_fit import profile_cost_model
 from torchtitan_wlb.cost_model import CostModel
 
 
@@ -87,12 +88,12 @@ def test_vectorised_costs_and_microbatch():
     assert np.array_equal(cp.doc_cost(lens), [5.0, 14.0, 250.0])
 
 
-def test_from_profile_recovers_coefficients(tmp_path):
+def test_profile_cost_model_recovers_coefficients(tmp_path):
     a, b = 3e-12, 2e-6
     d = np.array([1024, 4096, 16384, 65536, 131072])
     path = tmp_path / "profile.json"
     path.write_text(json.dumps([[int(x), float(a * x * x + b * x)] for x in d]))
-    cm = CostModel.from_profile(path)
+    cm = profile_cost_model(path)
     assert cm.unit == "seconds"
     assert cm.attn_coef == pytest.approx(a, rel=1e-6)
     assert cm.linear_coef == pytest.approx(b, rel=1e-6)
@@ -100,7 +101,7 @@ def test_from_profile_recovers_coefficients(tmp_path):
     other.write_text(
         json.dumps({"points": [{"length": 10, "seconds": 1.0}, {"length": 20, "seconds": 2.0}]})
     )
-    lin = CostModel.from_profile(other)
+    lin = profile_cost_model(other)
     assert lin.attn_coef == pytest.approx(0.0, abs=1e-12)
     assert lin.linear_coef == pytest.approx(0.1)
 
@@ -111,8 +112,9 @@ def test_from_profile_recovers_coefficients(tmp_path):
         ("not json", "cannot read"),
         ("[]", "non-empty"),
         ("[[10, 1.0]]", "2 distinct lengths"),
-        ("[[0, 1.0], [5, 2.0]]", "length must be > 0"),
-        ("[[10, -1.0], [5, 2.0]]", "seconds >= 0"),
+        ("[[0, 1.0], [5, 2.0]]", "length and seconds must be > 0"),
+        ("[[10, -1.0], [5, 2.0]]", "seconds must be > 0"),
+        ("[[10, 0.0], [5, 2.0]]", "seconds must be > 0"),
         ("[[10, 1.0, 3], [5, 2.0]]", "must be \\[length, seconds\\]"),
         ('[{"length": 3}]', "needs 'length' and 'seconds'"),
     ],
@@ -121,12 +123,12 @@ def test_bad_profiles(tmp_path, content, match):
     path = tmp_path / "bad.json"
     path.write_text(content)
     with pytest.raises(ValueError, match=match):
-        CostModel.from_profile(path)
+        profile_cost_model(path)
 
 
 def test_missing_profile(tmp_path):
     with pytest.raises(ValueError, match="cannot read"):
-        CostModel.from_profile(tmp_path / "nope.json")
+        profile_cost_model(tmp_path / "nope.json")
 
 
 @pytest.mark.parametrize(

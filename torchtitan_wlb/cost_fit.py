@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from torchtitan_wlb.cost_model import CostModel, nnls
+from torchtitan_wlb.cost_model import CostModel, nnls, read_profile
 
 N_TERMS = 4  # sum(d^2), local tokens, gathered tokens, 1
 _ATTN, _LOCAL, _GATHERED, _FIXED = range(N_TERMS)
@@ -215,6 +215,17 @@ def fit_nnls(
     if online_checks and best[_ATTN] + best[_LOCAL] + best[_GATHERED] <= 0:
         return None, "no non-negative fit with a > 0, b > 0 or g > 0 (only the fixed cost c)"
     return best, ""
+
+
+def profile_cost_model(path: str) -> CostModel:
+    """``W(d) = a * d**2 + b * d`` in seconds (a, b >= 0), fitted to a measured cost profile
+    (``[wlb] cost_profile``) by the one fit: relative error, so short documents count as much as
+    long ones, and no fixed cost (a profile times documents, not micro-batches)."""
+    d, t = read_profile(path)
+    coef, _ = fit_nnls(FitStats.from_samples(d * d, d, t), constant=False, online_checks=False)
+    if coef is None or coef[_ATTN] == coef[_LOCAL] == 0:
+        raise ValueError("cost profile fit gave zero cost for every length; check the table")
+    return CostModel(attn_coef=float(coef[_ATTN]), linear_coef=float(coef[_LOCAL]), unit="seconds")
 
 
 @dataclass(frozen=True)

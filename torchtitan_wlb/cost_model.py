@@ -129,50 +129,44 @@ class CostModel:
         attn_fwd = n_layers * 2 * dim / tp
         return cls(_FWD_BWD_FACTOR * attn_fwd / cp, _FWD_BWD_FACTOR * linear_fwd / cp, "flops")
 
-    @classmethod
-    def from_profile(cls, path: str | Path) -> CostModel:
-        """Fit ``seconds = a * d**2 + b * d`` (a, b >= 0) to a measured JSON table (its layouts:
-        docs/packing.md) of at least two distinct positive lengths."""
-        path = Path(path)
-        try:
-            raw = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"cannot read cost profile {str(path)!r}: {exc}") from exc
-        points = raw.get("points") if isinstance(raw, dict) else raw
-        if not isinstance(points, list) or not points:
-            raise ValueError(
-                f"cost profile {str(path)!r} must be a non-empty list of [length, seconds] pairs "
-                "or {'points': [...]}"
-            )
-        rows = []
-        for i, p in enumerate(points):
-            if isinstance(p, dict):
-                if "length" not in p or "seconds" not in p:
-                    raise ValueError(f"cost profile point {i} needs 'length' and 'seconds': {p!r}")
-                d, t = p["length"], p["seconds"]
-            elif isinstance(p, (list, tuple)) and len(p) == 2:
-                d, t = p
-            else:
-                raise ValueError(f"cost profile point {i} must be [length, seconds], got {p!r}")
-            if not all(isinstance(v, (int, float)) for v in (d, t)) or d <= 0 or t < 0:
-                raise ValueError(
-                    f"cost profile point {i}: length must be > 0 and seconds >= 0, got {p!r}"
-                )
-            rows.append((float(d), float(t)))
-        d, t = np.asarray(rows).T
-        if np.unique(d).size < 2:
-            raise ValueError(f"cost profile {str(path)!r} needs >= 2 distinct lengths")
-        # Rows weighted by 1 / t (relative error): short documents are fitted as well as long ones.
-        w = 1.0 / t if np.all(t > 0) else np.ones_like(t)
-        a, b = (float(c) for c in nnls(np.stack([d * d, d], axis=1) * w[:, None], t * w))
-        if a == 0 and b == 0:
-            raise ValueError("cost profile fit gave zero cost for every length; check the table")
-        return cls(attn_coef=a, linear_coef=b, unit="seconds")
+
+def read_profile(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
+    """A measured cost profile's ``(lengths, seconds)`` (its JSON layouts: docs/packing.md): at
+    least two distinct lengths, every length and time > 0. ``cost_fit.profile_cost_model`` fits
+    ``W(d)`` to them with the cost model's one fit."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read cost profile {str(path)!r}: {exc}") from exc
+    points = raw.get("points") if isinstance(raw, dict) else raw
+    if not isinstance(points, list) or not points:
+        raise ValueError(
+            f"cost profile {str(path)!r} must be a non-empty list of [length, seconds] pairs "
+            "or {'points': [...]}"
+        )
+    rows = []
+    for i, p in enumerate(points):
+        if isinstance(p, dict):
+            if "length" not in p or "seconds" not in p:
+                raise ValueError(f"cost profile point {i} needs 'length' and 'seconds': {p!r}")
+            d, t = p["length"], p["seconds"]
+        elif isinstance(p, (list, tuple)) and len(p) == 2:
+            d, t = p
+        else:
+            raise ValueError(f"cost profile point {i} must be [length, seconds], got {p!r}")
+        if not all(isinstance(v, (int, float)) for v in (d, t)) or d <= 0 or not t > 0:
+            raise ValueError(f"cost profile point {i}: length and seconds must be > 0, got {p!r}")
+        rows.append((float(d), float(t)))
+    d, t = np.asarray(rows).T
+    if np.unique(d).size < 2:
+        raise ValueError(f"cost profile {str(path)!r} needs >= 2 distinct lengths")
+    return d, t
 
 
 def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Non-negative least squares for a few columns: the best over all active sets (exact); used by
-    ``from_profile``, the online fit (cost_fit.py) and the simulator's calibration."""
+    """Non-negative least squares for a few columns: the best over all active sets (exact); the
+    solver of the cost model's one fit, ``cost_fit.fit_nnls``."""
     n_col = x.shape[1]
     best, best_err = np.zeros(n_col), float(np.sum(y * y))
     for k in range(1, n_col + 1):

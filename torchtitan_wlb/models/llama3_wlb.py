@@ -22,6 +22,7 @@ from torchtitan_wlb import cpu_support
 from torchtitan_wlb.attention import DocumentAttentionMetadata, attention_from_metadata
 from torchtitan_wlb.attention.metadata import metadata_from_doc_lens
 from torchtitan_wlb.config import ConfigError
+from torchtitan_wlb.cost_fit import profile_cost_model
 from torchtitan_wlb.cost_model import CostModel
 from torchtitan_wlb.models.catalogue import PAPER_MODELS, ModelSpec, get_model
 
@@ -143,7 +144,7 @@ def cost_model_for_job(job_config: JobConfig) -> CostModel:
     if wlb.cost_model == "coefficients":
         return CostModel.from_coefficients(wlb.attn_coef, wlb.linear_coef)
     if wlb.cost_model == "profile" or (wlb.cost_model == "online" and wlb.cost_profile):
-        return CostModel.from_profile(wlb.cost_profile)
+        return profile_cost_model(wlb.cost_profile)
     flavor = job_config.model.flavor
     if flavor not in FLAVORS:
         raise ConfigError(

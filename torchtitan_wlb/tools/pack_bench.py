@@ -23,6 +23,7 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from torchtitan_wlb import workloads
+from torchtitan_wlb.cost_fit import profile_cost_model
 from torchtitan_wlb.cost_model import CostModel
 from torchtitan_wlb.data.wlb_node import TOKEN_DTYPE, WLBPackingNode
 from torchtitan_wlb.models.catalogue import MODELS, get_model
@@ -44,7 +45,7 @@ from torchtitan_wlb.tools.cli import ToolParser, json_text, progress
 
 def build_cost_model(args: argparse.Namespace) -> CostModel:
     if args.profile:
-        return CostModel.from_profile(args.profile)
+        return profile_cost_model(args.profile)
     if args.attn_coef is not None or args.linear_coef is not None:
         if args.attn_coef is None or args.linear_coef is None:
             raise ValueError("--attn-coef and --linear-coef must be given together")
