@@ -113,6 +113,7 @@ def test_trainer_fits_device_times_and_records_both(one_thread, monkeypatch):
         _pp_runner=None,
         _last_doc_lens=[3, 5],
         _fit=fit,
+        _ddp_ranks=1,
         _cp_stats=[],
         device=torch.device("cpu"),
         metrics_processor=types.SimpleNamespace(
