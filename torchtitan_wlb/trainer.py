@@ -229,8 +229,9 @@ class WLBTrainer(Trainer):
             # Pure DDP averages the ranks' gradients where FSDP sums them: scaled up here, each
             # rank's gradient is its share of the global token mean again after the average.
             n = self._ddp_ranks
+            tokens = global_valid_tokens / n if n > 1 else global_valid_tokens
             loss = super().forward_backward_step(
-                input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens / n
+                input_dict=input_dict, labels=labels, global_valid_tokens=tokens
             )
             loss = loss / n if n > 1 else loss
         else:
