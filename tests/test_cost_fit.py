@@ -272,18 +272,6 @@ def test_first_refit_comes_once_the_fitted_steps_hold_enough_rows():
         again = OnlineFitter(CostModelSchedule(initial, cfg))
         again.load_state_dict(before.state_dict())
         assert refits(again, range(cut + 1, 17)) == [s for s in (5, 8, 11, 14) if s > cut]
-    # Checkpoints of earlier versions keep the rule they were written under: refits counted from
-    # the first refit, adopted or not (saved as "first_refit"), or before that, from a full window.
-    old = OnlineFitter(CostModelSchedule(initial, cfg))
-    refits(old, range(1, 12))
-    state = old.state_dict()
-    del state["first_adopted"]
-    again = OnlineFitter(CostModelSchedule(initial, cfg))
-    again.load_state_dict({**state, "first_refit": 6})
-    assert again.first_adopted == 6 and refits(again, range(12, 17)) == [12, 15]
-    again = OnlineFitter(CostModelSchedule(initial, cfg))
-    again.load_state_dict(state)
-    assert again.first_adopted == 10 and refits(again, range(12, 17)) == [13, 16]
 
 
 def test_a_rejected_first_refit_is_tried_again_every_step_until_the_window_is_full():

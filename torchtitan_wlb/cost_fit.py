@@ -415,15 +415,7 @@ class OnlineFitter:
         self.incumbent = Coefficients(**state["incumbent"])
         self.history = list(state["history"])
         decided = int(state["decided_through"])
-        # Checkpoints of earlier versions keep the rule they were written under: refits counted
-        # from the first refit, adopted or not ("first_refit"), or before that, from a full window.
-        full = self.config.warmup_steps + self.config.window_steps
-        if "first_adopted" in state:
-            self.first_adopted = state["first_adopted"]
-        elif "first_refit" in state:
-            self.first_adopted = state["first_refit"]
-        else:
-            self.first_adopted = full if decided >= full else None
+        self.first_adopted = state["first_adopted"]
         adoptions = [
             (
                 int(r["effective_step"]),
