@@ -40,6 +40,7 @@ ROOMS = {
     f"{PACKAGE}.parent_watch": "platform",
     f"{PACKAGE}.device_clock": "platform",
     f"{PACKAGE}.metrics": "trainer",
+    f"{PACKAGE}.mfu": "trainer",
     f"{PACKAGE}.log_filter": "trainer",
     f"{PACKAGE}.audit_log": "trainer",
     f"{PACKAGE}.resume": "trainer",

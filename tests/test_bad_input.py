@@ -146,6 +146,7 @@ OUT_OF_RANGE = {
     "cp_profile": '"/no/such.json"', "cp_bandwidth_gbps": "0.0", "text_field": '""', "loader": '"mine"', "epochs": "-1",
     "warmup_steps": "-1", "window_steps": "1", "holdout_steps": "0",
     "interval_steps": "0", "apply_lag_steps": "0", "initial_attn_scale": "0.0",
+    "peak_tflops": "-1.0",
 }  # fmt: skip
 NO_RANGE = {"reset_positions", "metrics_jsonl"}  # booleans: only the type can be wrong
 EXTRA = {"cost_profile": 'cost_model = "profile"\n'}

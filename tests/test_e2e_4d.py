@@ -73,6 +73,17 @@ def _records(dump):
     return out
 
 
+def _model_flops(dump):
+    """Per step, the model FLOPs (``wlb/model_flops``, MFU's numerator) of every rank, summed."""
+    out: dict[int, float] = {}
+    folder = os.path.join(dump, "wlb_metrics")
+    for name in sorted(os.listdir(folder)):
+        with open(os.path.join(folder, name)) as f:
+            for rec in map(json.loads, f):
+                out[rec["step"]] = out.get(rec["step"], 0.0) + rec["wlb/model_flops"]
+    return out
+
+
 def _trained(dump):
     """Per step, the documents all DP ranks trained, from the audit logs of every rank (the last
     launch's record of a step wins: a resumed launch re-trains the steps after its checkpoint)."""
@@ -130,6 +141,10 @@ def test_4d_matches_single_process(seeded, layout):
     report = audit(str(run))
     assert report.ok and report.steps == 2, report.message
     assert _trained(run) == ref_trained
+    # Each rank's FLOPs are its share (CP by the plan, TP and PP splitting them, padding left
+    # out): over the ranks, the same documents' FLOPs as in the single process.
+    flops, ref_flops = _model_flops(run), _model_flops(base / "ref")
+    assert flops == pytest.approx(ref_flops, rel=1e-9) and sorted(flops) == [1, 2]
 
 
 def _check_pp_actions(record, stages_per_rank):

@@ -36,7 +36,7 @@ def test_step_time_after_a_resume(tmp_path, monkeypatch):
             str(tmp_path),
         ]
     )
-    dims = types.SimpleNamespace(non_data_parallel_size=1, pp_enabled=False)
+    dims = types.SimpleNamespace(non_data_parallel_size=1, pp_enabled=False, tp=1, pp=1)
     proc = WLBMetricsProcessor(cfg, dims)
     proc.num_flops_per_token = 1
     # start_at; log at step 5 and TorchTitan resetting its clock; the same at step 10
@@ -71,7 +71,7 @@ def test_wlb_step_is_the_step(tmp_path, monkeypatch):
             "--wlb.advanced.metrics_jsonl",
         ]
     )
-    dims = types.SimpleNamespace(non_data_parallel_size=1, pp_enabled=False)
+    dims = types.SimpleNamespace(non_data_parallel_size=1, pp_enabled=False, tp=1, pp=1)
     proc = WLBMetricsProcessor(cfg, dims)
     proc.num_flops_per_token = 1
     received = []

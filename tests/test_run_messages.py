@@ -131,5 +131,5 @@ def test_log_filter_drops_only_inapplicable_lines():
     assert passes("Error running lspci: [Errno 2] No such file")[0] is False
     assert passes("Peak flops undefined for: AMD EPYC x2, fallback to A100")[0] is False
     assert passes("ENV[TORCH_NCCL_ASYNC_ERROR_HANDLING] = 1 will be overridden to 3")[0] is False
-    kept, text = passes("Peak FLOPS used for computing MFU: 3.120e+14", logging.INFO)
-    assert kept and text == "Peak FLOPS: unknown for CPU, MFU not reported"
+    # TorchTitan's peak, which its MFU no longer divides by (torchtitan_wlb.mfu logs its own).
+    assert passes("Peak FLOPS used for computing MFU: 3.120e+14", logging.INFO)[0] is False

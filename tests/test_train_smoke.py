@@ -3,6 +3,7 @@
 import json
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -41,6 +42,7 @@ def test_fsdp_trains_checkpoints_and_resumes_exactly(tmp_path):
     r = _train(ref, "--training.steps", "6", "--metrics.enable_tensorboard")
     log = r.stdout + r.stderr
     assert "step:  6/6" in log and "eta: 0s" in log and "mfu: n/a" in log  # where it is
+    assert re.search(r"tflops: \d+\.\d\d  mfu: n/a", log)  # the documents' FLOPs, no CPU peak
     assert "starting at step 1" in log and "done: trained 6 steps" in log
     full = _losses(ref)
     events = [f for _, _, fs in os.walk(ref / "tb") for f in fs if "tfevents" in f]
@@ -56,8 +58,10 @@ def test_fsdp_trains_checkpoints_and_resumes_exactly(tmp_path):
     # Stop after step 4 (as if killed during step 5), resume from the step-4 checkpoint.
     resumed = tmp_path / "resumed"
     shutil.copytree(ref / "checkpoint" / "step-4", resumed / "checkpoint" / "step-4")
-    r = _train(resumed, "--training.steps", "6")
+    r = _train(resumed, "--training.steps", "6", "--wlb.advanced.peak_tflops", "0.5")
     assert "Training starts at step 5" in r.stdout + r.stderr
+    # With a peak given, the step line's MFU: the documents' FLOPs per second over it.
+    assert re.search(r"step:  6/6 .* tflops: \d+\.\d\d  mfu: \d+\.\d\d%", r.stdout + r.stderr)
     assert "resuming from step 4" in r.stdout + r.stderr
     again = _losses(resumed)
     assert sorted(again) == [5, 6]

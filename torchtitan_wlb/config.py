@@ -99,6 +99,7 @@ _LOWEST: dict[str, tuple[str, float, str]] = {
                      "apply_lag_steps", "read_ahead_steps", "initial_attn_scale"),
                     (">", 0, "")),
     "balance_target": (">=", 1.0, ""),
+    "peak_tflops": (">=", 0, ""),
     "window_steps": (">=", 2, " (at least one step fitted and one held out)"),
 }  # fmt: skip
 
@@ -240,6 +241,11 @@ class Advanced:
     metrics_jsonl: bool = False
     """Also write every logged step's metrics, per rank and at full precision, to
     <dump_folder>/wlb_metrics/rank_<rank>.jsonl."""
+
+    peak_tflops: float = 0.0
+    """The device's peak TFLOP/s that the step line's MFU divides by; 0: the dense bf16 peak of
+    the GPU by its name (H100, H200, A100, B200; docs/getting_started.md, "tflops and MFU"), and
+    no MFU on a CPU or a GPU not in that table."""
 
     def __post_init__(self) -> None:
         _check_fields(self)

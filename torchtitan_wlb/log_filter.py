@@ -1,5 +1,6 @@
 """Silences TorchTitan log lines that are true but do not apply here (the byte tokenizer's missing
-HF assets; on CPU, NCCL variables, ``lspci`` and the A100 peak FLOPS: docs/cpu.md)."""
+HF assets; its peak FLOPS, which its MFU no longer divides by: the metrics say their own; on CPU,
+NCCL variables and ``lspci``: docs/cpu.md)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import warnings
 
 from torchtitan_wlb import cpu_support
 
-_ALWAYS = ("HF assets path  does not exist!",)  # two spaces: the empty path
-_CPU_ONLY = ("ENV[TORCH_NCCL_", "Error running lspci", "Peak flops undefined for")
-_CPU_PEAK = "Peak FLOPS used for computing MFU"
+_ALWAYS = (
+    "HF assets path  does not exist!",  # two spaces: the empty path
+    "Peak FLOPS used for computing MFU",  # torchtitan_wlb.mfu's peak is logged instead
+    "Peak flops undefined for",
+)
+_CPU_ONLY = ("ENV[TORCH_NCCL_", "Error running lspci")
 # torch's own UserWarnings on a CPU mesh, raised through TorchTitan's calls: DTensor's RNG works on
 # CPU for what TorchTitan uses, and gloo does take the timeout TorchTitan sets.
 _CPU_PY_WARNINGS = (
@@ -21,15 +25,11 @@ _CPU_PY_WARNINGS = (
 
 
 class InapplicableWarnings(logging.Filter):
-    """Drops the lines above and rewrites the CPU peak-FLOPS line (MFU shows ``n/a``)."""
+    """Drops the lines above."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message, cpu = record.getMessage(), cpu_support.is_active()
-        if message.startswith(_ALWAYS) or (cpu and message.startswith(_CPU_ONLY)):
-            return False
-        if cpu and message.startswith(_CPU_PEAK):
-            record.msg, record.args = "Peak FLOPS: unknown for CPU, MFU not reported", None
-        return True
+        return not (message.startswith(_ALWAYS) or (cpu and message.startswith(_CPU_ONLY)))
 
 
 def install() -> None:

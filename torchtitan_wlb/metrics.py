@@ -1,5 +1,6 @@
-"""TorchTitan's metrics processor with a ``step N/M ... eta`` line, ``mfu: n/a`` where the peak is
-unknown, and a ``wlb`` line of packing and timing figures (docs/getting_started.md)."""
+"""TorchTitan's metrics processor with a ``step N/M ... eta`` line whose ``tflops`` and ``mfu`` count
+the FLOPs the micro-batches' documents take (:mod:`torchtitan_wlb.mfu`; ``mfu: n/a`` where the
+peak is unknown), and a ``wlb`` line of packing and timing figures (docs/getting_started.md)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ from torchtitan.config import JobConfig
 from torchtitan.tools.logging import logger
 
 from torchtitan_wlb import cpu_support
+from torchtitan_wlb.mfu import FlopsCounter, attention_flops_per_pair, resolve_peak_flops
 
 MFU_KEY = "mfu(%)"
+TFLOPS_KEY = "tflops"
 _LISTS = (
     "micro_batch_times_s",
     "micro_batch_device_times_s",
@@ -40,16 +43,19 @@ _WLB_LINE = (
 
 
 class _MetricsTap(BaseLogger):
-    """Passes TorchTitan's per-step metrics on to its loggers (TensorBoard, W&B) and keeps the last
-    dict for the console line; drops MFU where the device's peak is unknown."""
+    """Passes TorchTitan's per-step metrics on to its loggers (TensorBoard, W&B) with ``figures``
+    (this package's ``tflops`` and ``mfu(%)``, where known) in place of TorchTitan's, and keeps
+    the last dict for the console line."""
 
-    def __init__(self, inner: BaseLogger, drop_mfu: bool):
-        self.inner, self.drop_mfu = inner, drop_mfu
+    def __init__(self, inner: BaseLogger):
+        self.inner = inner
+        self.figures: dict[str, float] | None = None  # set during a training step's log call
         self.last: dict[str, Any] = {}
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        if self.drop_mfu:
-            metrics = {k: v for k, v in metrics.items() if k != MFU_KEY}
+        if self.figures is not None:
+            dropped = (TFLOPS_KEY, MFU_KEY)
+            metrics = {k: v for k, v in metrics.items() if k not in dropped} | self.figures
         self.last = metrics
         self.inner.log(metrics, step)
 
@@ -90,7 +96,8 @@ class WLBMetricsProcessor(MetricsProcessor):
     """MetricsProcessor that also logs WLB packing and per-micro-batch timing figures."""
 
     def __init__(self, job_config: JobConfig, parallel_dims: Any, model_args: Any = None):
-        """Built as ``TrainSpec.build_metrics_processor_fn`` (the model's arguments unused)."""
+        """Built as ``TrainSpec.build_metrics_processor_fn``; without ``model_args`` the step's
+        FLOPs are unknown (``tflops: n/a``)."""
         super().__init__(job_config, parallel_dims)
         self.wlb_metrics: dict[str, float] = {}
         # The lists of the JSONL record, gathered over the steps since the last logged one.
@@ -98,9 +105,18 @@ class WLBMetricsProcessor(MetricsProcessor):
         self.device_clock = "wall"  # the trainer's DeviceClock kind (torchtitan_wlb.device_clock)
         self.last_logged_step: int | None = None
         self.jsonl_path: str | None = None
-        self.logger = self._tap = _MetricsTap(self.logger, drop_mfu=cpu_support.is_active())
+        self.logger = self._tap = _MetricsTap(self.logger)
         self.run_step_times: list[float] = []
         wlb = getattr(job_config, "wlb", None)
+        # What the micro-batches computed; num_flops_per_token (TorchTitan sets it from the model
+        # arguments) is the dense 6 N alone: llama3_wlb's arguments leave attention to this count.
+        self.flops = FlopsCounter(shards=parallel_dims.tp * parallel_dims.pp)
+        self.flops_per_pair = None if model_args is None else attention_flops_per_pair(model_args)
+        cpu = cpu_support.is_active()
+        override = wlb.advanced.peak_tflops if wlb is not None else 0.0
+        device_name = self.device_memory_monitor.device_name
+        self.peak_flops, line = resolve_peak_flops(override, device_name, cpu)
+        logger.log(logging.WARNING if self.peak_flops is None and not cpu else logging.INFO, line)
         if wlb is not None and wlb.advanced.metrics_jsonl:
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
             folder = os.path.join(job_config.job.dump_folder, "wlb_metrics")
@@ -148,9 +164,11 @@ class WLBMetricsProcessor(MetricsProcessor):
     ) -> None:
         log_freq = self.job_config.metrics.log_freq
         interval = steps_since_last_log(step, self.last_logged_step, log_freq)
-        step_time = (time.perf_counter() - self.time_last_log) / interval
+        elapsed = time.perf_counter() - self.time_last_log
+        step_time = elapsed / interval
         self.last_logged_step = step
         extra = {**(extra_metrics or {}), **self.wlb_metrics, "wlb/step_time_s": step_time}
+        self._tap.figures = self._flops_figures(elapsed, extra)
         if "wlb/step" in extra:  # the packer's plan index counts from 0; the step from 1
             extra["wlb/step"] = step
         if times := self.lists["micro_batch_times_s"]:
@@ -181,6 +199,8 @@ class WLBMetricsProcessor(MetricsProcessor):
             super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
         finally:
             logger.removeFilter(warnings_only)
+            self._tap.figures = None
+            self.flops.reset()
         self.run_step_times.append(step_time)
         self._log_step_line(step, self._tap.last)
         figures = {"wlb/min_tokens": 0, **extra}
@@ -189,11 +209,26 @@ class WLBMetricsProcessor(MetricsProcessor):
         self.wlb_metrics.clear()
         self.lists = {k: [] for k in _LISTS}
 
+    def _flops_figures(self, seconds: float, extra: dict[str, Any]) -> dict[str, float]:
+        """``tflops`` and, where the peak is known, ``mfu(%)`` of the FLOPs counted over the
+        ``seconds`` since the last log; the FLOPs themselves go to ``extra`` as
+        ``wlb/model_flops``. Empty without the model's arguments (nothing to count with)."""
+        if self.flops_per_pair is None:
+            return {}
+        flops = self.flops.flops(self.num_flops_per_token, self.flops_per_pair)
+        extra["wlb/model_flops"] = flops
+        figures = {TFLOPS_KEY: flops / seconds / 1e12}
+        if self.peak_flops is not None:
+            figures[MFU_KEY] = 100 * flops / seconds / self.peak_flops
+        return figures
+
     def _log_step_line(self, step: int, metrics: dict[str, Any]) -> None:
-        """TorchTitan's step line with ``step N/M``, ``mfu: n/a`` where unknown, and ``eta``."""
+        """TorchTitan's step line with ``step N/M``, this package's ``tflops`` and ``mfu`` (``n/a``
+        where unknown), and ``eta``."""
         c = self.color
         total = self.job_config.training.steps
         mfu = f"{metrics[MFU_KEY]:.2f}%" if MFU_KEY in metrics else "n/a"
+        tflops = f"{metrics[TFLOPS_KEY]:,.2f}" if TFLOPS_KEY in metrics else "n/a"
         eta = format_duration(eta_seconds(step, total, self.run_step_times))
         logger.info(
             f"{c.red}step: {step:2}/{total}  "
@@ -202,7 +237,7 @@ class WLBMetricsProcessor(MetricsProcessor):
             f"{c.turquoise}memory: {metrics['memory/max_reserved(GiB)']:5.2f}GiB"
             f"({metrics['memory/max_reserved(%)']:.2f}%)  "
             f"{c.blue}tps: {round(metrics['throughput(tps)']):,}  "
-            f"{c.cyan}tflops: {metrics['tflops']:,.2f}  "
+            f"{c.cyan}tflops: {tflops}  "
             f"{c.magenta}mfu: {mfu}  "
             f"{c.yellow}eta: {eta}{c.reset}"
         )

@@ -133,10 +133,14 @@ class WLBTrainer(Trainer):
                 self._audit.micro_batch(doc_ids.tolist())
         if "doc_lens" not in input_dict:
             # [wlb.advanced] loader = "torchtitan": no boundaries, plain causal attention per row.
+            rows, length = input_dict["input"].shape
+            self.metrics_processor.flops.documents([length] * rows)
             return super().post_dataloading_process(input_dict, labels)
         inputs, positions = input_dict.pop("input"), input_dict.pop("positions")
         doc_lens = input_dict.pop("doc_lens").cpu()
         self._last_doc_lens = doc_lens.tolist()
+        if not self.parallel_dims.cp_enabled:  # under CP: the rank's share, by the plan
+            self.metrics_processor.flops.documents(self._last_doc_lens)
         backend = self.job_config.wlb.advanced.attention_backend
         if self.parallel_dims.tp_enabled or self.parallel_dims.cp_enabled:
             inputs, labels, positions, doc_lens = self._pad_for_sharding(
@@ -194,6 +198,8 @@ class WLBTrainer(Trainer):
             coefficients=coefficients,
         )
         self._cp_stats.append((plan.strategy, plan.flops_imbalance()))
+        # Padding the sharding added (documents past the micro-batch's own) is not model work.
+        self.metrics_processor.flops.cp_share(plan, rank, n_docs=len(self._last_doc_lens))
         self.metrics_processor.keep("micro_batch_cp_strategy", plan.strategy)
         if self._fit is not None:
             self._fit.features = cp_fit_features(plan, rank)

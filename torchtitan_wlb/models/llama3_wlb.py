@@ -41,6 +41,13 @@ class WLBModelArgs(TransformerModelArgs):
         smax = wlb.micro_batch_max_len if wlb is not None else 0
         self.max_seq_len = max(job_config.training.seq_len, smax)
 
+    def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
+        """TorchTitan's parameter count and FLOPs per token without its attention term, which
+        prices every token's attention over the whole ``seq_len``: ``6 N``, ``N`` the parameters
+        outside the embedding. The metrics add attention per micro-batch from its documents
+        (torchtitan_wlb/mfu.py)."""
+        return super().get_nparams_and_flops(model, 0)
+
 
 class WLBAttention(Attention):
     """TorchTitan's Attention with document attention inside, built as ``"sdpa"`` by TorchTitan's
