@@ -77,6 +77,7 @@ def test_bubble_tool_on_packed_microbatches(capsys):
     args += "--micro-batches 4 --steps 2 --warmup-steps 1 --json"
     assert pp_schedules_main(args.split()) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(out["tokens_per_step"]) == {"fixed_4d", "wlb"}
     assert list(out["schedules"]) == [
         "1F1B",
         "Interleaved1F1B",

@@ -14,14 +14,18 @@ import sys
 
 import numpy as np
 
-from torchtitan_wlb.pipeline import VARLEN_SCHEDULES
-from torchtitan_wlb.pipeline.orders import canonical_name, schedule_actions
 from torchtitan_wlb.sim import timing
 from torchtitan_wlb.sim.cli import add_setup_args, config_from_args
 from torchtitan_wlb.sim.config import MODES, SimConfig
 from torchtitan_wlb.sim.engine import cp_shards, pack_steps, shard_costs
 from torchtitan_wlb.sim.timeline import build_action_timeline, simulate_actions
-from torchtitan_wlb.workloads import DEFAULT_NUM_DOCS, GENERATORS, generate, load_lengths
+from torchtitan_wlb.workloads import (
+    DEFAULT_NUM_DOCS,
+    GENERATORS,
+    generate,
+    load_lengths,
+    steps_arg,
+)
 
 SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble", "InterleavedZeroBubble", "LoopedBFS")
 COMPARED_MODES = ("fixed_4d", "wlb")
@@ -43,21 +47,31 @@ def build_parser() -> argparse.ArgumentParser:
     add_setup_args(p)
     p.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated torch names")
     p.add_argument("--modes", default=",".join(COMPARED_MODES), help="comma-separated sim modes")
-    p.add_argument("--steps", type=int, default=20, help="timed steps")
+    p.add_argument(
+        "--steps",
+        type=steps_arg,
+        default=20,
+        help="timed steps, or 'epoch': one pass over the source",
+    )
     p.add_argument("--warmup-steps", type=int, default=4)
     p.add_argument("--smax-factor", type=float, default=1.25, help="S_max / context length")
     p.add_argument(
         "--queue-thresholds", default=None, help="comma-separated tokens (default: auto)"
     )
+    p.add_argument(
+        "--cp-profile", default=None, metavar="FILE", help="measured CP throughput profile"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     return p
 
 
-def mode_stage_times(mode_name: str, lengths, cfg: SimConfig) -> dict[int, tuple]:
+def mode_stage_times(mode_name: str, lengths, cfg: SimConfig) -> tuple[dict[int, tuple], float]:
     """Per stages-per-rank count (1, 2): [steps x DP, stages, m] forward, backward and weight-grad
-    seconds and [steps x DP, m] transfer seconds of the micro-batches ``mode_name`` packs."""
+    seconds and [steps x DP, m] transfer seconds of the micro-batches ``mode_name`` packs; and
+    their mean tokens per step (modes pack different token counts)."""
     steps, _ = pack_steps(MODES[mode_name], lengths, cfg, cfg.warmup_steps + cfg.steps)
     steps = steps[cfg.warmup_steps :]
+    tokens = float(np.mean([sum(int(np.sum(mb)) for mb in s) for s in steps]))
     flat = [np.asarray(mb, dtype=np.int64) for s in steps for mb in s]
     mode = MODES[mode_name]
     costs = shard_costs(cp_shards(flat, cfg, mode.cp_strategy, mode.cp_candidates), cfg)
@@ -70,12 +84,14 @@ def mode_stage_times(mode_name: str, lengths, cfg: SimConfig) -> dict[int, tuple
         # [steps * N, V] -> [steps * dp, V, m], as the simulator's engine lays them out
         f, b, w = (x.reshape(-1, m, n_v).transpose(0, 2, 1) for x in (fwd, bwd, wgt))
         out[chunks] = (f, b, w, p2p.reshape(-1, m))
-    return out
+    return out, tokens
 
 
 def schedule_bubbles(name: str, times: dict[int, tuple], cfg: SimConfig) -> dict[str, float]:
     """One schedule on one mode's micro-batches: the idle share of the slowest DP replica's
     pipeline (as the simulator's ``bubble_fraction``) and its step time, means over steps."""
+    from torchtitan_wlb.pipeline.orders import VARLEN_SCHEDULES, schedule_actions
+
     chunks = 1 if VARLEN_SCHEDULES[name] == "single" else 2
     pp, m, dp = cfg.layout.pp, cfg.m, cfg.layout.dp
     tl = build_action_timeline(schedule_actions(name, pp, m, chunks), pp * chunks, m)
@@ -91,6 +107,9 @@ def schedule_bubbles(name: str, times: dict[int, tuple], cfg: SimConfig) -> dict
 
 def run(args: argparse.Namespace) -> dict:
     """The JSON object: the configuration, then per schedule and mode its bubble and time."""
+    # The pipeline package imports torch: not for --help or a bad flag.
+    from torchtitan_wlb.pipeline.orders import VARLEN_SCHEDULES, canonical_name
+
     if args.pp < 2:
         raise ValueError(f"--pp {args.pp}: pipeline schedules need --pp >= 2")
     names = [canonical_name(s.strip()) for s in args.schedules.split(",") if s.strip()]
@@ -105,14 +124,16 @@ def run(args: argparse.Namespace) -> dict:
         else generate(args.generator, DEFAULT_NUM_DOCS, args.context_len, seed=args.seed)
     )
     # The packing does not depend on the schedule; 1F1B passes every micro-batch count.
-    cfg = config_from_args(replace_schedule(args))
+    cfg = config_from_args(replace_schedule(args), int(np.asarray(lengths).sum()))
     times = {mode: mode_stage_times(mode, lengths, cfg) for mode in modes}
     table = {
-        name: {mode: schedule_bubbles(name, times[mode], cfg) for mode in modes} for name in names
+        name: {mode: schedule_bubbles(name, times[mode][0], cfg) for mode in modes}
+        for name in names
     }
     config = {"model": cfg.model.name, "context_len": cfg.context_len, "layout": cfg.layout.label}
     config |= {"micro_batches": cfg.m, "steps": cfg.steps, "hardware": cfg.hardware.name}
-    return {"config": config, "schedules": table}
+    tokens = {mode: times[mode][1] for mode in modes}
+    return {"config": config, "tokens_per_step": tokens, "schedules": table}
 
 
 def replace_schedule(args: argparse.Namespace) -> argparse.Namespace:
@@ -132,7 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{c['model']}  context {c['context_len']}  {c['layout']}  {c['micro_batches']} "
         f"micro-batches  {c['steps']} steps  hardware {c['hardware']}"
     )
-    modes = list(next(iter(out["schedules"].values())))
+    modes = list(out["tokens_per_step"])
+    print(
+        "tokens per step: " + ", ".join(f"{m} {t:.0f}" for m, t in out["tokens_per_step"].items())
+    )
     print(f"{'schedule':<24}" + "".join(f"{m + ' bubble':>18}{m + ' s':>14}" for m in modes))
     for name, row in out["schedules"].items():
         cells = "".join(
