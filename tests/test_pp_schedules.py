@@ -92,3 +92,38 @@ def test_bubble_tool_on_packed_microbatches(capsys):
     assert pp_schedules_main([*args.split(), "--schedules", "DualPipeV"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "unknown schedule 'DualPipeV'" in err[0]
+
+
+@pytest.mark.parametrize(
+    "schedule, extra, error",
+    [
+        ("ZBVZeroBubble", [], None),
+        ("InterleavedZeroBubble", ["--training.global_batch_size", "5"], "a multiple of max(1"),
+        ("ZBVZeroBubble", ["--compile.enable"], "zero-bubble schedules do not run compiled"),
+    ],
+)
+def test_validate_takes_zero_bubble_schedules(
+    tmp_path, capsys, monkeypatch, schedule, extra, error
+):
+    """The pre-flight check passes a zero-bubble PP = 2 job, and refuses in one line what torch
+    would refuse only inside the ranks."""
+    from torchtitan_wlb.validate import main
+
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": "word " * (3 + i % 40)}) + "\n" for i in range(40)))
+    monkeypatch.setenv("NGPU", "2")
+    args = [
+        "--job.config_file", "train_configs/debug_cpu.toml", "--model.flavor", "tiny",
+        "--training.seq_len", "128", "--wlb.micro_batch_max_len", "160",
+        "--training.global_batch_size", "4", "--training.dataset", "jsonl",
+        "--training.dataset_path", str(data), "--job.dump_folder", str(tmp_path / "run"),
+        "--parallelism.pipeline_parallel_degree", "2",
+        "--parallelism.pipeline_parallel_schedule", schedule, *extra,
+    ]  # fmt: skip
+    assert main(args) == (0 if error is None else 2)
+    err = capsys.readouterr().err
+    if error is None:
+        assert err == ""
+    else:
+        assert err.count("\n") == 1 and err.startswith("error: ") and error in err, err
+        assert schedule in err

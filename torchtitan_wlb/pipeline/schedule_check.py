@@ -19,6 +19,9 @@ VARLEN_SCHEDULES: dict[str, str] = {
     "ZBVZeroBubble": "v",
 }
 
+# The schedules that split each backward into input-grad and weight-grad actions.
+ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble")
+
 # What each stage style needs of stages_per_rank, and how the refusal says it.
 _STAGES_RULE = {
     "single": (lambda k: k == 1, "runs exactly 1 stage"),
