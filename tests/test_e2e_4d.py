@@ -117,9 +117,16 @@ LAYOUTS = {
                     "--parallelism.context_parallel_degree", "2"]),
     "cp2_pp2": (4, ["--parallelism.context_parallel_degree", "2",
                     "--parallelism.pipeline_parallel_degree", "2"]),
-    "pp2_interleaved": (2, ["--parallelism.pipeline_parallel_degree", "2",
-                            "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
+    # Zero-bubble schedules: input-grad and weight-grad actions, 2 stages per rank; ZBV's V puts
+    # stages 0 and 3 on rank 0. Interleaved1F1B runs the same runtime without the split
+    # (tests/test_pipeline_varlen.py checks it against one process).
+    "pp2_interleaved_zb": (2, ["--parallelism.pipeline_parallel_degree", "2",
+                               "--parallelism.pipeline_parallel_schedule", "InterleavedZeroBubble"]),
+    "pp2_zbv": (2, ["--parallelism.pipeline_parallel_degree", "2",
+                    "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]),
 }  # fmt: skip
+# Schedules running 2 stages per rank (the others here: 1).
+MULTI_STAGE = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -136,7 +143,7 @@ def test_4d_matches_single_process(seeded, layout):
         # the same documents were trained on
         assert set(got[step]["doc_ids"]) <= set(ref[step]["doc_ids"])
         if "--parallelism.pipeline_parallel_degree" in args:
-            _check_pp_actions(got[step], 2 if "Interleaved1F1B" in args else 1)
+            _check_pp_actions(got[step], 2 if set(MULTI_STAGE) & set(args) else 1)
     # every rank of the layout logged its documents: together, exactly the reference's
     report = audit(str(run))
     assert report.ok and report.steps == 2, report.message

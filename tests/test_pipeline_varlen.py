@@ -14,6 +14,7 @@ import multiprocessing
 import os
 import tempfile
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -125,15 +126,10 @@ def _dp_lengths(lengths: list[int], dp_rank: int) -> list[int]:
     return lengths[::-1] if dp_rank % 2 else list(lengths)
 
 
-def _pp_worker(rank: int, world_size: int, init_file: str, schedule_name: str, dp: int) -> None:
-    from torchtitan.components.loss import cross_entropy_loss
-    from torchtitan.config import JobConfig
-    from torchtitan.distributed.pipeline_parallel import (
-        build_pipeline_schedule,
-        generate_llm_fqn_per_model_part,
-        pipeline_module_split,
-    )
-
+def _pp_worker(
+    rank: int, world_size: int, init_file: str, schedule_names: tuple[str, ...], dp: int
+) -> None:
+    """Every schedule of ``schedule_names`` in turn, in one process group (one launch)."""
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
@@ -143,121 +139,134 @@ def _pp_worker(rank: int, world_size: int, init_file: str, schedule_name: str, d
         timeout=timedelta(seconds=120),
     )
     try:
-        pp = world_size // dp
-        stages_per_rank = 1 if VARLEN_SCHEDULES[schedule_name] == "single" else 2
-        check_pp_microbatches(schedule_name, len(STEP_LENGTHS[0]), pp, stages_per_rank)
-        n_mb = len(STEP_LENGTHS[0])
-        mesh = dist.init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))
-        dp_rank, pp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
-        dp_group = mesh.get_group("dp")
-        model = _build_model()
-        fqns = generate_llm_fqn_per_model_part(pp * stages_per_rank, 4, 1, 1)
-        stages, parts = pipeline_module_split(
-            model, mesh["pp"], schedule_name, torch.device("cpu"), fqns
-        )
-        job = JobConfig()
-        job.parallelism.pipeline_parallel_schedule = schedule_name
-        job.parallelism.pipeline_parallel_degree = pp
-        job.parallelism.pipeline_parallel_microbatch_size = 1
-        job.training.local_batch_size = n_mb
-        schedule = build_pipeline_schedule(job, stages, cross_entropy_loss)
-        if schedule_name == "1F1B":
-            # A wrong seq_dim is caught on the step that sets the stages up, on every rank,
-            # before any activation is sent.
-            bad = VarlenPipelineRunner(schedule, seq_dim=2)
-            lengths = _dp_lengths(STEP_LENGTHS[0], dp_rank)
-            inputs, labels, kwargs = _make_microbatches(0, lengths, dp_rank)
-            with pytest.raises(ValueError, match="seq_dim=2 should equal seq_lens"):
-                bad.step(
-                    inputs if bad.has_first_stage else None,
-                    kwargs,
-                    labels if bad.has_last_stage else None,
-                    lengths,
-                )
-        runner = VarlenPipelineRunner(
-            schedule, verify_seq_lens=schedule_name != "1F1B", time_actions=True
-        )
-        assert runner.has_first_stage == (pp_rank == 0)
-        assert runner.has_last_stage == (pp_rank == pp - 1)
-
-        # Bad input is rejected on every rank before any communication.
-        with pytest.raises(ValueError, match="seq_lens has 3 entries"):
-            runner.step(None, None, None, [5, 6, 7])
-        if runner.verify_seq_lens:
-            # Ranks disagreeing on the plan: every rank raises, no activation is sent.
-            lengths = STEP_LENGTHS[0] if pp_rank == 0 else STEP_LENGTHS[1]
-            inputs, labels, kwargs = _make_microbatches(0, lengths)
-            with pytest.raises(ValueError, match="passed different seq_lens"):
-                runner.step(inputs, kwargs, labels, lengths)
-
-        pp_opt = torch.optim.SGD([p for m in parts for p in m.parameters()], lr=LR)
-        ref_opt = torch.optim.SGD(model.parameters(), lr=LR)
-        resized_total = 0
-        for step, step_lengths in enumerate(STEP_LENGTHS):
-            # Every rank builds every DP replica's micro-batches, for the reference.
-            replicas = [
-                _make_microbatches(step, _dp_lengths(step_lengths, r), r) for r in range(dp)
-            ]
-            lengths = _dp_lengths(step_lengths, dp_rank)
-            inputs, labels, kwargs = replicas[dp_rank]
-            n_tokens = global_valid_tokens(count_valid_tokens(labels), mesh["dp"])
-            assert int(n_tokens) == sum(int(count_valid_tokens(r[1])) for r in replicas)
-
-            # Reference: the whole model in this process, all replicas' micro-batches.
-            ref_opt.zero_grad()
-            loss_fn = token_mean_loss(cross_entropy_loss, n_tokens)
-            ref_loss = torch.zeros(())
-            for r, (r_inputs, r_labels, r_kwargs) in enumerate(replicas):
-                for tokens, label, kw in zip(r_inputs, r_labels, r_kwargs, strict=True):
-                    loss = loss_fn(model(tokens, **kw), label)
-                    loss.backward()
-                    if r == dp_rank:
-                        ref_loss += loss.detach()
-
-            # Pipelined, then the DP gradient reduction (a plain sum, as FSDP with divide
-            # factor 1).
-            pp_opt.zero_grad()
-            losses: list[torch.Tensor] = []
-            stats = runner.step(
-                inputs if runner.has_first_stage else None,
-                kwargs,
-                labels if runner.has_last_stage else None,
-                seq_lens=lengths,
-                global_valid_tokens=n_tokens,
-                losses=losses,
-            )
-            resized_total += stats.buffers_resized
-            _check_action_times(runner, n_mb)
-            for part in parts:
-                for param in part.parameters():
-                    dist.all_reduce(param.grad, group=dp_group)
-            if runner.has_last_stage:
-                assert len(losses) == n_mb
-                torch.testing.assert_close(torch.stack(losses).sum(), ref_loss)
-            else:
-                assert losses == []
-
-            ref_params = dict(model.named_parameters())
-            n_checked = 0
-            for part in parts:
-                for name, param in part.named_parameters():
-                    assert param.grad is not None, f"step {step}: no grad for {name}"
-                    torch.testing.assert_close(
-                        param.grad,
-                        ref_params[name].grad,
-                        rtol=1e-5,
-                        atol=1e-6,
-                        msg=lambda m, n=name, s=step: f"step {s} rank {rank} {n}: {m}",
-                    )
-                    n_checked += 1
-            assert n_checked > 0
-            pp_opt.step()
-            ref_opt.step()
-        # Lengths changed every step, so buffers were really re-sized (the first stage holds
-        # gradient buffers, the last one activation buffers).
-        assert resized_total > 0
+        for schedule_name in schedule_names:
+            _check_schedule(rank, world_size, schedule_name, dp)
     finally:
         dist.destroy_process_group()
+
+
+def _check_schedule(rank: int, world_size: int, schedule_name: str, dp: int) -> None:
+    from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.config import JobConfig
+    from torchtitan.distributed.pipeline_parallel import (
+        build_pipeline_schedule,
+        generate_llm_fqn_per_model_part,
+        pipeline_module_split,
+    )
+
+    pp = world_size // dp
+    stages_per_rank = 1 if VARLEN_SCHEDULES[schedule_name] == "single" else 2
+    check_pp_microbatches(schedule_name, len(STEP_LENGTHS[0]), pp, stages_per_rank)
+    n_mb = len(STEP_LENGTHS[0])
+    mesh = dist.init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))
+    dp_rank, pp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
+    dp_group = mesh.get_group("dp")
+    model = _build_model()
+    fqns = generate_llm_fqn_per_model_part(pp * stages_per_rank, 4, 1, 1)
+    stages, parts = pipeline_module_split(
+        model, mesh["pp"], schedule_name, torch.device("cpu"), fqns
+    )
+    job = JobConfig()
+    job.parallelism.pipeline_parallel_schedule = schedule_name
+    job.parallelism.pipeline_parallel_degree = pp
+    job.parallelism.pipeline_parallel_microbatch_size = 1
+    job.training.local_batch_size = n_mb
+    schedule = build_pipeline_schedule(job, stages, cross_entropy_loss)
+    if schedule_name == "1F1B":
+        # A wrong seq_dim is caught on the step that sets the stages up, on every rank,
+        # before any activation is sent.
+        bad = VarlenPipelineRunner(schedule, seq_dim=2)
+        lengths = _dp_lengths(STEP_LENGTHS[0], dp_rank)
+        inputs, labels, kwargs = _make_microbatches(0, lengths, dp_rank)
+        with pytest.raises(ValueError, match="seq_dim=2 should equal seq_lens"):
+            bad.step(
+                inputs if bad.has_first_stage else None,
+                kwargs,
+                labels if bad.has_last_stage else None,
+                lengths,
+            )
+    runner = VarlenPipelineRunner(
+        schedule, verify_seq_lens=schedule_name != "1F1B", time_actions=True
+    )
+    assert runner.has_first_stage == (pp_rank == 0)
+    # A V schedule's last stage is on the first rank, next to its first.
+    v_shaped = VARLEN_SCHEDULES[schedule_name] == "v"
+    assert runner.has_last_stage == (pp_rank == (0 if v_shaped else pp - 1))
+
+    # Bad input is rejected on every rank before any communication.
+    with pytest.raises(ValueError, match="seq_lens has 3 entries"):
+        runner.step(None, None, None, [5, 6, 7])
+    if runner.verify_seq_lens:
+        # Ranks disagreeing on the plan: every rank raises, no activation is sent.
+        lengths = STEP_LENGTHS[0] if pp_rank == 0 else STEP_LENGTHS[1]
+        inputs, labels, kwargs = _make_microbatches(0, lengths)
+        with pytest.raises(ValueError, match="passed different seq_lens"):
+            runner.step(inputs, kwargs, labels, lengths)
+
+    pp_opt = torch.optim.SGD([p for m in parts for p in m.parameters()], lr=LR)
+    ref_opt = torch.optim.SGD(model.parameters(), lr=LR)
+    resized_total = 0
+    for step, step_lengths in enumerate(STEP_LENGTHS):
+        # Every rank builds every DP replica's micro-batches, for the reference.
+        replicas = [_make_microbatches(step, _dp_lengths(step_lengths, r), r) for r in range(dp)]
+        lengths = _dp_lengths(step_lengths, dp_rank)
+        inputs, labels, kwargs = replicas[dp_rank]
+        n_tokens = global_valid_tokens(count_valid_tokens(labels), mesh["dp"])
+        assert int(n_tokens) == sum(int(count_valid_tokens(r[1])) for r in replicas)
+
+        # Reference: the whole model in this process, all replicas' micro-batches.
+        ref_opt.zero_grad()
+        loss_fn = token_mean_loss(cross_entropy_loss, n_tokens)
+        ref_loss = torch.zeros(())
+        for r, (r_inputs, r_labels, r_kwargs) in enumerate(replicas):
+            for tokens, label, kw in zip(r_inputs, r_labels, r_kwargs, strict=True):
+                loss = loss_fn(model(tokens, **kw), label)
+                loss.backward()
+                if r == dp_rank:
+                    ref_loss += loss.detach()
+
+        # Pipelined, then the DP gradient reduction (a plain sum, as FSDP with divide
+        # factor 1).
+        pp_opt.zero_grad()
+        losses: list[torch.Tensor] = []
+        stats = runner.step(
+            inputs if runner.has_first_stage else None,
+            kwargs,
+            labels if runner.has_last_stage else None,
+            seq_lens=lengths,
+            global_valid_tokens=n_tokens,
+            losses=losses,
+        )
+        resized_total += stats.buffers_resized
+        _check_action_times(runner, n_mb)
+        for part in parts:
+            for param in part.parameters():
+                dist.all_reduce(param.grad, group=dp_group)
+        if runner.has_last_stage:
+            assert len(losses) == n_mb
+            torch.testing.assert_close(torch.stack(losses).sum(), ref_loss)
+        else:
+            assert losses == []
+
+        ref_params = dict(model.named_parameters())
+        n_checked = 0
+        for part in parts:
+            for name, param in part.named_parameters():
+                assert param.grad is not None, f"step {step}: no grad for {name}"
+                torch.testing.assert_close(
+                    param.grad,
+                    ref_params[name].grad,
+                    rtol=1e-5,
+                    atol=1e-6,
+                    msg=lambda m, n=name, s=step: f"step {s} rank {rank} {n}: {m}",
+                )
+                n_checked += 1
+        assert n_checked > 0
+        pp_opt.step()
+        ref_opt.step()
+    # Lengths changed every step, so buffers were really re-sized (the first stage holds
+    # gradient buffers, the last one activation buffers).
+    assert resized_total > 0
 
 
 def _check_action_times(runner: VarlenPipelineRunner, n_mb: int) -> None:
@@ -279,7 +288,7 @@ def _check_action_times(runner: VarlenPipelineRunner, n_mb: int) -> None:
     assert "_maybe_compute_loss" not in vars(runner.schedule)
 
 
-def _spawn(schedule_name: str, dp: int = 1, pp: int = 2) -> None:
+def _spawn(*schedule_names: str, dp: int = 1, pp: int = 2) -> None:
     # Ranks start from a fork server that imported torchtitan once: importing it in every
     # spawned rank costs several CPU seconds each on the shared 2-core machine, and forking the
     # pytest process itself would copy whatever threads other tests left running.
@@ -297,7 +306,7 @@ def _spawn(schedule_name: str, dp: int = 1, pp: int = 2) -> None:
         init_file = os.path.join(tmp, "pg_init")
         mp.start_processes(
             _pp_worker,
-            args=(world_size, init_file, schedule_name, dp),
+            args=(world_size, init_file, schedule_names, dp),
             nprocs=world_size,
             join=True,
             start_method="forkserver",
@@ -311,14 +320,12 @@ def test_dp2_pp2_1f1b_varlen_matches_single_process():
 
 
 @pytest.mark.slow
-def test_pp2_interleaved_1f1b_varlen_matches_single_process():
-    """2 ranks x 2 virtual stages."""
-    _spawn("Interleaved1F1B")
-
-
-@pytest.mark.slow
-def test_pp2_gpipe_varlen_matches_single_process():
-    _spawn("GPipe")
+def test_pp2_schedules_varlen_match_single_process():
+    """2 ranks, one launch, each schedule in turn: GPipe; the looped ones with 2 virtual stages
+    per rank (Interleaved1F1B, LoopedBFS, and InterleavedZeroBubble, whose backward is an
+    input-grad and a weight-grad action); the V-shaped ZBVZeroBubble (stages 0 and 3 on rank 0,
+    1 and 2 on rank 1, which pass tensors on the rank), also split."""
+    _spawn("GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")
 
 
 # ---------------------------------------------------------------------- single-process units
@@ -331,8 +338,15 @@ def test_check_pp_microbatches():
         check_pp_microbatches("1F1B", 3, 4)
     with pytest.raises(ValueError, match="multiple of max"):
         check_pp_microbatches("Interleaved1F1B", 5, 2)
+    check_pp_microbatches("ZBVZeroBubble", 1, 2)  # torch drops the actions of absent ones
+    check_pp_microbatches("LoopedBFS", 3, 2, stages_per_rank=3)
+    check_pp_microbatches("InterleavedZeroBubble", 6, 2)
+    with pytest.raises(ValueError, match="InterleavedZeroBubble .* multiple of max"):
+        check_pp_microbatches("InterleavedZeroBubble", 5, 2)
+    with pytest.raises(ValueError, match="ZBVZeroBubble runs exactly 2 stages per rank"):
+        check_pp_microbatches("ZBVZeroBubble", 8, 2, stages_per_rank=3)
     with pytest.raises(ValueError, match="not supported with variable-length"):
-        check_pp_microbatches("ZBVZeroBubble", 8, 2)
+        check_pp_microbatches("DualPipeV", 8, 2)
     with pytest.raises(ValueError, match="at least 2 stages per rank"):
         check_pp_microbatches("Interleaved1F1B", 4, 2, stages_per_rank=1)
     with pytest.raises(ValueError, match="exactly 1 stage per rank"):
@@ -386,3 +400,27 @@ def test_empty_like_layout_keeps_dimension_order():
     assert not out.is_contiguous()
     assert out.transpose(0, 1).is_contiguous()
     assert _empty_like_layout([1, 9, 4], torch.empty(1, 2, 4)).is_contiguous()
+
+
+def test_resize_leaves_v_schedule_local_buffers_alone():
+    """Stages 1 and 2 of a V on one rank: stage 2's activations and stage 1's gradients come from
+    the other stage on the rank itself (torch hands the tensor over), so only stage 1's
+    activation and stage 2's gradient buffers, received from the other rank, are re-sized."""
+
+    def stage(index: int) -> SimpleNamespace:
+        def infos() -> list[tuple[SimpleNamespace]]:
+            return [(SimpleNamespace(buffer=torch.empty(1, 8, 4)),) for _ in range(2)]
+
+        return SimpleNamespace(
+            stage_index=index, has_backward=True, args_recv_info=infos(), grad_recv_info=infos()
+        )
+
+    stages = [stage(1), stage(2)]
+    runner = SimpleNamespace(stages=stages, seq_dim=1, _layout_checked=True)
+    kept = [stages[1].args_recv_info[1][0].buffer, stages[0].grad_recv_info[1][0].buffer]
+    stats = VarlenPipelineRunner._resize_recv_buffers(runner, [8, 5])
+    assert stats.buffers_resized == 2 and stats.buffers_reused == 2
+    assert stages[0].args_recv_info[1][0].buffer.shape == (1, 5, 4)
+    assert stages[1].grad_recv_info[1][0].buffer.shape == (1, 5, 4)
+    assert stages[1].args_recv_info[1][0].buffer is kept[0]
+    assert stages[0].grad_recv_info[1][0].buffer is kept[1]

@@ -19,7 +19,7 @@ import torch
 
 from torchtitan_wlb.config import TABLES, ConfigError, settings
 from torchtitan_wlb.data.sources import DataError, TextSource
-from torchtitan_wlb.pipeline.schedule_check import check_pp_microbatches
+from torchtitan_wlb.pipeline.schedule_check import ZERO_BUBBLE_SCHEDULES, check_pp_microbatches
 from torchtitan_wlb.resume import FAKE_COMM_MODES, CheckpointError, check_resume
 
 try:
@@ -76,6 +76,7 @@ def check_job_config(job_config: Any, world_size: int | None = None) -> dict[str
     _check_training(job_config, degrees)
     _check_lengths(job_config)
     _check_cp_combinations(job_config, degrees)
+    _check_zero_bubble_compile(job_config, degrees)
     _check_queue_thresholds(job_config)
     _check_profiles(job_config.wlb)
     _check_profiling(job_config.profiling)
@@ -134,6 +135,23 @@ def _check_cp_combinations(job_config: Any, degrees: dict[str, int]) -> None:
             f"{degrees['tp']}: hybrid keeps whole documents on one CP rank, so CP ranks hold "
             "different token counts, which sequence-parallel TP cannot split evenly; use "
             '"per_document" (or "adaptive") with TP, or tensor_parallel_degree = 1'
+        )
+
+
+def _check_zero_bubble_compile(job_config: Any, degrees: dict[str, int]) -> None:
+    """torch's zero-bubble schedules refuse compiled stage modules (their split backward cannot
+    run through a compiled block), but only once the ranks build the schedule."""
+    schedule = str(job_config.parallelism.pipeline_parallel_schedule)
+    compiled = job_config.compile.enable and "model" in job_config.compile.components
+    if (
+        degrees["pp"] > 1
+        and compiled
+        and schedule.lower() in {n.lower() for n in ZERO_BUBBLE_SCHEDULES}
+    ):
+        raise ConfigError(
+            f"[parallelism] pipeline_parallel_schedule = {schedule!r} with [compile] enable = "
+            "true and components including 'model': torch's zero-bubble schedules do not run "
+            "compiled stages; use Interleaved1F1B, or compile only 'loss'"
         )
 
 

@@ -5,8 +5,29 @@ bad micro-batch count only once the schedule is built; this mirror of its rules 
 from __future__ import annotations
 
 # Schedules the varlen runner is tested with (tests/test_pipeline_varlen.py), by torch's names
-# (matched case-insensitively, as torch's get_schedule_class does), with their stage style.
-VARLEN_SCHEDULES: dict[str, str] = {"1F1B": "single", "GPipe": "single", "Interleaved1F1B": "multi"}
+# (matched case-insensitively, as torch's get_schedule_class does), with their stage style:
+# "single" runs 1 stage per rank, "multi" 2 or more (looped: rank r holds r, r + pp, ...), "v"
+# exactly 2 (rank r holds r and 2 pp - 1 - r, so the stage pairs in the middle pass tensors on
+# the rank instead of sending them). The zero-bubble ones split each backward into an input-grad
+# and a weight-grad action.
+VARLEN_SCHEDULES: dict[str, str] = {
+    "1F1B": "single",
+    "GPipe": "single",
+    "Interleaved1F1B": "multi",
+    "InterleavedZeroBubble": "multi",
+    "LoopedBFS": "multi",
+    "ZBVZeroBubble": "v",
+}
+
+# The schedules that split each backward into input-grad and weight-grad actions.
+ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble")
+
+# What each stage style needs of stages_per_rank, and how the refusal says it.
+_STAGES_RULE = {
+    "single": (lambda k: k == 1, "runs exactly 1 stage"),
+    "multi": (lambda k: k >= 2, "needs at least 2 stages"),
+    "v": (lambda k: k == 2, "runs exactly 2 stages"),
+}
 
 
 def check_pp_microbatches(
@@ -28,20 +49,20 @@ def check_pp_microbatches(
         raise ValueError(f"the number of micro-batches must be an int >= 1, got {n_microbatches!r}")
     if stages_per_rank is None:
         stages_per_rank = 1 if style == "single" else 2
-    if (stages_per_rank != 1) if style == "single" else (stages_per_rank < 2):
-        needs = "runs exactly 1 stage" if style == "single" else "needs at least 2 stages"
+    accepts, needs = _STAGES_RULE[style]
+    if not accepts(stages_per_rank):
         raise ValueError(f"{name} {needs} per rank, got stages_per_rank={stages_per_rank}")
     if name == "1F1B" and n_microbatches < pp_degree:
         raise ValueError(
             f"1F1B needs at least pipeline_parallel_degree={pp_degree} micro-batches per step, "
             f"got {n_microbatches}"
         )
-    if name == "Interleaved1F1B":
+    if name in ("Interleaved1F1B", "InterleavedZeroBubble"):
         rounds = max(1, n_microbatches // pp_degree)
         if n_microbatches % rounds != 0:
             valid = [n for n in range(1, 4 * pp_degree + 1) if n % max(1, n // pp_degree) == 0]
             raise ValueError(
-                f"Interleaved1F1B with pipeline_parallel_degree={pp_degree} needs the number of "
+                f"{name} with pipeline_parallel_degree={pp_degree} needs the number of "
                 f"micro-batches per step to be a multiple of max(1, n // {pp_degree}) = {rounds}, "
                 f"got {n_microbatches}; valid counts up to {4 * pp_degree}: {valid}"
             )

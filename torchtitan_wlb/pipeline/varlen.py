@@ -455,11 +455,14 @@ class VarlenPipelineRunner:
         )
 
     def _resize_recv_buffers(self, lens: list[int]) -> VarlenStepStats:
-        """Give every micro-batch's receive buffers that micro-batch's own length."""
+        """Give every micro-batch's receive buffers that micro-batch's own length. A stage whose
+        neighbour is on this rank (the middle of a V schedule) receives nothing from it: the
+        schedule hands it the neighbour's tensor itself, so those buffers are left alone."""
         resized = reused = nbytes = 0
+        local = {int(stage.stage_index) for stage in self.stages}
         for stage in self.stages:
-            tables = [stage.args_recv_info]
-            if stage.has_backward:
+            tables = [] if int(stage.stage_index) - 1 in local else [stage.args_recv_info]
+            if stage.has_backward and int(stage.stage_index) + 1 not in local:
                 tables.append(stage.grad_recv_info)
             for table, (mb, length) in itertools.product(tables, enumerate(lens)):
                 for info in table[mb]:

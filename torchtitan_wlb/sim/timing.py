@@ -41,13 +41,15 @@ def tile_padded_time_fn(hw: HardwareProfile, tile: int = ATTENTION_TILE) -> Atte
 class LayerCosts:
     """Seconds of ONE layer per micro-batch on one GPU: ``compute_*`` and ``attn_fwd`` (its
     attention part) [n_mb, cp] per CP rank, ``comm_fwd`` [n_mb] exposed TP + CP communication (the
-    backward's is the same), ``local_tokens`` [n_mb, cp]."""
+    backward's is the same), ``local_tokens`` [n_mb, cp]; ``gemm_fwd`` [n_mb, cp] the GEMM part
+    of ``compute_fwd`` (None: not counted)."""
 
     compute_fwd: np.ndarray
     compute_bwd: np.ndarray
     attn_fwd: np.ndarray
     comm_fwd: np.ndarray
     local_tokens: np.ndarray
+    gemm_fwd: np.ndarray | None = None
 
 
 def _collective_seconds(bytes_per_gpu: np.ndarray, group: int, span: int, hw: HardwareProfile):
@@ -97,7 +99,8 @@ def layer_costs(
     gathered = local_tokens.sum(axis=1) if gathered_tokens is None else gathered_tokens
     kv_bytes = np.asarray(gathered, dtype=np.float64) * kv_bytes_per_token
     cp_comm = _collective_seconds(kv_bytes, layout.cp, layout.cp * tp, hw) * (1.0 - hw.cp_overlap)
-    return LayerCosts(attn + gemm + elem, compute_bwd, attn, tp_comm + cp_comm, local_tokens)
+    comm = tp_comm + cp_comm
+    return LayerCosts(attn + gemm + elem, compute_bwd, attn, comm, local_tokens, gemm)
 
 
 def stage_times(
@@ -117,6 +120,24 @@ def stage_times(
     p2p_bw = hw.link_gbps(2 * layout.tp * layout.cp) * 1e9
     p2p = n * model.dim * BF16_BYTES / layout.tp / p2p_bw + hw.collective_latency_us * 1e-6
     return fwd, bwd, p2p
+
+
+def weight_grad_times(
+    model: ModelSpec, layout: Layout, hw: HardwareProfile, chunks: int, costs: LayerCosts
+) -> np.ndarray:
+    """[n_mb, PP x chunks] the weight-gradient part of :func:`stage_times`' backward: half of the
+    backward GEMM time (dW = X^T dY costs what dX = dY W^T costs), the output layer's included;
+    attention and element-wise backward only produce input gradients. The part a zero-bubble
+    schedule's W action runs, off the critical path."""
+    if costs.gemm_fwd is None:
+        raise ValueError("costs carry no GEMM time (gemm_fwd); build them with layer_costs")
+    layers = layers_per_vstage(model.n_layers, layout.pp * chunks)
+    half = hw.bwd_gemm_factor / 2.0
+    wgt = (half * costs.gemm_fwd.max(axis=1))[:, None] * layers[None, :]
+    n = costs.local_tokens.max(axis=1)
+    out_fwd = 2.0 * n * model.dim * model.vocab_size / layout.tp / (hw.gemm_tflops * 1e12)
+    wgt[:, -1] += half * out_fwd
+    return wgt
 
 
 def layers_per_vstage(n_layers: int, n_vstages: int) -> np.ndarray:
