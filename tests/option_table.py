@@ -75,8 +75,10 @@ DRY_RUN = "test:tests/test_configs_dry_run.py::"
 CP2 = {"parallelism.context_parallel_degree": 2, "parallelism.data_parallel_shard_degree": 1}
 PP2 = {"parallelism.pipeline_parallel_degree": 2, "parallelism.data_parallel_shard_degree": 1}
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMON = [
-    "--job.config_file", "train_configs/debug_cpu.toml", "--model.flavor", "tiny",
+    "--job.config_file", os.path.join(ROOT, "train_configs", "debug_cpu.toml"),
+    "--model.flavor", "tiny",
     "--training.seq_len", "128", "--wlb.micro_batch_max_len", "160",
     "--training.global_batch_size", "4", "--metrics.disable_color_printing",
     "--training.steps", "3",
@@ -574,8 +576,7 @@ TABLE: dict[str, Row] = {
     "debug.moe_force_load_balance": inert(NO_EXPERTS, {"debug.moe_force_load_balance": True}),
 }
 
-DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
-                   "getting_started.md")  # fmt: skip
+DOC = os.path.join(ROOT, "docs", "getting_started.md")
 BEGIN = "<!-- options table: python tests/option_table.py --write -->"
 END = "<!-- end of the options table -->"
 

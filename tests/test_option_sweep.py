@@ -54,7 +54,6 @@ def _fields(cls: type, prefix: str = "") -> list[str]:
 @pytest.fixture(scope="module")
 def job_config():
     """The sweep runs' config, parsed as the ranks parse it (TorchTitan's JobConfig with [wlb])."""
-    os.chdir(ROOT)  # the config path in COMMON is relative to the repository
     return parse_job_config([*COMMON, "--job.dump_folder", "/tmp/wlb_option_sweep"])
 
 
