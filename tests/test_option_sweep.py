@@ -218,5 +218,8 @@ def test_options_train(tmp_path):
     log = _sweep("pp", b, fsdp_tp=a)
     assert f"Loading the checkpoint from {a / 'ckpt' / 'step-2'}" in log
     assert "Using pipeline schedule 1F1B with 4 microbatches and 2 stages" in log
+    # 2 layers per stage, the first with none less, the last with 2 less: the layers all go first
+    assert "stage_idx 0 with modules ['tok_embeddings', 'layers.0', 'layers.1']" in log
+    assert "stage_idx 1 with modules ['norm', 'output']" in log
     assert "step:  3/3" in log and "step:  1/3" not in log  # it resumed at step 3
     assert not (b / "checkpoint").exists()  # load_only
