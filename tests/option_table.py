@@ -268,7 +268,7 @@ TABLE: dict[str, Row] = {
     "training.max_norm": works("", B),
     "training.steps": works("", A),
     "training.enable_cpu_offload": refused(
-        "offloads from the GPU to the CPU, where CPU ranks' tensors already are",
+        "needs CUDA: it offloads from the GPU to the CPU, where CPU ranks' tensors already are",
         {"training.enable_cpu_offload": True},
         "[training] enable_cpu_offload",
         "needs CUDA",
@@ -279,7 +279,7 @@ TABLE: dict[str, Row] = {
     "training.mixed_precision_reduce": works("float32 (the only value TorchTitan takes)", A),
     "training.gc_freq": works("", A),
     "training.gc_debug": refused(
-        "torch's reference-cycle finder records the CUDA allocator's history",
+        "needs CUDA: torch's reference-cycle finder records the CUDA allocator's history",
         {"training.gc_debug": True},
         "[training] gc_debug",
         "needs CUDA",
@@ -304,7 +304,7 @@ TABLE: dict[str, Row] = {
     "parallelism.tensor_parallel_degree": works("", A, E2E),
     "parallelism.disable_loss_parallel": works("", A),
     "parallelism.enable_async_tensor_parallel": refused(
-        "needs GPU symmetric-memory collectives and [compile]",
+        "needs CUDA (GPU symmetric-memory collectives) and [compile]",
         {"parallelism.enable_async_tensor_parallel": True},
         "[parallelism] enable_async_tensor_parallel",
         "needs CUDA",
@@ -314,7 +314,8 @@ TABLE: dict[str, Row] = {
         "variable-length micro-batches (docs/pipeline.md)", B, E2E
     ),
     "parallelism.module_fqns_per_model_part": works(
-        "split by TorchTitan's pipeline_module_split, as in the pipeline tests",
+        "set it in the TOML (on the command line each value becomes a part of one module); "
+        "the split is TorchTitan's pipeline_module_split, as in the pipeline tests",
         "test:tests/test_pipeline_varlen.py::test_pp2_gpipe_varlen_matches_single_process "
         "pipeline_module_split",
     ),
