@@ -19,7 +19,11 @@ import torch
 
 from torchtitan_wlb.config import TABLES, ConfigError, settings
 from torchtitan_wlb.data.sources import DataError, TextSource
-from torchtitan_wlb.pipeline.schedule_check import ZERO_BUBBLE_SCHEDULES, check_pp_microbatches
+from torchtitan_wlb.pipeline.schedule_check import (
+    VARLEN_SCHEDULES,
+    ZERO_BUBBLE_SCHEDULES,
+    check_pp_microbatches,
+)
 from torchtitan_wlb.resume import FAKE_COMM_MODES, CheckpointError, check_resume
 
 try:
@@ -81,6 +85,7 @@ def check_job_config(job_config: Any, world_size: int | None = None) -> dict[str
     _check_profiles(job_config.wlb)
     _check_profiling(job_config.profiling)
     _check_converters(job_config)
+    _check_options(job_config, degrees)
     if job_config.wlb.advanced.loader == "documents":
         _check_document_loader(job_config, degrees)
     elif degrees["cp"] > 1:
@@ -232,6 +237,179 @@ def _check_converters(job_config: Any) -> None:
             )
         if importlib.util.find_spec("torchao") is None:
             raise ConfigError(f"{shown}: {name} needs torchao, which is not installed")
+
+
+def _check_options(job_config: Any, degrees: dict[str, int]) -> None:
+    """TorchTitan options that would fail inside the ranks, or be silently ignored, refused here
+    in one line each: the option, why, and what to set (docs/getting_started.md lists them)."""
+    for check in (
+        _check_cpu_options,
+        _check_torchtitan_constraints,
+        _check_wlb_options,
+        _check_not_installed,
+        _check_not_yet_supported,
+    ):
+        check(job_config, degrees)
+
+
+def _check_cpu_options(job_config: Any, degrees: dict[str, int]) -> None:
+    """Options that act on a GPU: on CPU ranks they fail inside TorchTitan or torch."""
+    if torch.cuda.is_available():
+        return
+    training, parallelism = job_config.training, job_config.parallelism
+    if training.gc_debug:
+        raise ConfigError(
+            "[training] gc_debug = true needs CUDA: torch's reference-cycle finder it turns on "
+            "records the CUDA allocator's history, and this run is on CPU; remove it"
+        )
+    if training.enable_cpu_offload:
+        raise ConfigError(
+            "[training] enable_cpu_offload = true needs CUDA: it moves FSDP's parameters and "
+            "optimizer state from the GPU to the CPU, where this run's already are; remove it"
+        )
+    if parallelism.enable_async_tensor_parallel:
+        raise ConfigError(
+            "[parallelism] enable_async_tensor_parallel = true needs CUDA (GPU symmetric-memory "
+            "collectives) and [compile] enable, and this run is on CPU; remove it"
+        )
+
+
+def _check_torchtitan_constraints(job_config: Any, degrees: dict[str, int]) -> None:
+    """TorchTitan's and torch's own limits, which they raise inside every rank."""
+    ckpt, ac, optimizer = (
+        job_config.checkpoint,
+        job_config.activation_checkpoint,
+        job_config.optimizer,
+    )
+    if ckpt.enable and ckpt.keep_latest_k == 1:
+        raise ConfigError(
+            "[checkpoint] keep_latest_k = 1: TorchTitan keeps at least 2 checkpoints (the newest "
+            "may still be being written when the older is purged); use 2 or more, or 0 for all"
+        )
+    option = ac.selective_ac_option
+    if ac.mode == "selective" and option != "op" and not option.isdigit():
+        raise ConfigError(
+            f"[activation_checkpoint] selective_ac_option = {option!r} is not accepted: use "
+            '"op" (per-operator) or a positive integer N (every N-th layer)'
+        )
+    if ac.debug and ac.mode == "selective" and option == "op":
+        raise ConfigError(
+            '[activation_checkpoint] debug = true with mode = "selective" and selective_ac_option '
+            '= "op": torch\'s checkpoint debug mode cannot run with per-operator checkpointing; '
+            'use mode = "full" or selective_ac_option = "1", or remove debug'
+        )
+    compiled = job_config.compile.enable and "model" in job_config.compile.components
+    if ac.mode == "memory_budget" and not compiled:
+        raise ConfigError(
+            '[activation_checkpoint] mode = "memory_budget" needs the model compiled ([compile] '
+            "enable = true with 'model' in components): torch.compile's partitioner applies the "
+            'budget; use mode = "selective" or "full"'
+        )
+    if optimizer.early_step_in_backward:
+        _check_early_step(job_config, degrees)
+
+
+def _check_early_step(job_config: Any, degrees: dict[str, int]) -> None:
+    """``[optimizer] early_step_in_backward`` steps in each backward pass: one per step only."""
+    if degrees["pp"] > 1:
+        raise ConfigError(
+            f"[optimizer] early_step_in_backward = true with [parallelism] "
+            f"pipeline_parallel_degree = {degrees['pp']}: TorchTitan does not step the optimizer "
+            "in the backward under pipeline parallelism; remove it"
+        )
+    training = job_config.training
+    dp = degrees["dp_replicate"] * degrees["dp_shard"]
+    per_rank = max(1, training.global_batch_size // (dp * training.local_batch_size))
+    if per_rank > 1:
+        raise ConfigError(
+            f"[optimizer] early_step_in_backward = true with {per_rank} micro-batches per step "
+            f"per DP rank ([training] global_batch_size = {training.global_batch_size}): the "
+            f"optimizer would step in every micro-batch's backward, {per_rank} unclipped steps "
+            f"on one micro-batch each; set global_batch_size = {dp * training.local_batch_size} "
+            "or remove it"
+        )
+
+
+def _check_wlb_options(job_config: Any, degrees: dict[str, int]) -> None:
+    """TorchTitan options that the document packing and the per-document CP op replace."""
+    p = job_config.parallelism
+    if job_config.model.name in ("llama3_wlb", "llama3"):
+        for name in ("expert_parallel_degree", "expert_tensor_parallel_degree"):
+            if getattr(p, name) != 1:
+                raise ConfigError(
+                    f"[parallelism] {name} = {getattr(p, name)}: {job_config.model.name} is a "
+                    "dense model, with no experts to shard; set it to 1"
+                )
+    if job_config.wlb.advanced.loader == "documents" and p.pipeline_parallel_microbatch_size != 1:
+        raise ConfigError(
+            f"[parallelism] pipeline_parallel_microbatch_size = "
+            f"{p.pipeline_parallel_microbatch_size}: with document packing each pipeline "
+            "micro-batch is one packed sequence; leave it at 1 and set the micro-batches per "
+            "step with [training] global_batch_size"
+        )
+    if degrees["pp"] > 1 and p.pipeline_parallel_schedule_csv:
+        raise ConfigError(
+            f"[parallelism] pipeline_parallel_schedule_csv = {p.pipeline_parallel_schedule_csv!r}:"
+            " a schedule read from CSV is not supported with variable-length micro-batches; "
+            f"set pipeline_parallel_schedule to one of {', '.join(VARLEN_SCHEDULES)}"
+        )
+    if degrees["cp"] > 1:
+        for name, default in (("load_balancer", "headtail"), ("rotate_method", "allgather")):
+            value = getattr(p, f"context_parallel_{name}")
+            if value != default:
+                raise ConfigError(
+                    f"[parallelism] context_parallel_{name} = {value!r} with "
+                    f"context_parallel_degree = {degrees['cp']}: torchtitan-wlb's CP attention "
+                    "all-gathers K and V and shards by [wlb] cp_sharding "
+                    f"(docs/context_parallel.md); remove it (TorchTitan's {default!r} is unused)"
+                )
+
+
+def _check_not_installed(job_config: Any, degrees: dict[str, int]) -> None:
+    """Options that need a package torchtitan-wlb does not install."""
+    ckpt = job_config.checkpoint
+    if ckpt.initial_load_in_hf_quantized:
+        raise ConfigError(
+            "[checkpoint] initial_load_in_hf_quantized = true: Llama 3's state-dict adapter "
+            "cannot load quantized Hugging Face checkpoints; remove it"
+        )
+    needs = [
+        ("[metrics] enable_wandb", job_config.metrics.enable_wandb, "wandb"),
+        ("[checkpoint] initial_load_in_hf", ckpt.initial_load_in_hf, "safetensors"),
+        ("[checkpoint] last_save_in_hf", ckpt.last_save_in_hf, "safetensors"),
+    ]
+    for name, enabled, package in needs:
+        if enabled and importlib.util.find_spec(package) is None:
+            raise ConfigError(
+                f"{name} = true needs the {package} package, which is not installed: "
+                f"pip install {package}, or remove it"
+            )
+
+
+def _check_not_yet_supported(job_config: Any, degrees: dict[str, int]) -> None:
+    """Options torchtitan-wlb does not support (yet), refused before TorchTitan fails on them."""
+    if job_config.fault_tolerance.enable:
+        raise ConfigError(
+            "[fault_tolerance] enable = true is not supported by torchtitan-wlb: TorchFT's "
+            "replica groups join and leave during the run, while the packing plan is computed for "
+            "a fixed data-parallel degree on every rank; remove it"
+        )
+    if job_config.compile.enable and job_config.model.name == "llama3_wlb":
+        raise ConfigError(
+            "[compile] enable = true is not supported yet with the llama3_wlb model: torch.compile "
+            "cannot trace the document-masked attention's data-dependent checks; remove it"
+        )
+    if job_config.validation.enable:
+        from torchtitan.protocols.train_spec import get_train_spec
+
+        import torchtitan_wlb.train_spec  # noqa: F401 -- registers llama3_wlb
+
+        name = job_config.model.name
+        if get_train_spec(name).build_validator_fn is None:
+            raise ConfigError(
+                f"[validation] enable = true: the {name} model has no validator yet (TorchTitan "
+                "would fail on its missing build_validator_fn in every rank); remove it"
+            )
 
 
 def _check_document_loader(job_config: Any, degrees: dict[str, int]) -> None:
