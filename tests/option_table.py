@@ -316,7 +316,7 @@ TABLE: dict[str, Row] = {
     "parallelism.module_fqns_per_model_part": works(
         "set it in the TOML (on the command line each value becomes a part of one module); "
         "the split is TorchTitan's pipeline_module_split, as in the pipeline tests",
-        "test:tests/test_pipeline_varlen.py::test_pp2_gpipe_varlen_matches_single_process "
+        "test:tests/test_pipeline_varlen.py::test_pp2_schedules_varlen_match_single_process "
         "pipeline_module_split",
     ),
     "parallelism.pipeline_parallel_first_stage_less_layers": works("", B),
