@@ -2,7 +2,8 @@
 
 Every DP rank computes the same global plan from the same stream (no communication) and yields its
 ``N // dp`` micro-batches. The state holds source snapshots, not tokens: a restore re-reads them
-(items and state: docs/packing.md, "The torchdata node").
+(items and state: docs/packing.md, "The torchdata node"). A source with ``fetch_tokens`` (an indexed
+corpus) gives lengths and places only: the node reads the tokens of this rank's micro-batches.
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ class WLBPackingNode(BaseNode[dict]):
         self.dp_rank = dp_rank
         self.dp_degree = dp_degree
         self.schedule = schedule
+        # Lengths and places from the source, tokens read for this rank's micro-batches only.
+        self._lazy = callable(getattr(source, "fetch_tokens", None))
         self._per_rank = n // dp_degree
         self._initial_packer_state = packer.state_dict()
         self._tokens: dict[int, np.ndarray] = {}  # every held document: read-ahead + pending
@@ -149,7 +152,9 @@ class WLBPackingNode(BaseNode[dict]):
         running = np.concatenate([_ZERO, np.cumsum(np.concatenate(lens))])
         bounds = running[np.concatenate([_ZERO, np.cumsum(counts[mine])])].tolist()
         buf = self._out_buffer(bounds[-1])
-        if parts:
+        if self._lazy:
+            self.source.fetch_tokens(parts, buf[: bounds[-1]])
+        elif parts:
             np.concatenate(parts, out=buf[: bounds[-1]])
         micro_batches = [
             {"tokens": buf[lo:hi], "doc_lens": d, "doc_ids": plan.doc_ids[j]}
@@ -203,6 +208,8 @@ class WLBPackingNode(BaseNode[dict]):
         and a list: the per-document bookkeeping takes Python ints, made once), lengths."""
         if tokens <= 0 or self._source_done:
             return _EMPTY, _EMPTY, []
+        if self._lazy:
+            return self._read_lengths(tokens)
         batched = getattr(self.source, "read_documents", None)
         if batched is not None:
             doc_ids, arrays = batched(tokens)
@@ -227,6 +234,23 @@ class WLBPackingNode(BaseNode[dict]):
         if int(lens.sum()) < tokens:
             self._source_done = True
         self._tokens.update(zip(ids, arrays, strict=True))
+        return doc_ids, lens, ids
+
+    def _read_lengths(self, tokens: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """``_read`` from a source of lengths and places: each held document keeps its place
+        ``(document, first token, length)`` in place of its tokens."""
+        doc_ids, lens, where = self.source.read_lengths(tokens)
+        if int(lens.sum()) < tokens:
+            self._source_done = True
+        if not lens.size:
+            return _EMPTY, _EMPTY, []
+        self.packer.check_lengths(doc_ids, lens)
+        ids = doc_ids.tolist()
+        if not self._tokens.keys().isdisjoint(ids):
+            twice = next(i for i in ids if i in self._tokens)
+            raise ValueError(f"document id {twice} appears twice among pending documents")
+        places = zip(where[:, 0].tolist(), where[:, 1].tolist(), lens.tolist(), strict=True)
+        self._tokens.update(zip(ids, places, strict=True))
         return doc_ids, lens, ids
 
     def _rank_micro_batches(self, doc_lens: list[np.ndarray]) -> np.ndarray:
@@ -261,8 +285,12 @@ class WLBPackingNode(BaseNode[dict]):
         self._free_refs = sys.getrefcount(self._buffers[-1])
         return self._buffers[-1]
 
-    def _unpack(self, item: Any) -> tuple[int, np.ndarray]:
-        """One source item's id and tokens (as a ``TOKEN_DTYPE`` array)."""
+    def _unpack(self, item: Any) -> tuple[int, Any]:
+        """One source item's id and tokens (as a ``TOKEN_DTYPE`` array); from a source of lengths
+        (``fetch_tokens``), its place ``(document, first token, length)``."""
+        if self._lazy:
+            doc_id = int(item["doc_id"])
+            return doc_id, (int(item["where"][0]), int(item["where"][1]), int(item["length"]))
         if not isinstance(item, dict) or "doc_id" not in item or "tokens" not in item:
             raise ValueError(
                 "the document stream must yield dicts with 'doc_id' and 'tokens', got "
@@ -323,9 +351,10 @@ class WLBPackingNode(BaseNode[dict]):
             for _ in range(count):
                 doc_id, tokens = self._unpack(next(self.source))
                 if doc_id in held:
-                    if tokens.size != held[doc_id]:
+                    size = tokens[2] if self._lazy else tokens.size
+                    if size != held[doc_id]:
                         raise RuntimeError(
-                            f"replayed document {doc_id} has {tokens.size} tokens, checkpoint "
+                            f"replayed document {doc_id} has {size} tokens, checkpoint "
                             f"says {held[doc_id]}: the source is not deterministic"
                         )
                     self._tokens[doc_id] = tokens

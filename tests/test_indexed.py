@@ -1,0 +1,165 @@
+"""Megatron indexed corpora: files from megatron-core's own writer read back exactly, our writer's
+files read by megatron-core's reader, and training from a corpus gives the micro-batches of the
+same documents as jsonl text.
+
+megatron-core imports for about ten seconds, so one process (tests/megatron_corpora.py) writes and
+reads every corpus these tests need; its output is kept under the user's cache directory, keyed by
+its input and megatron-core's version, and reused by later runs.
+"""
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from torchtitan_wlb.data.indexed import IndexedCorpus, IndexedDocumentNode, epoch_order
+from torchtitan_wlb.data.tokenizer import ByteTokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEBUG_CPU = os.path.join(ROOT, "train_configs", "debug_cpu.toml")
+WORDS = np.array(["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "é"])
+
+
+def _texts(n=60, seed=0):
+    """Documents with a long tail (the longest are cut into pieces at seq_len 128)."""
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(WORDS, int(min(rng.pareto(1.2) * 8 + 3, 90)))) for _ in range(n)]
+
+
+def _corpora():
+    """The megatron-core-written corpora: per name, (dtype, documents as lists of sequences)."""
+    rng = np.random.default_rng(1)
+    u16 = [[rng.integers(0, 264, int(rng.integers(1, 300)))] for _ in range(40)]
+    # int32 ids above uint16's range; documents of 1-4 sequences, one of them empty
+    i32 = [
+        [rng.integers(0, 100_000, int(rng.integers(0 if k == 2 else 1, 90))) for k in range(n)]
+        for n in rng.integers(1, 5, 30)
+    ]
+    return {"u16": ("uint16", u16), "i32": ("int32", i32)}
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory):
+    """The folder of the corpora of :func:`_corpora`, ``ours`` (a jsonl file of :func:`_texts` by
+    ``tools.pretokenize``) and ``read.npz`` (``ours`` as megatron-core reads it)."""
+    from torchtitan_wlb.tools.pretokenize import main as pretokenize
+
+    work = tmp_path_factory.mktemp("megatron")
+    with open(work / "docs.jsonl", "w") as f:
+        f.writelines(json.dumps({"text": t}) + "\n" for t in _texts())
+    assert pretokenize([str(work / "ours"), "--dataset", "jsonl", "--dataset-path",
+                        str(work / "docs.jsonl"), "--workers", "2"]) == 0  # fmt: skip
+    spec = {}
+    for name, (dtype, docs) in _corpora().items():
+        seqs = [s for d in docs for s in d]
+        spec[f"{name}.tokens"] = np.concatenate(seqs)
+        spec[f"{name}.seq_lens"] = np.array([s.size for s in seqs])
+        spec[f"{name}.doc_seqs"] = np.array([len(d) for d in docs])
+        spec[f"{name}.dtype"] = np.array(dtype)
+    key = hashlib.sha256(importlib.metadata.version("megatron-core").encode())
+    for k in sorted(spec):
+        key.update(k.encode() + spec[k].tobytes())
+    ours = {s: (work / f"ours{s}").read_bytes() for s in (".bin", ".idx")}
+    key.update(ours[".bin"] + ours[".idx"])
+    cache = os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+        "torchtitan_wlb", "megatron_corpora", key.hexdigest()[:16],
+    )  # fmt: skip
+    if not os.path.isfile(os.path.join(cache, "read.npz")):
+        build = work / "build"
+        build.mkdir()
+        for suffix, data in ours.items():
+            (build / f"ours{suffix}").write_bytes(data)
+        np.savez(build / "input.npz", read=np.array([str(build / "ours")]), **spec)
+        subprocess.run([sys.executable, os.path.join(ROOT, "tests", "megatron_corpora.py"),
+                        str(build)], check=True)  # fmt: skip
+        read = dict(np.load(build / "read.npz"))
+        np.savez(build / "read.npz", **{k.replace(str(build / "ours"), "ours"): v
+                                        for k, v in read.items()})  # fmt: skip
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
+        shutil.copytree(build, cache + f".{os.getpid()}")
+        os.replace(cache + f".{os.getpid()}", cache) if not os.path.exists(cache) else None
+    for name in [*_corpora(), "read"]:
+        for suffix in (".bin", ".idx") if name != "read" else (".npz",):
+            shutil.copy(os.path.join(cache, name + suffix), work / (name + suffix))
+    return work
+
+
+@pytest.mark.parametrize("name", ["u16", "i32"])
+def test_megatron_written_corpus_reads_back_exactly(corpora, name):
+    dtype, docs = _corpora()[name]
+    corpus = IndexedCorpus(str(corpora / name))
+    assert corpus.dtype == np.dtype(dtype) and corpus.num_docs == len(docs)
+    whole = [np.concatenate(d) for d in docs]  # a document: its sequences back to back
+    assert corpus.doc_lens.tolist() == [w.size for w in whole]
+    for i, w in enumerate(whole):
+        for start in (0, w.size // 3):
+            out = np.empty(w.size - start, np.int32)
+            corpus.read_into(i, start, out)
+            np.testing.assert_array_equal(out, w[start:])
+    # Documents cut into pieces of at most 64 tokens, in a seeded order, read one by one.
+    node = IndexedDocumentNode(corpus, max_doc_len=64, shuffle_seed=5, vocab_size=100_000)
+    node.reset()
+    expect = [p for i in epoch_order(len(docs), 5, 0)
+              for p in np.array_split(whole[i], np.arange(64, whole[i].size, 64)) if p.size]  # fmt: skip
+    got = []
+    for item in node:
+        doc, start = item["where"].tolist()
+        got.append(np.empty(item["length"], np.int32))
+        node.fetch_tokens([(doc, start, item["length"])], got[-1])
+    assert len(got) == len(expect)
+    assert all(np.array_equal(a, b) for a, b in zip(got, expect, strict=True))
+
+
+def test_pretokenized_corpus_reads_in_megatron(corpora):
+    """Our writer's files, read by megatron-core: one sequence per document, uint16 (byte
+    tokenizer), the documents' tokens; the tokenizer is recorded beside them."""
+    read = np.load(corpora / "read.npz")
+    tok = ByteTokenizer()
+    texts = _texts()
+    assert str(read["ours.dtype"]) == "uint16"
+    np.testing.assert_array_equal(read["ours.doc_idx"], np.arange(len(texts) + 1))
+    expect = [tok.encode(t) for t in texts]
+    np.testing.assert_array_equal(read["ours.seq_lens"], [len(e) for e in expect])
+    np.testing.assert_array_equal(read["ours.tokens"], np.concatenate(expect))
+    record = json.loads((corpora / "ours.tokenizer.json").read_text())
+    assert record["tokenizer"] == "bytes" and record["documents"] == len(texts)
+
+
+def _loader_batches(args, dp):
+    """Every rank's micro-batches of a finite pass, step by step: per step, per rank, the list of
+    (document lengths, ids, tokens)."""
+    from torchtitan_wlb.data.dataloader import build_wlb_dataloader
+    from torchtitan_wlb.models.llama3_wlb import cost_model_for_job
+    from torchtitan_wlb.validate import parse_job_config
+
+    cfg = parse_job_config(args)
+    ranks = []
+    for rank in range(dp):
+        loader = build_wlb_dataloader(dp, rank, ByteTokenizer(), cfg, cost_model_for_job(cfg))
+        ranks.append(
+            [
+                (inp["doc_lens"].tolist(), inp["doc_ids"].tolist(), inp["input"].tolist())
+                for inp, _ in loader
+            ]
+        )
+    return ranks
+
+
+def test_indexed_gives_the_micro_batches_of_the_same_jsonl(corpora):
+    """Same tokenizer, same order (shuffle_seed unset): the same micro-batches on each DP rank."""
+    base = ["--job.config_file", DEBUG_CPU, "--model.flavor", "tiny", "--training.seq_len", "128",
+            "--wlb.micro_batch_max_len", "160", "--training.global_batch_size", "4",
+            "--wlb.epochs", "1"]  # fmt: skip
+    text = _loader_batches([*base, "--training.dataset", "jsonl",
+                            "--training.dataset_path", str(corpora / "docs.jsonl")], dp=2)  # fmt: skip
+    indexed = _loader_batches([*base, "--training.dataset", "indexed",
+                               "--training.dataset_path", str(corpora / "ours")], dp=2)  # fmt: skip
+    assert len(text[0]) > 5 and sum(len(d) for d, _, _ in text[0]) > 10
+    assert indexed == text
