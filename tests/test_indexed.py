@@ -163,3 +163,73 @@ def test_indexed_gives_the_micro_batches_of_the_same_jsonl(corpora):
                                "--training.dataset_path", str(corpora / "ours")], dp=2)  # fmt: skip
     assert len(text[0]) > 5 and sum(len(d) for d, _, _ in text[0]) > 10
     assert indexed == text
+
+
+def _patch(path, offset, data):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+def _fault_missing_bin(p):
+    os.remove(f"{p}.bin")
+
+
+def _fault_truncated_bin(p):
+    os.truncate(f"{p}.bin", os.path.getsize(f"{p}.bin") - 2)
+
+
+def _fault_last_pointer(p):
+    n = int(np.fromfile(f"{p}.idx", np.uint64, 1, offset=18)[0])
+    _patch(f"{p}.idx", 34 + 4 * n + 8 * (n - 1), np.int64(10**9).tobytes())
+
+
+def _fault_other_tokenizer(p):
+    record = json.loads(open(f"{p}.tokenizer.json").read())
+    record.update(tokenizer="huggingface", sha256="ab" * 32)
+    open(f"{p}.tokenizer.json", "w").write(json.dumps(record))
+
+
+@pytest.mark.parametrize(
+    "fault, expected",
+    [
+        (_fault_missing_bin, ["ours.bin: missing"]),
+        (_fault_truncated_bin, ["ours.bin: truncated", "pointers past the end"]),
+        (lambda p: _patch(f"{p}.idx", 0, b"NOTANIDX\x00"), ["ours.idx: bad magic"]),
+        (lambda p: _patch(f"{p}.idx", 9, np.uint64(2).tobytes()), ["ours.idx: version 2"]),
+        (lambda p: _patch(f"{p}.idx", 17, b"\x06"), ["ours.idx: token dtype code 6"]),
+        (_fault_last_pointer, ["ours.bin: truncated", "sequence 59 at bytes 1000000000"]),
+        (_fault_other_tokenizer, ["ours.tokenizer.json: the corpus was tokenized with a Hugging "
+                                  "Face tokenizer.json", "this run uses the built-in byte"]),
+        ("i32", ["i32.bin: token id 99951", "outside the tokenizer's vocabulary (264)"]),
+    ],
+)  # fmt: skip
+def test_validate_refuses_a_bad_corpus_in_one_line(corpora, tmp_path, capsys, fault, expected):
+    from torchtitan_wlb.validate import main
+
+    prefix = corpora / "i32" if fault == "i32" else tmp_path / "ours"
+    if fault != "i32":
+        for suffix in (".bin", ".idx", ".tokenizer.json"):
+            shutil.copy(corpora / f"ours{suffix}", tmp_path / f"ours{suffix}")
+        fault(str(prefix))
+    args = ["--job.config_file", DEBUG_CPU, "--model.flavor", "tiny", "--training.dataset",
+            "indexed", "--training.dataset_path", str(prefix), "--job.dump_folder",
+            str(tmp_path / "run")]  # fmt: skip
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and all(e in err for e in expected), err
+
+
+def test_shuffle_seed_needs_an_indexed_corpus(corpora, tmp_path, capsys):
+    from torchtitan_wlb.validate import main
+
+    args = ["--job.config_file", DEBUG_CPU, "--training.dataset", "jsonl", "--training.dataset_path",
+            str(corpora / "docs.jsonl"), "--wlb.shuffle_seed", "3"]  # fmt: skip
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "error: [wlb] shuffle_seed = 3 needs [training] dataset = 'indexed' (a text source is "
+        "read in its order), not 'jsonl'; leave it unset (-1)"
+    )
