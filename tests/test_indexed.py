@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -185,9 +186,10 @@ def _fault_last_pointer(p):
 
 
 def _fault_other_tokenizer(p):
-    record = json.loads(open(f"{p}.tokenizer.json").read())
+    path = Path(f"{p}.tokenizer.json")
+    record = json.loads(path.read_text())
     record.update(tokenizer="huggingface", sha256="ab" * 32)
-    open(f"{p}.tokenizer.json", "w").write(json.dumps(record))
+    path.write_text(json.dumps(record))
 
 
 @pytest.mark.parametrize(

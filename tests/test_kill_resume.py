@@ -5,8 +5,9 @@ DP = 2 (from the dataset pre-tokenized into an indexed corpus, its documents in 
 ``[wlb] shuffle_seed``), PP = 2 and CP = 2 (from the jsonl text), launched by
 ``tests/fork_launch.py`` (torchrun's agent, ranks forked from it: twelve launches would otherwise
 import torch and TorchTitan 24 times). Each layout runs once uninterrupted and, side by side with
-it, as a chain of launches in one dump folder, each killed with SIGKILL of one rank (tests/kill_points.py) and rerun with the same command, which
-resumes from the latest complete checkpoint:
+it, as a chain of launches in one dump folder, each killed with SIGKILL of one rank
+(tests/kill_points.py) and rerun with the same command, which resumes from the latest complete
+checkpoint:
 
   1. mid-step, in step 3, with outliers sitting in the packer's queues since step 2: resumes from
      the checkpoint of step 2, the queued outliers restored from it;
