@@ -26,10 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from torchtitan_wlb.data.indexed import MAGIC, RECORD_SUFFIX, VERSION, code_of, smallest_dtype
 from torchtitan_wlb.data.sources import BUILTIN_NAME, DataError, TextSource
-from torchtitan_wlb.data.tokenizer import build_wlb_tokenizer, tokenizer_record
 from torchtitan_wlb.tools.cli import ToolParser, json_text, progress, require_at_least
+
+# The reader and the tokenizer import torchdata and TorchTitan (seconds): imported where used, so
+# that --help and a bad argument answer at once.
 
 CHUNK_TEXTS = 64
 """Texts per task handed to a worker: large enough to amortise the transfer, small enough that
@@ -40,6 +41,8 @@ _tokenizer: Any = None  # each worker's, built once by ``_init_worker``
 
 def _init_worker(hf_assets_path: str) -> None:
     global _tokenizer
+    from torchtitan_wlb.data.tokenizer import build_wlb_tokenizer
+
     job = SimpleNamespace(model=SimpleNamespace(hf_assets_path=hf_assets_path))
     _tokenizer = build_wlb_tokenizer(job)
 
@@ -83,6 +86,8 @@ def _source_bytes(source: TextSource) -> int | None:
 
 def write_index(path: str, dtype: np.dtype, seq_lens: np.ndarray) -> None:
     """A Megatron ``.idx`` of one sequence per document, for tokens written back to back."""
+    from torchtitan_wlb.data.indexed import MAGIC, VERSION, code_of
+
     lens = np.asarray(seq_lens, np.int32)
     pointers = np.concatenate([[0], np.cumsum(lens, dtype=np.int64)[:-1]]) * dtype.itemsize
     with open(path, "wb") as f:
@@ -93,13 +98,29 @@ def write_index(path: str, dtype: np.dtype, seq_lens: np.ndarray) -> None:
 
 
 def pretokenize(args: Any) -> dict[str, Any]:
-    """Write the corpus; return the figures of the JSON line."""
+    """Write the corpus; return the figures of the JSON line. A failed or interrupted run
+    removes its temporary files and leaves no ``PREFIX.idx``."""
+    from torchtitan_wlb.data.indexed import RECORD_SUFFIX
+
+    tmp = f"{args.prefix}.tmp-{os.getpid()}"
+    try:
+        return _write(args, tmp)
+    finally:
+        for suffix in (".bin", ".idx", RECORD_SUFFIX):
+            if os.path.exists(tmp + suffix):
+                os.remove(tmp + suffix)
+
+
+def _write(args: Any, tmp: str) -> dict[str, Any]:
+    """Write the corpus through the temporary prefix ``tmp``; return the JSON line's figures."""
+    from torchtitan_wlb.data.indexed import RECORD_SUFFIX, smallest_dtype
+    from torchtitan_wlb.data.tokenizer import tokenizer_record
+
     source = TextSource(args.dataset, args.dataset_path, args.text_field)
     _init_worker(args.hf_assets_path)
     vocab = _tokenizer.get_vocab_size()
     dtype = smallest_dtype(vocab)
     os.makedirs(os.path.dirname(os.path.abspath(args.prefix)), exist_ok=True)
-    tmp = f"{args.prefix}.tmp-{os.getpid()}"
     lens: list[int] = []
     max_token, tokens = -1, 0
     start = time.perf_counter()
@@ -150,10 +171,10 @@ def pretokenize(args: Any) -> dict[str, Any]:
     }
 
 
-def build_parser() -> ToolParser:
+def parser() -> ToolParser:
     p = ToolParser.from_doc("torchtitan_wlb.tools.pretokenize", __doc__)
     p.add_argument("prefix", help="output PREFIX: writes PREFIX.bin, PREFIX.idx and "
-                   f"PREFIX{RECORD_SUFFIX}")  # fmt: skip
+                   "PREFIX.tokenizer.json")  # fmt: skip
     p.add_argument("--dataset", required=True,
                    choices=["jsonl", "parquet", "text", "hf", BUILTIN_NAME])  # fmt: skip
     p.add_argument("--dataset-path", default="", help="as [training] dataset_path")
@@ -174,11 +195,11 @@ def build_parser() -> ToolParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    require_at_least(parser, args, ["workers"])
+    p = parser()
+    args = p.parse_args(argv)
+    require_at_least(p, args, ["workers"])
     if args.max_doc_len < 0:
-        parser.error(f"--max-doc-len = {args.max_doc_len} must be >= 0")
+        p.error(f"--max-doc-len = {args.max_doc_len} must be >= 0")
     try:
         result = pretokenize(args)
     except (DataError, ValueError, OSError) as e:
