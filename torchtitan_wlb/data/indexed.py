@@ -90,7 +90,9 @@ class IndexedCorpus:
             self.doc_lens = cum[self.doc_idx[1:]] - cum[starts]
         first = np.minimum(starts, max(self.seq_lens.size - 1, 0))
         self.doc_offsets = (self.pointers[first] // self.itemsize) if self.pointers.size else starts
-        self.tokens = np.memmap(self.bin_path, self.dtype, mode="r") if self.bin_size else None
+        # A plain view of the map: slicing a np.memmap builds a memmap object per slice.
+        tokens = np.memmap(self.bin_path, self.dtype, mode="r") if self.bin_size else None
+        self.tokens = None if tokens is None else tokens.view(np.ndarray)
         self.read_bytes = 0
         """Token bytes read so far (by :meth:`read_into`)."""
 
