@@ -328,6 +328,8 @@ class IndexedDocumentNode(BaseNode[dict]):
                 self.texts_done = self.pieces_done = 0
                 continue
             want = int(min(n - self.texts_done, max(16, (min_tokens - got) / mean * 1.2 + 1)))
+            if max_items is not None:  # each non-empty document is at least one piece
+                want = min(want, max(16, max_items - items))
             docs = self._docs(self.texts_done, self.texts_done + want)
             owner, pstart, plen = self._pieces(docs)
             skip = self.pieces_done  # pieces of the first document already read
