@@ -2,9 +2,10 @@
 files read by megatron-core's reader, and training from a corpus gives the micro-batches of the
 same documents as jsonl text.
 
-megatron-core imports for about ten seconds, so one process (tests/megatron_corpora.py) writes and
-reads every corpus these tests need; its output is kept under the user's cache directory, keyed by
-its input and megatron-core's version, and reused by later runs.
+megatron-core imports for about ten seconds, so one process (tests/megatron_corpora.py), started
+in the background when this module is collected, writes and reads every corpus these tests need;
+its output is kept under the user's cache directory, keyed by its input and megatron-core's
+version, and reused by later runs.
 """
 
 import hashlib
@@ -14,13 +15,14 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from torchtitan_wlb.data.indexed import IndexedCorpus, IndexedDocumentNode, epoch_order
-from torchtitan_wlb.data.tokenizer import ByteTokenizer
+from torchtitan_wlb.tools.pretokenize import write_index
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEBUG_CPU = os.path.join(ROOT, "train_configs", "debug_cpu.toml")
@@ -45,17 +47,21 @@ def _corpora():
     return {"u16": ("uint16", u16), "i32": ("int32", i32)}
 
 
-@pytest.fixture(scope="module")
-def corpora(tmp_path_factory):
-    """The folder of the corpora of :func:`_corpora`, ``ours`` (a jsonl file of :func:`_texts` by
-    ``tools.pretokenize``) and ``read.npz`` (``ours`` as megatron-core reads it)."""
-    from torchtitan_wlb.tools.pretokenize import main as pretokenize
+def _ours():
+    """Documents our writer (``write_index``, as ``tools.pretokenize`` uses it) writes as uint16."""
+    rng = np.random.default_rng(2)
+    return [rng.integers(0, 65_536, int(rng.integers(1, 200))).astype(np.uint16) for _ in range(25)]
 
-    work = tmp_path_factory.mktemp("megatron")
-    with open(work / "docs.jsonl", "w") as f:
-        f.writelines(json.dumps({"text": t}) + "\n" for t in _texts())
-    assert pretokenize([str(work / "ours"), "--dataset", "jsonl", "--dataset-path",
-                        str(work / "docs.jsonl"), "--workers", "2"]) == 0  # fmt: skip
+
+def _write_ours(prefix):
+    docs = _ours()
+    Path(f"{prefix}.bin").write_bytes(np.concatenate(docs).tobytes())
+    write_index(f"{prefix}.idx", np.dtype(np.uint16), np.array([d.size for d in docs]))
+
+
+def _start_megatron():
+    """Start tests/megatron_corpora.py unless its output is cached: (process or None, its
+    folder, the cache folder)."""
     spec = {}
     for name, (dtype, docs) in _corpora().items():
         seqs = [s for d in docs for s in d]
@@ -63,32 +69,58 @@ def corpora(tmp_path_factory):
         spec[f"{name}.seq_lens"] = np.array([s.size for s in seqs])
         spec[f"{name}.doc_seqs"] = np.array([len(d) for d in docs])
         spec[f"{name}.dtype"] = np.array(dtype)
-    key = hashlib.sha256(importlib.metadata.version("megatron-core").encode())
+    build = tempfile.mkdtemp(prefix="megatron_corpora_")
+    _write_ours(os.path.join(build, "ours"))
+    try:
+        key = hashlib.sha256(importlib.metadata.version("megatron-core").encode())
+    except importlib.metadata.PackageNotFoundError:
+        return None, build, None  # the fixture reports it
     for k in sorted(spec):
         key.update(k.encode() + spec[k].tobytes())
-    ours = {s: (work / f"ours{s}").read_bytes() for s in (".bin", ".idx")}
-    key.update(ours[".bin"] + ours[".idx"])
-    cache = os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
-        "torchtitan_wlb", "megatron_corpora", key.hexdigest()[:16],
-    )  # fmt: skip
-    if not os.path.isfile(os.path.join(cache, "read.npz")):
-        build = work / "build"
-        build.mkdir()
-        for suffix, data in ours.items():
-            (build / f"ours{suffix}").write_bytes(data)
-        np.savez(build / "input.npz", read=np.array([str(build / "ours")]), **spec)
-        subprocess.run([sys.executable, os.path.join(ROOT, "tests", "megatron_corpora.py"),
-                        str(build)], check=True)  # fmt: skip
-        read = dict(np.load(build / "read.npz"))
-        np.savez(build / "read.npz", **{k.replace(str(build / "ours"), "ours"): v
-                                        for k, v in read.items()})  # fmt: skip
+    for suffix in (".bin", ".idx"):
+        key.update(Path(build, f"ours{suffix}").read_bytes())
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    cache = os.path.join(base, "torchtitan_wlb", "megatron_corpora", key.hexdigest()[:16])
+    if os.path.isfile(os.path.join(cache, "read.npz")):
+        return None, build, cache
+    np.savez(os.path.join(build, "input.npz"), read=np.array([os.path.join(build, "ours")]), **spec)
+    with open(os.path.join(build, "log.txt"), "w") as log:
+        script = os.path.join(ROOT, "tests", "megatron_corpora.py")
+        proc = subprocess.Popen([sys.executable, script, build], stdout=log, stderr=log)
+    return proc, build, cache
+
+
+_MEGATRON = _start_megatron()
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory):
+    """The folder of the corpora of :func:`_corpora`, ``read.npz`` (our writer's ``ours``, as
+    megatron-core reads it), ``docs.jsonl`` (:func:`_texts`) and ``ours``: that file by
+    ``tools.pretokenize``."""
+    from torchtitan_wlb.tools.pretokenize import main as pretokenize
+
+    proc, build, cache = _MEGATRON
+    assert cache is not None, "megatron-core is not installed: pip install -e '.[dev]'"
+    if proc is not None:
+        assert proc.wait() == 0, Path(build, "log.txt").read_text()[-3000:]
+        read = dict(np.load(os.path.join(build, "read.npz")))
+        ours = os.path.join(build, "ours")
+        np.savez(os.path.join(build, "read.npz"), **{k.replace(ours, "ours"): v
+                                                     for k, v in read.items()})  # fmt: skip
         os.makedirs(os.path.dirname(cache), exist_ok=True)
-        shutil.copytree(build, cache + f".{os.getpid()}")
-        os.replace(cache + f".{os.getpid()}", cache) if not os.path.exists(cache) else None
+        shutil.copytree(build, f"{cache}.{os.getpid()}", dirs_exist_ok=True)
+        if not os.path.exists(cache):
+            os.replace(f"{cache}.{os.getpid()}", cache)
+    shutil.rmtree(build, ignore_errors=True)
+    work = tmp_path_factory.mktemp("megatron")
     for name in [*_corpora(), "read"]:
         for suffix in (".bin", ".idx") if name != "read" else (".npz",):
             shutil.copy(os.path.join(cache, name + suffix), work / (name + suffix))
+    with open(work / "docs.jsonl", "w") as f:
+        f.writelines(json.dumps({"text": t}) + "\n" for t in _texts())
+    assert pretokenize([str(work / "ours"), "--dataset", "jsonl", "--dataset-path",
+                        str(work / "docs.jsonl"), "--workers", "2"]) == 0  # fmt: skip
     return work
 
 
@@ -118,25 +150,31 @@ def test_megatron_written_corpus_reads_back_exactly(corpora, name):
     assert all(np.array_equal(a, b) for a, b in zip(got, expect, strict=True))
 
 
-def test_pretokenized_corpus_reads_in_megatron(corpora):
-    """Our writer's files, read by megatron-core: one sequence per document, uint16 (byte
-    tokenizer), the documents' tokens; the tokenizer is recorded beside them."""
+def test_our_writer_reads_in_megatron_and_pretokenize_uses_it(corpora, tmp_path):
+    """Our writer's files, read by megatron-core: one sequence per document, the dtype, the
+    tokens. ``tools.pretokenize`` writes exactly those files for the byte tokenizer's ids (uint16:
+    the smallest dtype for 264 ids), and records the tokenizer beside them."""
+    from torchtitan_wlb.data.tokenizer import ByteTokenizer
+
     read = np.load(corpora / "read.npz")
-    tok = ByteTokenizer()
-    texts = _texts()
+    docs = _ours()
     assert str(read["ours.dtype"]) == "uint16"
-    np.testing.assert_array_equal(read["ours.doc_idx"], np.arange(len(texts) + 1))
-    expect = [tok.encode(t) for t in texts]
-    np.testing.assert_array_equal(read["ours.seq_lens"], [len(e) for e in expect])
-    np.testing.assert_array_equal(read["ours.tokens"], np.concatenate(expect))
+    np.testing.assert_array_equal(read["ours.doc_idx"], np.arange(len(docs) + 1))
+    np.testing.assert_array_equal(read["ours.seq_lens"], [d.size for d in docs])
+    np.testing.assert_array_equal(read["ours.tokens"], np.concatenate(docs))
+    ids = [np.asarray(ByteTokenizer().encode(t), np.uint16) for t in _texts()]
+    write_index(str(tmp_path / "expect.idx"), np.dtype(np.uint16), np.array([i.size for i in ids]))
+    assert (corpora / "ours.idx").read_bytes() == (tmp_path / "expect.idx").read_bytes()
+    assert (corpora / "ours.bin").read_bytes() == np.concatenate(ids).tobytes()
     record = json.loads((corpora / "ours.tokenizer.json").read_text())
-    assert record["tokenizer"] == "bytes" and record["documents"] == len(texts)
+    assert record["tokenizer"] == "bytes" and record["documents"] == len(ids)
 
 
 def _loader_batches(args, dp):
     """Every rank's micro-batches of a finite pass, step by step: per step, per rank, the list of
     (document lengths, ids, tokens)."""
     from torchtitan_wlb.data.dataloader import build_wlb_dataloader
+    from torchtitan_wlb.data.tokenizer import ByteTokenizer
     from torchtitan_wlb.models.llama3_wlb import cost_model_for_job
     from torchtitan_wlb.validate import parse_job_config
 
@@ -241,6 +279,7 @@ def test_shuffled_indexed_loader_resumes_exactly(corpora):
     """Mid-pass, with documents read ahead and outliers queued: a loader restored from the state
     gives the rest of the micro-batches, over two shuffled epochs."""
     from torchtitan_wlb.data.dataloader import build_wlb_dataloader
+    from torchtitan_wlb.data.tokenizer import ByteTokenizer
     from torchtitan_wlb.models.llama3_wlb import cost_model_for_job
     from torchtitan_wlb.validate import parse_job_config
 
