@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from torchtitan_wlb.data.indexed import IndexedCorpus, IndexedDocumentNode, epoch_order
+from torchtitan_wlb.data.sources import DataError
 from torchtitan_wlb.tools.pretokenize import write_index
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -148,6 +149,11 @@ def test_megatron_written_corpus_reads_back_exactly(corpora, name):
         node.fetch_tokens([(doc, start, item["length"])], got[-1])
     assert len(got) == len(expect)
     assert all(np.array_equal(a, b) for a, b in zip(got, expect, strict=True))
+    strict = IndexedDocumentNode(corpus, max_doc_len=64, policy="error")
+    strict.reset()
+    first = next(i for i, w in enumerate(whole) if w.size > 64)  # in the corpus order
+    with pytest.raises(DataError, match=f"document {first} .* > max_doc_len = 64"):
+        strict.read_lengths(10**9)
 
 
 def test_our_writer_reads_in_megatron_and_pretokenize_uses_it(corpora, tmp_path):

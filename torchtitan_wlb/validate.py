@@ -325,6 +325,9 @@ def check_indexed_data(job_config: Any, max_docs: int = DATA_CHECK_DOCS) -> int:
         vocab = llama3_wlb_args[flavor].vocab_size
         where = f"[model] flavor = {flavor!r}'s vocabulary ({vocab})"
     docs = min(max_docs, corpus.num_docs)
+    node.epochs = 1  # the long-document policy over the first documents, as training reads them
+    node.reset()
+    node.read_lengths(sys.maxsize, max_items=docs)
     top, low = corpus.max_token(docs), corpus.min_token(docs)
     if top >= vocab or low < 0:
         raise DataError(
