@@ -143,7 +143,7 @@ OUT_OF_RANGE = {
     "delay_target": "0.0", "balance_target": "0.5", "release_slack": "-0.1", "read_ahead_steps": "0",
     "packing_window": "0", "solver_node_limit": "0", "solver_time_limit_s": "0", "cost_model": '"x"',
     "attn_coef": "-1.0", "linear_coef": "-1.0", "cost_profile": '"/no/such.json"',
-    "cp_profile": '"/no/such.json"', "cp_bandwidth_gbps": "0.0", "text_field": '""', "loader": '"mine"', "epochs": "-1",
+    "cp_profile": '"/no/such.json"', "cp_bandwidth_gbps": "0.0", "text_field": '""', "shuffle_seed": "-2", "loader": '"mine"', "epochs": "-1",
     "warmup_steps": "-1", "window_steps": "1", "holdout_steps": "0",
     "interval_steps": "0", "apply_lag_steps": "0", "initial_attn_scale": "0.0",
     "peak_tflops": "-1.0",

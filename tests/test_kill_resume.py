@@ -1,11 +1,13 @@
 """Kills at the worst moments: every document still trained exactly once, losses unchanged.
 
 One pass over a small dataset (``[wlb] epochs = 1``, so the pass is finite) on two CPU ranks, for
-DP = 2, PP = 2 and CP = 2, launched by ``tests/fork_launch.py`` (torchrun's agent, ranks forked
-from it: twelve launches would otherwise import torch and TorchTitan 24 times). Each layout runs
-once uninterrupted and, side by side with it, as a chain of launches in one dump folder, each
-killed with SIGKILL of one rank (tests/kill_points.py) and rerun with the same command, which
-resumes from the latest complete checkpoint:
+DP = 2 (from the dataset pre-tokenized into an indexed corpus, its documents in a seeded order:
+``[wlb] shuffle_seed``), PP = 2 and CP = 2 (from the jsonl text), launched by
+``tests/fork_launch.py`` (torchrun's agent, ranks forked from it: twelve launches would otherwise
+import torch and TorchTitan 24 times). Each layout runs once uninterrupted and, side by side with
+it, as a chain of launches in one dump folder, each killed with SIGKILL of one rank
+(tests/kill_points.py) and rerun with the same command, which resumes from the latest complete
+checkpoint:
 
   1. mid-step, in step 3, with outliers sitting in the packer's queues since step 2: resumes from
      the checkpoint of step 2, the queued outliers restored from it;
@@ -29,6 +31,7 @@ import pytest
 
 from torchtitan_wlb.audit_log import read_audit_logs
 from torchtitan_wlb.tools.audit import main as audit_main
+from torchtitan_wlb.tools.pretokenize import main as pretokenize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEBUG_CPU = os.path.join(ROOT, "train_configs", "debug_cpu.toml")
@@ -36,8 +39,16 @@ LAUNCH = os.path.join(ROOT, "tests", "fork_launch.py")
 
 pytestmark = pytest.mark.slow
 
+INDEXED = "{indexed}"  # replaced by the indexed corpus's prefix
 LAYOUTS = {
-    "dp2": [],
+    "dp2": [
+        "--training.dataset",
+        "indexed",
+        "--training.dataset_path",
+        INDEXED,
+        "--wlb.shuffle_seed",
+        "6",
+    ],  # fmt: skip
     "pp2": ["--parallelism.pipeline_parallel_degree", "2"],
     "cp2": ["--parallelism.context_parallel_degree", "2", "--wlb.cp_sharding", "per_document"],
 }
@@ -53,6 +64,11 @@ def dataset(tmp_path_factory):
         for _ in range(58):
             n = int(min(rng.pareto(1.2) * 8 + 3, 60))
             f.write(json.dumps({"text": " ".join(rng.choice(words, n))}) + "\n")
+    prefix = str(path.parent / "docs")
+    assert (
+        pretokenize([prefix, "--dataset", "jsonl", "--dataset-path", str(path), "--workers", "1"])
+        == 0
+    )
     return path
 
 
@@ -66,7 +82,7 @@ def _start(dump, dataset, layout, kill=None):
         "--wlb.epochs", "1", "--training.steps", "1000", "--checkpoint.interval", "2",
         "--checkpoint.keep_latest_k", "0", "--wlb.advanced.metrics_jsonl",
         "--metrics.disable_color_printing", "--debug.seed", "7", "--job.dump_folder", str(dump),
-        *LAYOUTS[layout],
+        *(str(dataset.parent / "docs") if a == INDEXED else a for a in LAYOUTS[layout]),
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("WLB_TEST_KILL", None)

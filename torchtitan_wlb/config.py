@@ -101,6 +101,7 @@ _LOWEST: dict[str, tuple[str, float, str]] = {
     "balance_target": (">=", 1.0, ""),
     "peak_tflops": (">=", 0, ""),
     "window_steps": (">=", 2, " (at least one step fitted and one held out)"),
+    "shuffle_seed": (">=", -1, " (-1: the corpus order)"),
 }  # fmt: skip
 
 
@@ -238,6 +239,9 @@ class Advanced:
     """"solver": safety net per packing window, in seconds; reaching it before
     `solver_node_limit` stops the run (a plan cut by time depends on the machine's load)."""
 
+    text_field: str = "text"
+    """Field holding the document text in jsonl / parquet / Hugging Face datasets."""
+
     metrics_jsonl: bool = False
     """Also write every logged step's metrics, per rank and at full precision, to
     <dump_folder>/wlb_metrics/rank_<rank>.jsonl."""
@@ -249,6 +253,8 @@ class Advanced:
 
     def __post_init__(self) -> None:
         _check_fields(self)
+        if not self.text_field:
+            raise ConfigError('[wlb.advanced] text_field = "" must name the field holding the text')
 
 
 @dataclass
@@ -304,8 +310,9 @@ class WLB:
     """Attention throughput profile for adaptive CP sharding; empty: the shipped table of this GPU
     (``cp/profiles/*.json`` by device name, then family), else the packaged CPU table."""
 
-    text_field: str = "text"
-    """Field holding the document text in jsonl / parquet / Hugging Face datasets."""
+    shuffle_seed: int = -1
+    """`[training] dataset = "indexed"`: visit the corpus's documents in a seeded permutation, a new
+    one each epoch (the same on every rank and after a resume); -1 keeps the corpus order."""
 
     long_doc_policy: LongDocPolicy = "split"
     """A document longer than `[wlb.advanced] max_doc_len`: "split" into consecutive pieces (no
@@ -342,8 +349,6 @@ class WLB:
             raise ConfigError(
                 f"[wlb] queue_thresholds = {thresholds!r} must be positive and strictly increasing"
             )
-        if not self.text_field:
-            raise ConfigError('[wlb] text_field = "" must name the field holding the text')
         if self.cost_model == "coefficients" and (self.attn_coef <= 0 or self.linear_coef <= 0):
             raise ConfigError(
                 f'[wlb] cost_model = "coefficients" needs attn_coef > 0 and linear_coef > 0 '

@@ -417,8 +417,14 @@ def _check_document_loader(job_config: Any, degrees: dict[str, int]) -> None:
     sequence per micro-batch, and micro-batches per step that the DP ranks and the pipeline
     schedule divide."""
     training = job_config.training
+    if job_config.wlb.shuffle_seed >= 0 and training.dataset != "indexed":
+        raise ConfigError(
+            f"[wlb] shuffle_seed = {job_config.wlb.shuffle_seed} needs [training] dataset = "
+            f"'indexed' (a text source is read in its order), not {training.dataset!r}; "
+            "leave it unset (-1)"
+        )
     # Checks the dataset kind and that its path exists (DataError names it).
-    TextSource(training.dataset, training.dataset_path or "", job_config.wlb.text_field)
+    TextSource(training.dataset, training.dataset_path or "", job_config.wlb.advanced.text_field)
     if job_config.model.name != "llama3_wlb":
         raise ConfigError(
             f'[model] name = {job_config.model.name!r}: [wlb.advanced] loader = "documents" feeds '
@@ -489,10 +495,42 @@ def check_data(job_config: Any, max_docs: int = DATA_CHECK_DOCS) -> int:
     source = text_source_from_config(job_config)  # DataError: kind, path
     if source.kind == "hf":
         return 0
+    if source.kind == "indexed":
+        return check_indexed_data(job_config, max_docs)
     node = build_document_node(job_config, build_wlb_tokenizer(job_config))
     node.epochs = 1  # one pass is enough to see every document once
     node.reset()
     return sum(1 for _ in itertools.islice(node, max_docs))
+
+
+def check_indexed_data(job_config: Any, max_docs: int = DATA_CHECK_DOCS) -> int:
+    """An indexed corpus: the two files agree (opening it checks them), it was made with this
+    run's tokenizer (when it says), and the ids of its first ``max_docs`` documents are below the
+    model's and the tokenizer's vocabulary; return how many documents were checked."""
+    from torchtitan_wlb.data.dataloader import build_document_node
+    from torchtitan_wlb.data.tokenizer import build_wlb_tokenizer
+    from torchtitan_wlb.models.llama3_wlb import llama3_wlb_args
+
+    tokenizer = build_wlb_tokenizer(job_config)
+    node = build_document_node(job_config, tokenizer)  # DataError: files, tokenizer record
+    corpus = node.corpus
+    flavor = job_config.model.flavor
+    vocab = tokenizer.get_vocab_size()
+    where = f"the tokenizer's vocabulary ({vocab})"
+    if flavor in llama3_wlb_args and llama3_wlb_args[flavor].vocab_size < vocab:
+        vocab = llama3_wlb_args[flavor].vocab_size
+        where = f"[model] flavor = {flavor!r}'s vocabulary ({vocab})"
+    docs = min(max_docs, corpus.num_docs)
+    node.epochs = 1  # the long-document policy over the first documents, as training reads them
+    node.reset()
+    node.read_lengths(sys.maxsize, max_items=docs)
+    top, low = corpus.max_token(docs), corpus.min_token(docs)
+    if top >= vocab or low < 0:
+        raise DataError(
+            f"{corpus.bin_path}: token id {top if top >= vocab else low} in its first {docs} "
+            f"documents is outside {where}: the corpus was made with another tokenizer"
+        )
+    return docs
 
 
 def main(argv: list[str] | None = None) -> int:

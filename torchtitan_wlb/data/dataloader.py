@@ -20,7 +20,14 @@ from torchtitan_wlb.cost_fit import CostModelSchedule
 from torchtitan_wlb.cost_model import CostModel
 from torchtitan_wlb.data.collate import MicroBatchNode
 from torchtitan_wlb.data.documents import DocumentNode
+from torchtitan_wlb.data.indexed import (
+    INDEXED,
+    IndexedCorpus,
+    IndexedDocumentNode,
+    check_corpus_tokenizer,
+)
 from torchtitan_wlb.data.sources import TextSource
+from torchtitan_wlb.data.tokenizer import tokenizer_record
 from torchtitan_wlb.data.wlb_node import WLBPackingNode
 from torchtitan_wlb.packing import Packer, PackingConfig, build_packer, packing_config
 
@@ -162,7 +169,8 @@ def data_fingerprint(
     if cost_model is not None:  # resolved, so that spelling the default out is no change
         smax = build_packer(wlb.packing, packing_config_from_job(job_config, n), cost_model).cap
     fp |= {
-        "[wlb] text_field": wlb.text_field,
+        "[wlb.advanced] text_field": wlb.advanced.text_field,
+        "[wlb] shuffle_seed": wlb.shuffle_seed,
         "[wlb.advanced] max_doc_len": wlb.advanced.max_doc_len or training.seq_len,
         "[wlb] long_doc_policy": wlb.long_doc_policy,
         "[wlb] packing": wlb.packing,
@@ -204,7 +212,9 @@ def check_fingerprint(saved: dict[str, Any], current: dict[str, Any], where: str
 def text_source_from_config(job_config: JobConfig) -> TextSource:
     """The document source named by ``[training] dataset`` / ``dataset_path``."""
     training = job_config.training
-    return TextSource(training.dataset, training.dataset_path or "", job_config.wlb.text_field)
+    return TextSource(
+        training.dataset, training.dataset_path or "", job_config.wlb.advanced.text_field
+    )
 
 
 def micro_batches_per_step(job_config: JobConfig, dp_world_size: int) -> int:
@@ -213,8 +223,21 @@ def micro_batches_per_step(job_config: JobConfig, dp_world_size: int) -> int:
     return global_batch if global_batch > 0 else dp_world_size
 
 
-def build_document_node(job_config: JobConfig, tokenizer: Any) -> DocumentNode:
+def build_document_node(job_config: JobConfig, tokenizer: Any) -> BaseNode:
+    """The document stream of ``[training] dataset``: texts tokenized as they are read, or an
+    indexed corpus's lengths (its tokens read by the packing node for this rank's micro-batches)."""
     wlb = job_config.wlb
+    if job_config.training.dataset == INDEXED:
+        corpus = IndexedCorpus(job_config.training.dataset_path or "")
+        check_corpus_tokenizer(corpus, tokenizer_record(job_config.model.hf_assets_path or ""))
+        return IndexedDocumentNode(
+            corpus,
+            max_doc_len=wlb.advanced.max_doc_len or job_config.training.seq_len,
+            policy=wlb.long_doc_policy,
+            epochs=wlb.epochs,
+            shuffle_seed=wlb.shuffle_seed,
+            vocab_size=tokenizer.get_vocab_size(),
+        )
     return DocumentNode(
         source=text_source_from_config(job_config),
         tokenizer=tokenizer,

@@ -75,18 +75,25 @@ def builtin_corpus() -> list[str]:
 class TextSource:
     """A restartable stream of document texts."""
 
-    kind: str  # "wlb_builtin", "jsonl", "parquet", "text" or "hf"
+    kind: str  # "wlb_builtin", "jsonl", "parquet", "text", "hf" ("indexed": named, not read here)
     path: str = ""  # file, directory or glob (local kinds); dataset name or local path ("hf")
     text_field: str = "text"  # the field holding the text (jsonl, parquet, hf)
 
     def __post_init__(self) -> None:
         if self.kind == BUILTIN_NAME:
             return
-        if self.kind not in ("jsonl", "parquet", "text", "hf"):
+        if self.kind not in ("jsonl", "parquet", "text", "hf", "indexed"):
             raise DataError(
                 f"[training] dataset = {self.kind!r} is not accepted; use one of "
-                f"'{BUILTIN_NAME}', 'jsonl', 'parquet', 'text', 'hf'"
+                f"'{BUILTIN_NAME}', 'jsonl', 'parquet', 'text', 'hf', 'indexed'"
             )
+        if self.kind == "indexed":
+            if not self.path:
+                raise DataError(
+                    "[training] dataset = 'indexed' needs [training] dataset_path = PREFIX "
+                    "(of a Megatron corpus, PREFIX.idx + PREFIX.bin)"
+                )
+            return  # the files are checked when the corpus is opened
         if not self.path:
             raise DataError(
                 f"[training] dataset = {self.kind!r} needs [training] dataset_path "

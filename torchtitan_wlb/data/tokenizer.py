@@ -6,6 +6,7 @@ tokens, which makes attention imbalance visible at small scale.
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 from torchtitan.components.tokenizer import BaseTokenizer, HuggingFaceTokenizer
@@ -53,3 +54,13 @@ def build_wlb_tokenizer(job_config: JobConfig) -> BaseTokenizer:
             f'tokenizer directory, or leave it unset ("") for the built-in byte tokenizer'
         )
     return HuggingFaceTokenizer(path)
+
+
+def tokenizer_record(hf_assets_path: str) -> dict[str, str]:
+    """What identifies the tokenizer of ``[model] hf_assets_path``: "bytes" for the built-in one,
+    else the SHA-256 of its ``tokenizer.json``. A pre-tokenized corpus records it; a run whose
+    tokenizer has another record is refused (its ids would mean other text)."""
+    if hf_assets_path in ("", _TORCHTITAN_DEFAULT_ASSETS):
+        return {"tokenizer": "bytes"}
+    with open(os.path.join(hf_assets_path, "tokenizer.json"), "rb") as f:
+        return {"tokenizer": "huggingface", "sha256": hashlib.sha256(f.read()).hexdigest()}

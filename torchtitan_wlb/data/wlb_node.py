@@ -2,7 +2,8 @@
 
 Every DP rank computes the same global plan from the same stream (no communication) and yields its
 ``N // dp`` micro-batches. The state holds source snapshots, not tokens: a restore re-reads them
-(items and state: docs/packing.md, "The torchdata node").
+(items and state: docs/packing.md, "The torchdata node"). A source with ``fetch_tokens`` (an indexed
+corpus) gives lengths and places only: the node reads the tokens of this rank's micro-batches.
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ class WLBPackingNode(BaseNode[dict]):
         self.dp_rank = dp_rank
         self.dp_degree = dp_degree
         self.schedule = schedule
+        # Lengths and places from the source, tokens read for this rank's micro-batches only.
+        self._lazy = callable(getattr(source, "fetch_tokens", None))
         self._per_rank = n // dp_degree
         self._initial_packer_state = packer.state_dict()
         self._tokens: dict[int, np.ndarray] = {}  # every held document: read-ahead + pending
@@ -100,6 +103,7 @@ class WLBPackingNode(BaseNode[dict]):
         self._tokens = {}
         self._held, self._snap_base, self._snap_of = _EMPTY, 0, {}
         self._ahead_ids = self._ahead_lens = _EMPTY
+        self._lazy_reset()
         if initial_state is None:
             self.source.reset(None)
             self.packer.load_state_dict(self._initial_packer_state)
@@ -138,18 +142,27 @@ class WLBPackingNode(BaseNode[dict]):
         counts = np.fromiter(map(len, plan.doc_ids), np.int64, len(plan.doc_ids))
         ends = np.cumsum(counts)
         # Every emitted document leaves the node; this rank keeps the tokens of its own.
-        emitted = np.concatenate(plan.doc_ids).tolist()
-        parts = list(map(self._tokens.pop, emitted))
-        pulls = np.fromiter(map(self._snap_of.pop, emitted), np.int64, len(emitted))
+        pick = None
         if self.dp_degree > 1:
             pick = np.concatenate([np.arange(ends[j] - counts[j], ends[j]) for j in mine.tolist()])
-            parts = list(map(parts.__getitem__, pick.tolist()))
+        if self._lazy:  # rows of the window: the places of this rank's documents
+            rel = np.concatenate(plan.doc_ids) - self._lz_base
+            pulls = self._lz_rows[rel, 3]
+            parts = self._lz_rows[rel if pick is None else rel[pick], :3].tolist()
+        else:
+            emitted = np.concatenate(plan.doc_ids).tolist()
+            parts = list(map(self._tokens.pop, emitted))
+            pulls = np.fromiter(map(self._snap_of.pop, emitted), np.int64, len(emitted))
+            if pick is not None:
+                parts = list(map(parts.__getitem__, pick.tolist()))
         lens = [plan.doc_lens[j] for j in mine.tolist()]
         # Buffer offsets of this rank's micro-batches: the running token count at each one's end.
         running = np.concatenate([_ZERO, np.cumsum(np.concatenate(lens))])
         bounds = running[np.concatenate([_ZERO, np.cumsum(counts[mine])])].tolist()
         buf = self._out_buffer(bounds[-1])
-        if parts:
+        if self._lazy:
+            self.source.fetch_tokens(parts, buf[: bounds[-1]])
+        elif parts:
             np.concatenate(parts, out=buf[: bounds[-1]])
         micro_batches = [
             {"tokens": buf[lo:hi], "doc_lens": d, "doc_ids": plan.doc_ids[j]}
@@ -188,13 +201,15 @@ class WLBPackingNode(BaseNode[dict]):
             lens.append(self._ahead_lens)
             self._ahead_ids = self._ahead_lens = _EMPTY
             self._exhausted = True
-        read += more
-        if read:
-            self._snap_of.update(
-                zip(read, itertools.repeat(self._snap_base + len(self._snapshots)))
-            )
-            self._snapshots.append((self.packer.steps_done, snapshot, len(read)))
-            self._held = np.append(self._held, len(read))
+        n_read = read_ids.size + more_ids.size
+        if n_read:
+            serial = self._snap_base + len(self._snapshots)
+            if self._lazy:
+                self._lazy_commit(serial)
+            else:
+                self._snap_of.update(zip(read + more, itertools.repeat(serial)))
+            self._snapshots.append((self.packer.steps_done, snapshot, n_read))
+            self._held = np.append(self._held, n_read)
         return np.concatenate(ids), np.concatenate(lens)
 
     def _read(self, tokens: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
@@ -203,6 +218,8 @@ class WLBPackingNode(BaseNode[dict]):
         and a list: the per-document bookkeeping takes Python ints, made once), lengths."""
         if tokens <= 0 or self._source_done:
             return _EMPTY, _EMPTY, []
+        if self._lazy:
+            return self._read_lengths(tokens)
         batched = getattr(self.source, "read_documents", None)
         if batched is not None:
             doc_ids, arrays = batched(tokens)
@@ -228,6 +245,93 @@ class WLBPackingNode(BaseNode[dict]):
             self._source_done = True
         self._tokens.update(zip(ids, arrays, strict=True))
         return doc_ids, lens, ids
+
+    # A source of lengths and places (``fetch_tokens``) numbers its documents consecutively, so
+    # the node keeps, instead of a token array per held document, one window of rows indexed by
+    # id - ``_lz_base``: (document, first token, length, serial of the pull that read it), from the
+    # oldest live pull on. Per step that is a few array operations, not dict operations per
+    # document (about 100,000 a step at DP = 512, 128K, N = 8 per rank).
+
+    def _lazy_reset(self) -> None:
+        self._lz_base = 0
+        self._lz_rows = np.zeros((0, 4), np.int64)
+        self._lz_first = _EMPTY  # per live pull: the id of its first document
+        self._lz_staged: list[np.ndarray] = []
+
+    def _read_lengths(self, tokens: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """``_read`` from a source of lengths and places: the rows are staged for
+        :meth:`_lazy_commit`, no tokens are read."""
+        doc_ids, lens, where = self.source.read_lengths(tokens)
+        if int(lens.sum()) < tokens:
+            self._source_done = True
+        if not lens.size:
+            return _EMPTY, _EMPTY, []
+        self.packer.check_lengths(doc_ids, lens)
+        expect = self._lz_staged[-1][-1, 4] + 1 if self._lz_staged else None
+        if doc_ids[0] != (expect if expect is not None else doc_ids[0]) or (
+            doc_ids.size > 1 and bool((np.diff(doc_ids) != 1).any())
+        ):
+            raise ValueError("a source of lengths must number its documents consecutively")
+        rows = np.empty((lens.size, 5), np.int64)
+        rows[:, :2], rows[:, 2], rows[:, 4] = where, lens, doc_ids
+        self._lz_staged.append(rows)
+        return doc_ids, lens, []
+
+    def _lazy_commit(self, serial: int) -> None:
+        """The staged rows become pull ``serial``'s, appended to the window."""
+        rows = np.concatenate(self._lz_staged)
+        self._lz_staged = []
+        rows[:, 3] = serial
+        first = int(rows[0, 4])
+        if not self._lz_rows.size:
+            self._lz_base = first
+        elif first != self._lz_base + len(self._lz_rows):
+            raise ValueError("a source of lengths must number its documents consecutively")
+        self._lz_rows = np.concatenate([self._lz_rows, rows[:, :4]])
+        self._lz_first = np.append(self._lz_first, first)
+
+    def _lazy_prune(self, k: int) -> None:
+        """Drop the rows of the ``k`` oldest pulls (the window starts at the next live one)."""
+        self._lz_first = self._lz_first[k:]
+        if not self._lz_first.size:
+            self._lz_base, self._lz_rows = 0, self._lz_rows[:0]
+            return
+        new_base = int(self._lz_first[0])
+        self._lz_rows = self._lz_rows[new_base - self._lz_base :]
+        self._lz_base = new_base
+
+    def _lazy_replay(self, held: dict[int, int]) -> None:
+        """``_replay`` for a source of lengths: re-read each pull's lengths and places."""
+        self.source.reset(self._snapshots[0][1])
+        for serial, (_, _, count) in enumerate(self._snapshots):
+            ids, lens, where = self.source.read_lengths(sys.maxsize, max_items=count)
+            if ids.size != count:
+                raise RuntimeError(
+                    f"replaying the source gave {ids.size} documents where pull {serial} read "
+                    f"{count}: the source is not deterministic"
+                )
+            rows = np.empty((count, 5), np.int64)
+            rows[:, :2], rows[:, 2], rows[:, 4] = where, lens, ids
+            self._lz_staged = [rows]
+            self._lazy_commit(self._snap_base + serial)
+        ids = np.fromiter(held, np.int64, len(held))
+        lens = np.fromiter(held.values(), np.int64, len(held))
+        rel = ids - self._lz_base
+        inside = (rel >= 0) & (rel < len(self._lz_rows))
+        if not inside.all():
+            raise RuntimeError(
+                f"{int((~inside).sum())} held documents (e.g. {int(ids[~inside].min())}) were not "
+                "found when replaying the source: the source is not deterministic"
+            )
+        bad = np.flatnonzero(self._lz_rows[rel, 2] != lens)
+        if bad.size:
+            i = int(bad[0])
+            raise RuntimeError(
+                f"replayed document {int(ids[i])} has {int(self._lz_rows[rel[i], 2])} tokens, "
+                f"checkpoint says {int(lens[i])}: the source is not deterministic"
+            )
+        serials = self._lz_rows[rel, 3] - self._snap_base
+        self._held = np.bincount(serials, minlength=len(self._snapshots)).astype(np.int64)
 
     def _rank_micro_batches(self, doc_lens: list[np.ndarray]) -> np.ndarray:
         """The plan's micro-batches this DP rank trains: contiguous slices for ``original`` (the
@@ -261,8 +365,12 @@ class WLBPackingNode(BaseNode[dict]):
         self._free_refs = sys.getrefcount(self._buffers[-1])
         return self._buffers[-1]
 
-    def _unpack(self, item: Any) -> tuple[int, np.ndarray]:
-        """One source item's id and tokens (as a ``TOKEN_DTYPE`` array)."""
+    def _unpack(self, item: Any) -> tuple[int, Any]:
+        """One source item's id and tokens (as a ``TOKEN_DTYPE`` array); from a source of lengths
+        (``fetch_tokens``), its place ``(document, first token, length)``."""
+        if self._lazy:
+            doc_id = int(item["doc_id"])
+            return doc_id, (int(item["where"][0]), int(item["where"][1]), int(item["length"]))
         if not isinstance(item, dict) or "doc_id" not in item or "tokens" not in item:
             raise ValueError(
                 "the document stream must yield dicts with 'doc_id' and 'tokens', got "
@@ -310,10 +418,15 @@ class WLBPackingNode(BaseNode[dict]):
             del self._snapshots[:k]
             self._held = self._held[k:]
             self._snap_base += k
+            if self._lazy:
+                self._lazy_prune(k)
 
     def _replay(self, held: dict[int, int]) -> None:
         """Re-read the pulls since the oldest held document was read; keep the held documents."""
         self._held = np.zeros(len(self._snapshots), np.int64)  # per pull; none: dropped next step
+        if self._lazy and self._snapshots:  # the window's rows stay aligned with the pulls
+            self._lazy_replay(held)
+            return
         if not held:
             return
         if not self._snapshots:
@@ -323,9 +436,10 @@ class WLBPackingNode(BaseNode[dict]):
             for _ in range(count):
                 doc_id, tokens = self._unpack(next(self.source))
                 if doc_id in held:
-                    if tokens.size != held[doc_id]:
+                    size = tokens[2] if self._lazy else tokens.size
+                    if size != held[doc_id]:
                         raise RuntimeError(
-                            f"replayed document {doc_id} has {tokens.size} tokens, checkpoint "
+                            f"replayed document {doc_id} has {size} tokens, checkpoint "
                             f"says {held[doc_id]}: the source is not deterministic"
                         )
                     self._tokens[doc_id] = tokens

@@ -7,6 +7,7 @@ changes") lists; the comments below say where each change happens.
 
 from __future__ import annotations
 
+import heapq
 import math
 from typing import Any
 
@@ -435,20 +436,22 @@ class WLBPacker(_QueuedPacker):
         if not must_balance:
             token_budget -= new_tokens
         out = np.full(costs.size, -1, np.int64)
-        # One outlier at a time (each placement changes the next one's bin), over N bins: plain
-        # Python floats and ints for the per-bin scan, several times cheaper than a handful of
-        # NumPy calls on N-element arrays; ``loads`` stays in step for its (pairwise) sum.
+        # One outlier at a time (each placement changes the next one's bin): the bins in a heap
+        # by (load, index), stale entries dropped as met, so that finding the least-loaded bin
+        # with room (the first of equals) costs O(log N), not a scan of N bins per outlier (which
+        # made the plan grow with the square of the documents per step at large DP degrees);
+        # ``loads`` stays in step for its (pairwise) sum.
         bin_load, bin_tok = loads.tolist(), tokens.tolist()
         cost_of, len_of = costs.tolist(), lens.tolist()
+        heap = [(load, b) for b, load in enumerate(bin_load)]
+        heapq.heapify(heap)
         fewest = min(bin_tok, default=0)  # no bin has room for a longer outlier than cap - this
+        at_fewest = bin_tok.count(fewest)  # tokens only grow: recounted when none is left there
         for i in np.flatnonzero(fits).tolist():  # O(#waiting outliers), bounded by the queues
             d = len_of[i]
             if d > token_budget or fewest > cap - d:
                 continue
-            room, j, low = cap - d, -1, np.inf
-            for b in range(n):  # the least-loaded bin with room (the first of equals)
-                if bin_tok[b] <= room and bin_load[b] < low:
-                    j, low = b, bin_load[b]
+            j, low = _least_loaded_with_room(heap, bin_load, bin_tok, cap - d)
             if j < 0:
                 continue
             c = cost_of[i]
@@ -456,9 +459,15 @@ class WLBPacker(_QueuedPacker):
             if low + c > dyn:
                 continue
             out[i] = j
+            was = bin_tok[j]
             bin_load[j] += c
             bin_tok[j] += d
-            fewest = min(bin_tok)
+            heapq.heappush(heap, (bin_load[j], j))
+            if was == fewest:
+                at_fewest -= 1
+                if not at_fewest:
+                    fewest = min(bin_tok)
+                    at_fewest = bin_tok.count(fewest)
             loads[j], tokens[j] = bin_load[j], bin_tok[j]
             token_budget -= d
         if must_balance:
@@ -469,3 +478,25 @@ class WLBPacker(_QueuedPacker):
             if mean <= 0 or max(level, loads.max()) / mean > tau:
                 return None
         return loads, tokens, out
+
+
+def _least_loaded_with_room(
+    heap: list[tuple[float, int]], load: list[float], tok: list[int], room: int
+) -> tuple[int, float]:
+    """The bin of least load (the first of equals) with at most ``room`` tokens, and its load;
+    ``(-1, inf)`` when none. ``heap`` holds ``(load, bin)`` entries, some stale (a bin's load has
+    grown since): those are dropped; the current entries of full bins are kept."""
+    full = []
+    found = (-1, math.inf)
+    while heap:
+        entry_load, b = heap[0]
+        if entry_load != load[b]:  # stale: the bin has a newer entry
+            heapq.heappop(heap)
+            continue
+        if tok[b] <= room:
+            found = (b, entry_load)
+            break
+        full.append(heapq.heappop(heap))
+    for entry in full:
+        heapq.heappush(heap, entry)
+    return found
