@@ -22,6 +22,7 @@ from torchtitan_wlb.models.llama3_wlb import (
     parallelize_llama_wlb,
     pipeline_llama_wlb,
 )
+from torchtitan_wlb.validator import build_wlb_validator
 
 TRAIN_SPEC_NAME = "llama3_wlb"
 
@@ -63,6 +64,7 @@ except ValueError:
             build_tokenizer_fn=build_wlb_tokenizer,
             build_loss_fn=build_cross_entropy_loss,
             build_metrics_processor_fn=WLBMetricsProcessor,
+            build_validator_fn=build_wlb_validator,
             state_dict_adapter=Llama3StateDictAdapter,
         ),
     )
