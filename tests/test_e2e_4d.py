@@ -87,6 +87,15 @@ def _trained(dump):
     }
 
 
+VALIDATE_EACH_STEP = ["--validation.enable", "--validation.freq", "1", "--validation.steps", "2",
+                      "--validation.seq_len", "128"]  # fmt: skip
+
+
+def _validation(dump):
+    with open(os.path.join(dump, "wlb_validation.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
 @pytest.fixture(scope="module")
 def seeded(tmp_path_factory):
     """A seed checkpoint and the single-process reference run from it."""
@@ -95,7 +104,7 @@ def seeded(tmp_path_factory):
     _run(1, seed, "--checkpoint.create_seed_checkpoint", "--training.steps", "1")
     ref = base / "ref"
     shutil.copytree(seed / "checkpoint", ref / "checkpoint")
-    _run(1, ref, "--training.steps", "2")
+    _run(1, ref, "--training.steps", "2", *VALIDATE_EACH_STEP)
     return base, seed, _records(ref), _trained(ref)
 
 
@@ -118,8 +127,14 @@ def test_4d_matches_single_process(seeded, layout):
     nproc, args = LAYOUTS[layout]
     run = base / layout
     shutil.copytree(seed / "checkpoint", run / "checkpoint")
-    _run(nproc, run, "--training.steps", "2", "--wlb.cp_sharding", "per_document", *args)
+    _run(nproc, run, "--training.steps", "2", "--wlb.cp_sharding", "per_document",
+         *VALIDATE_EACH_STEP, *args)  # fmt: skip
     got = _records(run)
+    # the held-out loss after each step, under TP and the combined layouts too
+    ref_val, got_val = _validation(base / "ref"), _validation(run)
+    assert [v["tokens"] for v in got_val] == [v["tokens"] for v in ref_val]
+    for v, r in zip(got_val, ref_val, strict=True):
+        assert v["loss"] == pytest.approx(r["loss"], rel=1e-4), v["step"]
     for step in (1, 2):
         assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=2e-5), step
         assert got[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=2e-4), step

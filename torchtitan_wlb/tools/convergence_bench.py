@@ -31,11 +31,12 @@ from torchtitan_wlb.tools.cli import ToolParser, json_text, require_at_least
 ROOT = Path(__file__).resolve().parents[2]
 MODES = ("plain_4d", "fixed_4d", "wlb")
 BASELINES = ("plain_4d", "fixed_4d")
-# Variants that switch one WLB mechanism off, to find which one moves the loss: the delay of
-# outliers (K = 0), the variable micro-batch length (S_max = context).
+# Variants that turn one WLB mechanism down, to find which one moves the loss: the delay of
+# outliers (K = 1, not adapted: the least the queues allow), the variable micro-batch length
+# (S_max = context, as the baselines).
 VARIANTS = {
-    "wlb_no_delay": ["--wlb.mode", "wlb", "--wlb.max_delay_steps", "0",
-                     "--wlb.advanced.adaptive_max_delay_steps", "0"],
+    "wlb_delay1": ["--wlb.mode", "wlb", "--wlb.max_delay_steps", "1",
+                   "--wlb.advanced.adaptive_max_delay_steps", "1"],
     "wlb_fixed_len": ["--wlb.mode", "wlb"],
 }  # fmt: skip
 
