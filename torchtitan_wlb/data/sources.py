@@ -22,7 +22,7 @@ BUILTIN_HELDOUT_NAME = "wlb_builtin_validation"
 """The built-in corpus's held-out split: ``[validation] dataset``, never read by training."""
 HELDOUT_FRACTION = 20
 """The held-out split is the last ``1 / HELDOUT_FRACTION`` of the built-in corpus's texts (327 of
-6,544 on Python 3.12): the order is already a seeded shuffle, so the tail is a fair sample."""
+6,544 on Python 3.11): the order is already a seeded shuffle, so the tail is a fair sample."""
 
 
 class DataError(ValueError):

@@ -5,7 +5,8 @@ the same model, seeds and learning-rate schedule, one CPU rank per job, and vali
 corpus's held-out split every few steps (``[validation]``); each seed is one job per mode.
 
     python -m torchtitan_wlb.tools.convergence_bench --json-out conv.json --plot conv.png
-    python -m torchtitan_wlb.tools.convergence_bench --seeds 0 --modes wlb --num-texts 100
+    python -m torchtitan_wlb.tools.convergence_bench --seeds 0 --modes wlb --num-texts 100 --json
+    python -m torchtitan_wlb.tools.convergence_bench --from-json a.json,b.json --plot both.png
 
 Modes, measures and the results: docs/benchmarks_convergence.md.
 """
@@ -58,6 +59,12 @@ def parser() -> ToolParser:
     p.add_argument("--workdir", default="", help="keep the runs here (default: a temp dir)")
     p.add_argument("--json-out", default="", help="write the result JSON here")
     p.add_argument("--plot", default="", help="write the PNG figure here (needs matplotlib)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON (last line)")
+    p.add_argument(
+        "--from-json",
+        default="",
+        help="comma-separated result files: merge their runs, summarize and plot, train nothing",
+    )
     return p
 
 
@@ -166,6 +173,10 @@ def summarize(runs: dict[str, dict[int, dict]]) -> dict[str, Any]:
             "final_val_loss_min": min(finals),
             "final_val_loss_max": max(finals),
             "steps": [r["steps"] for r in by_seed.values()],
+            # steps that trained no document (every micro-batch a filler): their loss is 0/0
+            "empty_steps": [
+                sum(x is None or x != x for x in r["train_loss"]) for r in by_seed.values()
+            ],
             "tokens": [r["tokens"] for r in by_seed.values()],
         }
     base = [r["final_val_loss"] for m in BASELINES if m in runs for r in runs[m].values()]
@@ -189,16 +200,26 @@ def plot(runs: dict[str, dict[int, dict]], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (left, right, by_step) = plt.subplots(1, 3, figsize=(17, 4.5))
     colors = dict(zip(runs, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
     for mode, by_seed in runs.items():
         for k, r in enumerate(by_seed.values()):
             label = mode if k == 0 else None
-            loss = np.convolve(r["train_loss"], np.ones(9) / 9, mode="valid")
-            left.plot(r["train_tokens"][8:], loss, color=colors[mode], alpha=0.7, label=label)
+            # A step without documents (its loss 0/0, null in JSON) is left out of the curve.
+            kept = [(t, x) for t, x in zip(r["train_tokens"], r["train_loss"], strict=True) if x]
+            tokens, loss = (np.array(v, dtype=float) for v in zip(*kept, strict=True))
+            loss = np.convolve(loss, np.ones(9) / 9, mode="valid")
+            left.plot(tokens[8:], loss, color=colors[mode], alpha=0.7, label=label)
             right.plot(r["val_tokens"], r["val_loss"], color=colors[mode], alpha=0.7, label=label)
-    for ax, title in ((left, "training loss per token (9-step mean)"), (right, "held-out loss")):
-        ax.set_xlabel("tokens seen")
+            by_step.plot(r["val_steps"], r["val_loss"], color=colors[mode], alpha=0.7, label=label)
+    panels = (
+        (left, "training loss per token (9-step mean)", "tokens seen"),
+        (right, "held-out loss", "tokens seen"),
+        (by_step, "held-out loss by optimizer step", "step"),
+    )
+    for ax, title, xlabel in panels:
+        ax.set_ylim(top=3.6)  # the first steps' losses (5-6 nats) would hide the differences
+        ax.set_xlabel(xlabel)
         ax.set_ylabel("cross-entropy (nats / token)")
         ax.set_title(title)
         ax.grid(alpha=0.3)
@@ -219,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         p.error(f"--seeds = {args.seeds!r} must be comma-separated integers")
     require_at_least(p, args, ("num_texts", "jobs", "val_freq", "val_steps", "micro_batches"))
+    if args.from_json:
+        return report(merge_results(args.from_json.split(",")), args)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="convergence_"))
     work.mkdir(parents=True, exist_ok=True)
     data = work / "train.jsonl"
@@ -240,11 +263,46 @@ def main(argv: list[str] | None = None) -> int:
         **summarize(runs),
         "runs": {m: {str(s): r for s, r in by_seed.items()} for m, by_seed in runs.items()},
     }
+    return report(result, args)
+
+
+def merge_results(paths: list[str]) -> dict[str, Any]:
+    """The runs of several result files (later files win per mode), summarized anew."""
+    runs: dict[str, dict[int, dict]] = {}
+    wall, config = 0.0, {}
+    for path in paths:
+        saved = json.loads(Path(path).read_text())
+        wall += saved["wall_s"]
+        config = config or {k: v for k, v in saved.get("config", {}).items() if k != "workdir"}
+        for mode, by_seed in saved["runs"].items():
+            runs[mode] = {int(s): r for s, r in by_seed.items()}
+    result = {"sources": paths, "config": config, "wall_s": wall, **summarize(runs)}
+    return {**result, "runs": runs}
+
+
+def report(result: dict[str, Any], args: argparse.Namespace) -> int:
+    """Write the JSON and the figure asked for; print the table and the verdict."""
     if args.json_out:
         Path(args.json_out).write_text(json_text(result, indent=1) + "\n")
     if args.plot:
+        runs = {m: {int(s): r for s, r in by_seed.items()} for m, by_seed in result["runs"].items()}
         plot(runs, args.plot)
-    print(json_text({k: result[k] for k in ("table", "verdict", "wall_s")}, indent=1))
+    if args.json:
+        print(json_text({k: result[k] for k in ("table", "verdict", "wall_s")}))
+        return 0
+    print("mode  steps  final held-out loss: mean  sd  min-max")
+    for mode, row in result["table"].items():
+        print(
+            f"{mode}  {row['steps'][0]}  {row['final_val_loss_mean']:.4f}  "
+            f"{row['final_val_loss_std']:.4f}  {row['final_val_loss_min']:.4f}-"
+            f"{row['final_val_loss_max']:.4f}"
+        )
+    if (verdict := result["verdict"]) is not None:
+        low, high = verdict["baseline_range"]
+        inside = "within" if verdict["wlb_within_baseline_spread"] else "outside"
+        print(
+            f"wlb's mean {verdict['wlb_mean']:.4f} is {inside} the baselines' {low:.4f}-{high:.4f}"
+        )
     return 0
 
 
