@@ -36,6 +36,11 @@ def _build_dataloader(dp_world_size: int, dp_rank: Any, tokenizer: Any, job_conf
     return build_wlb_dataloader(dp_world_size, dp_rank, tokenizer, job_config, cost_model)
 
 
+def _build_validator(**kwargs: Any) -> Any:
+    """``[validation]``'s held-out loss (torchtitan_wlb.validator), on a concrete DP rank."""
+    return build_wlb_validator(**{**kwargs, "dp_rank": _concrete_rank(kwargs["dp_rank"])})
+
+
 def _concrete_rank(dp_rank: Any) -> int:
     """``dp_rank`` as an int. Under ``[comm] mode = "local_tensor"`` one process simulates every
     rank and TorchTitan passes a symbolic rank (a SymInt holding each simulated rank's value);
@@ -64,7 +69,7 @@ except ValueError:
             build_tokenizer_fn=build_wlb_tokenizer,
             build_loss_fn=build_cross_entropy_loss,
             build_metrics_processor_fn=WLBMetricsProcessor,
-            build_validator_fn=build_wlb_validator,
+            build_validator_fn=_build_validator,
             state_dict_adapter=Llama3StateDictAdapter,
         ),
     )
