@@ -45,6 +45,7 @@ ROOMS = {
     f"{PACKAGE}.audit_log": "trainer",
     f"{PACKAGE}.resume": "trainer",
     f"{PACKAGE}.validate": "trainer",
+    f"{PACKAGE}.validator": "trainer",
     f"{PACKAGE}.trainer": "trainer",
     f"{PACKAGE}.online_fit": "trainer",
     f"{PACKAGE}.audit_hooks": "trainer",

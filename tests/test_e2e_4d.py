@@ -6,6 +6,7 @@ packing plan is global. Step 1's loss and gradient norm compare the forward and 
 directly; step 2's loss also compares the optimizer update those gradients produced.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -97,6 +98,15 @@ def _trained(dump):
     }
 
 
+VALIDATE_EACH_STEP = ["--validation.enable", "--validation.freq", "1", "--validation.steps", "2",
+                      "--validation.seq_len", "128"]  # fmt: skip
+
+
+def _validation(dump):
+    with open(os.path.join(dump, "wlb_validation.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
 @pytest.fixture(scope="module")
 def seeded(tmp_path_factory):
     """A seed checkpoint and the single-process reference run from it."""
@@ -105,7 +115,7 @@ def seeded(tmp_path_factory):
     _run(1, seed, "--checkpoint.create_seed_checkpoint", "--training.steps", "1")
     ref = base / "ref"
     shutil.copytree(seed / "checkpoint", ref / "checkpoint")
-    _run(1, ref, "--training.steps", "2")
+    _run(1, ref, "--training.steps", "2", *VALIDATE_EACH_STEP)
     return base, seed, _records(ref), _trained(ref)
 
 
@@ -135,8 +145,14 @@ def test_4d_matches_single_process(seeded, layout):
     nproc, args = LAYOUTS[layout]
     run = base / layout
     shutil.copytree(seed / "checkpoint", run / "checkpoint")
-    _run(nproc, run, "--training.steps", "2", "--wlb.cp_sharding", "per_document", *args)
+    _run(nproc, run, "--training.steps", "2", "--wlb.cp_sharding", "per_document",
+         *VALIDATE_EACH_STEP, *args)  # fmt: skip
     got = _records(run)
+    # the held-out loss after each step, under TP and the combined layouts too
+    ref_val, got_val = _validation(base / "ref"), _validation(run)
+    assert [v["tokens"] for v in got_val] == [v["tokens"] for v in ref_val]
+    for v, r in zip(got_val, ref_val, strict=True):
+        assert v["loss"] == pytest.approx(r["loss"], rel=1e-4), v["step"]
     for step in (1, 2):
         assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=2e-5), step
         assert got[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=2e-4), step
@@ -216,3 +232,59 @@ def test_killed_rank_resumes_without_losing_or_repeating_documents(tmp_path):
     assert report.superseded and report.superseded[0][0] == 4, report.message
     assert audit(str(ref)).ok
     assert _trained(crash) == _trained(ref)
+
+
+VALIDATION = [
+    "--validation.enable", "--validation.freq", "1", "--validation.steps", "6",
+    "--validation.seq_len", "128", "--optimizer.lr", "0", "--training.steps", "1",
+]  # fmt: skip
+VALIDATION_LAYOUTS = {
+    "dp2": ["--parallelism.data_parallel_shard_degree", "2"],
+    "cp2": ["--parallelism.context_parallel_degree", "2"],
+    "pp2": ["--parallelism.pipeline_parallel_degree", "2"],
+}  # fmt: skip
+
+
+def _heldout_reference(checkpoint):
+    """One process, no validator: the checkpoint's model on each held-out document alone, the
+    mean cross-entropy over all their predicted tokens, and how many there are."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from torchtitan_wlb.attention.metadata import metadata_from_doc_lens
+    from torchtitan_wlb.data.heldout import read_heldout_documents
+    from torchtitan_wlb.data.sources import TextSource
+    from torchtitan_wlb.data.tokenizer import ByteTokenizer
+    from torchtitan_wlb.models.llama3_wlb import WLBTransformer, llama3_wlb_args
+
+    model = WLBTransformer(dataclasses.replace(llama3_wlb_args["tiny"], max_seq_len=160))
+    state = model.state_dict()
+    dcp.load(state, checkpoint_id=str(checkpoint))
+    model.load_state_dict(state)
+    docs = read_heldout_documents(TextSource("wlb_builtin_validation"), ByteTokenizer(), 128, 768)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for doc in docs:
+            tokens = torch.from_numpy(doc.astype("int64"))[None]
+            logits = model(tokens, attention_masks=metadata_from_doc_lens([doc.size]))
+            ce = torch.nn.functional.cross_entropy(logits[0, :-1], tokens[0, 1:], reduction="sum")
+            total, count = total + float(ce), count + doc.size - 1
+    return total / count, count
+
+
+def test_validation_loss_is_the_same_in_every_layout(seeded):
+    """The held-out loss of the seed checkpoint's weights (lr 0: step 1 changes nothing) under
+    DP = 2, CP = 2 and PP = 2 (evaluated through the pipeline), against one process running each
+    held-out document alone: one mean over the same tokens, however packed and dealt to ranks."""
+    base, seed, _, _ = seeded
+    loss, tokens = _heldout_reference(seed / "checkpoint" / "step-0")
+    assert tokens > 600 and 0 < loss < 10
+    for name, args in VALIDATION_LAYOUTS.items():
+        run = base / f"validation_{name}"
+        shutil.copytree(seed / "checkpoint", run / "checkpoint")
+        r = _run(2, run, *VALIDATION, *args)
+        assert "validate step:  1" in r.stdout + r.stderr
+        with open(run / "wlb_validation.jsonl") as f:
+            (got,) = map(json.loads, f)
+        assert got["tokens"] == tokens, name  # the same held-out set
+        assert got["loss"] == pytest.approx(loss, abs=1e-5), name

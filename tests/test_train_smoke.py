@@ -37,9 +37,28 @@ def _losses(dump, rank=0):
         return {rec["step"]: rec for rec in map(json.loads, f)}
 
 
+# Held-out loss after every step (a small set): a resumed run must validate as the full one did.
+VALIDATE = ["--validation.enable", "--validation.freq", "1", "--validation.steps", "2",
+            "--validation.seq_len", "256"]  # fmt: skip
+
+
+def _validation(dump):
+    with open(os.path.join(dump, "wlb_validation.jsonl")) as f:
+        return {rec["step"]: rec["loss"] for rec in map(json.loads, f)}
+
+
+def _read_bytes(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _event_files(folder):
+    return [os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs if "tfevents" in f]
+
+
 def test_fsdp_trains_checkpoints_and_resumes_exactly(tmp_path):
     ref = tmp_path / "ref"
-    r = _train(ref, "--training.steps", "6", "--metrics.enable_tensorboard")
+    r = _train(ref, "--training.steps", "6", "--metrics.enable_tensorboard", *VALIDATE)
     log = r.stdout + r.stderr
     assert "step:  6/6" in log and "eta: 0s" in log and "mfu: n/a" in log  # where it is
     assert re.search(r"tflops: \d+\.\d\d  mfu: n/a", log)  # the documents' FLOPs, no CPU peak
@@ -58,7 +77,7 @@ def test_fsdp_trains_checkpoints_and_resumes_exactly(tmp_path):
     # Stop after step 4 (as if killed during step 5), resume from the step-4 checkpoint.
     resumed = tmp_path / "resumed"
     shutil.copytree(ref / "checkpoint" / "step-4", resumed / "checkpoint" / "step-4")
-    r = _train(resumed, "--training.steps", "6", "--wlb.advanced.peak_tflops", "0.5")
+    r = _train(resumed, "--training.steps", "6", "--wlb.advanced.peak_tflops", "0.5", *VALIDATE)
     assert "Training starts at step 5" in r.stdout + r.stderr
     # With a peak given, the step line's MFU: the documents' FLOPs per second over it.
     assert re.search(r"step:  6/6 .* tflops: \d+\.\d\d  mfu: \d+\.\d\d%", r.stdout + r.stderr)
@@ -68,6 +87,13 @@ def test_fsdp_trains_checkpoints_and_resumes_exactly(tmp_path):
     for step in (5, 6):  # same data order, same model state: bitwise-equal losses on CPU fp32
         assert again[step]["loss"] == full[step]["loss"]
         assert again[step]["wlb/max_tokens"] == full[step]["wlb/max_tokens"]
+    validated = _validation(ref)
+    assert sorted(validated) == [1, 2, 3, 4, 5, 6] and validated[6] < validated[1]
+    assert "validate step:  6" in log
+    # beside the training loss in TensorBoard (tags are stored as plain strings)
+    assert any(b"validation_metrics/loss" in _read_bytes(e)
+               for e in _event_files(ref / "tb"))  # fmt: skip
+    assert _validation(resumed) == {5: validated[5], 6: validated[6]}  # bitwise, as the losses
 
 
 def test_resume_after_a_model_only_last_checkpoint(tmp_path):

@@ -22,6 +22,7 @@ from torchtitan_wlb.models.llama3_wlb import (
     parallelize_llama_wlb,
     pipeline_llama_wlb,
 )
+from torchtitan_wlb.validator import build_wlb_validator
 
 TRAIN_SPEC_NAME = "llama3_wlb"
 
@@ -33,6 +34,11 @@ def _build_dataloader(dp_world_size: int, dp_rank: Any, tokenizer: Any, job_conf
         cost_model_for_job(job_config) if job_config.wlb.advanced.loader == "documents" else None
     )
     return build_wlb_dataloader(dp_world_size, dp_rank, tokenizer, job_config, cost_model)
+
+
+def _build_validator(**kwargs: Any) -> Any:
+    """``[validation]``'s held-out loss (torchtitan_wlb.validator), on a concrete DP rank."""
+    return build_wlb_validator(**{**kwargs, "dp_rank": _concrete_rank(kwargs["dp_rank"])})
 
 
 def _concrete_rank(dp_rank: Any) -> int:
@@ -63,6 +69,7 @@ except ValueError:
             build_tokenizer_fn=build_wlb_tokenizer,
             build_loss_fn=build_cross_entropy_loss,
             build_metrics_processor_fn=WLBMetricsProcessor,
+            build_validator_fn=_build_validator,
             state_dict_adapter=Llama3StateDictAdapter,
         ),
     )

@@ -67,10 +67,13 @@ class WLBTrainer(Trainer):
         self._clock = DeviceClock(self.device)
         self.metrics_processor.device_clock = self._clock.kind
         self._micro_batches_done = 0
+        self._steps_done: int | None = None  # the last step trained by this launch
         self._ddp_ranks = ddp_ranks(self.parallel_dims)
         self._audit = AuditHooks.build(job_config, self.dataloader)
         on_saved = self._audit.checkpoint_saved if self._audit is not None else None
         self.checkpointer = WLBCheckpointManager.adopt(self.checkpointer, on_saved=on_saved)
+        if job_config.validation.enable:
+            self.validator.attach(self)  # its sharding and pipeline runner are this trainer's
 
     def _adaptive_cp_profile(self) -> Any:
         """Under adaptive CP sharding, the throughput profile it chooses by: ``[wlb] cp_profile``,
@@ -104,6 +107,10 @@ class WLBTrainer(Trainer):
             logger.info(line)
         begin = time.perf_counter()
         super().train()
+        if jc.validation.enable and self._steps_done is not None:
+            # The trained model's held-out loss, when the last step was not a multiple of freq
+            # (the data ended, or steps is not one).
+            self.validator.validate_final(self.model_parts, self._steps_done)
         if self._audit is not None:
             self._audit.training_ended(self.step)
         seconds = time.perf_counter() - begin
@@ -119,6 +126,7 @@ class WLBTrainer(Trainer):
             # decision is): the packing node must not wait for them beyond that.
             self._fit.skip_to(self.step)
         super().train_step(data_iterator)
+        self._steps_done = self.step
         if self._audit is not None:
             self._audit.step_done(self.step)
 
@@ -175,9 +183,16 @@ class WLBTrainer(Trainer):
         return inputs, labels, positions, doc_lens
 
     def _shard_for_cp(
-        self, inputs: Tensor, labels: Tensor, positions: Tensor, doc_lens: np.ndarray, backend: str
+        self,
+        inputs: Tensor,
+        labels: Tensor,
+        positions: Tensor,
+        doc_lens: np.ndarray,
+        backend: str,
+        record: bool = True,
     ) -> tuple[Tensor, Tensor, Tensor, DocumentAttentionMetadata]:
-        """Shard one micro-batch over the CP group with its own plan (vectorised, ~1 ms)."""
+        """Shard one micro-batch over the CP group with its own plan (vectorised, ~1 ms);
+        ``record``: into the step's metrics and the online fit (validation does not)."""
         from torchtitan_wlb.cp.adaptive import adaptive_candidates, build_cp_plan
         from torchtitan_wlb.cp.local import build_cp_attention_metadata, shard_tensor
 
@@ -185,7 +200,7 @@ class WLBTrainer(Trainer):
         rank = cp_mesh.get_local_rank()
         wlb = self.job_config.wlb
         coefficients = None  # the online model's, once fitted: adaptive chooses, hybrid balances
-        if self._fit is not None and wlb.cp_sharding in ("adaptive", "hybrid"):
+        if record and self._fit is not None and wlb.cp_sharding in ("adaptive", "hybrid"):
             coefficients = self._fit.cp_coefficients(self.step)
         plan = build_cp_plan(
             doc_lens,
@@ -197,11 +212,12 @@ class WLBTrainer(Trainer):
             candidates=adaptive_candidates(self.parallel_dims.tp_enabled),
             coefficients=coefficients,
         )
-        self._cp_stats.append((plan.strategy, plan.flops_imbalance()))
-        # Padding the sharding added (documents past the micro-batch's own) is not model work.
-        self.metrics_processor.flops.cp_share(plan, rank, n_docs=len(self._last_doc_lens))
-        self.metrics_processor.keep("micro_batch_cp_strategy", plan.strategy)
-        if self._fit is not None:
+        if record:
+            self._cp_stats.append((plan.strategy, plan.flops_imbalance()))
+            # Padding the sharding added (documents past the micro-batch's own) is not model work.
+            self.metrics_processor.flops.cp_share(plan, rank, n_docs=len(self._last_doc_lens))
+            self.metrics_processor.keep("micro_batch_cp_strategy", plan.strategy)
+        if record and self._fit is not None:
             self._fit.features = cp_fit_features(plan, rank)
             self.metrics_processor.keep("micro_batch_fit_features", list(self._fit.features))
         meta = DocumentAttentionMetadata(

@@ -86,6 +86,7 @@ def check_job_config(job_config: Any, world_size: int | None = None) -> dict[str
     _check_profiling(job_config.profiling)
     _check_converters(job_config)
     _check_options(job_config, degrees)
+    _check_validation(job_config)
     if job_config.wlb.advanced.loader == "documents":
         _check_document_loader(job_config, degrees)
     elif degrees["cp"] > 1:
@@ -454,6 +455,53 @@ def _check_document_loader(job_config: Any, degrees: dict[str, int]) -> None:
                 f"[parallelism] pipeline_parallel_degree = {degrees['pp']} with [training] "
                 f"global_batch_size = {n} ({n // dp} micro-batches per DP rank): {e}"
             ) from None
+
+
+def _check_validation(job_config: Any) -> None:
+    """``[validation]``: a held-out document source training does not read, and lengths the
+    model's positions cover (docs/validation.md)."""
+    from torchtitan_wlb.data.heldout import (
+        TORCHTITAN_DEFAULT,
+        training_reads_heldout,
+        validation_source,
+    )
+    from torchtitan_wlb.data.sources import BUILTIN_HELDOUT_NAME
+
+    training, v = job_config.training, job_config.validation
+    if training.dataset == BUILTIN_HELDOUT_NAME:
+        raise ConfigError(
+            f"[training] dataset = {BUILTIN_HELDOUT_NAME!r} is the built-in corpus's held-out "
+            "split, which only [validation] reads; train on 'wlb_builtin'"
+        )
+    if not v.enable:
+        return
+    if v.dataset == TORCHTITAN_DEFAULT:
+        raise ConfigError(
+            f"[validation] dataset = {v.dataset!r} (TorchTitan's C4 download) is not read by the "
+            f"document loader; use {BUILTIN_HELDOUT_NAME!r} (the built-in corpus's held-out "
+            "split) or 'jsonl', 'parquet', 'text', 'hf' with [validation] dataset_path"
+        )
+    for name, value, low in (("freq", v.freq, 1), ("seq_len", v.seq_len, 2)):
+        if value < low:
+            raise ConfigError(f"[validation] {name} = {value} is out of range; it must be >= {low}")
+    if v.local_batch_size < 1:
+        raise ConfigError(f"[validation] local_batch_size = {v.local_batch_size} must be >= 1")
+    longest = max(training.seq_len, job_config.wlb.micro_batch_max_len)
+    if v.seq_len > longest:
+        raise ConfigError(
+            f"[validation] seq_len = {v.seq_len} exceeds the model's positions, max([training] "
+            f"seq_len, [wlb] micro_batch_max_len) = {longest}; use at most {longest}"
+        )
+    try:
+        source = validation_source(v, job_config.wlb.text_field)
+    except DataError as e:
+        raise DataError(str(e).replace("[training]", "[validation]")) from None
+    if training_reads_heldout(training.dataset, training.dataset_path or "", source):
+        raise ConfigError(
+            f"[validation] dataset = {v.dataset!r} (dataset_path = {v.dataset_path or ''!r}) "
+            "holds documents training reads too; validate on held-out documents ("
+            f"{BUILTIN_HELDOUT_NAME!r} for the built-in corpus, other files for your own)"
+        )
 
 
 def _check_training(job_config: Any, degrees: dict[str, int]) -> None:

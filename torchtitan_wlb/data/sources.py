@@ -18,6 +18,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 BUILTIN_NAME = "wlb_builtin"
+BUILTIN_HELDOUT_NAME = "wlb_builtin_validation"
+"""The built-in corpus's held-out split: ``[validation] dataset``, never read by training."""
+HELDOUT_FRACTION = 20
+"""The held-out split is the last ``1 / HELDOUT_FRACTION`` of the built-in corpus's texts (327 of
+6,544 on Python 3.11): the order is already a seeded shuffle, so the tail is a fair sample."""
 
 
 class DataError(ValueError):
@@ -54,6 +59,14 @@ def build_builtin_corpus() -> list[str]:
     return [docs[i] for i in order]
 
 
+def builtin_split(heldout: bool) -> list[str]:
+    """The built-in corpus's training texts, or (``heldout``) its held-out validation texts: two
+    disjoint parts whose union is the corpus."""
+    docs = builtin_corpus()
+    cut = len(docs) - len(docs) // HELDOUT_FRACTION
+    return docs[cut:] if heldout else docs[:cut]
+
+
 def builtin_corpus() -> list[str]:
     """The built-in corpus, built once per Python version and cached under ``~/.cache``."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -75,12 +88,15 @@ def builtin_corpus() -> list[str]:
 class TextSource:
     """A restartable stream of document texts."""
 
-    kind: str  # "wlb_builtin", "jsonl", "parquet", "text", "hf" ("indexed": named, not read here)
+    # "wlb_builtin", "wlb_builtin_validation", "jsonl", "parquet", "text", "hf" ("indexed": named,
+    # not read here)
+    kind: str
     path: str = ""  # file, directory or glob (local kinds); dataset name or local path ("hf")
     text_field: str = "text"  # the field holding the text (jsonl, parquet, hf)
+    split: str = "train"  # the Hugging Face split read ("hf"; validation reads "validation")
 
     def __post_init__(self) -> None:
-        if self.kind == BUILTIN_NAME:
+        if self.kind in (BUILTIN_NAME, BUILTIN_HELDOUT_NAME):
             return
         if self.kind not in ("jsonl", "parquet", "text", "hf", "indexed"):
             raise DataError(
@@ -121,7 +137,10 @@ class TextSource:
         yield from itertools.islice(enumerate(texts), start, None)
 
     def _read_wlb_builtin(self) -> Iterator[str]:
-        return iter(builtin_corpus())
+        return iter(builtin_split(heldout=False))
+
+    def _read_wlb_builtin_validation(self) -> Iterator[str]:
+        return iter(builtin_split(heldout=True))
 
     def _checked(self, text: object, where: str) -> str:
         if not isinstance(text, str):
@@ -172,7 +191,7 @@ class TextSource:
     def _read_hf(self) -> Iterator[str]:
         from datasets import load_dataset
 
-        ds = load_dataset(self.path, split="train", streaming=True)
+        ds = load_dataset(self.path, split=self.split, streaming=True)
         for row, record in enumerate(ds):
             if self.text_field not in record:
                 raise DataError(
