@@ -133,7 +133,8 @@ RUNS: dict[str, tuple[int, list[str]]] = {
 NO_VALIDATOR = "needs a validator for llama3_wlb"
 QUANTIZE = "read by the quantized-training converters of [model] converters, which need CUDA"
 FT_ONLY = "read only with [fault_tolerance] enable, which is refused"
-VALIDATION_ONLY = "read only with [validation] enable, which is refused until llama3_wlb has one"
+HELDOUT_IN_PROCESS = "the held-out set is read and packed once, in the rank, before training"
+VAL_E2E = "test:tests/test_e2e_4d.py::test_validation_loss_is_the_same_in_every_layout"
 COMPILE_ONLY = "read only with [compile] enable, which is refused for llama3_wlb"
 NO_EXPERTS = "for MoE experts; llama3_wlb is dense"
 NCCL = "NCCL's flight recorder; CPU ranks talk over gloo, which has none"
@@ -546,29 +547,42 @@ TABLE: dict[str, Row] = {
         accept={"experimental.custom_args_module": "torchtitan_wlb.config"},
     ),
     # [validation]
-    "validation.enable": refused(
-        "not yet: llama3_wlb has no validator",
-        {"validation.enable": True},
-        "[validation] enable = true",
-        "no validator",
+    "validation.enable": works(
+        "held-out documents packed as training packs them, under every layout (docs/validation.md)",
+        VAL_E2E,
+        "test:tests/test_train_smoke.py::test_fsdp_trains_checkpoints_and_resumes_exactly",
     ),
-    "validation.dataset": inert(VALIDATION_ONLY, {"validation.dataset": "wlb_builtin"}),
-    "validation.dataset_path": inert(VALIDATION_ONLY, {"validation.dataset_path": "held_out"}),
-    "validation.local_batch_size": inert(VALIDATION_ONLY, {"validation.local_batch_size": 1}),
-    "validation.seq_len": inert(VALIDATION_ONLY, {"validation.seq_len": 128}),
-    "validation.freq": inert(VALIDATION_ONLY, {"validation.freq": 2}),
-    "validation.steps": inert(VALIDATION_ONLY, {"validation.steps": 2}),
+    "validation.dataset": differs(
+        "any source [training] dataset takes; 'wlb_builtin_validation' is the built-in corpus's "
+        "held-out split; TorchTitan's c4_validation is refused",
+        "test:tests/test_validation.py::test_validation_refusals_are_one_line",
+    ),
+    "validation.dataset_path": works(
+        "", "test:tests/test_validation.py::test_validation_refusals_are_one_line"
+    ),
+    "validation.local_batch_size": differs(
+        "with steps and seq_len it sizes the held-out set: steps x local_batch_size x seq_len "
+        "tokens, packed whole documents, dealt over the data-parallel ranks",
+        "toml",
+    ),
+    "validation.seq_len": differs(
+        "the longest packed held-out sequence (documents masked apart)", VAL_E2E
+    ),
+    "validation.freq": works("", VAL_E2E),
+    "validation.steps": differs(
+        "sizes the held-out set (see local_batch_size); -1 reads the whole source", VAL_E2E
+    ),
     "validation.dataloader.num_workers": inert(
-        VALIDATION_ONLY, {"validation.dataloader.num_workers": 2}
+        HELDOUT_IN_PROCESS, {"validation.dataloader.num_workers": 2}
     ),
     "validation.dataloader.persistent_workers": inert(
-        VALIDATION_ONLY, {"validation.dataloader.persistent_workers": True}
+        HELDOUT_IN_PROCESS, {"validation.dataloader.persistent_workers": True}
     ),
     "validation.dataloader.pin_memory": inert(
-        VALIDATION_ONLY, {"validation.dataloader.pin_memory": True}
+        HELDOUT_IN_PROCESS, {"validation.dataloader.pin_memory": True}
     ),
     "validation.dataloader.prefetch_factor": inert(
-        VALIDATION_ONLY, {"validation.dataloader.prefetch_factor": 4}
+        HELDOUT_IN_PROCESS, {"validation.dataloader.prefetch_factor": 4}
     ),
     # [debug]
     "debug.seed": works("", A),

@@ -164,7 +164,7 @@ def test_options_without_effect_are_accepted(job_config):
     assert check_job_config(_with(job_config, overrides), world_size=2)["dp_shard"] == 2
 
 
-@pytest.mark.parametrize("flag", ["--compile.enable", "--validation.enable"])
+@pytest.mark.parametrize("flag", ["--compile.enable"])
 def test_unfinished_features_are_refused_by_the_preflight_check(capsys, monkeypatch, flag):
     monkeypatch.setenv("NGPU", "2")
     assert main([*COMMON, "--job.dump_folder", "/tmp/wlb_option_sweep", flag]) == 2

@@ -493,7 +493,7 @@ def _check_validation(job_config: Any) -> None:
             f"seq_len, [wlb] micro_batch_max_len) = {longest}; use at most {longest}"
         )
     try:
-        source = validation_source(v, job_config.wlb.text_field)
+        source = validation_source(v, job_config.wlb.advanced.text_field)
     except DataError as e:
         raise DataError(str(e).replace("[training]", "[validation]")) from None
     if training_reads_heldout(training.dataset, training.dataset_path or "", source):
