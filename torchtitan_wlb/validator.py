@@ -61,7 +61,7 @@ class WLBValidator(BaseValidator):
     ):
         super().__init__(job_config)
         v = job_config.validation
-        source = validation_source(v, job_config.wlb.text_field)
+        source = validation_source(v, job_config.wlb.advanced.text_field)
         docs = read_heldout_documents(source, tokenizer, v.seq_len, token_budget(v))
         sequences = pack_sequences(docs, v.seq_len)
         self.documents, self.tokens = len(docs), int(sum(d.size for d in docs))
