@@ -179,10 +179,9 @@ def test_layout_checks():
     # adaptive is accepted with TP: it leaves hybrid out of its candidates (test_cp_adaptive.py)
     adaptive_tp = _parse(*[a if a != "hybrid" else "adaptive" for a in hybrid_tp_args])
     assert check_job_config(adaptive_tp, world_size=4)["tp"] == 2
-    with pytest.raises(ConfigError, match="cannot be traced by torch.compile"):
-        check_job_config(
-            _parse("--parallelism.context_parallel_degree", "2", "--compile.enable"), world_size=2
-        )
+    # a compiled model with CP is accepted: the CP op is traceable (tests/test_compile.py)
+    compiled_cp = _parse("--parallelism.context_parallel_degree", "2", "--compile.enable")
+    assert check_job_config(compiled_cp, world_size=2)["cp"] == 2
     with pytest.raises(ConfigError, match="needs document boundaries"):
         check_job_config(
             _parse(

@@ -121,13 +121,7 @@ def _check_queue_thresholds(job_config: Any) -> None:
 
 
 def _check_cp_combinations(job_config: Any, degrees: dict[str, int]) -> None:
-    """The settings context parallelism cannot run with: a compiled model, hybrid under TP."""
-    if degrees["cp"] > 1 and job_config.compile.enable and "model" in job_config.compile.components:
-        raise ConfigError(
-            f"[compile] enable = true with components including 'model' and [parallelism] "
-            f"context_parallel_degree = {degrees['cp']}: the per-document CP attention op's "
-            "backward cannot be traced by torch.compile; disable [compile] or compile only 'loss'"
-        )
+    """The settings context parallelism cannot run with: hybrid under TP."""
     if degrees["cp"] > 1 and degrees["tp"] > 1 and job_config.wlb.cp_sharding == "hybrid":
         raise ConfigError(
             f'[wlb] cp_sharding = "hybrid" with [parallelism] tensor_parallel_degree = '
