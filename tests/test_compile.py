@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 
 COMMON = [
     "--job.config_file", DEBUG_CPU, "--model.flavor", "tiny", "--training.seq_len", "128",
-    "--wlb.micro_batch_max_len", "160", "--training.global_batch_size", "4",
+    "--wlb.micro_batch_max_len", "160", "--training.global_batch_size", "2",
     "--wlb.advanced.metrics_jsonl", "--metrics.disable_color_printing", "--checkpoint.no-enable",
     "--debug.seed", "7", "--wlb.advanced.attention_backend", "cpu",
     # the same learning rate at steps 1-3 whatever the run's length: warmup, then constant

@@ -182,6 +182,9 @@ def test_layout_checks():
     # a compiled model with CP is accepted: the CP op is traceable (tests/test_compile.py)
     compiled_cp = _parse("--parallelism.context_parallel_degree", "2", "--compile.enable")
     assert check_job_config(compiled_cp, world_size=2)["cp"] == 2
+    compiled_tp = _parse("--parallelism.tensor_parallel_degree", "2", "--compile.enable")
+    with pytest.raises(ConfigError, match="tensor_parallel_degree = 2 is not supported yet"):
+        check_job_config(compiled_tp, world_size=2)
     with pytest.raises(ConfigError, match="needs document boundaries"):
         check_job_config(
             _parse(
