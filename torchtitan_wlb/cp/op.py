@@ -1,7 +1,10 @@
-"""All-gather-KV context-parallel document attention (Llama 3 style) as a ``torch.library`` op.
+"""All-gather-KV context-parallel document attention (Llama 3 style) as ``torch.library`` ops.
 
-Backward re-gathers K/V, so that memory per layer stays at the local size, recomputes the local
-attention under autograd and reduce-scatters the gathered rows' dK/dV (docs/context_parallel.md).
+Forward and backward are custom ops with fake kernels, their collectives functional collectives on
+the group named by ``group_name``, so ``torch.compile`` traces a block that calls them
+(docs/compile.md). Backward re-gathers K/V, so that memory per layer stays at the local size,
+recomputes the local attention under autograd and reduce-scatters the gathered rows' dK/dV
+(docs/context_parallel.md).
 """
 
 from __future__ import annotations
