@@ -18,20 +18,23 @@ from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list, parall
 from torchtitan.models.llama3.model.model import Attention, Transformer, apply_rotary_emb
 from torchtitan.tools.logging import logger
 
+import torchtitan_wlb.cp.op  # noqa: F401  (registers the CP ops)
 from torchtitan_wlb import cpu_support
 from torchtitan_wlb.attention import DocumentAttentionMetadata, attention_from_metadata
 from torchtitan_wlb.attention.metadata import uniform_metadata
 from torchtitan_wlb.config import ConfigError
 from torchtitan_wlb.cost_fit import profile_cost_model
 from torchtitan_wlb.cost_model import CostModel
-from torchtitan_wlb.cp.op import cp_attention_fwd
 from torchtitan_wlb.models.catalogue import PAPER_MODELS, ModelSpec, get_model
 
 # TorchTitan's per-op selective activation checkpointing ("op") keeps the outputs of the ops on this
 # list and recomputes the rest; it lists its own attention kernels, so ours join them: document
 # attention's forward is not rerun by the checkpoint's recompute (its backward op reruns it once).
 _op_sac_save_list.update(
-    {torch.ops.torchtitan_wlb.document_attention.default, cp_attention_fwd._opoverload}
+    {
+        torch.ops.torchtitan_wlb.document_attention.default,
+        torch.ops.torchtitan_wlb.cp_attention_fwd.default,
+    }
 )
 
 
