@@ -135,7 +135,7 @@ QUANTIZE = "read by the quantized-training converters of [model] converters, whi
 FT_ONLY = "read only with [fault_tolerance] enable, which is refused"
 HELDOUT_IN_PROCESS = "the held-out set is read and packed once, in the rank, before training"
 VAL_E2E = "test:tests/test_e2e_4d.py::test_validation_loss_is_the_same_in_every_layout"
-COMPILE_ONLY = "read only with [compile] enable, which is refused for llama3_wlb"
+COMPILE = "test:tests/test_compile.py::test_compiled_matches_eager"
 NO_EXPERTS = "for MoE experts; llama3_wlb is dense"
 NCCL = "NCCL's flight recorder; CPU ranks talk over gloo, which has none"
 UNREAD = "TorchTitan 0.2.2's trainer does not read it"
@@ -467,14 +467,16 @@ TABLE: dict[str, Row] = {
         expect=("[activation_checkpoint] debug = true", "per-operator"),
     ),  # fmt: skip
     # [compile]
-    "compile.enable": refused(
-        "not yet: torch.compile cannot trace the document-masked attention",
-        {"compile.enable": True},
-        "[compile] enable = true",
-        "not supported yet",
+    "compile.enable": differs(
+        "the blocks and the loss compile, the attention running as custom ops with the packed "
+        "length dynamic (docs/compile.md); refused in one line with tensor_parallel_degree > 1 "
+        "and with the zero-bubble schedules",
+        COMPILE,
+        refuse={"compile.enable": True, "parallelism.tensor_parallel_degree": 2},
+        expect=("[compile] enable = true", "tensor_parallel_degree = 2"),
     ),
-    "compile.components": inert(COMPILE_ONLY, {"compile.components": ["loss"]}),
-    "compile.backend": inert(COMPILE_ONLY, {"compile.backend": "aot_eager"}),
+    "compile.components": works("", "test:tests/test_config.py::test_layout_checks components"),
+    "compile.backend": works("", COMPILE),
     # [quantize]
     "quantize.linear.float8.enable_fsdp_float8_all_gather": inert(
         QUANTIZE, {"quantize.linear.float8.enable_fsdp_float8_all_gather": True}

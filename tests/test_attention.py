@@ -280,3 +280,31 @@ def test_torch_varlen_adapter_maps_arguments(monkeypatch, new_api):
         cuda_mod._varlen_params.cache_clear()
     want = document_attention(q, k, v, cu_q, cu_k, 5, 7, scale=0.25, backend="cpu")
     torch.testing.assert_close(out, want)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "flash", "torch_varlen"])
+def test_attention_ops_pass_opcheck(monkeypatch, backend):
+    """The custom ops torch.compile sees (schema, fake kernels, autograd registration, AOT
+    dispatch with dynamic shapes), forward and backward; "flash" and "torch_varlen" through CPU
+    stand-ins of their kernels (tests/varlen_kernels.py; tests/test_gpu.py runs the real ones)."""
+    import varlen_kernels
+
+    from torchtitan_wlb.attention.ops import (
+        document_attention_backward,
+        document_attention_op,
+        max_seqlens_tensor,
+    )
+
+    if backend != "cpu":
+        varlen_kernels.install(monkeypatch)
+    gen = torch.Generator().manual_seed(3)
+    lens = [5, 1, 9, 3]
+    q = torch.randn(18, 4, 8, generator=gen, requires_grad=True)
+    k, v = (torch.randn(18, 2, 8, generator=gen, requires_grad=True) for _ in range(2))
+    index = (cu(lens), cu(lens), max_seqlens_tensor(9, 9), 8**-0.5, backend)
+    # The stand-ins differ from "cpu" only in the kernel the ops run: their real outputs against
+    # the fake kernels'; the rest of opcheck is the same for every backend.
+    utils = {} if backend == "cpu" else {"test_utils": ("test_schema", "test_faketensor")}
+    torch.library.opcheck(document_attention_op, (q, k, v, *index), **utils)
+    plain = tuple(t.detach() for t in (torch.randn_like(q), q, k, v))
+    torch.library.opcheck(document_attention_backward, (*plain, *index), **utils)

@@ -179,10 +179,16 @@ def test_layout_checks():
     # adaptive is accepted with TP: it leaves hybrid out of its candidates (test_cp_adaptive.py)
     adaptive_tp = _parse(*[a if a != "hybrid" else "adaptive" for a in hybrid_tp_args])
     assert check_job_config(adaptive_tp, world_size=4)["tp"] == 2
-    with pytest.raises(ConfigError, match="cannot be traced by torch.compile"):
-        check_job_config(
-            _parse("--parallelism.context_parallel_degree", "2", "--compile.enable"), world_size=2
-        )
+    # a compiled model with CP is accepted: the CP op is traceable (tests/test_compile.py)
+    compiled_cp = _parse("--parallelism.context_parallel_degree", "2", "--compile.enable")
+    assert check_job_config(compiled_cp, world_size=2)["cp"] == 2
+    compiled_tp = _parse("--parallelism.tensor_parallel_degree", "2", "--compile.enable")
+    with pytest.raises(ConfigError, match="tensor_parallel_degree = 2 is not supported yet"):
+        check_job_config(compiled_tp, world_size=2)
+    # only the loss compiled: the blocks run eagerly, so TP is accepted
+    loss_only = _parse("--parallelism.tensor_parallel_degree", "2", "--compile.enable",
+                       "--compile.components", "loss")  # fmt: skip
+    assert check_job_config(loss_only, world_size=2)["tp"] == 2
     with pytest.raises(ConfigError, match="needs document boundaries"):
         check_job_config(
             _parse(

@@ -179,6 +179,28 @@ def _run_shard_helper(cp, mesh, rank_in_group):
     }
 
 
+def _run_opcheck(group, rank_in_group) -> dict:
+    """``torch.library.opcheck`` of the CP forward and backward ops (schema, fake kernels,
+    autograd registration, AOT dispatch with dynamic shapes) on a hybrid plan: gathered and
+    whole documents, GQA. Every rank runs the same checks, so the collectives stay in step."""
+    from torchtitan_wlb.cp import build_cp_plan
+    from torchtitan_wlb.cp.local import build_cp_attention_metadata, shard_tensor
+    from torchtitan_wlb.cp.op import cp_attention_bwd, cp_attention_fwd
+
+    doc_lens = np.array([30, 2, 17, 5, 9, 40, 3, 12])
+    plan = build_cp_plan(doc_lens, 2, "hybrid", hybrid_max_len=10)
+    meta = build_cp_attention_metadata(plan, rank_in_group, group)
+    gen = torch.Generator().manual_seed(5)
+    total = int(doc_lens.sum())
+    q, k, v = (torch.randn(total, h, 8, generator=gen) for h in (4, 2, 2))
+    q, k, v = (shard_tensor(plan, rank_in_group, t, dim=0) for t in (q, k, v))
+    index = (meta.kv_order, *meta.op_cus, meta.op_sizes, meta.group_name, 8**-0.5, "cpu")
+    leaves = tuple(t.clone().requires_grad_(True) for t in (q, k, v))
+    torch.library.opcheck(cp_attention_fwd, (*leaves, *index))
+    torch.library.opcheck(cp_attention_bwd, (torch.randn_like(q), q, k, v, *index))
+    return {"opcheck": "passed"}
+
+
 def _worker(rank: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     # A file store, not a TCP one on a port probed beforehand: another process may take that port
@@ -213,6 +235,13 @@ def _worker(rank: int, out_dir: str) -> None:
                 except Exception:
                     results[key] = {"error": traceback.format_exc()}
                 dist.barrier()
+            if cp == 2 and rank < 2:  # one CP group is enough (the other waits at the barrier)
+                try:
+                    results["opcheck@cp2"] = _run_opcheck(mesh.get_group(), cp_rank)
+                except Exception:
+                    results["opcheck@cp2"] = {"error": traceback.format_exc()}
+            if cp == 2:
+                dist.barrier()
             try:
                 results[f"shard_helper@cp{cp}"] = _run_shard_helper(cp, mesh, cp_rank)
             except Exception:
@@ -230,7 +259,14 @@ def results(tmp_path_factory):
     # The ranks fork from a server that imported torch and the CP op once (as in
     # test_pipeline_varlen.py), instead of each importing them anew: seconds of CPU per rank.
     multiprocessing.set_forkserver_preload(
-        ["torch", "torch.distributed.tensor", "torchtitan_wlb.attention", "torchtitan_wlb.cp.local"]
+        [
+            "torch",
+            "torch.distributed.tensor",
+            "torchtitan_wlb.attention",
+            "torchtitan_wlb.cp.local",
+            "torch._dynamo",
+            "torch._functorch.aot_autograd",
+        ]  # (the last two: opcheck's)
     )
     mp.start_processes(_worker, args=(out_dir,), nprocs=WORLD, join=True, start_method="forkserver")
     merged = {}
@@ -267,6 +303,13 @@ def test_cuda_backends_path_matches_single_device(results, name):
     assert all(res["kernel_calls"] >= 2 for res in per_rank), per_rank  # forward + backward
     share = per_rank[0]["gathered_share"]
     assert 0.0 < share < 1.0 if name.endswith("hybrid") else share == 1.0, share
+
+
+@pytest.mark.slow
+def test_cp_ops_pass_opcheck(results):
+    assert len(results["opcheck@cp2"]) == 2
+    for rank, res in enumerate(results["opcheck@cp2"]):
+        assert res == {"opcheck": "passed"}, f"rank {rank}: {res.get('error')}"
 
 
 # Hybrid cases cover what their names say: share of tokens whose K/V are gathered.

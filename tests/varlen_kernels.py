@@ -105,7 +105,6 @@ def install(monkeypatch) -> None:
     about a CUDA device instead)."""
     import torchtitan_wlb.attention.cuda as cuda_mod
     import torchtitan_wlb.attention.varlen as varlen_mod
-    import torchtitan_wlb.cp.op as op_mod
 
     real = varlen_mod.resolve_backend
 
@@ -118,4 +117,3 @@ def install(monkeypatch) -> None:
     monkeypatch.setattr(cuda_mod, "_torch_varlen_fn", lambda: varlen_attn)
     cuda_mod._varlen_params.cache_clear()
     monkeypatch.setattr(varlen_mod, "resolve_backend", resolve_on_cpu)
-    monkeypatch.setattr(op_mod, "resolve_backend", resolve_on_cpu)

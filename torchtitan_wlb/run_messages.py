@@ -88,3 +88,34 @@ def done_line(
         f"done: trained {count(trained, 'step')} in {seconds:.0f}s, now at step "
         f"{step}/{job_config.training.steps}; {where}"
     )
+
+
+class CompileCounter:
+    """How many graphs ``torch.compile`` has built in this process, and how many of them after
+    the first step (recompiles: a new packed length, document count or CP plan the first graph's
+    guards reject). TorchTitan compiles each transformer block; the blocks share their graphs."""
+
+    def __init__(self) -> None:
+        self.after_first_step: int | None = None  # graphs built by the end of the first step
+        self.graphs = 0
+
+    @staticmethod
+    def _built() -> int:
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
+
+    def step_done(self) -> tuple[dict[str, float], str | None]:
+        """The figures to log with this step, and a line to print when a graph was built."""
+        built = self._built()
+        first = self.after_first_step is None
+        if first:
+            self.after_first_step = built
+        new, self.graphs = built > self.graphs, built
+        recompiles = built - self.after_first_step
+        line = None
+        if new:
+            line = f"compile: {count(built, 'graph')} built, " + (
+                "the first step's" if first else f"{count(recompiles, 'recompile')} since step 1"
+            )
+        return {"compiled_graphs": built, "recompiles": recompiles}, line

@@ -22,7 +22,7 @@ from torchtitan_wlb.checkpoint import WLBCheckpointManager
 from torchtitan_wlb.device_clock import DeviceClock
 from torchtitan_wlb.models.llama3_wlb import cost_model_for_job
 from torchtitan_wlb.online_fit import OnlineFit, cp_fit_features
-from torchtitan_wlb.run_messages import done_line, run_summary
+from torchtitan_wlb.run_messages import CompileCounter, done_line, run_summary
 from torchtitan_wlb.validate import check_job_config
 
 
@@ -68,6 +68,8 @@ class WLBTrainer(Trainer):
         self.metrics_processor.device_clock = self._clock.kind
         self._micro_batches_done = 0
         self._steps_done: int | None = None  # the last step trained by this launch
+        compiled = job_config.compile.enable and "model" in job_config.compile.components
+        self._compiles = CompileCounter() if compiled else None
         self._ddp_ranks = ddp_ranks(self.parallel_dims)
         self._audit = AuditHooks.build(job_config, self.dataloader)
         on_saved = self._audit.checkpoint_saved if self._audit is not None else None
@@ -280,6 +282,11 @@ class WLBTrainer(Trainer):
         self._micro_batches_done = 0
         if self._fit is not None and (metrics := self._fit.end_step(self.step)):
             self.metrics_processor.record(metrics)
+        if self._compiles is not None:
+            figures, line = self._compiles.step_done()
+            self.metrics_processor.record(figures)
+            if line:
+                logger.info(line)
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()

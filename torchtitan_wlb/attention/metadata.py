@@ -4,11 +4,13 @@ parallelism (``cp`` is built on this package, which knows only a protocol of it)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+from torchtitan_wlb.attention.ops import document_attention_op, max_seqlens_tensor
 from torchtitan_wlb.attention.varlen import document_attention
 
 
@@ -33,6 +35,14 @@ class DocumentAttentionMetadata:
     backend: str = "auto"  # attention backend, "auto" | "cpu" | "flash" | "torch_varlen"
     # this rank's CP metadata (cp.local.build_cp_attention_metadata); None without CP
     cp: ContextParallelAttention | None = None
+    # max_seqlen as the host tensor the attention op takes (built here, outside any compiled
+    # region, so that a compiled model never specialises on it)
+    # (an argument only for dataclasses.replace, which FSDP applies to forward inputs)
+    max_seqlens: torch.Tensor | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.max_seqlens is None:
+            self.max_seqlens = max_seqlens_tensor(self.max_seqlen, self.max_seqlen)
 
 
 def metadata_from_doc_lens(
@@ -54,13 +64,20 @@ def attention_from_metadata(
     context parallel if ``meta.cp`` is set."""
     if meta.cp is not None:
         return meta.cp.attend(q, k, v, backend=meta.backend)
+    cu = meta.cu_seqlens
+    if torch.compiler.is_compiling():
+        # Traced: the custom op, opaque to the tracer (its backward reruns the forward).
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        return document_attention_op(q, k, v, cu, cu, meta.max_seqlens, scale, meta.backend)
+    # Eager: autograd through the kernel itself, which keeps what its backward needs instead of
+    # rerunning the forward (a third more attention time on CPU).
     return document_attention(
-        q,
-        k,
-        v,
-        meta.cu_seqlens,
-        meta.cu_seqlens,
-        meta.max_seqlen,
-        meta.max_seqlen,
-        backend=meta.backend,
+        q, k, v, cu, cu, meta.max_seqlen, meta.max_seqlen, backend=meta.backend
     )
+
+
+def uniform_metadata(batch: int, seqlen: int, device: torch.device) -> DocumentAttentionMetadata:
+    """Each of ``batch`` rows one causal document of ``seqlen`` tokens, from shapes alone (no
+    check of values: this is built inside a model that may be being compiled)."""
+    cu = torch.arange(batch + 1, dtype=torch.int32, device=device) * seqlen
+    return DocumentAttentionMetadata(cu, seqlen)

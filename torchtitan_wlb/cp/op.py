@@ -1,23 +1,27 @@
-"""All-gather-KV context-parallel document attention (Llama 3 style) as a ``torch.library`` op.
+"""All-gather-KV context-parallel document attention (Llama 3 style) as ``torch.library`` ops.
 
-Backward re-gathers K/V, so that memory per layer stays at the local size, recomputes the local
-attention under autograd and reduce-scatters the gathered rows' dK/dV (docs/context_parallel.md).
+Forward and backward are custom ops with fake kernels, their collectives functional collectives on
+the group named by ``group_name``, so ``torch.compile`` traces a block that calls them
+(docs/compile.md). Backward re-gathers K/V, so that memory per layer stays at the local size,
+recomputes the local attention under autograd and reduce-scatters the gathered rows' dK/dV
+(docs/context_parallel.md).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.distributed.distributed_c10d as c10d
 from torch import Tensor
-from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication, register_sharding
 
-from torchtitan_wlb.attention.varlen import check_qkv, document_attention, resolve_backend
+from torchtitan_wlb.attention.ops import vjp_by_recompute
+from torchtitan_wlb.attention.varlen import check_qkv, document_attention
 
 
 @dataclass
@@ -39,6 +43,16 @@ class CPAttentionMetadata:
     max_seqlen_k: tuple[int, int]
     cu_seqlens_whole: Tensor
     max_seqlen_whole: int
+    # The op's index tensors and sizes (:func:`op_arguments`; sizes as a host tensor), built
+    # here, outside any compiled region: a compiled model specialises on none of the plan's values.
+    # (arguments only for dataclasses.replace, which FSDP applies to forward inputs)
+    op_cus: tuple[Tensor, ...] | None = field(default=None, repr=False)
+    op_sizes: Tensor | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.op_cus is None or self.op_sizes is None:
+            self.op_cus, sizes = op_arguments(self, self.max_gather_len)
+            self.op_sizes = torch.tensor(sizes, dtype=torch.int64)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, *, backend: str = "auto") -> Tensor:
         """:func:`cp_attention` with this metadata."""
@@ -48,22 +62,23 @@ class CPAttentionMetadata:
 def _all_gather_kv(
     k: Tensor, v: Tensor, kv_order: Tensor, sizes: list[int], group_name: str
 ) -> tuple[Tensor, Tensor]:
-    """K and V of every rank's gathered tokens (its first ``n_gather_tokens``) in packed order."""
+    """K and V of every rank's gathered tokens (its first ``n_gather_tokens``) in packed order,
+    by one functional all-gather of a ``[max_gather_len, 2, ...]`` buffer per rank."""
     max_local_len, n_gather = sizes[5], sizes[6]
     k, v = k[:n_gather], v[:n_gather]
     if max_local_len == 0:
         return k[:0], v[:0]
-    group = _resolve_process_group(group_name)
     local = torch.zeros((max_local_len, 2) + tuple(k.shape[1:]), dtype=k.dtype, device=k.device)
     local[: k.shape[0], 0] = k
     local[: k.shape[0], 1] = v
-    gathered = local.new_empty((dist.get_world_size(group) * max_local_len,) + local.shape[1:])
-    # torch 2.13's names; older torches have the *_tensor ones
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(
-        gathered, local, group=group
-    )
+    gathered = _wait(funcol.all_gather_single(local, 0, group_name))
     kv = gathered.index_select(0, kv_order)
     return kv[:, 0], kv[:, 1]
+
+
+def _wait(tensor: Tensor) -> Tensor:
+    """A functional collective's result, waited for (eagerly it is an ``AsyncCollectiveTensor``)."""
+    return tensor.wait() if isinstance(tensor, funcol.AsyncCollectiveTensor) else tensor
 
 
 def _local_attention(
@@ -116,66 +131,78 @@ def cp_attention_fwd(
     cu_q_tail: Tensor,
     cu_k_tail: Tensor,
     cu_whole: Tensor,
-    sizes: list[int],
+    sizes: Tensor,
     group_name: str,
     scale: float,
     backend: str,
 ) -> Tensor:
-    """Forward of CP attention on local tensors (index tensors and ``sizes``: :func:`op_arguments`)."""
-    n_gather = sizes[6]
-    k_glob, v_glob = _all_gather_kv(k, v, kv_order, sizes, group_name)
+    """Forward of CP attention on local tensors (index tensors and ``sizes``, a host int64
+    tensor: :func:`op_arguments`); q, k and v are checked here, where values are concrete."""
+    check_qkv(q, k, v, cp=True)
+    size_list = sizes.tolist()
+    n_gather = size_list[6]
+    k_glob, v_glob = _all_gather_kv(k, v, kv_order, size_list, group_name)
     cus = (cu_q_head, cu_k_head, cu_q_tail, cu_k_tail, cu_whole)
-    return _local_attention(
-        q, k_glob, v_glob, k[n_gather:], v[n_gather:], cus, sizes, scale, backend
+    out = _local_attention(
+        q, k_glob, v_glob, k[n_gather:], v[n_gather:], cus, size_list, scale, backend
     )
+    return out.contiguous()  # the layout the fake kernel promises, whatever the kernel returns
 
 
 @cp_attention_fwd.register_fake
-def _(q: Tensor, *args) -> Tensor:
-    return torch.empty_like(q)
+def _(q: Tensor, k: Tensor, v: Tensor, *args) -> Tensor:
+    return q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
 
 
-def _backward_local(
+@torch.library.custom_op("torchtitan_wlb::cp_attention_bwd", mutates_args=())
+def cp_attention_bwd(
     grad_out: Tensor,
     q: Tensor,
     k: Tensor,
     v: Tensor,
     kv_order: Tensor,
-    cus: tuple[Tensor, ...],
-    sizes: list[int],
+    cu_q_head: Tensor,
+    cu_k_head: Tensor,
+    cu_q_tail: Tensor,
+    cu_k_tail: Tensor,
+    cu_whole: Tensor,
+    sizes: Tensor,
     group_name: str,
     scale: float,
     backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Backward on local tensors, in the autograd engine's context: inside a custom-op body
-    autograd dispatch is off and the recompute could not be differentiated."""
-    max_gather, n_gather = sizes[5], sizes[6]
-    with torch.no_grad():
-        k_glob, v_glob = _all_gather_kv(k, v, kv_order, sizes, group_name)
-    with torch.enable_grad():
-        leaves = [
-            t.detach().requires_grad_(True) for t in (q, k_glob, v_glob, k[n_gather:], v[n_gather:])
-        ]
-        out = _local_attention(*leaves, cus, sizes, scale, backend)
-        # A part may be absent on this rank (no whole document, no split piece): zero gradients.
-        dq, dk_glob, dv_glob, dk_whole, dv_whole = torch.autograd.grad(
-            out, leaves, grad_out, allow_unused=True, materialize_grads=True
-        )
+    """dq, dk, dv of :func:`cp_attention_fwd`: K/V re-gathered (memory per layer stays at the
+    local size), the local attention recomputed under autograd, the gathered rows' dK/dV
+    reduce-scattered back to the ranks that hold them."""
+    size_list = sizes.tolist()
+    max_gather, n_gather = size_list[5], size_list[6]
+    cus = (cu_q_head, cu_k_head, cu_q_tail, cu_k_tail, cu_whole)
+    k_glob, v_glob = _all_gather_kv(k, v, kv_order, size_list, group_name)
+
+    def forward(*leaves: Tensor) -> Tensor:
+        return _local_attention(*leaves, cus, size_list, scale, backend)
+
+    # A part may be absent on this rank (no whole document, no split piece): zero gradients.
+    dq, dk_glob, dv_glob, dk_whole, dv_whole = vjp_by_recompute(
+        forward, (q, k_glob, v_glob, k[n_gather:], v[n_gather:]), grad_out.contiguous()
+    )
     if max_gather == 0:
         return dq, dk_whole, dv_whole
-    group = _resolve_process_group(group_name)
-    buffer = dk_glob.new_zeros((dist.get_world_size(group) * max_gather, 2) + dk_glob.shape[1:])
+    world = c10d._get_group_size_by_name(group_name)
+    buffer = dk_glob.new_zeros((world * max_gather, 2) + dk_glob.shape[1:])
     buffer.index_copy_(0, kv_order, torch.stack([dk_glob, dv_glob], dim=1))
-    mine = buffer.new_empty((max_gather,) + buffer.shape[1:])
-    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(
-        mine, buffer, group=group
-    )
+    mine = _wait(funcol.reduce_scatter_single(buffer, "sum", 0, group_name))
     return dq, torch.cat([mine[:n_gather, 0], dk_whole]), torch.cat([mine[:n_gather, 1], dv_whole])
 
 
+@cp_attention_bwd.register_fake
+def _(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, *args) -> tuple[Tensor, Tensor, Tensor]:
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
 def _setup_context(ctx, inputs, output) -> None:
-    ctx.save_for_backward(*inputs[: 3 + _INDEX_TENSORS])
-    ctx.extra = inputs[3 + _INDEX_TENSORS :]  # sizes, group_name, scale, backend
+    ctx.save_for_backward(*inputs[: 4 + _INDEX_TENSORS])  # q, k, v, the index tensors, sizes
+    ctx.extra = inputs[4 + _INDEX_TENSORS :]  # group_name, scale, backend
 
 
 def _backward(ctx, grad_out):
@@ -183,7 +210,7 @@ def _backward(ctx, grad_out):
     # DTensor inputs (sharded on the CP mesh) are unwrapped here and their gradients re-wrapped
     # with the inputs' placements: the computation itself is per rank.
     local = [t.to_local() if isinstance(t, DTensor) else t for t in (grad_out, *saved)]
-    grads = _backward_local(local[0].contiguous(), *local[1:5], tuple(local[5:]), *ctx.extra)
+    grads = cp_attention_bwd(*local, *ctx.extra)
     wrapped = tuple(
         DTensor.from_local(
             g, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride()
@@ -201,8 +228,8 @@ cp_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 @register_sharding(torch.ops.torchtitan_wlb.cp_attention_fwd.default)
 def _fwd_sharding(*args):
     """Token-sharded q/k/v on the CP mesh dimension in, token-sharded output out; the index
-    tensors travel as replicated (each rank reads its own from the metadata)."""
-    return [([Shard(0)], [Shard(0)] * 3 + [Replicate()] * _INDEX_TENSORS + [None] * 4)]
+    tensors and sizes travel as replicated (each rank reads its own from the metadata)."""
+    return [([Shard(0)], [Shard(0)] * 3 + [Replicate()] * (_INDEX_TENSORS + 1) + [None] * 3)]
 
 
 def cp_attention(
@@ -218,27 +245,22 @@ def cp_attention(
 
     ``q: [local_len, n_heads, head_dim]``, ``k, v: [local_len, n_kv_heads, head_dim]`` in the plan's
     local layout (plain tensors, or DTensors sharded ``Shard(0)`` on a 1-D CP mesh). Returns
-    ``[local_len, n_heads, head_dim]``. Differentiable with respect to q, k and v.
+    ``[local_len, n_heads, head_dim]``. Differentiable with respect to q, k and v. Traceable by
+    ``torch.compile``: what depends on the plan's values is checked inside the op.
     """
-    local_q, local_k, local_v = (t.to_local() if isinstance(t, DTensor) else t for t in (q, k, v))
-    check_qkv(local_q, local_k, local_v, cp=True)
-    if local_q.shape[0] != meta.local_len:
-        raise ValueError(
-            f"this rank holds {meta.local_len} tokens in the CP plan, got q with {local_q.shape[0]}"
+    if not torch.compiler.is_compiling():
+        local_q, local_k, local_v = (
+            t.to_local() if isinstance(t, DTensor) else t for t in (q, k, v)
         )
-    scale = 1.0 / math.sqrt(local_q.shape[-1]) if scale is None else scale
-    cus, sizes = op_arguments(meta, meta.max_gather_len)
-    backend = resolve_backend(backend, local_q.device)
+        check_qkv(local_q, local_k, local_v, cp=True)
+        if local_q.shape[0] != meta.local_len:
+            raise ValueError(
+                f"this rank holds {meta.local_len} tokens in the CP plan, got q with "
+                f"{local_q.shape[0]}"
+            )
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     # DTensor q/k/v: the plain index tensors join as replicated
     with implicit_replication() if isinstance(q, DTensor) else contextlib.nullcontext():
         return cp_attention_fwd(
-            q,
-            k,
-            v,
-            meta.kv_order,
-            *cus,
-            sizes,
-            meta.group_name,
-            float(scale),
-            backend,
+            q, k, v, meta.kv_order, *meta.op_cus, meta.op_sizes, meta.group_name, scale, backend
         )

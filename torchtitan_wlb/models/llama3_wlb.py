@@ -14,17 +14,28 @@ import torch
 from torch import nn
 from torchtitan.config import JobConfig
 from torchtitan.models.llama3 import TransformerModelArgs
-from torchtitan.models.llama3.infra.parallelize import parallelize_llama
+from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list, parallelize_llama
 from torchtitan.models.llama3.model.model import Attention, Transformer, apply_rotary_emb
 from torchtitan.tools.logging import logger
 
+import torchtitan_wlb.cp.op  # noqa: F401  (registers the CP ops)
 from torchtitan_wlb import cpu_support
 from torchtitan_wlb.attention import DocumentAttentionMetadata, attention_from_metadata
-from torchtitan_wlb.attention.metadata import metadata_from_doc_lens
+from torchtitan_wlb.attention.metadata import uniform_metadata
 from torchtitan_wlb.config import ConfigError
 from torchtitan_wlb.cost_fit import profile_cost_model
 from torchtitan_wlb.cost_model import CostModel
 from torchtitan_wlb.models.catalogue import PAPER_MODELS, ModelSpec, get_model
+
+# TorchTitan's per-op selective activation checkpointing ("op") keeps the outputs of the ops on this
+# list and recomputes the rest; it lists its own attention kernels, so ours join them: document
+# attention's forward is not rerun by the checkpoint's recompute (its backward op reruns it once).
+_op_sac_save_list.update(
+    {
+        torch.ops.torchtitan_wlb.document_attention.default,
+        torch.ops.torchtitan_wlb.cp_attention_fwd.default,
+    }
+)
 
 
 @dataclasses.dataclass
@@ -69,7 +80,7 @@ class WLBAttention(Attention):
         xq, xk = apply_rotary_emb(xq, xk, freqs_cis=freqs_cis, positions=positions)
         if attention_masks is None:
             # No document boundaries given: every row is one causal document.
-            attention_masks = metadata_from_doc_lens([seqlen] * bs, device=x.device)
+            attention_masks = uniform_metadata(bs, seqlen, x.device)
         # [bs, seqlen, heads, dim] -> [bs * seqlen, heads, dim]: the varlen layout; the metadata's
         # cu_seqlens describe all rows back to back.
         q, k, v = (t.reshape(bs * seqlen, -1, self.head_dim) for t in (xq, xk, xv))
@@ -133,10 +144,37 @@ class _TorchTitanCPView:
         return getattr(self._parallel_dims, name)
 
 
+def mark_lengths_dynamic(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook of a compiled block: its input's token dimension, the positions' and the
+    attention metadata's index tensors are marked dynamic before the block runs, so that the first
+    compile already serves every packed length and document count (by default torch.compile
+    specialises on the first micro-batch's shapes and recompiles for the second). Lengths of 0 or
+    1 (e.g. a CP rank that gathers nothing) still get a graph of their own."""
+    mark = torch._dynamo.maybe_mark_dynamic
+    x = args[0] if args else kwargs.get("x")
+    values = list(args[1:]) + list(kwargs.values())
+    if isinstance(x, torch.Tensor) and x.dim() == 3:
+        mark(x, 1)
+    for value in values:
+        if isinstance(value, torch.Tensor) and value.dim() == 2 and not value.is_complex():
+            mark(value, 1)  # positions [batch, tokens]
+        elif isinstance(value, DocumentAttentionMetadata):
+            cp = value.cp
+            index = [value.cu_seqlens]
+            if cp is not None and hasattr(cp, "op_cus"):
+                index += [cp.kv_order, *cp.op_cus]
+            for tensor in index:
+                if tensor.dim() == 1:
+                    mark(tensor, 0)
+
+
 def parallelize_llama_wlb(model: nn.Module, parallel_dims: Any, job_config: JobConfig) -> nn.Module:
     """TorchTitan's Llama 3 parallelisation (TP, AC, compile, FSDP/HSDP/DDP), our CP, CPU-ready."""
     model = parallelize_llama(model, _TorchTitanCPView(parallel_dims), job_config)
     cpu_support.adapt_fsdp_for_cpu(model)
+    if job_config.compile.enable and "model" in job_config.compile.components:
+        for block in model.layers.values():
+            block.register_forward_pre_hook(mark_lengths_dynamic, with_kwargs=True)
     if parallel_dims.cp_enabled:
         logger.info("Per-document context parallelism: attention uses the WLB all-gather-KV op")
     return model
