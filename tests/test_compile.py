@@ -14,6 +14,7 @@ The hybrid run trains 20 steps of variable-length micro-batches and counts its r
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -58,14 +59,17 @@ LAYOUTS = {
 
 
 def _run(nproc: int, dump, args: list[str], grads) -> list[dict]:
-    """One launch; rank 0's metrics records, one per step."""
+    """One launch; the last rank's metrics records (the last pipeline stage's, which holds the
+    loss), one per step."""
     env = dict(os.environ, OMP_NUM_THREADS="1", WLB_TEST_GRADS=str(grads))
     env["WLB_ALLOW_OVERSUBSCRIBE"] = "1"
     cmd = [sys.executable, LAUNCH, f"--nproc_per_node={nproc}", *COMMON]
     cmd += ["--job.dump_folder", str(dump), *args]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
-    with open(os.path.join(dump, "wlb_metrics", "rank_0.jsonl")) as f:
+    # The step line counts the documents' FLOPs whether the model is compiled or not.
+    assert re.search(r"tflops: \d+\.\d\d  mfu: n/a", r.stdout + r.stderr), r.stderr[-3000:]
+    with open(os.path.join(dump, "wlb_metrics", f"rank_{nproc - 1}.jsonl")) as f:
         return [json.loads(line) for line in f]
 
 
@@ -101,6 +105,7 @@ def test_compiled_matches_eager(runs):
     compiled_grads = _plain(compiled_grads)
     for step in range(3):
         want, got = eager[step]["loss"], compiled[step]["loss"]
+        assert want > 0, f"{name}: no loss on the last rank"
         assert abs(got - want) <= 1e-4 * abs(want), f"{name} step {step + 1}: {got} vs {want}"
     assert sorted(compiled_grads) == sorted(eager_grads) and eager_grads, name
     for param, want in eager_grads.items():

@@ -159,12 +159,10 @@ class WLBValidator(BaseValidator):
         """The same through the pipeline's variable-length runner, forward only; the sums are the
         last stage's (zero elsewhere)."""
         runner = self.trainer._pp_runner
-        schedule, n = runner.schedule, runner.n_microbatches
+        n = runner.n_microbatches
         batches = self._batches()
         loss_sum, tokens = 0.0, 0
-        has_backward = schedule._has_backward
-        schedule._has_backward = False  # as torch's schedule.eval() does
-        try:
+        with runner.forward_only():
             for i in range(0, len(batches), n):
                 chunk = batches[i : i + n]
                 losses: list[Tensor] | None = [] if self.pp_has_last_stage else None
@@ -179,8 +177,6 @@ class WLBValidator(BaseValidator):
                 if losses is not None:
                     loss_sum += sum(_scalar(x) for x in losses)
                     tokens += sum(int((b[1] != IGNORE_INDEX).sum()) for b in chunk)
-        finally:
-            schedule._has_backward = has_backward
         return loss_sum, tokens
 
     def _reduce(self, loss_sum: float, tokens: int) -> tuple[float, int]:

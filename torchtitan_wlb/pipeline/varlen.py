@@ -7,11 +7,12 @@ from the packing plan, so the runner re-sizes them before each step: no padding,
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -217,6 +218,23 @@ class _ActionTimer:
         return PipelineActionTimes(stages, *sums.reshape(4, len(self.stages), self.n_mb).tolist())
 
 
+def _forward_actions(actions: Sequence[Any]) -> list[Any]:
+    """A rank's schedule actions without the backward ones (and their gradient sends, receives
+    and reductions); an overlapped forward-backward action keeps its forward."""
+    from torch.distributed.pipelining import schedules as s
+
+    backward = {
+        s.FULL_BACKWARD, s.BACKWARD_INPUT, s.BACKWARD_WEIGHT, s.SEND_B, s.RECV_B, s.REDUCE_GRAD
+    }  # fmt: skip
+    kept = []
+    for action in actions:
+        if action is None or action.computation_type not in backward | {s.OVERLAP_F_B}:
+            kept.append(action)
+        elif action.computation_type == s.OVERLAP_F_B:
+            kept += [a for a in action.sub_actions or () if a.computation_type not in backward]
+    return kept
+
+
 def _empty_like_layout(shape: Sequence[int], ref: torch.Tensor) -> torch.Tensor:
     """An empty tensor of ``shape`` with ``ref``'s dtype, device and dimension order (``ref`` is
     torch's buffer, so the new one keeps the memory layout the sender produces)."""
@@ -351,6 +369,26 @@ class VarlenPipelineRunner:
                 if flag is not None:
                     stage._runtime_validate = flag
         return stats
+
+    @contextlib.contextmanager
+    def forward_only(self) -> Iterator[None]:
+        """Within it, :meth:`step` runs the micro-batches' forwards only (evaluation). Torch's own
+        ``schedule.eval()`` keeps a multi-stage schedule's backward actions and relies on each
+        stage skipping them; the V-shaped schedules' hand-over between a rank's two stages cannot
+        be skipped that way, so their action lists are cut to the forward actions for the call."""
+        schedule = self.schedule
+        saved = schedule._has_backward, getattr(schedule, "pipeline_order_with_comms", None)
+        schedule._has_backward = False
+        if saved[1] is not None:
+            schedule.pipeline_order_with_comms = {
+                rank: _forward_actions(actions) for rank, actions in saved[1].items()
+            }
+        try:
+            yield
+        finally:
+            schedule._has_backward = saved[0]
+            if saved[1] is not None:
+                schedule.pipeline_order_with_comms = saved[1]
 
     def _step_args(
         self,
