@@ -158,7 +158,6 @@ TABLE: dict[str, Row] = {
     "profiling.enable_profiling": works(
         "CPU activity only (no device activity)",
         A,
-        SMOKE + "test_profiling_and_memory_snapshot_on_cpu",
     ),
     "profiling.save_traces_folder": works("", A),
     "profiling.profile_freq": works(
@@ -172,7 +171,6 @@ TABLE: dict[str, Row] = {
     "profiling.enable_memory_snapshot": differs(
         "on CPU: the process's memory summary in place of CUDA's allocator history",
         A,
-        SMOKE + "test_profiling_and_memory_snapshot_on_cpu",
     ),
     "profiling.save_memory_snapshot_folder": works("", A),
     # [metrics]

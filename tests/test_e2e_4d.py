@@ -1,4 +1,4 @@
-"""End-to-end 4D training on CPU (gloo) against a single-process reference, and crash/resume.
+"""End-to-end 4D training on CPU (gloo) against a single-process reference, and held-out loss.
 
 Every run starts from the same seed checkpoint (TorchTitan's ``create_seed_checkpoint``), so the
 parallel runs and the reference hold the same weights; they see the same documents because the
@@ -10,10 +10,8 @@ import dataclasses
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -183,55 +181,6 @@ def _check_pp_actions(record, stages_per_rank):
     assert len(recs) == n_mb * stages_per_rank
     assert {r["stage"] for r in recs} == set(act["stages"])
     assert all(r["seconds"] == pytest.approx(r["fwd_s"] + r["bwd_s"]) for r in recs)
-
-
-def test_killed_rank_resumes_without_losing_or_repeating_documents(tmp_path):
-    steps = ["--training.steps", "7", "--checkpoint.interval", "3"]
-    ref = tmp_path / "ref"
-    _run(2, ref, *steps)
-    full = _records(ref)
-
-    crash = tmp_path / "crash"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(
-        _cmd(2, crash, *steps),
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    log = crash / "wlb_metrics" / "rank_1.jsonl"
-    deadline = time.time() + 300
-    try:
-        while time.time() < deadline:
-            if log.exists() and len(log.read_text().splitlines()) >= 4:
-                break  # step 4 done, step 5 under way; the last checkpoint is step 3
-            time.sleep(0.05)
-        else:
-            pytest.fail("the run did not reach step 4")
-        rank_pids = subprocess.run(
-            ["pgrep", "-P", str(proc.pid)], capture_output=True, text=True
-        ).stdout.split()
-        os.kill(int(rank_pids[-1]), signal.SIGKILL)  # one rank dies mid-step
-        assert proc.wait(timeout=120) != 0
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert not (crash / "checkpoint" / "step-6").exists()
-
-    r = _run(2, crash, *steps)  # relaunch: resumes from the step-3 checkpoint
-    assert "Training starts at step 4" in r.stdout + r.stderr
-    again = _records(crash)
-    for step in range(1, 8):
-        assert again[step]["loss"] == full[step]["loss"], step
-    # every document of the 7 steps trained exactly once over every rank, none lost, none
-    # repeated, proven by the audit tool across the kill and the resume
-    report = audit(str(crash))
-    assert report.ok and report.steps == 7, report.message
-    assert report.superseded and report.superseded[0][0] == 4, report.message
-    assert audit(str(ref)).ok
-    assert _trained(crash) == _trained(ref)
 
 
 VALIDATION = [

@@ -93,16 +93,15 @@ def test_online_refit_is_identical_on_every_rank_and_resumes_exactly(tmp_path):
         assert [again[6][k] for k in REFIT_KEYS] == [full[6][k] for k in REFIT_KEYS]
 
 
-@pytest.mark.parametrize("dp", [1, 2])
-def test_online_refit_under_pipeline_parallelism(tmp_path, dp):
-    """PP = 2: one fit row per micro-batch from the per-stage action times (synthetic, a different
-    share on each stage and different noise on each rank), summed over the pipeline group. With
-    one pipeline that is the whole exchange; with two (DP = 2, four ranks) each stage then sums
-    the two pipelines' statistics over its own ranks, and all four ranks must agree bit for bit."""
+def test_online_refit_under_pipeline_parallelism(tmp_path):
+    """PP = 2 x DP = 2: one fit row per micro-batch from the per-stage action times (synthetic, a
+    different share on each stage and different noise on each rank), summed over each pipeline
+    group, then each stage sums the two pipelines' statistics over its own ranks: all four ranks
+    must agree bit for bit."""
     args = ("--parallelism.pipeline_parallel_degree", "2", "--checkpoint.no-enable",
-            "--parallelism.data_parallel_shard_degree", str(dp))  # fmt: skip
-    log = _train(tmp_path, *args, "--synthetic-stage-times", nproc=2 * dp)
-    _check_refit(log, tmp_path, nproc=2 * dp)
+            "--parallelism.data_parallel_shard_degree", "2")  # fmt: skip
+    log = _train(tmp_path, *args, "--synthetic-stage-times", nproc=4)
+    _check_refit(log, tmp_path, nproc=4)
 
 
 def test_online_refit_under_context_parallelism_chooses_the_cp_plans(tmp_path):
