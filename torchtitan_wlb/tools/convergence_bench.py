@@ -28,6 +28,7 @@ import numpy as np
 
 from torchtitan_wlb.data.sources import builtin_split
 from torchtitan_wlb.tools.cli import ToolParser, json_text, require_at_least
+from torchtitan_wlb.tools.e2e_bench import job_command
 
 ROOT = Path(__file__).resolve().parents[2]
 MODES = ("plain_4d", "fixed_4d", "wlb")
@@ -89,14 +90,7 @@ def train_command(mode: str, seed: int, args: argparse.Namespace, data: Path, du
     """One rank's whole pass over ``data`` with validation, as ``torch.distributed.run`` runs it.
     The schedule decays over 100000 steps: the same learning rate at every step in every mode."""
     return [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1",
-        "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", "--role", "rank",
-        "-m", "torchtitan_wlb.train",
-        "--job.config_file", str(ROOT / "train_configs" / "debug_cpu.toml"),
-        "--job.dump_folder", str(dump), "--model.flavor", args.model,
-        "--training.dataset", "jsonl", "--training.dataset_path", str(data),
-        "--training.seq_len", str(args.context_len),
-        "--training.global_batch_size", str(args.micro_batches),
+        *job_command(1, args, data, dump),
         "--training.steps", "100000", "--wlb.epochs", "1", *mode_flags(mode, args),
         "--optimizer.lr", str(args.lr), "--lr_scheduler.warmup_steps", str(args.warmup),
         "--validation.enable", "--validation.dataset", "wlb_builtin_validation",

@@ -142,6 +142,21 @@ def run_mode(
     return mode_figures(mode, args, per_rank, wall)
 
 
+def job_command(nproc: int, args: argparse.Namespace, data: Path, dump: Path) -> list[str]:
+    """``torch.distributed.run`` of ``nproc`` ranks training the default CPU job's config on the
+    jsonl ``data`` (``args``: model, context_len, micro_batches), dumping to ``dump``."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+        "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", "--role", "rank",
+        "-m", "torchtitan_wlb.train",
+        "--job.config_file", str(ROOT / "train_configs" / "debug_cpu.toml"),
+        "--job.dump_folder", str(dump), "--model.flavor", args.model,
+        "--training.dataset", "jsonl", "--training.dataset_path", str(data),
+        "--training.seq_len", str(args.context_len),
+        "--training.global_batch_size", str(args.micro_batches),
+    ]  # fmt: skip
+
+
 def train_command(
     mode: str, args: argparse.Namespace, data: Path, dump: Path, cp_sharding: str, floor_len: int
 ) -> list[str]:
@@ -150,14 +165,7 @@ def train_command(
     epoch = ["--training.steps", "100000", "--wlb.epochs", "1"]
     steps = epoch if n_steps == "epoch" else ["--training.steps", str(n_steps)]
     return [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-        "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", "--role", "rank",
-        "-m", "torchtitan_wlb.train",
-        "--job.config_file", str(ROOT / "train_configs" / "debug_cpu.toml"),
-        "--job.dump_folder", str(dump), "--model.flavor", args.model,
-        "--training.dataset", "jsonl", "--training.dataset_path", str(data),
-        "--training.seq_len", str(args.context_len),
-        "--training.global_batch_size", str(args.micro_batches),
+        *job_command(2, args, data, dump),
         *steps, *mode_args(mode, args, cp_sharding),
         "--wlb.micro_batch_max_len", str(micro_batch_max_len(mode, args, floor_len)),
         "--wlb.advanced.metrics_jsonl", "--checkpoint.no-enable", "--metrics.log_freq", "1",
