@@ -312,3 +312,28 @@ def test_shuffled_indexed_loader_resumes_exactly(corpora):
         assert ids(head) + ids(resumed) == ref
     seen = [i for mb in ref for i in mb]  # this rank's share of two epochs, each piece once
     assert len(ref) > 20 and len(seen) == len(set(seen)) and max(seen) > len(_texts())
+
+
+def test_heldout_set_from_an_indexed_corpus_is_the_jsonl_ones(corpora):
+    """[validation] dataset = 'indexed': the same held-out documents as the same jsonl text (pieces
+    of at most seq_len), and training on that corpus as well is refused in one line."""
+    from torchtitan_wlb.data.heldout import read_heldout_documents
+    from torchtitan_wlb.data.sources import TextSource
+    from torchtitan_wlb.data.tokenizer import build_wlb_tokenizer
+    from torchtitan_wlb.validate import ConfigError, check_job_config, parse_job_config
+
+    args = ["--job.config_file", DEBUG_CPU, "--model.flavor", "tiny", "--validation.enable",
+            "--validation.dataset", "indexed", "--validation.dataset_path", str(corpora / "ours"),
+            "--validation.seq_len", "64"]  # fmt: skip
+    job_config = parse_job_config(args)
+    check_job_config(job_config, world_size=1)  # trains on the built-in corpus: accepted
+    tokenizer = build_wlb_tokenizer(job_config)
+    text = TextSource("jsonl", str(corpora / "docs.jsonl"))
+    indexed = TextSource("indexed", str(corpora / "ours"))
+    for budget in (None, 500):
+        want = read_heldout_documents(text, tokenizer, 64, budget)
+        got = read_heldout_documents(indexed, tokenizer, 64, budget)
+        assert len(got) == len(want) > 3 and all(map(np.array_equal, got, want))
+    same = ["--training.dataset", "indexed", "--training.dataset_path", str(corpora / "ours")]
+    with pytest.raises(ConfigError, match=r"\[validation\] dataset = 'indexed'.*training reads"):
+        check_job_config(parse_job_config([*args, *same]), world_size=1)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import difflib
 import importlib.util
@@ -482,7 +483,7 @@ def _check_validation(job_config: Any) -> None:
         raise ConfigError(
             f"[validation] dataset = {v.dataset!r} (TorchTitan's C4 download) is not read by the "
             f"document loader; use {BUILTIN_HELDOUT_NAME!r} (the built-in corpus's held-out "
-            "split) or 'jsonl', 'parquet', 'text', 'hf' with [validation] dataset_path"
+            "split) or 'jsonl', 'parquet', 'text', 'hf', 'indexed' with [validation] dataset_path"
         )
     for name, value, low in (("freq", v.freq, 1), ("seq_len", v.seq_len, 2)):
         if value < low:
@@ -499,6 +500,13 @@ def _check_validation(job_config: Any) -> None:
         source = validation_source(v, job_config.wlb.advanced.text_field)
     except DataError as e:
         raise DataError(str(e).replace("[training]", "[validation]")) from None
+    if source.kind == "indexed":  # the files, the tokenizer record and the ids, as for training
+        held_out = copy.deepcopy(job_config)
+        held_out.training.dataset, held_out.training.dataset_path = "indexed", source.path
+        try:
+            check_indexed_data(held_out)
+        except DataError as e:
+            raise DataError(str(e).replace("[training]", "[validation]")) from None
     if training_reads_heldout(training.dataset, training.dataset_path or "", source):
         raise ConfigError(
             f"[validation] dataset = {v.dataset!r} (dataset_path = {v.dataset_path or ''!r}) "

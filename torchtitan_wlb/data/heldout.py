@@ -9,6 +9,7 @@ across a document boundary), so the mean loss over its tokens is the same on one
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,8 +17,10 @@ import numpy as np
 
 from torchtitan_wlb.data.collate import BatchT, collate_micro_batch
 from torchtitan_wlb.data.documents import DocumentNode
+from torchtitan_wlb.data.indexed import IndexedCorpus
 from torchtitan_wlb.data.sources import BUILTIN_HELDOUT_NAME, BUILTIN_NAME, TextSource
 
+INDEXED = "indexed"
 TORCHTITAN_DEFAULT = "c4_validation"
 """TorchTitan's default ``[validation] dataset``: a download the document loader does not read."""
 
@@ -55,6 +58,8 @@ def read_heldout_documents(
 ) -> list[np.ndarray]:
     """The first documents of ``source`` (tokenized as training tokenizes, texts longer than
     ``seq_len`` split into pieces) until ``budget`` tokens are reached or the source ends."""
+    if source.kind == INDEXED:
+        return _indexed_documents(IndexedCorpus(source.path), seq_len, budget)
     node = DocumentNode(source=source, tokenizer=tokenizer, max_doc_len=seq_len, epochs=1)
     node.reset()
     docs: list[np.ndarray] = []
@@ -64,6 +69,22 @@ def read_heldout_documents(
             break
         docs.append(item["tokens"])
         total += item["tokens"].size
+    return docs
+
+
+def _indexed_documents(corpus: IndexedCorpus, seq_len: int, budget: int | None) -> list[np.ndarray]:
+    """:func:`read_heldout_documents` of a Megatron corpus: its documents in index order, each cut
+    into pieces of at most ``seq_len`` tokens (as the text sources are), read from the memory map."""
+    docs: list[np.ndarray] = []
+    total = 0
+    for doc, length in enumerate(corpus.doc_lens.tolist()):
+        for start in range(0, length, seq_len):
+            if budget is not None and total >= budget:
+                return docs
+            piece = np.empty(min(seq_len, length - start), dtype=np.int64)
+            corpus.read_into(doc, start, piece)
+            docs.append(piece)
+            total += piece.size
     return docs
 
 
@@ -100,6 +121,9 @@ def training_reads_heldout(training_dataset: str, training_path: str, source: Te
     held-out split as the training set."""
     if training_dataset == BUILTIN_HELDOUT_NAME:
         return True
+    if source.kind == INDEXED:  # the same corpus: the same prefix
+        same = os.path.realpath(training_path) == os.path.realpath(source.path)
+        return training_dataset == INDEXED and same
     if source.kind in (BUILTIN_NAME, BUILTIN_HELDOUT_NAME, "hf"):
         return source.kind == BUILTIN_NAME and training_dataset == BUILTIN_NAME
     if training_dataset != source.kind or not training_path:
