@@ -51,6 +51,21 @@ def _preload() -> None:
     import torchtitan_wlb.validate  # noqa: F401
 
 
+def _skip_final_sleep() -> None:
+    """TorchTitan's rank 0 sleeps 2 seconds at the end of training, "for other ranks to
+    complete"; every rank has passed the last step's collectives by then, and the launch waits
+    for all of them anyway. Dozens of launches would spend minutes idle: the ranks' TorchTitan
+    sees a ``time`` module whose ``sleep`` returns at once (its timers are the real ones)."""
+    import time
+    import types
+
+    import torchtitan.train
+
+    clock = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) if k[0] != "_"})
+    clock.sleep = lambda seconds: None
+    torchtitan.train.time = clock
+
+
 def _rank(args: list[str]) -> None:
     """One rank: the kill hook if asked for, then the real entry point."""
     sys.argv = [train.__file__, *args]
@@ -64,6 +79,7 @@ def _rank(args: list[str]) -> None:
         import grad_dump
 
         grad_dump.install(os.environ["WLB_TEST_GRADS"])
+    _skip_final_sleep()
     code = train.main(args)
     sys.stdout.flush()
     if code:
