@@ -467,11 +467,16 @@ TABLE: dict[str, Row] = {
     # [compile]
     "compile.enable": differs(
         "the blocks and the loss compile, the attention running as custom ops with the packed "
-        "length dynamic (docs/compile.md); refused in one line with tensor_parallel_degree > 1 "
-        "and with the zero-bubble schedules",
+        "length dynamic (docs/compile.md); under TP's loss parallelism the loss runs eagerly; "
+        "refused in one line with the zero-bubble schedules",
         COMPILE,
-        refuse={"compile.enable": True, "parallelism.tensor_parallel_degree": 2},
-        expect=("[compile] enable = true", "tensor_parallel_degree = 2"),
+        E2E,
+        refuse={
+            "compile.enable": True,
+            "parallelism.pipeline_parallel_degree": 2,
+            "parallelism.pipeline_parallel_schedule": "ZBVZeroBubble",
+        },
+        expect=("[compile] enable = true", "zero-bubble"),
     ),
     "compile.components": works("", "test:tests/test_config.py::test_layout_checks components"),
     "compile.backend": works("", COMPILE),

@@ -183,13 +183,16 @@ def test_layout_checks():
     # a compiled model with CP is accepted: the CP op is traceable (tests/test_compile.py)
     compiled_cp = _parse("--parallelism.context_parallel_degree", "2", "--compile.enable")
     assert check_job_config(compiled_cp, world_size=2)["cp"] == 2
+    # and with TP (tests/test_e2e_4d.py trains TP = 2 x PP = 2 compiled)
     compiled_tp = _parse("--parallelism.tensor_parallel_degree", "2", "--compile.enable")
-    with pytest.raises(ConfigError, match="tensor_parallel_degree = 2 is not supported yet"):
-        check_job_config(compiled_tp, world_size=2)
-    # only the loss compiled: the blocks run eagerly, so TP is accepted
-    loss_only = _parse("--parallelism.tensor_parallel_degree", "2", "--compile.enable",
-                       "--compile.components", "loss")  # fmt: skip
-    assert check_job_config(loss_only, world_size=2)["tp"] == 2
+    assert check_job_config(compiled_tp, world_size=2)["tp"] == 2
+    # zero-bubble stages cannot be compiled, but the loss alone can
+    zbv = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
+           "ZBVZeroBubble", "--compile.enable"]  # fmt: skip
+    with pytest.raises(ConfigError, match="zero-bubble schedules do not run compiled stages"):
+        check_job_config(_parse(*zbv), world_size=2)
+    loss_only = _parse(*zbv, "--compile.components", "loss")
+    assert check_job_config(loss_only, world_size=2)["pp"] == 2
     with pytest.raises(ConfigError, match="needs document boundaries"):
         check_job_config(
             _parse(

@@ -123,8 +123,11 @@ LAYOUTS = {
                         "--parallelism.pipeline_parallel_degree", "2"]),
     "tp2_cp2": (4, ["--parallelism.tensor_parallel_degree", "2",
                     "--parallelism.context_parallel_degree", "2"]),
-    "cp2_pp2": (4, ["--parallelism.context_parallel_degree", "2",
-                    "--parallelism.pipeline_parallel_degree", "2"]),
+    # TP's sequence shards cross the pipeline's stages; compiled (TorchDynamo and AOTAutograd,
+    # without Inductor's code generation), the loss eager under TP's loss parallelism
+    "tp2_pp2_compiled": (4, ["--parallelism.tensor_parallel_degree", "2",
+                             "--parallelism.pipeline_parallel_degree", "2",
+                             "--compile.enable", "--compile.backend", "aot_eager"]),
     # Zero-bubble schedules: input-grad and weight-grad actions, 2 stages per rank; ZBV's V puts
     # stages 0 and 3 on rank 0. Interleaved1F1B runs the same runtime without the split
     # (tests/test_pipeline_varlen.py checks it against one process).

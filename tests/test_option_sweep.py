@@ -166,10 +166,12 @@ def test_options_without_effect_are_accepted(job_config):
 
 def test_a_refusal_reaches_the_command_line_in_one_line(capsys, monkeypatch):
     monkeypatch.setenv("NGPU", "2")
-    flags = ["--compile.enable", "--parallelism.tensor_parallel_degree", "2"]
+    flags = ["--compile.enable", "--parallelism.pipeline_parallel_degree", "2",
+             "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]  # fmt: skip
     assert main([*COMMON, "--job.dump_folder", "/tmp/wlb_option_sweep", *flags]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("error: [compile] enable"), err
+    assert err.count("\n") == 1, err
+    assert err.startswith("error: [parallelism] pipeline_parallel_schedule = 'ZBVZeroBubble'"), err
 
 
 def test_getting_started_lists_every_option_as_the_table_does():

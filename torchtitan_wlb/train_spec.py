@@ -6,11 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torchtitan.components.loss import build_cross_entropy_loss
+from torchtitan.components.loss import build_cross_entropy_loss, cross_entropy_loss
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.optimizer import build_optimizers
 from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAdapter
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
+from torchtitan.tools.logging import logger
 
 from torchtitan_wlb.data.dataloader import build_wlb_dataloader
 from torchtitan_wlb.data.tokenizer import build_wlb_tokenizer
@@ -41,6 +42,32 @@ def _build_validator(**kwargs: Any) -> Any:
     return build_wlb_validator(**{**kwargs, "dp_rank": _concrete_rank(kwargs["dp_rank"])})
 
 
+def _build_loss(job_config: Any, **kwargs: Any) -> Any:
+    """TorchTitan's cross-entropy, compiled as TorchTitan compiles it, with the token dimension
+    of its inputs marked dynamic: the first compile serves every packed length (as the blocks'
+    does, ``mark_lengths_dynamic``), where torch.compile would specialise on the first
+    micro-batch's length and recompile for the next. Under TP's loss parallelism the loss runs
+    eagerly: torch 2.13 cannot trace its DTensor cross-entropy with a dynamic length (the trace
+    recurses without end), and a static one would recompile for every length."""
+    compile_cfg, parallelism = job_config.compile, job_config.parallelism
+    if not (compile_cfg.enable and "loss" in compile_cfg.components):
+        return build_cross_entropy_loss(job_config, **kwargs)
+    if parallelism.tensor_parallel_degree > 1 and not parallelism.disable_loss_parallel:
+        logger.info(
+            "compile: the loss runs eagerly under TP's loss parallelism (torch cannot compile "
+            "it for variable lengths); [parallelism] disable_loss_parallel = true compiles it"
+        )
+        return cross_entropy_loss
+    loss_fn = build_cross_entropy_loss(job_config, **kwargs)
+
+    def loss_with_dynamic_lengths(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.maybe_mark_dynamic(pred, 1)
+        torch._dynamo.maybe_mark_dynamic(labels, 1)
+        return loss_fn(pred, labels)
+
+    return loss_with_dynamic_lengths
+
+
 def _concrete_rank(dp_rank: Any) -> int:
     """``dp_rank`` as an int. Under ``[comm] mode = "local_tensor"`` one process simulates every
     rank and TorchTitan passes a symbolic rank (a SymInt holding each simulated rank's value);
@@ -67,7 +94,7 @@ except ValueError:
             build_lr_schedulers_fn=build_lr_schedulers,
             build_dataloader_fn=_build_dataloader,
             build_tokenizer_fn=build_wlb_tokenizer,
-            build_loss_fn=build_cross_entropy_loss,
+            build_loss_fn=_build_loss,
             build_metrics_processor_fn=WLBMetricsProcessor,
             build_validator_fn=_build_validator,
             state_dict_adapter=Llama3StateDictAdapter,

@@ -305,6 +305,12 @@ class WLBTrainer(Trainer):
             self._fit.close()
         super().close()
 
+    def stage_seq_lens(self, inputs: list[Tensor]) -> list[int]:
+        """The tokens each micro-batch sends between pipeline stages: this rank's share of its
+        ``inputs`` (after CP), split by TP's sequence parallelism, whose blocks hand on outputs
+        sharded along the sequence."""
+        return [int(x.shape[1]) // self.parallel_dims.tp for x in inputs]
+
     def _pipeline_step(
         self, input_dict: dict[str, Any], labels: Tensor, global_valid_tokens: Tensor
     ) -> Tensor | None:
@@ -332,7 +338,7 @@ class WLBTrainer(Trainer):
                 [p[0] for p in pending] if self.pp_has_first_stage else None,
                 [p[2] for p in pending],
                 [p[1] for p in pending] if self.pp_has_last_stage else None,
-                seq_lens=[int(p[0].shape[1]) for p in pending],
+                seq_lens=self.stage_seq_lens([p[0] for p in pending]),
                 global_valid_tokens=global_valid_tokens,
                 losses=losses,
             )

@@ -82,7 +82,6 @@ def check_job_config(job_config: Any, world_size: int | None = None) -> dict[str
     _check_lengths(job_config)
     _check_cp_combinations(job_config, degrees)
     _check_zero_bubble_compile(job_config, degrees)
-    _check_compile_with_tp(job_config, degrees)
     _check_queue_thresholds(job_config)
     _check_profiles(job_config.wlb)
     _check_profiling(job_config.profiling)
@@ -126,19 +125,6 @@ def _check_queue_thresholds(job_config: Any) -> None:
             f"[wlb] queue_thresholds = {list(wlb.queue_thresholds)} has {above[0]} above the "
             f"longest document piece, max_doc_len = {longest} (S_max = {smax}): a queue there "
             f"would never hold a document; use thresholds <= {longest}"
-        )
-
-
-def _check_compile_with_tp(job_config: Any, degrees: dict[str, int]) -> None:
-    """A compiled model under TP fails in its first backward on torch 2.13 (a compiled block
-    hands TP's DTensor redistribution a plain-tensor gradient): one line instead."""
-    compile_cfg = job_config.compile
-    if degrees["tp"] > 1 and compile_cfg.enable and "model" in compile_cfg.components:
-        raise ConfigError(
-            f"[compile] enable = true with components including 'model' and [parallelism] "
-            f"tensor_parallel_degree = {degrees['tp']} is not supported yet: the compiled "
-            "blocks' backward fails under tensor parallelism; disable [compile] or use "
-            "tensor_parallel_degree = 1"
         )
 
 

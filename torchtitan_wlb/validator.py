@@ -171,7 +171,7 @@ class WLBValidator(BaseValidator):
                         [b[0] for b in chunk] if runner.has_first_stage else None,
                         [b[2] for b in chunk],
                         [b[1] for b in chunk] if runner.has_last_stage else None,
-                        seq_lens=[int(b[0].shape[1]) for b in chunk],
+                        seq_lens=self.trainer.stage_seq_lens([b[0] for b in chunk]),
                         losses=losses,
                     )
                 if losses is not None:

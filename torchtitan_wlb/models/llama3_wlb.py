@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torchtitan.config import JobConfig
 from torchtitan.models.llama3 import TransformerModelArgs
 from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list, parallelize_llama
@@ -168,6 +169,17 @@ def mark_lengths_dynamic(module: nn.Module, args: tuple, kwargs: dict) -> None:
                     mark(tensor, 0)
 
 
+def wait_for_embedding(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    """Forward hook of the tensor-parallel embedding under compile. TP's embedding returns its
+    sequence shard while the reduce-scatter is still in flight (an ``AsyncCollectiveTensor``);
+    handed that as input, a block compiled by AOTAutograd (torch 2.13) returns its gradient as a
+    plain tensor where the embedding's DTensor redistribution expects a DTensor, and the first
+    backward fails. A copy waits for the collective: the compiled blocks get a plain tensor."""
+    if isinstance(output, AsyncCollectiveTensor):
+        return output.clone()
+    return output
+
+
 def parallelize_llama_wlb(model: nn.Module, parallel_dims: Any, job_config: JobConfig) -> nn.Module:
     """TorchTitan's Llama 3 parallelisation (TP, AC, compile, FSDP/HSDP/DDP), our CP, CPU-ready."""
     model = parallelize_llama(model, _TorchTitanCPView(parallel_dims), job_config)
@@ -175,6 +187,8 @@ def parallelize_llama_wlb(model: nn.Module, parallel_dims: Any, job_config: JobC
     if job_config.compile.enable and "model" in job_config.compile.components:
         for block in model.layers.values():
             block.register_forward_pre_hook(mark_lengths_dynamic, with_kwargs=True)
+        if parallel_dims.tp_enabled and model.tok_embeddings is not None:
+            model.tok_embeddings.register_forward_hook(wait_for_embedding)
     if parallel_dims.cp_enabled:
         logger.info("Per-document context parallelism: attention uses the WLB all-gather-KV op")
     return model
