@@ -20,35 +20,35 @@ still launch it.
 
 ``WLB_TEST_KILL`` works as with ``tests/kill_points.py`` (the same hook, installed in each rank);
 ``WLB_TEST_GRADS`` writes step 1's gradients (``tests/grad_dump.py``).
+
+Under pytest even the agent's import is paid once: the suite starts ``tests/launch_server.py``,
+which imports everything once and forks each launch's agent from itself; this script then only
+hands its arguments, environment and standard streams over to it (and falls back to launching
+here when no server is running, or when it was started from another checkout or environment).
 """
 
 import os
 import sys
 import uuid
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(TESTS))
+sys.path.insert(0, TESTS)
 
 PREFIX = "--nproc_per_node="
-if len(sys.argv) < 2 or not sys.argv[1].startswith(PREFIX):
-    sys.exit(f"usage: {sys.argv[0]} {PREFIX}N ARGS...")
-NPROC = int(sys.argv[1][len(PREFIX) :])
-# TorchTitan's ConfigManager.parse_args takes sys.argv[1:] as its default when it is imported:
-# the ranks' arguments must be in place before that import.
-sys.argv = [sys.argv[0], *sys.argv[2:]]
-
-from torchtitan_wlb import train  # noqa: E402  (activates CPU support first)
 
 
-def _preload() -> None:
-    """What ``train.main`` and the kill hook import when they run: imported once here, before the
-    fork, so that every rank inherits them."""
+def preload() -> None:
+    """What the agent and its ranks run: imported once, before the ranks are forked (and, with
+    the launch server, before the agents are), so that every rank inherits them."""
+    from torchtitan_wlb import cpu_support
+
+    cpu_support.activate()  # before TorchTitan is imported (it binds its device type then)
     import grad_dump  # noqa: F401
     import kill_points  # noqa: F401
     import torchtitan.train  # noqa: F401
 
-    import torchtitan_wlb.trainer  # noqa: F401
-    import torchtitan_wlb.validate  # noqa: F401
+    from torchtitan_wlb import train, trainer, validate  # noqa: F401
 
 
 def _skip_final_sleep() -> None:
@@ -68,7 +68,14 @@ def _skip_final_sleep() -> None:
 
 def _rank(args: list[str]) -> None:
     """One rank: the kill hook if asked for, then the real entry point."""
+    from torchtitan.config import ConfigManager
+
+    from torchtitan_wlb import train
+
     sys.argv = [train.__file__, *args]
+    # TorchTitan's ConfigManager.parse_args took sys.argv[1:] as its default when it was
+    # imported (before this launch's arguments were known): this rank's arguments instead.
+    ConfigManager.parse_args.__defaults__ = (list(args),)
     for stream in (sys.stdout, sys.stderr):  # as torchrun's ``python -u``: no line lost to a kill
         stream.reconfigure(line_buffering=True)
     if os.environ.get("WLB_TEST_KILL"):
@@ -86,15 +93,19 @@ def _rank(args: list[str]) -> None:
         sys.exit(code)
 
 
-def main(args: list[str]) -> int:
+def launch(argv: list[str]) -> int:
+    """``argv`` = ``[--nproc_per_node=N, ARGS...]``: the elastic agent, its ranks forked."""
+    if not argv or not argv[0].startswith(PREFIX):
+        sys.exit(f"usage: {sys.argv[0]} {PREFIX}N ARGS...")
+    nproc, args = int(argv[0][len(PREFIX) :]), argv[1:]
+    preload()
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    _preload()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
-        nproc_per_node=NPROC,
+        nproc_per_node=nproc,
         run_id=str(uuid.uuid4()),
         role="rank",
         rdzv_endpoint="localhost:0",
@@ -107,4 +118,7 @@ def main(args: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from launch_server import request
+
+    code = request(sys.argv[1:])
+    sys.exit(launch(sys.argv[1:]) if code is None else code)
