@@ -19,7 +19,8 @@ output is line-buffered (torchrun's ``python -u``: unbuffered). The tests that n
 still launch it.
 
 ``WLB_TEST_KILL`` works as with ``tests/kill_points.py`` (the same hook, installed in each rank);
-``WLB_TEST_GRADS`` writes step 1's gradients (``tests/grad_dump.py``).
+``WLB_TEST_GRADS`` writes step 1's gradients (``tests/grad_dump.py``); ``WLB_TEST_SYNTHETIC_TIMES``
+feeds the online cost model known times (``tests/synthetic_times.py``).
 
 Under pytest even the agent's import is paid once: the suite starts ``tests/launch_server.py``,
 which imports everything once and forks each launch's agent from itself; this script then only
@@ -46,6 +47,7 @@ def preload() -> None:
     cpu_support.activate()  # before TorchTitan is imported (it binds its device type then)
     import grad_dump  # noqa: F401
     import kill_points  # noqa: F401
+    import synthetic_times  # noqa: F401
     import torchtitan.train  # noqa: F401
 
     from torchtitan_wlb import train, trainer, validate  # noqa: F401
@@ -86,6 +88,10 @@ def _rank(args: list[str]) -> None:
         import grad_dump
 
         grad_dump.install(os.environ["WLB_TEST_GRADS"])
+    if os.environ.get("WLB_TEST_SYNTHETIC_TIMES"):
+        import synthetic_times
+
+        synthetic_times.install(os.environ["WLB_TEST_SYNTHETIC_TIMES"])
     _skip_final_sleep()
     code = train.main(args)
     sys.stdout.flush()

@@ -20,15 +20,15 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEBUG_CPU = os.path.join(ROOT, "train_configs", "debug_cpu.toml")
-ENTRY = os.path.join(ROOT, "tests", "online_fit_entry.py")
+LAUNCH = os.path.join(ROOT, "tests", "fork_launch.py")
 
 pytestmark = pytest.mark.slow
 
 
-def _train(dump, *extra, steps=6, nproc=2):
+def _train(dump, *extra, steps=6, nproc=2, times="plain"):
+    """A run fed synthetic times of the given kind (tests/synthetic_times.py)."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-        "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", "--role", "rank", ENTRY,
+        sys.executable, LAUNCH, f"--nproc_per_node={nproc}",
         "--job.config_file", DEBUG_CPU, "--job.dump_folder", str(dump), "--model.flavor", "tiny",
         "--training.seq_len", "256", "--wlb.micro_batch_max_len", "320",
         "--training.global_batch_size", "4", "--training.steps", str(steps),
@@ -38,7 +38,7 @@ def _train(dump, *extra, steps=6, nproc=2):
         "--wlb.online.holdout_steps", "1", "--wlb.online.interval_steps", "2",
         "--wlb.online.apply_lag_steps", "2", *extra,
     ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", WLB_TEST_SYNTHETIC_TIMES=times)
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     return r.stdout + r.stderr
@@ -62,7 +62,7 @@ def _check_refit(log, dump, steps=6, nproc=2):
         assert recs[4]["wlb/cost_refit_adopted"] == 1.0
         assert recs[4]["wlb/cost_refit_effective_step"] == 6.0
         assert "wlb/cost_refit_adopted" in recs[6] and "wlb/cost_refit_adopted" not in recs[5]
-    # Different timings on the two ranks (see the entry), the same coefficients bit for bit.
+    # Different timings on the two ranks (tests/synthetic_times.py), the same coefficients bit for bit.
     for step, recs in itertools.product((4, 6), runs[1:]):
         assert [runs[0][step][k] for k in REFIT_KEYS] == [recs[step][k] for k in REFIT_KEYS]
     rank0 = runs[0]
@@ -100,7 +100,7 @@ def test_online_refit_under_pipeline_parallelism(tmp_path):
     must agree bit for bit."""
     args = ("--parallelism.pipeline_parallel_degree", "2", "--checkpoint.no-enable",
             "--parallelism.data_parallel_shard_degree", "2")  # fmt: skip
-    log = _train(tmp_path, *args, "--synthetic-stage-times", nproc=4)
+    log = _train(tmp_path, *args, nproc=4, times="stage")
     _check_refit(log, tmp_path, nproc=4)
 
 
@@ -121,10 +121,10 @@ def test_online_refit_under_context_parallelism_chooses_the_cp_plans(tmp_path):
     args = ("--parallelism.context_parallel_degree", "2", "--wlb.cp_sharding", "adaptive",
             "--wlb.advanced.cp_hybrid_max_len", "64", "--wlb.advanced.cp_bandwidth_gbps", "0.001",
             "--training.dataset", "jsonl", "--training.dataset_path", str(data),
-            "--checkpoint.no-enable", "--synthetic-gather-cost")  # fmt: skip
+            "--checkpoint.no-enable")  # fmt: skip
     # Seven steps: one of steps 6-7 may release a group of outliers, one a micro-batch (where
     # every strategy is the same plan); the other has several documents a micro-batch.
-    runs = _check_refit(_train(tmp_path, *args, steps=7), tmp_path, steps=7)
+    runs = _check_refit(_train(tmp_path, *args, steps=7, times="gather"), tmp_path, steps=7)
     refit = runs[0][4]
     a, b, g = (refit[f"wlb/cost_refit_{k}"] for k in "abg")
     assert b == pytest.approx(1e-5, rel=0.05) and g == pytest.approx(b / 5, rel=0.05)
