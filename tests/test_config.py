@@ -193,13 +193,15 @@ def test_layout_checks():
         check_job_config(_parse(*zbv), world_size=2)
     loss_only = _parse(*zbv, "--compile.components", "loss")
     assert check_job_config(loss_only, world_size=2)["pp"] == 2
+    # TorchTitan's loader: its own datasets only, and no CP (no document boundaries)
+    own_loader = ["--wlb.advanced.loader", "torchtitan"]
+    with pytest.raises(ConfigError, match="not \\[training\\] dataset = 'wlb_builtin'"):
+        check_job_config(_parse(*own_loader), world_size=1)
+    own_loader += ["--training.dataset", "c4_test"]
+    assert check_job_config(_parse(*own_loader), world_size=1)["cp"] == 1
     with pytest.raises(ConfigError, match="needs document boundaries"):
-        check_job_config(
-            _parse(
-                "--parallelism.context_parallel_degree", "2", "--wlb.advanced.loader", "torchtitan"
-            ),
-            world_size=2,
-        )
+        cp2 = _parse(*own_loader, "--parallelism.context_parallel_degree", "2")
+        check_job_config(cp2, world_size=2)
 
 
 def _run_train(*arg_lists):

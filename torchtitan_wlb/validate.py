@@ -90,13 +90,28 @@ def check_job_config(job_config: Any, world_size: int | None = None) -> dict[str
     _check_validation(job_config)
     if job_config.wlb.advanced.loader == "documents":
         _check_document_loader(job_config, degrees)
-    elif degrees["cp"] > 1:
+    else:
+        _check_torchtitan_loader(job_config, degrees)
+    return degrees
+
+
+def _check_torchtitan_loader(job_config: Any, degrees: dict[str, int]) -> None:
+    """TorchTitan's own loader: its own datasets, no document boundaries."""
+    from torchtitan.hf_datasets.text_datasets import DATASETS
+
+    dataset = job_config.training.dataset
+    if dataset not in DATASETS:
+        raise ConfigError(
+            f'[wlb.advanced] loader = "torchtitan" reads TorchTitan\'s datasets '
+            f"({', '.join(repr(name) for name in DATASETS)}), not [training] dataset = "
+            f'{dataset!r}; use [wlb.advanced] loader = "documents" or one of those'
+        )
+    if degrees["cp"] > 1:
         raise ConfigError(
             f"[parallelism] context_parallel_degree = {degrees['cp']} needs document boundaries "
             f"(every [wlb] cp_sharding plan is built from them), but [wlb.advanced] loader = "
             '"torchtitan" provides none; use [wlb.advanced] loader = "documents"'
         )
-    return degrees
 
 
 def _check_lengths(job_config: Any) -> None:
