@@ -1,5 +1,5 @@
 """Test-suite set-up: CPU support must be active before anything imports torchtitan; the launch
-server (tests/launch_server.py) serves the session's multi-process launches."""
+server (tests/launch_server.py) serves the run's multi-process launches."""
 
 import os
 import subprocess

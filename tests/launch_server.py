@@ -1,4 +1,4 @@
-"""The launch server of the multi-process tests: torch and TorchTitan imported once per session.
+"""The launch server of the multi-process tests: torch and TorchTitan imported once per pytest run.
 
     python tests/launch_server.py SOCKET     # started by tests/conftest.py
 
@@ -15,7 +15,7 @@ one from another checkout or interpreter, or whose environment differs in what t
 is imported (``TORCH*``, ``PYTORCH*``, ``PYTHONPATH``, thread counts). The agent runs in a process
 group of its own, with its ranks: if the script is killed (a test's timeout), its connection
 closes and the server kills that group. The server is single-threaded (it forks, so no other
-thread may hold a lock at that moment) and exits when its parent, the test session, is gone.
+thread may hold a lock at that moment) and exits when its parent, pytest, is gone.
 """
 
 from __future__ import annotations
