@@ -337,3 +337,31 @@ def test_heldout_set_from_an_indexed_corpus_is_the_jsonl_ones(corpora):
     same = ["--training.dataset", "indexed", "--training.dataset_path", str(corpora / "ours")]
     with pytest.raises(ConfigError, match=r"\[validation\] dataset = 'indexed'.*training reads"):
         check_job_config(parse_job_config([*args, *same]), world_size=1)
+
+
+def test_pretokenize_writes_the_same_corpus_from_parquet_and_a_local_hf_dataset(
+    tmp_path, monkeypatch
+):
+    """The same documents as jsonl, parquet and a local Hugging Face dataset folder (offline):
+    ``tools.pretokenize`` writes byte-identical ``.bin`` and ``.idx`` files from each."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from torchtitan_wlb.tools.pretokenize import main as pretokenize
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    texts = _texts(n=25, seed=3)
+    (tmp_path / "hf").mkdir()
+    for path in (tmp_path / "docs.jsonl", tmp_path / "hf" / "train.jsonl"):
+        path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    pq.write_table(pa.table({"text": texts}), tmp_path / "docs.parquet")
+    sources = {"jsonl": "docs.jsonl", "parquet": "docs.parquet", "hf": "hf"}
+    for kind, path in sources.items():
+        args = [str(tmp_path / kind), "--dataset", kind, "--dataset-path", str(tmp_path / path)]
+        assert pretokenize([*args, "--workers", "1"]) == 0, kind
+    assert IndexedCorpus(str(tmp_path / "jsonl")).num_docs == len(texts)
+    for kind in ("parquet", "hf"):
+        for suffix in (".bin", ".idx"):
+            want = (tmp_path / f"jsonl{suffix}").read_bytes()
+            assert (tmp_path / f"{kind}{suffix}").read_bytes() == want, (kind, suffix)
