@@ -10,16 +10,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-from torchdata.nodes import BaseNode
 from torchtitan.tools.logging import logger
 
+from torchtitan_wlb.data.counted import CountedNode
 from torchtitan_wlb.data.sources import DataError, TextSource
 
-# The node's state: counters, each an attribute of the node of the same name.
-_STATE = ("epoch", "texts_done", "pieces_done", "next_doc_id", "truncated_tokens", "truncated_docs")
 
-
-class DocumentNode(BaseNode[dict]):
+class DocumentNode(CountedNode):
     """Tokenized documents from a :class:`TextSource`, one item per piece of at most
     ``max_doc_len`` tokens (``doc_id`` counts pieces, ``parent_id`` the text), longer texts cut by
     ``policy`` (docs/data.md), over ``epochs`` passes (0: forever, TorchTitan's default)."""
@@ -45,14 +42,8 @@ class DocumentNode(BaseNode[dict]):
         self._it: Iterator[dict] | None = None
         self._set_counters(None)
 
-    def _set_counters(self, state: dict | None) -> None:
-        state = dict.fromkeys(_STATE, 0) if state is None else state
-        for key in _STATE:
-            setattr(self, key, int(state[key]))
-
     def reset(self, initial_state: dict | None = None) -> None:
         super().reset(initial_state)
-        self._set_counters(initial_state)
         self._it = self._generate()
 
     def _pieces(self, index: int, text: str) -> list[np.ndarray]:
@@ -123,6 +114,3 @@ class DocumentNode(BaseNode[dict]):
             tokens.append(item["tokens"])
             got += item["tokens"].size
         return ids, tokens
-
-    def get_state(self) -> dict:
-        return {key: getattr(self, key) for key in _STATE}

@@ -21,8 +21,8 @@ import struct
 from typing import Any
 
 import numpy as np
-from torchdata.nodes import BaseNode
 
+from torchtitan_wlb.data.counted import CountedNode
 from torchtitan_wlb.data.sources import DataError
 
 INDEXED = "indexed"
@@ -236,11 +236,7 @@ def epoch_order(num_docs: int, seed: int, epoch: int) -> np.ndarray | None:
     return np.random.default_rng([seed, epoch]).permutation(num_docs)
 
 
-# The node's state: counters, as DocumentNode's (``texts_done``: documents of this epoch's order).
-_STATE = ("epoch", "texts_done", "pieces_done", "next_doc_id", "truncated_tokens", "truncated_docs")
-
-
-class IndexedDocumentNode(BaseNode[dict]):
+class IndexedDocumentNode(CountedNode):
     """The document stream of an :class:`IndexedCorpus`, cut by ``policy`` into pieces of at most
     ``max_doc_len`` tokens (as :class:`~torchtitan_wlb.data.documents.DocumentNode`), without
     reading tokens: items and :meth:`read_lengths` give each piece's id, length and place
@@ -270,18 +266,6 @@ class IndexedDocumentNode(BaseNode[dict]):
         self._order: np.ndarray | None = None
         self._order_epoch = -1
         self._set_counters(None)
-
-    def _set_counters(self, state: dict | None) -> None:
-        state = dict.fromkeys(_STATE, 0) if state is None else state
-        for key in _STATE:
-            setattr(self, key, int(state[key]))
-
-    def reset(self, initial_state: dict | None = None) -> None:
-        super().reset(initial_state)
-        self._set_counters(initial_state)
-
-    def get_state(self) -> dict:
-        return {key: getattr(self, key) for key in _STATE}
 
     def _docs(self, lo: int, hi: int) -> np.ndarray:
         """The corpus numbers of positions ``lo .. hi`` of this epoch's order."""
