@@ -348,6 +348,7 @@ def test_shape_errors_name_the_values():
         max_seqlen_k=(8, 8),
         cu_seqlens_whole=torch.zeros(1, dtype=torch.int32),
         max_seqlen_whole=0,
+        key_window=((0, 8), (0, 8)),
     )
     q = torch.randn(4, 4, 8)
     with pytest.raises(ValueError, match=r"k=\(4, 2, 8\), v=\(3, 2, 8\)"):

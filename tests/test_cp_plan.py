@@ -22,6 +22,17 @@ def _global_positions(doc_lens):
     return doc, np.arange(cu[-1]) - cu[doc]
 
 
+def _check_key_window(cq, ck, lo, hi, gathered_len):
+    """A half's key window is tight: from its first query segment's first key to its last one's
+    last (no leading or trailing gap handed to the kernel), inside the gathered rows."""
+    segments = np.flatnonzero(np.diff(cq) > 0)
+    assert 0 <= lo <= hi <= gathered_len
+    if len(segments) == 0:
+        assert (lo, hi) == (0, 0) and not ck.any()
+        return
+    assert ck[segments[0]] == 0 and ck[segments[-1] + 1] == hi - lo
+
+
 def _check_plan(doc_lens, cp, strategy):
     doc_lens = np.asarray(doc_lens, dtype=np.int64)
     plan = build_cp_plan(doc_lens, cp, strategy)
@@ -37,7 +48,9 @@ def _check_plan(doc_lens, cp, strategy):
         spec = plan.local_attention_spec(r)
         for half, (cq, ck) in enumerate(zip(spec.cu_seqlens_q, spec.cu_seqlens_k, strict=True)):
             n_q = spec.n_head_tokens if half == 0 else len(idx) - spec.n_head_tokens
-            assert cq[0] == 0 and cq[-1] == n_q and ck[-1] == total
+            lo, hi = spec.key_window[half]
+            assert cq[0] == 0 and cq[-1] == n_q and ck[0] == 0 and ck[-1] == hi - lo
+            _check_key_window(cq, ck, lo, hi, total)
             assert np.all(np.diff(cq) >= 0) and np.all(np.diff(ck) >= 0)
             assert cq.dtype == np.int32 and ck.dtype == np.int32
             # Each query segment's keys are its document's prefix ending at its last query.
@@ -46,7 +59,7 @@ def _check_plan(doc_lens, cp, strategy):
             for s in q_seg[:50]:
                 q_tok = local[cq[s] : cq[s + 1]]
                 assert len(set(doc_of[q_tok])) == 1
-                k_start, k_end = ck[s], ck[s + 1]
+                k_start, k_end = ck[s] + lo, ck[s + 1] + lo
                 assert doc_of[k_start] == doc_of[q_tok[0]] and pos_of[k_start] == 0
                 assert k_end - 1 == q_tok[-1]
             assert spec.max_seqlen_q[half] == max(np.diff(cq).max(), 0)
@@ -369,11 +382,15 @@ def _check_hybrid(doc_lens, cp, max_len=0, costs=None):
             np.testing.assert_array_equal(np.diff(tok), 1)
         assert spec.max_seqlen_whole == (np.diff(cw).max() if len(cw) > 1 else 0)
         halves = (idx[: spec.n_head_tokens], idx[spec.n_head_tokens : n_gather])
-        for local, cq, ck in zip(halves, spec.cu_seqlens_q, spec.cu_seqlens_k, strict=True):
-            assert cq[-1] == len(local) and ck[-1] == plan.gathered_len
+        for half, (local, cq, ck) in enumerate(
+            zip(halves, spec.cu_seqlens_q, spec.cu_seqlens_k, strict=True)
+        ):
+            lo, hi = spec.key_window[half]
+            assert cq[-1] == len(local) and ck[-1] == hi - lo
+            _check_key_window(cq, ck, lo, hi, plan.gathered_len)
             for s in np.flatnonzero(np.diff(cq) > 0):
                 q_tok = local[cq[s] : cq[s + 1]]
-                keys = key_tokens[ck[s] : ck[s + 1]]
+                keys = key_tokens[lo + ck[s] : lo + ck[s + 1]]
                 assert len(set(doc_of[q_tok])) == 1 and doc_of[keys[0]] == doc_of[q_tok[0]]
                 assert pos_of[keys[0]] == 0 and keys[-1] == q_tok[-1]
     np.testing.assert_array_equal(np.sort(np.concatenate(all_idx)), np.arange(total))

@@ -43,6 +43,7 @@ class CPAttentionMetadata:
     max_seqlen_k: tuple[int, int]
     cu_seqlens_whole: Tensor
     max_seqlen_whole: int
+    key_window: tuple[tuple[int, int], tuple[int, int]]
     # The op's index tensors and sizes (:func:`op_arguments`; sizes as a host tensor), built
     # here, outside any compiled region: a compiled model specialises on none of the plan's values.
     # (arguments only for dataclasses.replace, which FSDP applies to forward inputs)
@@ -81,6 +82,33 @@ def _wait(tensor: Tensor) -> Tensor:
     return tensor.wait() if isinstance(tensor, funcol.AsyncCollectiveTensor) else tensor
 
 
+PARTS = ("head", "tail", "whole")  # a rank's varlen calls, in local token order
+
+
+def local_parts(
+    q: Tensor,
+    k_glob: Tensor,
+    v_glob: Tensor,
+    k_whole: Tensor,
+    v_whole: Tensor,
+    cus: tuple[Tensor, ...],
+    sizes: list[int],
+) -> tuple[tuple, tuple, tuple]:
+    """The arguments ``(q, k, v, cu_q, cu_k, max_q, max_k)`` of a rank's three varlen calls
+    (:data:`PARTS`): its halves against their key windows of the gathered keys, its whole
+    documents against their own keys. A part may have no queries."""
+    n_head, max_q_h, max_k_h, max_q_t, max_k_t, _, n_gather, max_whole = sizes[:8]
+    head_a, head_b, tail_a, tail_b = sizes[8:12]  # each half's key window (LocalAttentionSpec)
+    cu_q_head, cu_k_head, cu_q_tail, cu_k_tail, cu_whole = cus
+    return (
+        (q[:n_head], k_glob[head_a:head_b], v_glob[head_a:head_b], cu_q_head, cu_k_head)
+        + (max_q_h, max_k_h),
+        (q[n_head:n_gather], k_glob[tail_a:tail_b], v_glob[tail_a:tail_b], cu_q_tail, cu_k_tail)
+        + (max_q_t, max_k_t),
+        (q[n_gather:], k_whole, v_whole, cu_whole, cu_whole, max_whole, max_whole),
+    )
+
+
 def _local_attention(
     q: Tensor,
     k_glob: Tensor,
@@ -92,17 +120,11 @@ def _local_attention(
     scale: float,
     backend: str,
 ) -> Tensor:
-    """The rank's varlen calls (halves against the gathered keys, whole documents against their
-    own); an empty part is skipped, not handed to a kernel as an empty batch."""
-    n_head, max_q_h, max_k_h, max_q_t, max_k_t, _, n_gather, max_whole = sizes
-    cu_q_head, cu_k_head, cu_q_tail, cu_k_tail, cu_whole = cus
+    """The rank's varlen calls (:func:`local_parts`); an empty part is skipped, not handed to a
+    kernel as an empty batch."""
     parts = [
         document_attention(*part, scale=scale, backend=backend)
-        for part in (
-            (q[:n_head], k_glob, v_glob, cu_q_head, cu_k_head, max_q_h, max_k_h),
-            (q[n_head:n_gather], k_glob, v_glob, cu_q_tail, cu_k_tail, max_q_t, max_k_t),
-            (q[n_gather:], k_whole, v_whole, cu_whole, cu_whole, max_whole, max_whole),
-        )
+        for part in local_parts(q, k_glob, v_glob, k_whole, v_whole, cus, sizes)
         if part[0].shape[0] > 0
     ]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -117,7 +139,8 @@ def op_arguments(spec, max_gather_len: int) -> tuple[tuple, list[int]]:
     (cq_h, cq_t), (ck_h, ck_t) = spec.cu_seqlens_q, spec.cu_seqlens_k
     (mq_h, mq_t), (mk_h, mk_t) = spec.max_seqlen_q, spec.max_seqlen_k
     sizes = [spec.n_head_tokens, mq_h, mk_h, mq_t, mk_t, max_gather_len, spec.n_gather_tokens]
-    return (cq_h, ck_h, cq_t, ck_t, spec.cu_seqlens_whole), [*sizes, spec.max_seqlen_whole]
+    sizes += [spec.max_seqlen_whole, *spec.key_window[0], *spec.key_window[1]]
+    return (cq_h, ck_h, cq_t, ck_t, spec.cu_seqlens_whole), sizes
 
 
 @torch.library.custom_op("torchtitan_wlb::cp_attention_fwd", mutates_args=())

@@ -37,16 +37,23 @@ def causal_pairs(q_len: np.ndarray, kv_len: np.ndarray) -> np.ndarray:
 @dataclass(frozen=True)
 class LocalAttentionSpec:
     """One rank's varlen calls: head and tail halves against the gathered keys (zero-query "gap"
-    segments keep key segments contiguous), hybrid's whole documents against themselves."""
+    segments keep key segments contiguous), hybrid's whole documents against themselves.
+
+    Each half sees only its key window, the gathered rows from its first segment's keys to its last
+    one's: a kernel handed every gathered row would write zero dK/dV for all the rows no query of
+    the half attends to and launch its backward over the longest key segment, a gap of up to the
+    whole sequence (per-sequence sharding's halves each attend to about 1/2c of the keys)."""
 
     n_head_tokens: int  # local tokens of the head half (the tail half follows them)
     n_gather_tokens: int  # local tokens whose K/V are all-gathered (whole documents follow)
     cu_seqlens_q: tuple[np.ndarray, np.ndarray]  # (head, tail) int32, from each half's start
-    cu_seqlens_k: tuple[np.ndarray, np.ndarray]  # (head, tail) int32, in gathered key order
+    cu_seqlens_k: tuple[np.ndarray, np.ndarray]  # (head, tail) int32, from each key window's start
     max_seqlen_q: tuple[int, int]  # longest query segment
     max_seqlen_k: tuple[int, int]  # longest key segment (gaps included)
     cu_seqlens_whole: np.ndarray  # int32 whole-document boundaries ([0] when the rank has none)
     max_seqlen_whole: int  # longest whole document (0 when none)
+    # (head, tail) [start, end) gathered rows each half attends to ((0, 0): a half with no queries)
+    key_window: tuple[tuple[int, int], tuple[int, int]]
 
 
 @dataclass(frozen=True)
@@ -177,7 +184,12 @@ class CPPlan:
         cum = np.zeros((2, m + 1), dtype=np.int32)
         lens.cumsum(axis=1, out=cum[:, 1:])
         (cq_h, ck_h), (cq_t, ck_t) = cum[:, : cut + 1], cum[:, cut:] - cum[:, cut : cut + 1]
-        (mq_h, mq_t), (mk_h, mk_t) = np.maximum.reduceat(lens, [0, cut], axis=1).tolist()
+        window = (_key_window(ck_h, n_head), _key_window(ck_t, len(segs) - n_head))
+        # The leading and trailing gaps fall outside the window: zero-length entries.
+        (a_h, b_h), (a_t, b_t) = window
+        ck_h, ck_t = np.clip(ck_h - a_h, 0, b_h - a_h), np.clip(ck_t - a_t, 0, b_t - a_t)
+        (mq_h, mq_t) = np.maximum.reduceat(lens[0], [0, cut]).tolist()
+        (mk_h, mk_t) = (int(np.diff(ck).max()) for ck in (ck_h, ck_t))
         whole_lens = self.seg_len[whole]
         cu_whole = np.zeros(len(whole_lens) + 1, dtype=np.int32)
         whole_lens.cumsum(out=cu_whole[1:])
@@ -190,6 +202,7 @@ class CPPlan:
             (mk_h, mk_t),
             cu_whole,
             int(whole_lens.max(initial=0)),
+            window,
         )
 
     def rank_totals(self, per_segment: np.ndarray) -> np.ndarray:
@@ -223,6 +236,15 @@ class CPPlan:
         rows); the backward's re-gather and dK/dV reduce-scatter move as much again."""
         row = 2 * int(kv_heads) * int(head_dim) * int(dtype_bytes)
         return (self.cp_degree - 1) * self.max_gather_len * row
+
+
+def _key_window(cu_k: np.ndarray, n_segments: int) -> tuple[int, int]:
+    """A half's ``[start, end)`` gathered rows from its ``cu_k`` over all gathered rows (a leading
+    gap, then query segments and the gaps between them, then a trailing gap): from its first
+    segment's first key to its last segment's last; ``(0, 0)`` when the half has no segment."""
+    if n_segments == 0:
+        return (0, 0)
+    return (int(cu_k[1]), int(cu_k[-2]))
 
 
 _ARANGE = np.arange(0, dtype=np.int64)
