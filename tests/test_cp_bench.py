@@ -63,6 +63,27 @@ def test_adaptive_candidates_flag_limits_the_choice(capsys):
     assert result["config"]["packer"] == "original"  # the default packing is unchanged
     assert result["figure15"]["candidates"] == ["per_sequence", "per_document"]
     assert set(result["figure15"]["chosen"]) <= {"per_sequence", "per_document"}
+    assert "call_breakdown" not in result  # only when asked for
+
+
+def test_call_breakdown_covers_every_query_of_every_rank(capsys):
+    """--call-breakdown: a row per call with queries; together a rank's calls hold its tokens, the
+    halves' key windows at most the gathered keys, predictions the table's whole-rank figure."""
+    args = ["--cp", "2", "--micro-batches", "2", "--measure", "--measure-micro-batches", "1"]
+    result = _run(capsys, [*args, "--measure-repeats", "1", "--call-breakdown"])
+    rows, summary = result["call_breakdown"]["calls"], result["call_breakdown"]["summary"]
+    assert {r["strategy"] for r in rows} == {"per_sequence", "per_document", "hybrid"}
+    assert all(r["measured_ms"] > 0 and r["predicted_ms"] > 0 and r["q_tokens"] > 0 for r in rows)
+    tokens = {sum(r["q_tokens"] for r in rows if r["strategy"] == s) for s in summary}
+    assert len(tokens) == 1 and 0 < tokens.pop() <= 2048  # the one measured micro-batch
+    for strategy in ("per_sequence", "per_document", "hybrid"):
+        mine = [r for r in rows if r["strategy"] == strategy]
+        assert all(r["key_rows"] <= 2048 and r["max_seqlen_k"] <= r["key_rows"] for r in mine)
+        predicted = sum(r["predicted_ms"] for r in mine)
+        parts = summary[strategy].values()
+        assert sum(p["predicted_ms"] for p in parts) == pytest.approx(predicted)
+        assert sum(p["calls"] for p in parts) == len(mine)
+    assert {r["part"] for r in rows if r["strategy"] == "hybrid"} <= {"head", "tail", "whole"}
 
 
 def test_no_figure15_without_measure(capsys):

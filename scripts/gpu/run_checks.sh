@@ -206,7 +206,7 @@ for p in "${parts[@]}"; do
             --cp 4 --packer wlb "${FIG[@]}" --measure --device "$DEVICE" "${HEADS[@]}" \
             --adaptive-candidates per_sequence,per_document \
             $([ -f "$OUT/cp_profile_$DEVICE.json" ] && echo --profile "$OUT/cp_profile_$DEVICE.json") \
-            --no-torch-balancers --json ;;
+            --no-torch-balancers --call-breakdown --json ;;
         train_debug) part train_debug "${CAPS[4]}" ./run_train.sh ;;
         train_modes) part train_modes "${CAPS[5]}" bash "$SELF" __train_modes ;;
         online) part online "${CAPS[6]}" bash "$SELF" __online ;;

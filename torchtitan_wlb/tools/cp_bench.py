@@ -34,6 +34,7 @@ from torchtitan_wlb.packing import OriginalPacker, PackingConfig, build_packer, 
 from torchtitan_wlb.packing.driver import LengthStream, drive, next_plan
 from torchtitan_wlb.tools import torch_balancers
 from torchtitan_wlb.tools.cli import ToolParser, json_text, require_at_least
+from torchtitan_wlb.tools.cp_calls import call_breakdown, elapsed_ms, rank_tensors
 from torchtitan_wlb.workloads import GENERATORS, generate, load_lengths, split_long
 
 STRATEGY_NAMES = ("per_sequence", "per_document", "hybrid", "adaptive")
@@ -140,42 +141,16 @@ def _rank_step(
     gradient would add memory-bound kernels that are no part of attention."""
     import torch
 
-    from torchtitan_wlb.cp.op import _local_attention, op_arguments
+    from torchtitan_wlb.cp.op import _local_attention
 
-    s = plan.local_attention_spec(rank)
-    n_local, n_gather = int(plan.local_lens[rank]), s.n_gather_tokens
-    dev = torch.device(device)
-    gen = torch.Generator(dev).manual_seed(rank)
-    like = {"generator": gen, "device": dev, "dtype": getattr(torch, dtype)}
-    gathered, whole = (plan.gathered_len, kv_heads), (n_local - n_gather, kv_heads)
-    tensors = [
-        torch.randn(n, h, head_dim, **like, requires_grad=True)
-        for n, h in ((n_local, heads), gathered, gathered, whole, whole)
-    ]  # q, then K and V of the gathered keys and of the whole documents
-    cus, sizes = op_arguments(s, plan.max_gather_len)
-    cus = tuple(torch.from_numpy(cu).to(dev) for cu in cus)
+    tensors, cus, sizes, grad = rank_tensors(plan, rank, heads, kv_heads, head_dim, device, dtype)
 
     def forward() -> torch.Tensor:
         return _local_attention(*tensors, cus, sizes, head_dim**-0.5, backend)
 
-    if dev.type == "cpu":
+    if torch.device(device).type == "cpu":
         return lambda: forward().sum().backward()
-    grad = torch.randn(n_local, heads, head_dim, **like)
     return lambda: torch.autograd.grad(forward(), tensors, grad, allow_unused=True)
-
-
-def _elapsed_ms(step: Callable[[], object], sync: Callable[[], None] | None) -> float:
-    """One call of ``step`` in ms: this process's CPU time (``sync`` None), else wall time between
-    device synchronisations (kernels run asynchronously)."""
-    if sync is None:
-        start = time.process_time()
-        step()
-        return (time.process_time() - start) * 1e3
-    sync()
-    start = time.perf_counter()
-    step()
-    sync()
-    return (time.perf_counter() - start) * 1e3
 
 
 def measure_backend(device: str) -> str:
@@ -215,7 +190,7 @@ def measure_ranks_ms(
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else None
     for step in steps:
         step()  # warm-up (kernel selection, allocator)
-    rounds = np.array([[_elapsed_ms(step, sync) for step in steps] for _ in range(repeats)])
+    rounds = np.array([[elapsed_ms(step, sync) for step in steps] for _ in range(repeats)])
     return np.median(rounds, axis=0) if cuda else rounds.min(axis=0)
 
 
@@ -410,6 +385,18 @@ def run(args: argparse.Namespace) -> dict:
         results[name] = summarise([stats(a, i) for i, a in enumerate(assignments)])
     if n_measured and all(rank_ms[name] for name in FIGURE15):
         results["figure15"] = _figure15(plans, rank_ms, args.adaptive_candidates)
+    if n_measured and args.call_breakdown:  # the fixed strategies (adaptive picks among them)
+        fixed = {name: plans[name] for name in STRATEGY_NAMES if name != "adaptive"}
+        shape = (args.heads, args.kv_heads, args.head_dim)
+        results["call_breakdown"] = call_breakdown(
+            fixed,
+            profile,
+            shape,
+            args.measure_repeats,
+            args.device,
+            args.dtype,
+            measure_backend(args.device),
+        )
     results["config"] = {
         "lengths": args.lengths or f"generator:{args.generator}(seed={args.seed})",
         "context_len": args.context_len,
@@ -503,6 +490,11 @@ def parser() -> ToolParser:
         type=int,
         default=5,
         help="rounds per rank (cpu: fastest, cuda: median)",
+    )
+    p.add_argument(
+        "--call-breakdown",
+        action="store_true",
+        help="--measure: also time each rank's varlen calls alone beside their prediction",
     )
     p.add_argument("--device", type=_device, default="cpu", help="--measure on: cpu, cuda[:N]")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="--measure: cpu fp32, cuda bf16")
