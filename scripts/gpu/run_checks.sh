@@ -21,6 +21,8 @@
 #   train_debug  ./run_train.sh as shipped (train_configs/debug_gpu.toml)
 #   train_modes  byte_1B at 64K context in plain_4d, fixed_4d and wlb: tokens/s, MFU, memory, and
 #                the metrics JSONL (measured micro-batch times) of each, as one archive
+#   compile      ./run_train.sh (debug_gpu.toml) for 20 steps eager and with --compile.enable from
+#                one seed: the first steps' losses side by side, graphs, recompiles, step times
 #   online       the online cost model on the GPU: byte_1B at 32K, N = 8 micro-batches a step on
 #                LENGTHS, wlb with the analytic and with the online model, and the noise floor
 #                (identical micro-batches); metrics JSONL as one archive (scripts/gpu/online_report.py)
@@ -55,7 +57,9 @@ if [ "$REHEARSAL" = 1 ]; then  # the same commands at sizes a 2-core CPU runs in
     DEVICE=cpu; HEADS=(--heads 2 --kv-heads 1 --head-dim 16); GRID=(--lengths 16,64,256,1024)
     FIG=(--context-len 4096 --micro-batches 4 --measure-micro-batches 4 --measure-repeats 1)
     TRAIN=(--model.flavor tiny --training.seq_len 1024 --training.global_batch_size 2)
-    SMAX=1280; STEPS=3; CAPS=(60 120 120 120 240 300 300 300)
+    SMAX=1280; STEPS=3; CAPS=(60 120 120 120 240 300 300 300 300)
+    COMPILE=(--model.flavor tiny --training.seq_len 256 --training.global_batch_size 2
+             --training.steps 4)
     ONLINE=(--model.flavor tiny --training.seq_len 1024); ONLINE_CTX=1024; ONLINE_STEPS=8
 else
     DEVICE=cuda; HEADS=(--heads 32 --kv-heads 8 --head-dim 128)
@@ -63,7 +67,8 @@ else
     FIG=(--context-len 131072 --micro-batches 4 --measure-micro-batches 12 --measure-repeats 2)
     TRAIN=(--model.flavor byte_1B --training.seq_len 65536 --training.global_batch_size 2
            --activation_checkpoint.mode full)
-    SMAX=81920; STEPS=6; CAPS=(60 100 200 150 120 330 420 150)
+    SMAX=81920; STEPS=6; CAPS=(60 100 200 150 120 330 420 150 240)
+    COMPILE=(--training.steps 20)  # train_configs/debug_gpu.toml as shipped
     ONLINE=(--model.flavor byte_1B --training.seq_len 32768 --activation_checkpoint.mode full)
     ONLINE_CTX=32768; ONLINE_STEPS=14
 fi
@@ -109,6 +114,37 @@ train_modes() {
     done
     tar -czf "$OUT/train_modes_metrics.tar.gz" -C "$WORK" \
         $(cd "$WORK" && find plain_4d fixed_4d wlb -name '*.jsonl' 2>/dev/null)
+    return $rc
+}
+
+compile_check() {  # the trainer eager and compiled from one seed: first losses, graphs, step time
+    local c rc=0
+    for c in eager compiled; do
+        echo "=== $c"
+        NGPU=1 ./run_train.sh "${COMPILE[@]}" --debug.seed 7 \
+            --checkpoint.no-enable --job.dump_folder "$WORK/compile_$c" \
+            --wlb.advanced.metrics_jsonl --metrics.log_freq 1 --metrics.disable_color_printing \
+            $([ $c = compiled ] && echo --compile.enable) || rc=$?
+    done
+    "$PY" - "$WORK" <<'PYEOF' || rc=1
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+runs = {}
+for c in ("eager", "compiled"):
+    log = Path(sys.argv[1], f"compile_{c}", "wlb_metrics", "rank_0.jsonl")
+    runs[c] = [json.loads(line) for line in log.open()]
+for c, recs in runs.items():
+    times = [r["wlb/step_time_s"] for r in recs[2:]]
+    print(c, "losses 1-3", [round(r["loss"], 5) for r in recs[:3]],
+          f"step 1 {recs[0]['wlb/step_time_s']:.2f} s, steps 3+ median {np.median(times):.3f} s",
+          "graphs", recs[-1].get("wlb/compiled_graphs"), "recompiles", recs[-1].get("wlb/recompiles"))
+rel = [abs(a["loss"] - b["loss"]) / abs(a["loss"]) for a, b in zip(*runs.values())][:3]
+print(json.dumps({"loss_rel_diff_steps_1_3": rel, "max": max(rel)}))
+PYEOF
     return $rc
 }
 
@@ -181,11 +217,12 @@ overhead() {  # pack_bench's overhead_ms (docs/packing.md): a whole step of the 
 case "${1:-}" in  # a part that is a function runs in its own process, under `timeout`
     __env) env_check; exit $? ;;
     __train_modes) train_modes; exit $? ;;
+    __compile) compile_check; exit $? ;;
     __online) online; exit $? ;;
     __overhead) overhead; exit $? ;;
 esac
 export GPU_DIR OUT WORK REHEARSAL
-ALL=(env tests profile fig15 train_debug train_modes online overhead)
+ALL=(env tests profile fig15 train_debug train_modes compile online overhead)
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=("${ALL[@]}")
 for p in "${parts[@]}"; do
@@ -209,6 +246,7 @@ for p in "${parts[@]}"; do
             --no-torch-balancers --call-breakdown --json ;;
         train_debug) part train_debug "${CAPS[4]}" ./run_train.sh ;;
         train_modes) part train_modes "${CAPS[5]}" bash "$SELF" __train_modes ;;
+        compile) part compile "${CAPS[8]}" bash "$SELF" __compile ;;
         online) part online "${CAPS[6]}" bash "$SELF" __online ;;
         overhead) part overhead "${CAPS[7]}" bash "$SELF" __overhead ;;
     esac
