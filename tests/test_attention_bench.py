@@ -14,10 +14,11 @@ TOOL = "python -m torchtitan_wlb.tools.attention_bench"
 
 @pytest.fixture(scope="module")
 def eager_run(tmp_path_factory):
-    """The three variants, eager, tiny model, 256 tokens, 2 steps (flex: forward only on CPU)."""
+    """The three variants, eager, tiny model, 256 tokens, 2 steps and a profiled one (flex:
+    forward only on CPU)."""
     out = tmp_path_factory.mktemp("attention_bench") / "result.json"
     argv = ["--flavor", "tiny", "--context-len", "256", "--steps", "2", "--warmup", "1"]
-    rc = ab.main([*argv, "--modes", "eager", "--out", str(out)])
+    rc = ab.main([*argv, "--modes", "eager", "--profile", "--out", str(out)])
     return rc, json.loads(out.read_text())
 
 
@@ -49,6 +50,8 @@ def test_result_schema(eager_run):
     assert res["comparison"]["eager"]["wlb_over_flex"] is None
     assert res["comparison"]["eager"]["wlb_over_sdpa"] > 0
     assert res["config"]["attention_backend"] == "cpu" and res["config"]["eos_id"] == 257
+    ops = [op["op"] for op in run["profile"]]
+    assert "aten::mm" in ops and all(op["self_ms"] > 0 for op in run["profile"])
 
 
 def test_sequences_are_the_documents_in_order_cut_at_the_context():

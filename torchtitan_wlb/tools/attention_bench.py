@@ -282,6 +282,25 @@ def timed_steps(trainer: Trainer, batches: list[MicroBatch], sync: Callable) -> 
         yield time.perf_counter() - start, loss, _graphs_built()
 
 
+def profile_step(trainer: Trainer, batch: MicroBatch, device: Any, top: int = 20) -> list[dict]:
+    """One more step on ``batch`` under torch's profiler (after the timed steps, which it would
+    slow down): the ``top`` operators by their own device time (CPU time on a CPU), to tell
+    where a variant's step goes, attention kernels included."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        trainer.step(batch)
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:top]
+    return [
+        {"op": e.key, "self_ms": getattr(e, key) / 1e3, "calls": e.count}
+        for e in events
+        if getattr(e, key) > 0
+    ]
+
+
 def run_one(
     variant: str, mode: str, batches: list[MicroBatch], args: argparse.Namespace, shared: dict
 ) -> dict:
@@ -290,6 +309,9 @@ def run_one(
     import torch
 
     device = shared["device"]
+    gc.collect()  # what a failed run left behind
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     torch._dynamo.reset()  # this run compiles for itself: its first step pays its own compiles
     graphs0 = _graphs_built()
     if device.type == "cuda":
@@ -307,6 +329,7 @@ def run_one(
     try:
         steps = list(timed_steps(trainer, batches, sync))
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        profiled = profile_step(trainer, batches[-1], device) if args.profile else None
     finally:
         del trainer, model
         gc.collect()
@@ -319,6 +342,8 @@ def run_one(
     result["process_rss_peak_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     result["compiled_graphs"] = graphs[-1] - graphs0
     result["recompiles"] = graphs[-1] - graphs[0]
+    if profiled is not None:
+        result["profile"] = profiled
     return result
 
 
@@ -528,6 +553,9 @@ def parser() -> ToolParser:
     p.add_argument("--lr", type=float, default=8e-4, help="AdamW learning rate, constant")
     p.add_argument("--peak-tflops", type=float, default=0.0, help="MFU's peak; 0: the table's")
     p.add_argument("--forward-only", action="store_true", help="no backward or optimizer step")
+    p.add_argument(
+        "--profile", action="store_true", help="one more step per run: its top operators"
+    )
     p.add_argument("--out", default=None, help="also write the JSON here, after every run")
     p.add_argument("--json", action="store_true", help="print the JSON result last")
     return p
