@@ -66,6 +66,18 @@ def test_an_eos_closes_every_document_and_nowhere_else():
     assert batch.labels[0, :-1].tolist() == batch.inputs[0, 1:].tolist()
 
 
+def test_runs_in_the_order_given_none_after_max_seconds(tmp_path, capsys):
+    out = tmp_path / "result.json"
+    argv = ["--context-len", "64", "--steps", "2", "--runs", "sdpa:eager,wlb:compiled"]
+    assert ab.main([*argv, "--max-seconds", "1e-9", "--out", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["variant"], r["mode"], r["skipped"]) for r in runs] == [
+        ("sdpa", "eager", "--max-seconds 1e-09"),
+        ("wlb", "compiled", "--max-seconds 1e-09"),
+    ]
+    assert "skipped: --max-seconds" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     ("argv", "names"),
     [
@@ -75,7 +87,11 @@ def test_an_eos_closes_every_document_and_nowhere_else():
         (["--context-len", "0"], "--context-len = 0"),
         (["--lengths-context", "1024"], "--lengths-context = 1024"),
         (["--flavor", "huge"], "--flavor 'huge'"),
-        (["--variants", "varlen"], "--variants varlen"),
+        (["--variants", "varlen"], "variant varlen"),
+        (["--runs", "wlb:fast"], "--runs"),
+        (["--runs", "wlb:eager,wlb:eager"], "--runs"),
+        (["--runs", "wlb:eager", "--modes", "eager"], "--runs"),
+        (["--max-seconds", "-1"], "--max-seconds = -1"),
         (["--attention-backend", "flash"], "--attention-backend"),
         (["--lengths", "no_such_file.json"], "no_such_file.json"),
     ],

@@ -9,7 +9,8 @@ whole packed sequence without document masking (``sdpa``: the Plain baseline), e
         --warmup 1 --compile-backend aot_eager --ac full --json   # slow: about 50 s on 2 CPU cores
     python -m torchtitan_wlb.tools.attention_bench --device cuda --flavor byte_1B \\
         --context-len 65536 --steps 6 --warmup 2 --ac full --lengths FILE \\
-        --lengths-context 131072 --out attention_bench.json --json   # gpu: FILE is a length file
+        --lengths-context 131072 --runs wlb:eager,flex:eager,wlb:compiled,flex:compiled,sdpa:eager \\
+        --max-seconds 170 --profile --out attention_bench.json --json   # gpu: FILE: lengths
 
 What is measured and every JSON key: docs/attention_bench.md.
 """
@@ -440,7 +441,7 @@ def setup(args: argparse.Namespace) -> dict:
 def comparison(runs: list[dict]) -> dict:
     """Per mode, ``wlb``'s tokens/s over each other variant's: null where either did not run, or
     one trained and the other ran forward only."""
-    found = {(r["variant"], r["mode"]): r for r in runs if "error" not in r}
+    found = {(r["variant"], r["mode"]): r for r in runs if "tokens_per_s" in r}
     out = {}
     for mode in [m for m in MODES if any(r["mode"] == m for r in runs)]:
         ours = found.get(("wlb", mode))
@@ -455,27 +456,35 @@ def comparison(runs: list[dict]) -> dict:
     return out
 
 
+def run_list(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The (variant, mode) runs in order: ``--runs``, else every variant's modes in turn."""
+    if args.runs:
+        return list(args.runs)
+    return [(v, m) for v in args.variants or DEFAULT_VARIANTS for m in args.modes or MODES]
+
+
 def run(args: argparse.Namespace, emit: Callable[[dict], None]) -> dict:
-    """Every (variant, mode) asked for, variants outer in the order given (under a time cap the
-    last ones are lost first); a run that fails is recorded with its error and the next one runs.
-    ``emit`` gets the results after every run (``--out``)."""
+    """Every run asked for, in order; a run that fails is recorded with its error and the next
+    one runs; none starts after ``--max-seconds`` (listed as skipped). ``emit`` gets the results
+    after every run (``--out``)."""
+    start = time.monotonic()
     shared = setup(args)
     results: dict = {"config": shared["config"], "runs": [], "comparison": {}}
-    for variant in args.variants:
-        for mode in args.modes:
-            print(f"attention_bench: {variant} {mode} ...", file=sys.stderr, flush=True)
-            try:
-                entry = run_one(variant, mode, shared["batches"], args, shared)
-            except Exception as exc:  # an OOM, a compiler failure: recorded, the next run goes on
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-                entry = {
-                    "variant": variant,
-                    "mode": mode,
-                    "error": f"{type(exc).__name__}: {first}",
-                }
-            results["runs"].append(entry)
-            results["comparison"] = comparison(results["runs"])
-            emit(results)
+    for variant, mode in run_list(args):
+        entry: dict = {"variant": variant, "mode": mode}
+        if args.max_seconds and time.monotonic() - start > args.max_seconds:
+            results["runs"].append(entry | {"skipped": f"--max-seconds {args.max_seconds:g}"})
+            continue
+        print(f"attention_bench: {variant} {mode} ...", file=sys.stderr, flush=True)
+        try:
+            entry = run_one(variant, mode, shared["batches"], args, shared)
+        except Exception as exc:  # an OOM, a compiler failure: recorded, the next run goes on
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            entry["error"] = f"{type(exc).__name__}: {first}"
+        results["runs"].append(entry)
+        results["comparison"] = comparison(results["runs"])
+        emit(results)
+    emit(results)
     return results
 
 
@@ -485,8 +494,8 @@ def table(results: dict) -> str:
     lines = [head]
     for r in results["runs"]:
         lead = f"{r['variant']:8s} {r['mode']:9s} "
-        if "error" in r:
-            lines.append(lead + r["error"])
+        if "tokens_per_s" not in r:
+            lines.append(lead + r.get("error", f"skipped: {r.get('skipped')}"))
             continue
         cells = [format(r[k], f) if r.get(k) is not None else "n/a" for k, _, f in SHOWN]
         lines.append(
@@ -519,6 +528,18 @@ def _subset(accepted: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
     return parse
 
 
+def _runs(text: str) -> tuple[tuple[str, str], ...]:
+    """argparse type of ``--runs``: comma-separated ``VARIANT:MODE`` pairs, each at most once."""
+    pairs = tuple(tuple(item.strip().split(":")) for item in text.split(",") if item.strip())
+    ok = all(len(x) == 2 and x[0] in VARIANTS and x[1] in MODES for x in pairs)
+    if not pairs or not ok or len(set(pairs)) != len(pairs):
+        raise argparse.ArgumentTypeError(
+            f"expected distinct VARIANT:MODE pairs, VARIANT one of {','.join(VARIANTS)} and MODE "
+            f"one of {','.join(MODES)}; got {text!r}"
+        )
+    return pairs  # type: ignore[return-value]
+
+
 def _device(text: str) -> str:
     """argparse type of ``--device``: ``cpu``, ``cuda`` or ``cuda:N``."""
     if re.fullmatch(r"cpu|cuda(:\d+)?", text) is None:
@@ -542,10 +563,14 @@ def parser() -> ToolParser:
     p.add_argument(
         "--variants",
         type=_subset(VARIANTS),
-        default=DEFAULT_VARIANTS,
+        default=None,
         help="wlb,flex,sdpa (default), varlen (TorchTitan's varlen, CUDA only)",
     )
-    p.add_argument("--modes", type=_subset(MODES), default=MODES, help="eager,compiled")
+    p.add_argument("--modes", type=_subset(MODES), default=None, help="eager,compiled (default)")
+    p.add_argument(
+        "--runs", type=_runs, default=None, help="VARIANT:MODE,... in this order (no --variants)"
+    )
+    p.add_argument("--max-seconds", type=float, default=0, help="start no run after; 0: none")
     p.add_argument("--compile-backend", choices=("inductor", "aot_eager"), default="inductor")
     p.add_argument("--ac", choices=AC_MODES, default="none", help="activation checkpointing")
     p.add_argument("--positions", choices=POSITIONS, default="packed", help="RoPE positions")
@@ -579,8 +604,12 @@ def check_args(p: ToolParser, args: argparse.Namespace) -> None:
     if args.flavor not in llama3_wlb_args:
         p.error(f"--flavor {args.flavor!r} is not one of {', '.join(llama3_wlb_args)}")
     check_device(p, args.device)
-    if "varlen" in args.variants and args.device == "cpu":
-        p.error("--variants varlen: TorchTitan's varlen attention runs on CUDA only")
+    if args.runs and (args.variants or args.modes):
+        p.error("--runs lists the runs: give it without --variants and --modes")
+    if args.max_seconds < 0:
+        p.error(f"--max-seconds = {args.max_seconds:g} must be >= 0 (0: no limit)")
+    if any(v == "varlen" for v, _ in run_list(args)) and args.device == "cpu":
+        p.error("variant varlen: TorchTitan's varlen attention runs on CUDA only")
     try:
         resolve_backend(args.attention_backend, torch.device(args.device))
     except ValueError as exc:
