@@ -333,6 +333,7 @@ def run_one(
         profiled = profile_step(trainer, batches[-1], device) if args.profile else None
     finally:
         del trainer, model
+        torch._dynamo.reset()  # compiled graphs let go of the model before the next one is built
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
