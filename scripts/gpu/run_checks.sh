@@ -15,6 +15,9 @@
 # Parts (default: all, in this order):
 #   env          versions, the GPU, and an import of the trainer (fails fast on a broken install)
 #   tests        tests/test_gpu.py: CUDA attention backends and CP ranks against the references
+#   attention    tools.attention_bench: byte_1B at 64K on one GPU, the same documents and weights
+#                under our document attention, TorchTitan's FlexAttention (block-causal) and causal
+#                SDPA, eager and compiled: tokens/s, MFU, memory, losses -> $OUT/attention_bench.json
 #   profile      the GPU's attention throughput table (tools.cp_profile, 7B heads, bf16) -> $OUT
 #   fig15        Figure 15: one layer's attention under per-sequence / per-document / adaptive CP,
 #                CP = 4, 128K, LENGTHS packed by wlb, adaptive deciding with that table
@@ -51,13 +54,19 @@ PY=$WLB_PYTHON
 LOG="$OUT/checks.log"
 LENGTHS=${LENGTHS:-$GPU_DIR/workloads/dist_wlbllm.json}
 SRC=(--generator longtail)  # fig15's documents: the length file, else the built-in generator
-[ -f "$LENGTHS" ] && SRC=(--lengths "$LENGTHS")
+ATTN_SRC=(--generator longtail_scaled)  # attention's: the same, scaled from 128K to its context
+if [ -f "$LENGTHS" ]; then
+    SRC=(--lengths "$LENGTHS")
+    ATTN_SRC=(--lengths "$LENGTHS" --lengths-context 131072)
+fi
 
 if [ "$REHEARSAL" = 1 ]; then  # the same commands at sizes a 2-core CPU runs in seconds
     DEVICE=cpu; HEADS=(--heads 2 --kv-heads 1 --head-dim 16); GRID=(--lengths 16,64,256,1024)
     FIG=(--context-len 4096 --micro-batches 4 --measure-micro-batches 4 --measure-repeats 1)
     TRAIN=(--model.flavor tiny --training.seq_len 1024 --training.global_batch_size 2)
-    SMAX=1280; STEPS=3; CAPS=(60 120 120 120 240 300 300 300 300)
+    SMAX=1280; STEPS=3; CAPS=(60 120 120 120 240 300 300 300 300 120)
+    ATTN=(--device cpu --flavor tiny --context-len 512 --steps 3 --warmup 1
+          --compile-backend aot_eager)  # Inductor cannot compile FlexAttention on a CPU
     COMPILE=(--model.flavor tiny --training.seq_len 256 --training.global_batch_size 2
              --training.steps 4)
     ONLINE=(--model.flavor tiny --training.seq_len 1024); ONLINE_CTX=1024; ONLINE_STEPS=8
@@ -67,7 +76,8 @@ else
     FIG=(--context-len 131072 --micro-batches 4 --measure-micro-batches 12 --measure-repeats 2)
     TRAIN=(--model.flavor byte_1B --training.seq_len 65536 --training.global_batch_size 2
            --activation_checkpoint.mode full)
-    SMAX=81920; STEPS=6; CAPS=(60 100 200 150 120 330 420 150 240)
+    SMAX=81920; STEPS=6; CAPS=(60 100 200 150 120 330 420 150 240 250)
+    ATTN=(--device cuda --flavor byte_1B --context-len 65536 --steps 6 --warmup 2)
     COMPILE=(--training.steps 20)  # train_configs/debug_gpu.toml as shipped
     ONLINE=(--model.flavor byte_1B --training.seq_len 32768 --activation_checkpoint.mode full)
     ONLINE_CTX=32768; ONLINE_STEPS=14
@@ -222,7 +232,7 @@ case "${1:-}" in  # a part that is a function runs in its own process, under `ti
     __overhead) overhead; exit $? ;;
 esac
 export GPU_DIR OUT WORK REHEARSAL
-ALL=(env tests profile fig15 train_debug train_modes compile online overhead)
+ALL=(env tests attention profile fig15 train_debug train_modes compile online overhead)
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=("${ALL[@]}")
 for p in "${parts[@]}"; do
@@ -237,6 +247,10 @@ for p in "${parts[@]}"; do
     case "$p" in
         env) part env "${CAPS[0]}" bash "$SELF" __env ;;
         tests) part tests "${CAPS[1]}" "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py ;;
+        attention) part attention "${CAPS[9]}" "$PY" -m torchtitan_wlb.tools.attention_bench \
+            "${ATTN[@]}" "${ATTN_SRC[@]}" --ac full --max-seconds 170 --profile \
+            --runs wlb:eager,flex:eager,wlb:compiled,flex:compiled,sdpa:eager,sdpa:compiled \
+            --out "$OUT/attention_bench.json" --json ;;
         profile) part profile "${CAPS[2]}" "$PY" -m torchtitan_wlb.tools.cp_profile \
             --device "$DEVICE" "${HEADS[@]}" "${GRID[@]}" --out "$OUT/cp_profile_$DEVICE.json" ;;
         fig15) part fig15 "${CAPS[3]}" "$PY" -m torchtitan_wlb.tools.cp_bench "${SRC[@]}" \
