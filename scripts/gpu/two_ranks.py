@@ -168,10 +168,10 @@ def records(dump: Path) -> dict[int, dict[str, Any]]:
 
 
 # A line of a failed rank that shows gloo refusing an operation: ProcessGroupGloo's argument checks
-# ("ProcessGroupGloo::send: unsupported device type"), its reductions, gloo's transport given a
-# device pointer.
+# ("ProcessGroupGloo::allgather: unsupported device type"), its reductions and dtypes, gloo's
+# transport given a device pointer (send and recv pass the tensor's pointer on unchecked).
 REFUSAL = re.compile(
-    r"ProcessGroupGloo::\w+|Cannot use ReduceOp\.\w+ with Gloo|Unhandled ReduceOp"
+    r"ProcessGroupGloo::\w+|Cannot use ReduceOp\.\w+ with Gloo|Unhandled ReduceOp|Invalid scalar type"
     r"|gloo.*(not supported|unsupported|does not support|only supports|Bad address)"
     r"|(not supported|unsupported|does not support).*gloo",
     re.IGNORECASE,
