@@ -18,6 +18,9 @@
 #   attention    tools.attention_bench: byte_1B at 64K on one GPU, the same documents and weights
 #                under our document attention, TorchTitan's FlexAttention (block-causal) and causal
 #                SDPA, eager and compiled: tokens/s, MFU, memory, losses -> $OUT/attention_bench.json
+#   two_ranks    scripts/gpu/two_ranks.py: CP = 2 (per-document, hybrid) and PP = 2 as two ranks on
+#                the one GPU over gloo against one process (losses, gradient norms of steps 1-3);
+#                a layout gloo refuses also runs one step under TorchTitan's fake backend
 #   profile      the GPU's attention throughput table (tools.cp_profile, 7B heads, bf16) -> $OUT
 #   fig15        Figure 15: one layer's attention under per-sequence / per-document / adaptive CP,
 #                CP = 4, 128K, LENGTHS packed by wlb, adaptive deciding with that table
@@ -64,7 +67,8 @@ if [ "$REHEARSAL" = 1 ]; then  # the same commands at sizes a 2-core CPU runs in
     DEVICE=cpu; HEADS=(--heads 2 --kv-heads 1 --head-dim 16); GRID=(--lengths 16,64,256,1024)
     FIG=(--context-len 4096 --micro-batches 4 --measure-micro-batches 4 --measure-repeats 1)
     TRAIN=(--model.flavor tiny --training.seq_len 1024 --training.global_batch_size 2)
-    SMAX=1280; STEPS=3; CAPS=(60 120 120 120 240 300 300 300 300 120)
+    SMAX=1280; STEPS=3; CAPS=(60 120 120 120 240 300 300 300 300 120 300)
+    export WLB_SHARED_DEVICE=1  # two_ranks: both CPU ranks on one device index, as on a GPU
     ATTN=(--device cpu --flavor tiny --context-len 512 --steps 3 --warmup 1
           --compile-backend aot_eager)  # Inductor cannot compile FlexAttention on a CPU
     COMPILE=(--model.flavor tiny --training.seq_len 256 --training.global_batch_size 2
@@ -76,7 +80,7 @@ else
     FIG=(--context-len 131072 --micro-batches 4 --measure-micro-batches 12 --measure-repeats 2)
     TRAIN=(--model.flavor byte_1B --training.seq_len 65536 --training.global_batch_size 2
            --activation_checkpoint.mode full)
-    SMAX=81920; STEPS=6; CAPS=(60 100 200 150 120 330 420 150 240 250)
+    SMAX=81920; STEPS=6; CAPS=(60 100 200 150 120 330 420 150 240 250 300)
     ATTN=(--device cuda --flavor byte_1B --context-len 65536 --steps 6 --warmup 2)
     COMPILE=(--training.steps 20)  # train_configs/debug_gpu.toml as shipped
     ONLINE=(--model.flavor byte_1B --training.seq_len 32768 --activation_checkpoint.mode full)
@@ -232,7 +236,7 @@ case "${1:-}" in  # a part that is a function runs in its own process, under `ti
     __overhead) overhead; exit $? ;;
 esac
 export GPU_DIR OUT WORK REHEARSAL
-ALL=(env tests attention profile fig15 train_debug train_modes compile online overhead)
+ALL=(env tests attention two_ranks profile fig15 train_debug train_modes compile online overhead)
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=("${ALL[@]}")
 for p in "${parts[@]}"; do
@@ -251,6 +255,8 @@ for p in "${parts[@]}"; do
             "${ATTN[@]}" "${ATTN_SRC[@]}" --ac full --max-seconds 170 --profile \
             --runs wlb:eager,flex:eager,wlb:compiled,flex:compiled,sdpa:eager,sdpa:compiled \
             --out "$OUT/attention_bench.json" --json ;;
+        two_ranks) part two_ranks "${CAPS[10]}" "$PY" scripts/gpu/two_ranks.py \
+            --fake-backend always --work "$WORK/two_ranks" --out "$OUT/two_ranks.json" ;;
         profile) part profile "${CAPS[2]}" "$PY" -m torchtitan_wlb.tools.cp_profile \
             --device "$DEVICE" "${HEADS[@]}" "${GRID[@]}" --out "$OUT/cp_profile_$DEVICE.json" ;;
         fig15) part fig15 "${CAPS[3]}" "$PY" -m torchtitan_wlb.tools.cp_bench "${SRC[@]}" \
