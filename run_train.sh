@@ -4,7 +4,8 @@
 #   ./run_train.sh                                   # default config, all local GPUs or 2 CPU ranks
 #   ./run_train.sh --training.steps 10               # any TorchTitan / [wlb] override passes through
 #   CONFIG_FILE=train_configs/llama3_8b_128k.toml NGPU=8 ./run_train.sh
-#   COMM_MODE=fake_backend NGPU=4 ./run_train.sh     # one step of NGPU ranks in one process
+#   COMM_MODE=fake_backend NGPU=4 ./run_train.sh     # one step of rank 0 of NGPU ranks, one process
+#   COMM_MODE=fake_backend NGPU=4 ./run_train.sh --training.steps 4   # four steps of it
 #   ./run_train.sh --help                            # this text, then every config field
 # A large layout (70B on 128 GPUs) is checked without computing a step by
 #   python -m torchtitan_wlb.tools.dry_run CONFIG...
@@ -13,9 +14,10 @@
 #   CONFIG_FILE  TOML config (default: train_configs/debug_gpu.toml with GPUs, debug_cpu.toml without)
 #   NGPU         processes on this node (default: number of GPUs, or 2 CPU ranks)
 #   LOG_RANK     ranks whose output is shown, comma-separated (default 0)
-#   COMM_MODE    "fake_backend" or "local_tensor": one process computes 1 step of NGPU ranks with
-#                fake collectives (no checkpoint is loaded or saved); "local_tensor" builds the
-#                NGPU ranks' trainer and stops there (TorchTitan trains no step in that mode)
+#   COMM_MODE    "fake_backend" or "local_tensor": one process computes rank 0 of NGPU ranks with
+#                fake collectives (no checkpoint is loaded or saved), for 1 step unless
+#                --training.steps is given; "local_tensor" builds the NGPU ranks' trainer and
+#                stops there (TorchTitan trains no step in that mode)
 #   TRAIN_FILE   module to run (default torchtitan_wlb.train)
 #   WLB_SKIP_PREFLIGHT  set to skip the one-process check of config, data and checkpoint
 # With no GPU the ranks are CPU processes talking over gloo; with GPUs, one process per GPU on NCCL.
@@ -58,9 +60,14 @@ if [ -n "$COMM_MODE" ]; then
         echo "run_train.sh: COMM_MODE=$COMM_MODE is not accepted; use fake_backend or local_tensor" >&2
         exit 2
     fi
-    # Dry run: one process simulates NGPU ranks with fake collectives, for one step.
+    # Dry run: one process computes rank 0 of NGPU ranks with fake collectives, for one step
+    # unless the arguments give --training.steps.
+    STEPS=(--training.steps 1)
+    for arg in "$@"; do
+        case "$arg" in --training.steps|--training.steps=*) STEPS=() ;; esac
+    done
     NGPU="$NGPU" LOCAL_RANK=0 exec "$PYTHON" -m "$TRAIN_FILE" --job.config_file "$CONFIG_FILE" \
-        "$@" --comm.mode "$COMM_MODE" --training.steps 1
+        "$@" --comm.mode "$COMM_MODE" "${STEPS[@]}"
 fi
 
 if [ "$GPUS" -gt 0 ] && [ "$NGPU" -gt "$GPUS" ]; then

@@ -39,14 +39,18 @@ def _debug_configs():
 
 
 def _fake_backend_step():
-    """COMM_MODE=fake_backend as run_train.sh does it: one real training step, fake collectives."""
+    """COMM_MODE=fake_backend as run_train.sh does it, with --training.steps 2: two real training
+    steps of rank 0 of PP 2 (Interleaved1F1B, stages 0 and 2 on rank 0) x FSDP 2, fake
+    collectives."""
     env = dict(
-        os.environ, NGPU="2", LOCAL_RANK="0", WLB_PYTHON=sys.executable, COMM_MODE="fake_backend"
+        os.environ, NGPU="4", LOCAL_RANK="0", WLB_PYTHON=sys.executable, COMM_MODE="fake_backend"
     )
     return subprocess.run(
-        ["./run_train.sh", "--model.flavor", "tiny", "--training.seq_len", "256",
+        ["./run_train.sh", "--model.flavor", "debugmodel", "--training.seq_len", "256",
          "--wlb.micro_batch_max_len", "320", "--checkpoint.no-enable",
-         "--job.dump_folder", "/tmp/wlb_fake_dry_run"],
+         "--parallelism.pipeline_parallel_degree", "2",
+         "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+         "--training.steps", "2", "--job.dump_folder", "/tmp/wlb_fake_dry_run"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
 
@@ -103,10 +107,13 @@ def test_debug_configs_build_with_fake_backend(runs):
 
 
 def test_fake_backend_step_of_debug_config(runs):
-    """COMM_MODE=fake_backend as run_train.sh does it: one real training step, fake collectives."""
+    """COMM_MODE=fake_backend as run_train.sh does it: the steps asked for, fake collectives, the
+    pipeline schedule run by rank 0 with shapes its neighbours would have sent."""
     r = runs["test_fake_backend_step_of_debug_config"].result()
+    out = r.stdout + r.stderr
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    assert "step:  1" in r.stdout + r.stderr
+    assert "step:  1/2" in out and "step:  2/2" in out, out[-3000:]
+    assert "pp 2" in out, out[-3000:]
 
 
 def test_local_tensor_build_of_debug_config(runs):

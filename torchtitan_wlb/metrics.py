@@ -182,6 +182,7 @@ class WLBMetricsProcessor(MetricsProcessor):
                 "max_loss": float(global_max_loss),
                 "grad_norm": float(grad_norm),
                 "peak_mem_gib": mem.max_reserved_gib,
+                "peak_active_gib": mem.max_active_gib,
                 "device_clock": self.device_clock,
                 **{k: v for k, v in self.lists.items() if v or k not in _OPTIONAL_LISTS},
                 "doc_ids": sorted(self.lists["doc_ids"]),

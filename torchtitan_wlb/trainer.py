@@ -48,6 +48,10 @@ class WLBTrainer(Trainer):
                 "(fake collectives cannot write one)"
             )
         super().__init__(job_config)
+        if job_config.comm.mode in resume.FAKE_COMM_MODES and self.device.type == "cpu":
+            # What fake collectives "receive" is uninitialised memory; its denormal numbers would
+            # make the CPU's arithmetic, and so the step's time, many times slower.
+            torch.set_flush_denormal(True)
         wlb = job_config.wlb
         self._pp_pending: list[tuple[Tensor, Tensor, dict[str, Any]]] = []
         self._pp_doc_lens: list[list[int]] = []

@@ -8,6 +8,7 @@ from the packing plan, so the runner re-sizes them before each step: no padding,
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import itertools
 import os
@@ -34,6 +35,9 @@ _PRIVATE_ATTRS = {
     "schedule": ("_n_microbatches", "_loss_fn", "_has_backward", "_step_microbatches"),
     "stage": ("args_recv_info", "grad_recv_info", "clear_runtime_states"),
 }
+# What a receive buffer holds under fake collectives, which deliver nothing: uninitialised memory
+# may hold NaN or denormal numbers, which make a CPU's arithmetic many times slower.
+_FAKE_RECV_VALUE = 1.0e-2
 # Stage methods of older releases that check each micro-batch against the first one's shapes.
 _SHAPE_VALIDATORS = ("_validate_fwd_input", "_validate_fwd_outputs")
 
@@ -233,6 +237,13 @@ def _forward_actions(actions: Sequence[Any]) -> list[Any]:
         elif action.computation_type == s.OVERLAP_F_B:
             kept += [a for a in action.sub_actions or () if a.computation_type not in backward]
     return kept
+
+
+def _fake_collectives(stage: Any) -> bool:
+    """Whether ``stage`` talks to its neighbours over fake collectives (TorchTitan's
+    ``comm.mode = "fake_backend"``: one process stands for every rank, nothing is delivered)."""
+    group = getattr(stage, "group", None)
+    return dist.is_initialized() and dist.get_backend(group) == "fake"
 
 
 def _empty_like_layout(shape: Sequence[int], ref: torch.Tensor) -> torch.Tensor:
@@ -453,6 +464,32 @@ class VarlenPipelineRunner:
                 if hasattr(stage, name) and name not in vars(stage):
                     setattr(stage, name, lambda *args, **kwargs: None)
                     shadowed.append((stage, name))
+            if _fake_collectives(stage) and "_recv_meta" not in vars(stage):
+                stage._recv_meta = functools.partial(self._fake_recv_meta, stage)
+                shadowed.append((stage, "_recv_meta"))
+
+    def _fake_recv_meta(self, stage: Any, src_stage: int) -> Any:
+        """What a neighbour rank would send to ``stage`` during the schedule's shape inference,
+        under fake collectives (``comm.mode = "fake_backend"``), which deliver nothing. Every
+        stage of a Llama pipeline hands on one hidden state, so a stage's input is shaped as this
+        rank's first stage's output, and the gradient it receives as its own output. Only a rank
+        holding an earlier stage than ``stage`` (rank 0 does) knows that shape."""
+        from torch.distributed.pipelining._utils import (
+            _derive_grad_metas,
+            _StageBackwardMeta,
+            _StageForwardMeta,
+        )
+
+        if src_stage > stage.stage_index:  # the gradient of this stage's output
+            return _StageBackwardMeta(backward_metas=_derive_grad_metas(stage._stage_meta.outputs))
+        for earlier in self.stages:
+            outputs = getattr(getattr(earlier, "_stage_meta", None), "outputs", None)
+            if earlier.stage_index < stage.stage_index and outputs is not None:
+                return _StageForwardMeta(forward_metas=tuple(outputs))
+        raise RuntimeError(
+            f"fake collectives: stage {stage.stage_index} cannot learn its input's shape, this "
+            "rank holds no earlier stage; run the pipeline as rank 0 (LOCAL_RANK=0)"
+        )
 
     def _verify_same_seq_lens(self, lens: list[int]) -> None:
         """Raise on every rank if the ranks of the pipeline passed different ``seq_lens``."""
@@ -499,6 +536,7 @@ class VarlenPipelineRunner:
         resized = reused = nbytes = 0
         local = {int(stage.stage_index) for stage in self.stages}
         for stage in self.stages:
+            fake = _fake_collectives(stage)
             tables = [] if int(stage.stage_index) - 1 in local else [stage.args_recv_info]
             if stage.has_backward and int(stage.stage_index) + 1 not in local:
                 tables.append(stage.grad_recv_info)
@@ -518,6 +556,9 @@ class VarlenPipelineRunner:
                         buf = _empty_like_layout(shape, buf).requires_grad_(buf.requires_grad)
                         info.buffer = buf
                         resized += 1
+                    if fake:  # nothing arrives: finite values instead of uninitialised memory
+                        with torch.no_grad():
+                            buf.fill_(_FAKE_RECV_VALUE)
                     nbytes += buf.numel() * buf.element_size()
         self._layout_checked = True
         return VarlenStepStats(buffers_resized=resized, buffers_reused=reused, recv_bytes=nbytes)
