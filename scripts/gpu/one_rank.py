@@ -135,7 +135,7 @@ def one_config(name: str, config: str, args: argparse.Namespace) -> dict:
 
 def table(results: dict) -> list[str]:
     """Measured against predicted, with their ratio, one row per config and figure."""
-    rows = [f"{'config':<16}{'figure':<22}{'measured':>10}{'predicted':>11}{'ratio':>8}"]
+    rows = [f"{'config':<16}{'figure':<22}{'measured':>10}{'predicted':>11}{'ratio':>10}"]
     for name, r in results.items():
         if "measured" not in r:
             rows.append(f"{name:<16}failed (exit status {r['rc']}): {r.get('error', '')}")
@@ -147,7 +147,7 @@ def table(results: dict) -> list[str]:
             ("compute s/step", m["compute_s"], p["compute_s"]["step_s"]),
         ):
             ratio = a / b if b else float("nan")
-            rows.append(f"{name:<16}{label:<22}{a:>10.4g}{b:>11.4g}{ratio:>8.3g}")
+            rows.append(f"{name:<16}{label:<22}{a:>10.4g}{b:>11.4g}{ratio:>10.3g}")
     return rows
 
 

@@ -21,6 +21,9 @@
 #   two_ranks    scripts/gpu/two_ranks.py: CP = 2 (per-document, hybrid) and PP = 2 as two ranks on
 #                the one GPU over gloo against one process (losses, gradient norms of steps 1-3);
 #                a layout gloo refuses also runs one step under TorchTitan's fake backend
+#   one_rank     scripts/gpu/one_rank.py: rank 0 of llama3_8b_128k.toml and the paper's 7B/128K
+#                layout, a few steps with fake collectives: peak memory and compute time per step
+#                against the simulator's prediction for that rank (python -m torchtitan_wlb.sim.rank)
 #   profile      the GPU's attention throughput table (tools.cp_profile, 7B heads, bf16) -> $OUT
 #   fig15        Figure 15: one layer's attention under per-sequence / per-document / adaptive CP,
 #                CP = 4, 128K, LENGTHS packed by wlb, adaptive deciding with that table
@@ -67,7 +70,8 @@ if [ "$REHEARSAL" = 1 ]; then  # the same commands at sizes a 2-core CPU runs in
     DEVICE=cpu; HEADS=(--heads 2 --kv-heads 1 --head-dim 16); GRID=(--lengths 16,64,256,1024)
     FIG=(--context-len 4096 --micro-batches 4 --measure-micro-batches 4 --measure-repeats 1)
     TRAIN=(--model.flavor tiny --training.seq_len 1024 --training.global_batch_size 2)
-    SMAX=1280; STEPS=3; CAPS=(60 120 120 120 240 300 300 300 300 120 300)
+    SMAX=1280; STEPS=3; CAPS=(60 120 120 120 240 300 300 300 300 120 300 120)
+    ONE_RANK=(--rehearsal)
     export WLB_SHARED_DEVICE=1  # two_ranks: both CPU ranks on one device index, as on a GPU
     ATTN=(--device cpu --flavor tiny --context-len 512 --steps 3 --warmup 1
           --compile-backend aot_eager)  # Inductor cannot compile FlexAttention on a CPU
@@ -80,7 +84,8 @@ else
     FIG=(--context-len 131072 --micro-batches 4 --measure-micro-batches 12 --measure-repeats 2)
     TRAIN=(--model.flavor byte_1B --training.seq_len 65536 --training.global_batch_size 2
            --activation_checkpoint.mode full)
-    SMAX=81920; STEPS=6; CAPS=(60 100 200 150 120 330 420 150 240 250 300)
+    SMAX=81920; STEPS=6; CAPS=(60 100 200 150 120 330 420 150 240 250 300 420)
+    ONE_RANK=()
     ATTN=(--device cuda --flavor byte_1B --context-len 65536 --steps 6 --warmup 2)
     COMPILE=(--training.steps 20)  # train_configs/debug_gpu.toml as shipped
     ONLINE=(--model.flavor byte_1B --training.seq_len 32768 --activation_checkpoint.mode full)
@@ -236,7 +241,8 @@ case "${1:-}" in  # a part that is a function runs in its own process, under `ti
     __overhead) overhead; exit $? ;;
 esac
 export GPU_DIR OUT WORK REHEARSAL
-ALL=(env tests attention two_ranks profile fig15 train_debug train_modes compile online overhead)
+ALL=(env tests attention two_ranks one_rank profile fig15 train_debug train_modes compile online
+     overhead)
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=("${ALL[@]}")
 for p in "${parts[@]}"; do
@@ -257,6 +263,8 @@ for p in "${parts[@]}"; do
             --out "$OUT/attention_bench.json" --json ;;
         two_ranks) part two_ranks "${CAPS[10]}" "$PY" scripts/gpu/two_ranks.py \
             --fake-backend always --work "$WORK/two_ranks" --out "$OUT/two_ranks.json" ;;
+        one_rank) part one_rank "${CAPS[11]}" "$PY" scripts/gpu/one_rank.py "${ONE_RANK[@]}" \
+            --out "$WORK/one_rank" && cp "$WORK/one_rank/one_rank.json" "$OUT/" ;;
         profile) part profile "${CAPS[2]}" "$PY" -m torchtitan_wlb.tools.cp_profile \
             --device "$DEVICE" "${HEADS[@]}" "${GRID[@]}" --out "$OUT/cp_profile_$DEVICE.json" ;;
         fig15) part fig15 "${CAPS[3]}" "$PY" -m torchtitan_wlb.tools.cp_bench "${SRC[@]}" \
