@@ -2,9 +2,10 @@
 # The GPU checks (docs/gpu.md) on a machine with one CUDA GPU, part by part, each under its own
 # time cap, every result written to $OUT (default outputs/gpu_checks/) as soon as it exists.
 #
-#   bash scripts/gpu/run_checks.sh env tests profile fig15     # about 6 minutes on an H100
-#   bash scripts/gpu/run_checks.sh train_debug train_modes     # about 5 minutes
-#   bash scripts/gpu/run_checks.sh env overhead online         # about 7 minutes
+#   bash scripts/gpu/run_checks.sh env attention two_ranks            # about 6 minutes (estimated)
+#   bash scripts/gpu/run_checks.sh one_rank profile fig15 compile     # about 6 minutes (estimated)
+#   bash scripts/gpu/run_checks.sh tests train_debug train_modes      # about 5 minutes on an H100
+#   bash scripts/gpu/run_checks.sh env overhead online                # about 7 minutes on an H100
 #   REHEARSAL=1 OUT=/tmp/rehearsal bash scripts/gpu/run_checks.sh   # on a CPU, tiny sizes
 #
 # Python: WLB_PYTHON (default .venv/bin/python, else python3). On a machine without internet
