@@ -14,7 +14,7 @@ from torchtitan_wlb.tools.cli import examples, json_text
 from torchtitan_wlb.workloads import GENERATORS
 
 # The package's modules that are no command: what the tools share.
-LIBRARIES = ("__init__", "cli", "analysis", "torch_balancers")
+LIBRARIES = ("__init__", "cli", "analysis", "cp_calls", "torch_balancers")
 TOOLS = sorted(m.name for m in pkgutil.iter_modules(tools_pkg.__path__) if m.name not in LIBRARIES)
 
 
