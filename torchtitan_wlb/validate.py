@@ -36,6 +36,19 @@ DATA_CHECK_DOCS = 10_000
 """Documents :func:`check_data` reads before training starts (a prefix of big datasets)."""
 
 
+def layout_world_size(parallelism: Any) -> int:
+    """The ranks a TorchTitan ``[parallelism]`` layout needs: the product of its degrees, with
+    ``data_parallel_shard_degree = -1`` (FSDP over whatever ranks are left) counted as 1."""
+    p = parallelism
+    return (
+        p.data_parallel_replicate_degree
+        * max(p.data_parallel_shard_degree, 1)
+        * p.context_parallel_degree
+        * p.tensor_parallel_degree
+        * p.pipeline_parallel_degree
+    )
+
+
 def layout_degrees(job_config: Any, world_size: int) -> dict[str, int]:
     """The parallel degrees of ``job_config`` on ``world_size`` processes (``dp_shard = -1``
     resolved as TorchTitan does); ``ConfigError`` when they do not multiply to it."""

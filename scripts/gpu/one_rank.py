@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -52,16 +51,9 @@ GIB = 2**30
 def world_size(overrides: list[str], config: str) -> int:
     """The layout's rank count (data_parallel_shard_degree = -1 counts as 1)."""
     from torchtitan_wlb.sim.rank import load_job_config
+    from torchtitan_wlb.validate import layout_world_size
 
-    p = load_job_config(config, overrides).parallelism
-    degrees = (
-        p.data_parallel_replicate_degree,
-        max(p.data_parallel_shard_degree, 1),
-        p.context_parallel_degree,
-        p.tensor_parallel_degree,
-        p.pipeline_parallel_degree,
-    )
-    return math.prod(degrees)
+    return layout_world_size(load_job_config(config, overrides).parallelism)
 
 
 def run_rank0(config: str, overrides: list[str], world: int, log: Path, timeout: int) -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import resource
 import sys
@@ -59,7 +58,7 @@ def dry_run(config_file: str, ngpu: int | None, overrides: list[str]) -> tuple[s
     import torch
     from torchtitan.config import ConfigManager
 
-    from torchtitan_wlb.validate import layout_degrees
+    from torchtitan_wlb.validate import layout_degrees, layout_world_size
 
     trainer_class = _layout_trainer_class()
     with tempfile.TemporaryDirectory() as dump:
@@ -71,15 +70,7 @@ def dry_run(config_file: str, ngpu: int | None, overrides: list[str]) -> tuple[s
             *overrides,
         ]  # fmt: skip
         probe = ConfigManager().parse_args(args)
-        p = probe.parallelism
-        degrees = (
-            p.data_parallel_replicate_degree,
-            max(p.data_parallel_shard_degree, 1),
-            p.context_parallel_degree,
-            p.tensor_parallel_degree,
-            p.pipeline_parallel_degree,
-        )
-        world = ngpu or math.prod(degrees)  # dp_shard = -1 counts as 1
+        world = ngpu or layout_world_size(probe.parallelism)
         os.environ.update(NGPU=str(world), LOCAL_RANK="0", RANK="0", WORLD_SIZE=str(world))
         start = time.perf_counter()
         trainer = trainer_class(ConfigManager().parse_args(args))
