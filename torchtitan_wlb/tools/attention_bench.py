@@ -285,7 +285,7 @@ def timed_steps(trainer: Trainer, batches: list[MicroBatch], sync: Callable) -> 
 
 def profile_step(trainer: Trainer, batch: MicroBatch, device: Any, top: int = 20) -> list[dict]:
     """One more step on ``batch`` under torch's profiler (after the timed steps, which it would
-    slow down): the ``top`` operators by their own device time (CPU time on a CPU), to tell
+    slow down): the ``top`` operators by their own GPU time (CPU time on a CPU), to tell
     where a variant's step goes, attention kernels included."""
     from torch.profiler import ProfilerActivity, profile
 
