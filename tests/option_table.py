@@ -515,7 +515,8 @@ TABLE: dict[str, Row] = {
     "comm.save_traces_folder": inert(NCCL, {"comm.save_traces_folder": "traces"}),
     "comm.save_traces_file_prefix": inert(NCCL, {"comm.save_traces_file_prefix": "r"}),
     "comm.mode": differs(
-        "fake_backend: one step of NGPU ranks in one process; local_tensor: builds the trainer "
+        "fake_backend: rank 0 of NGPU ranks in one process (one step unless `--training.steps` "
+        "is given); local_tensor: builds the trainer "
         "and stops, as TorchTitan trains no step in that mode",
         DRY_RUN + "test_fake_backend_step_of_debug_config COMM_MODE",
         DRY_RUN + "test_local_tensor_build_of_debug_config COMM_MODE",
