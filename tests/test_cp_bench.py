@@ -150,6 +150,7 @@ def test_cuda_without_cuda_is_one_line(device, capsys):
         (["--adaptive-candidates", "per_seq"], "subset of per_sequence,per_document,hybrid"),
         (["--model", "9B"], "unknown model preset '9B'"),
         (["--measure", "--measure-repeats", "0"], "--measure-repeats = 0 must be >= 1"),
+        (["--call-breakdown"], "--call-breakdown times the measured micro-batches' calls"),
     ],
 )
 def test_bad_new_flags_are_one_line(flags, named, capsys):

@@ -528,6 +528,8 @@ def main(argv: list[str] | None = None) -> int:
     require_at_least(p, args, ("context_len", "cp", "micro_batches", "plan_repeats"))
     if args.measure:
         require_at_least(p, args, ("measure_micro_batches", "measure_repeats"))
+    elif args.call_breakdown:
+        p.error("--call-breakdown times the measured micro-batches' calls: add --measure")
     if args.hybrid_max_len < 0:
         p.error(f"--hybrid-max-len = {args.hybrid_max_len} must be >= 0 (0: automatic)")
     check_device(p, args.device)
