@@ -237,6 +237,24 @@ def test_a_decision_held_back_reaches_the_node_only_when_released():
     assert again.model_for_step(5) is fitted  # would wait for ever were it not released
 
 
+def test_with_a_lag_of_one_step_a_decision_reaches_the_node_at_once():
+    """apply_lag_steps = 1: step s + 1 is packed from step s's decision, and its first
+    micro-batch is fetched before its forward, where a held-back decision would be released: the
+    node gets it at once (a run with lag 1 waited for ever after its first step)."""
+    cfg = OnlineFitConfig(
+        warmup_steps=1, window_steps=4, holdout_steps=1, interval_steps=2, apply_lag_steps=1
+    )
+    initial, fitted = CostModel(1e-3, 1.0, "flops"), CostModel(2e-3, 1.0, "seconds")
+    schedule = CostModelSchedule(initial, cfg)
+    assert schedule.decide(1, None, release=False) == 2
+    assert schedule.decide(2, fitted, release=False) == 3
+    got: list[CostModel] = []
+    node = threading.Thread(target=lambda: got.append(schedule.model_for_step(3)), daemon=True)
+    node.start()
+    node.join(timeout=30)
+    assert not node.is_alive() and got == [fitted]
+
+
 def test_first_refit_comes_once_the_fitted_steps_hold_enough_rows():
     # 20 micro-batch rows a step (e.g. 10 micro-batches on 2 CP ranks), 3 coefficients seen: the
     # fitted part holds 8 rows per coefficient after 2 steps past the warm-up, so the first refit

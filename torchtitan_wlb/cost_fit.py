@@ -332,13 +332,16 @@ class CostModelSchedule:
 
     def decide(self, step: int, model: CostModel | None, release: bool = True) -> int:
         """Decide every step through ``step``; ``model``, if given, packs from the returned step.
-        ``release=False``: the node sees it at the next :meth:`release` (or later ``decide``)."""
+        ``release=False``: the node sees it at the next :meth:`release` (or later ``decide``),
+        except with ``apply_lag_steps = 1``: step ``step + 1`` is packed from this decision, and
+        its first micro-batch is fetched before its forward could release it (held back, the
+        node and the trainer would wait for each other)."""
         effective = step + self.config.apply_lag_steps
         with self._cond:
             if model is not None:
                 self._adoptions.append((effective, model))
             self._decided_through = max(self._decided_through, step)
-        if release:
+        if release or self.config.apply_lag_steps == 1:
             self.release()
         return effective
 
